@@ -1,0 +1,37 @@
+# areal-k8s: `make demo` runs the asynchronous RL demo on this machine, `make test` runs the test suite.
+# Both create the virtual environment they need (.venv) on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+DEMO   := .cache/demo
+PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
+STUBS  := services/api/v1/.generated
+
+.PHONY: venv proto demo demo-assets test bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+# gRPC stubs are build outputs of proto/ (the editable install generates them too)
+proto: $(STUBS)
+$(STUBS): $(PROTOS) proto/generate.py $(VENV)/.installed
+	$(PY) proto/generate.py
+	touch $@
+
+demo-assets: proto
+	$(PY) -m areal_k8s.demo.build --out $(DEMO)
+
+demo: demo-assets
+	$(VENV)/bin/arealctl run examples/demo.yaml --fresh
+
+test: proto
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)

@@ -1,0 +1,264 @@
+"""`arealctl run`: the four services (and N rollout engines) as local processes on loopback.
+
+Same binaries, flags and gRPC contracts as the pods in a cluster; Redis is embedded when the job names none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.common.config import JobConfig
+from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
+from areal_k8s.common.redis_server import EmbeddedRedis, free_port
+
+
+class LaunchError(RuntimeError):
+    """A run that could not start or did not finish; the message is one readable line."""
+
+
+@dataclass
+class Service:
+    name: str
+    args: list[str]
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def last_error(self) -> str:
+        """The service's own last words, for a one-line failure message."""
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()] if self.log_path.exists() else []
+        errors = [line for line in lines if line.startswith("error:")]
+        return (errors or lines or ["(no output)"])[-1].strip()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class Endpoints:
+    controller: str
+    reward: str
+    trainer: str
+    rollouts: list[str]
+    engines: list[str]
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def wait_serving(service: Service, address: str, deadline: float) -> None:
+    """Block until the standard gRPC health service at `address` reports SERVING."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if service.exit_code is not None:
+                raise LaunchError(f"{service.name} exited while starting: {service.last_error()} (log: {service.log_path})")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{service.name} did not become healthy in time (log: {service.log_path})")
+            time.sleep(0.2)
+
+
+class LocalRun:
+    def __init__(self, job: JobConfig, *, host: str = "127.0.0.1"):
+        self.job = job
+        self.host = host
+        self.run_dir = Path(job.run_dir)
+        self.redis: EmbeddedRedis | None = None
+        self.services: list[Service] = []
+        self.started_at = time.time()
+
+    # -- start ---------------------------------------------------------------------------------------------
+
+    def prepare_run_dir(self, mode: str) -> None:
+        """`new` refuses an existing run, `fresh` wipes it, `resume` carries on from its checkpoint and Redis."""
+        exists = self.run_dir.exists() and any(self.run_dir.iterdir())
+        if exists and mode == "new":
+            raise LaunchError(f"run directory {self.run_dir} already holds a run: pass --resume to continue it or --fresh to start over")
+        if exists and mode == "fresh":
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "summary.json").unlink(missing_ok=True)
+
+    def start(self, mode: str = "new", timeout: float = 300.0) -> Endpoints:
+        self.prepare_run_dir(mode)
+        job_file = self.run_dir / "job.yaml"
+        job_file.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
+        redis_url = self.job.redis.url
+        if redis_url is None:
+            self.redis = EmbeddedRedis(self.run_dir / "redis").start()
+            redis_url = self.redis.url
+
+        def address() -> str:
+            return f"{self.host}:{free_port(self.host)}"
+
+        workers = self.job.rollout.workers
+        ends = Endpoints(
+            controller=address(),
+            reward=address(),
+            trainer=address(),
+            rollouts=[address() for _ in range(workers)],
+            engines=self.job.rollout.engine_urls or [f"http://{address()}" for _ in range(workers)],
+        )
+        logs = self.run_dir / "logs"
+        common = ["--job", str(job_file), "--host", self.host]
+        deadline = time.monotonic() + timeout
+
+        controller = self.spawn("controller", ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url], logs, 1)
+        reward = self.spawn(
+            "reward",
+            ["areal_k8s.reward", "--host", self.host, "--port", port_of(ends.reward), "--workers", str(self.job.reward.workers),
+             "--timeout", str(self.job.reward.timeout_seconds)],
+            logs, 1,
+        )
+        wait_serving(controller, ends.controller, deadline)
+        wait_serving(reward, ends.reward, deadline)
+        if self.job.rollout.engine == "cpu":
+            for i, url in enumerate(ends.engines):
+                self.spawn(
+                    f"engine-{i}",
+                    ["areal_k8s.rollout.cpu_engine", "--model-path", self.job.model, "--host", self.host, "--port", url.rsplit(":", 1)[1],
+                     "--max-batch-size", str(self.job.rollout.max_batch_size), "--threads", str(self.job.rollout.threads)],
+                    logs, self.job.rollout.threads,
+                )
+        for i, (rollout, engine) in enumerate(zip(ends.rollouts, ends.engines)):
+            self.spawn(
+                f"rollout-{i}",
+                ["areal_k8s.rollout", *common, "--port", port_of(rollout), "--worker-id", f"rollout-{i}", "--engine-url", engine,
+                 "--controller", ends.controller, "--reward", ends.reward, "--redis-url", redis_url],
+                logs, 1,
+            )
+        self.spawn(
+            "trainer",
+            ["areal_k8s.trainer", *common, "--port", port_of(ends.trainer), "--controller", ends.controller, "--reward", ends.reward,
+             "--redis-url", redis_url],
+            logs, self.job.trainer.threads,
+        )
+        return ends
+
+    def spawn(self, name: str, args: list[str], logs: Path, threads: int) -> Service:
+        service = Service(name, args, logs / f"{name}.log")
+        service.start(child_env(threads))
+        self.services.append(service)
+        return service
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    # -- watch ---------------------------------------------------------------------------------------------
+
+    def failed_service(self) -> Service | None:
+        """A service that died. Rollout workers and engines end normally once the job is over, the trainer too."""
+        for s in self.services:
+            code = s.exit_code
+            if code not in (None, 0):
+                return s
+            if code == 0 and s.name in ("controller", "reward"):
+                return s
+        return None
+
+    def wait(
+        self,
+        controller: str,
+        on_status: Callable[[controller_pb2.JobStatus], None],
+        poll: float = 1.0,
+        timeout: float | None = None,
+    ) -> controller_pb2.JobStatus:
+        """Poll the job status until the trainer finishes; raise LaunchError if a service dies or time runs out."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with grpc.insecure_channel(controller, options=CHANNEL_OPTIONS) as ch:
+            stub = controller_pb2_grpc.ControllerStub(ch)
+            status = controller_pb2.JobStatus()
+            while True:
+                trainer_done = self.service("trainer").exit_code == 0
+                try:
+                    status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
+                    on_status(status)
+                except grpc.RpcError:
+                    pass  # the controller is busy or restarting; a dead one is caught below
+                if trainer_done and status.phase == controller_pb2.JobStatus.COMPLETED:
+                    return status
+                failed = self.failed_service()
+                if failed:
+                    raise LaunchError(f"{failed.name} exited with code {failed.exit_code}: {failed.last_error()} (log: {failed.log_path})")
+                if trainer_done:
+                    raise LaunchError(f"the trainer exited before the job completed (log: {self.service('trainer').log_path})")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise LaunchError(f"the job did not complete within {timeout:.0f}s (step {status.version}/{status.total_steps})")
+                time.sleep(poll)
+
+    # -- stop ----------------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Stop in reverse start order (the trainer first, Redis last) so nothing writes into a closed store."""
+        for service in reversed(self.services):
+            service.stop()
+        if self.redis:
+            self.redis.stop()
+
+    def write_summary(self, status: controller_pb2.JobStatus, interrupted: bool) -> dict:
+        summary = {
+            "job": self.job.name,
+            "completed": status.phase == controller_pb2.JobStatus.COMPLETED and not interrupted,
+            "interrupted": interrupted,
+            "base_accuracy": status.base_accuracy,
+            "final_accuracy": status.eval_accuracy,
+            "accuracy_gain_points": round(100 * (status.eval_accuracy - status.base_accuracy), 2)
+            if status.base_accuracy >= 0 and status.eval_accuracy >= 0 else None,
+            "steps": status.version,
+            "total_steps": status.total_steps,
+            "wall_seconds": round(time.time() - self.started_at, 1),
+            "max_staleness": self.job.algorithm.max_staleness,
+            "max_staleness_seen": status.max_staleness_seen,
+            "mean_staleness": round(status.mean_staleness, 3),
+            "trajectories_produced": status.accepted * status.group_size,
+            "trajectories_consumed": status.consumed * status.group_size,
+            "samples_per_second": round(status.samples_per_second, 3),
+            "tokens_per_second": round(status.tokens_per_second, 1),
+            "rollout_workers": self.job.rollout.workers,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def port_of(address: str) -> str:
+    return address.rsplit(":", 1)[1]

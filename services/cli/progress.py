@@ -1,0 +1,72 @@
+"""Live progress of a run: a rich view on a terminal, a plain line every few seconds otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from areal_k8s.api.v1 import controller_pb2
+
+
+def _accuracy(value: float) -> str:
+    return "—" if value < 0 else f"{100 * value:.1f}%"
+
+
+def status_line(s: controller_pb2.JobStatus) -> str:
+    return (
+        f"step {s.version}/{s.total_steps} | reward {s.reward_mean:.3f} | held-out {_accuracy(s.base_accuracy)} → "
+        f"{_accuracy(s.eval_accuracy)} | staleness {s.last_max_staleness} (max {s.max_staleness_seen}, η={s.eta}) | "
+        f"{s.samples_per_second:.2f} samples/s {s.tokens_per_second:.0f} tokens/s | queue {s.queue_depth} | "
+        f"running {s.running} workers {s.workers}"
+    )
+
+
+def status_table(s: controller_pb2.JobStatus) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold cyan")
+    table.add_column()
+    table.add_column(style="bold cyan")
+    table.add_column()
+    table.add_row("policy version", str(s.version), "reward (last batch)", f"{s.reward_mean:.3f}")
+    table.add_row("held-out accuracy", f"{_accuracy(s.base_accuracy)} → {_accuracy(s.eval_accuracy)}", "throughput",
+                  f"{s.samples_per_second:.2f} samples/s, {s.tokens_per_second:.0f} tokens/s")
+    table.add_row("staleness", f"last ≤ {s.last_max_staleness}, max {s.max_staleness_seen}, mean {s.mean_staleness:.2f} (η = {s.eta})",
+                  "admission", f"running {s.running}, capacity {s.capacity}, accepted {s.accepted}")
+    table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
+    return table
+
+
+class ProgressView:
+    def __init__(self, job_name: str, total_steps: int, console: Console | None = None, plain_every: float = 10.0):
+        self.console = console or Console(stderr=True)
+        self.interactive = self.console.is_terminal and sys.stderr.isatty()
+        self.plain_every = plain_every
+        self._last_plain = 0.0
+        self.progress = Progress(
+            TextColumn(f"[bold]{job_name}[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
+            console=self.console,
+        )
+        self.task = self.progress.add_task("train", total=total_steps)
+        self.live = Live(Group(self.progress, Table.grid()), console=self.console, refresh_per_second=4) if self.interactive else None
+
+    def __enter__(self) -> ProgressView:
+        if self.live:
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live:
+            self.live.__exit__(*exc)
+
+    def update(self, status: controller_pb2.JobStatus) -> None:
+        if self.live:
+            self.progress.update(self.task, completed=status.version)
+            self.live.update(Group(self.progress, status_table(status)))
+        elif time.monotonic() - self._last_plain >= self.plain_every or status.phase == controller_pb2.JobStatus.COMPLETED:
+            self._last_plain = time.monotonic()
+            self.console.print(status_line(status), highlight=False, soft_wrap=True)

@@ -1,0 +1,222 @@
+"""The job schema: one typed definition shared by the YAML job file, the RLJob spec and the CLI.
+
+Validated once at the edge (`load_job_file` / `JobConfig.model_validate`); everything downstream trusts it.
+Every field's description is the job-file reference (the README's table is generated from it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS-1123 label: the job name also names Kubernetes objects
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Section):
+    train: str = Field(description="Training prompts: JSONL with `prompt`/`answer` (areal) or `question`/`answer` (GSM8K).")
+    eval: str | None = Field(None, description="Held-out JSONL in the same formats; greedy accuracy is measured on it.")
+    format: Literal["auto", "areal", "gsm8k"] = Field("auto", description="Record format; `auto` decides per file.")
+    eval_limit: Annotated[int, Field(ge=1)] = Field(256, description="At most this many held-out items are evaluated.")
+    shuffle: bool = Field(True, description="Shuffle the training prompts every epoch (deterministic by `seed`).")
+
+
+class RewardConfig(_Section):
+    verifier: str | None = Field(
+        None,
+        description="Verifier for every item (`math`, `addition`, `exact` or `package.module:function`); "
+        "default: each dataset item's own (`math` for GSM8K).",
+    )
+    timeout_seconds: Annotated[float, Field(gt=0)] = Field(15.0, description="Per-item scoring timeout; a timeout scores 0.")
+    workers: Annotated[int, Field(ge=1)] = Field(2, description="Verifier worker processes in the reward service.")
+
+
+class SamplingConfig(_Section):
+    temperature: Annotated[float, Field(ge=0)] = Field(1.0, description="Sampling temperature for rollouts (0 = greedy).")
+    top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
+    max_new_tokens: Annotated[int, Field(ge=1)] = Field(256, description="Generation budget per response.")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo"] = Field("grpo", description="Advantage estimator and loss family.")
+    batch_size: Annotated[int, Field(ge=1)] = Field(
+        16, description="B: prompt groups per training step (AReaL's consumer batch size, counted in prompts)."
+    )
+    group_size: Annotated[int, Field(ge=1)] = Field(8, description="n: responses sampled per prompt.")
+    max_staleness: Annotated[int, Field(ge=0)] = Field(
+        2,
+        description="η: a trajectory is trained at most η versions after the oldest policy that produced it. "
+        "0 makes the run synchronous.",
+    )
+    max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Cap on prompt groups generating at once; default B·(η+1)."
+    )
+    total_steps: Annotated[int, Field(ge=1)] = Field(100, description="Training steps (policy versions) to run.")
+    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="AdamW learning rate.")
+    weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    max_grad_norm: Annotated[float, Field(gt=0)] = Field(1.0, description="Gradient clipping by global norm.")
+    eps_clip: Annotated[float, Field(gt=0, lt=1)] = Field(0.2, description="PPO ratio clip ε.")
+    adv_eps: Annotated[float, Field(gt=0)] = Field(1e-6, description="Added to the group std when normalising advantages.")
+
+    @property
+    def concurrency(self) -> int:
+        return self.max_concurrent_rollouts or self.batch_size * (self.max_staleness + 1)
+
+
+class RolloutConfig(_Section):
+    workers: Annotated[int, Field(ge=1)] = Field(1, description="Rollout workers (each drives one engine).")
+    engine: Literal["cpu", "sglang"] = Field("cpu", description="`cpu`: our engine, started beside each worker; `sglang`: an SGLang server.")
+    engine_urls: list[str] = Field(
+        default_factory=list, description="SGLang server URLs, one per worker (engine `sglang` only)."
+    )
+    max_batch_size: Annotated[int, Field(ge=1)] = Field(64, description="CPU engine: sequences decoded together.")
+    threads: Annotated[int, Field(ge=1)] = Field(1, description="CPU engine: torch threads.")
+    groups_per_worker: Annotated[int, Field(ge=1)] = Field(
+        8, description="Prompt groups a worker keeps in flight (its share of the admission capacity)."
+    )
+    prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
+
+    @model_validator(mode="after")
+    def _engine_urls_match(self) -> RolloutConfig:
+        if self.engine == "sglang" and len(self.engine_urls) != self.workers:
+            raise ValueError(f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}")
+        if self.engine == "cpu" and self.engine_urls:
+            raise ValueError("engine_urls is only used with engine: sglang")
+        return self
+
+
+class TrainerConfig(_Section):
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
+    threads: Annotated[int, Field(ge=1)] = Field(1, description="torch threads (CPU).")
+    weight_sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend for weight pushes.")
+    weight_bucket_mb: Annotated[float, Field(gt=0)] = Field(64.0, description="Weight push bucket size.")
+    weight_sync_timeout_seconds: Annotated[float, Field(gt=0)] = Field(
+        300.0, description="How long joining the weight-update group or one bucket's broadcast may take before the push fails."
+    )
+    verify_weight_sync: bool = Field(
+        False, description="After every push, compare the engines' weight checksums with the trainer's (costly on big models)."
+    )
+    micro_batch_tokens: Annotated[int, Field(ge=1)] = Field(
+        16384, description="Padded tokens per forward/backward micro-batch; gradients accumulate to the full-batch loss."
+    )
+    checkpoint_interval: Annotated[int, Field(ge=1)] = Field(
+        1, description="Checkpoint every k steps; stream entries are acknowledged only once their step is checkpointed."
+    )
+    keep_checkpoints: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
+    eval_interval: Annotated[int, Field(ge=0)] = Field(10, description="Evaluate held-out accuracy every k steps (0: only at start and end).")
+    eval_max_new_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Generation budget for evaluation; default sampling.max_new_tokens.")
+
+
+class RedisConfig(_Section):
+    url: str | None = Field(
+        None, description="Redis URL (redis://[:password@]host:port/db). Unset: `arealctl run` starts an embedded server."
+    )
+
+
+class JobConfig(_Section):
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=48)] = Field(description="Job name; scopes Redis keys and run files.")
+    model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
+    seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
+    run_dir: str | None = Field(None, description="Where checkpoints, logs and summary.json go; default runs/<name>.")
+    dataset: DatasetConfig
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    def resolve_paths(self, base: Path) -> JobConfig:
+        """Make relative paths absolute against `base` and fill in the default run directory."""
+
+        def absolute(path: str | None) -> str | None:
+            return None if path is None else str((base / path).resolve()) if not Path(path).is_absolute() else path
+
+        return self.model_copy(
+            update={
+                "model": absolute(self.model),
+                "tokenizer": absolute(self.tokenizer),
+                "run_dir": absolute(self.run_dir or f"runs/{self.name}"),
+                "dataset": self.dataset.model_copy(
+                    update={"train": absolute(self.dataset.train), "eval": absolute(self.dataset.eval)}
+                ),
+            }
+        )
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be used; the message is one readable line naming the field."""
+
+
+def describe_validation_error(error: ValidationError, source: str) -> str:
+    """The first problem, as `source: field.path: message (got value)`."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown field"
+    elif first["type"] == "missing":
+        message = "required field is missing"
+    detail = "" if first["type"] in {"missing", "extra_forbidden"} else f" (got {first.get('input')!r})"
+    more = len(error.errors()) - 1
+    suffix = f" [+{more} more problem{'s' if more > 1 else ''}]" if more else ""
+    return f"{source}: {field}: {message}{detail}{suffix}"
+
+
+def parse_job(data: object, source: str = "job") -> JobConfig:
+    if not isinstance(data, dict):
+        raise JobFileError(f"{source}: expected a mapping of job fields, got {type(data).__name__}")
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as exc:
+        raise JobFileError(describe_validation_error(exc, source)) from None
+
+
+def load_job_file(path: str | Path, project_root: Path | None = None) -> JobConfig:
+    """Read, validate and resolve a job file. Relative paths are taken against `project_root` (default: cwd)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise JobFileError(f"{path}: cannot read job file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise JobFileError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_job(data, str(path)).resolve_paths(project_root or Path.cwd())
+
+
+def reference_markdown() -> str:
+    """The job-file reference (README) generated from the schema, so documentation and code cannot drift."""
+    rows = ["| field | default | description |", "| --- | --- | --- |"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, info in model.model_fields.items():
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                walk(annotation, f"{prefix}{name}.")
+                continue
+            if info.is_required():
+                default = "required"
+            else:
+                value = info.get_default(call_default_factory=True)
+                default = "—" if value is None else f"`{yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}`"
+            rows.append(f"| `{prefix}{name}` | {default} | {info.description or ''} |")
+
+    walk(JobConfig, "")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,80 @@
+"""Side process groups for weight transfer, next to (or without) a process's default torch.distributed group.
+
+The trainer's rank 0 and every inference engine form their own small "world" (trainer = rank 0, engine i =
+rank_offset_i). The layout matches SGLang's `init_custom_process_group`: a TCP rendezvous, then the group's store is
+`PrefixStore(group_name, store)` and the group is built by `_new_process_group_helper` with an empty rank list, which
+makes it independent of any default group (Megatron's, say) the process may already have.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import Backend, PrefixStore, Store, TCPStore
+from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+from torch.distributed.rendezvous import rendezvous
+
+
+def create_rendezvous_store(master_address: str, master_port: int, world_size: int, timeout: float) -> TCPStore:
+    """The rendezvous server rank 0 hosts; `master_port=0` binds a free port (read it back from `store.port`).
+
+    Creating it before telling the peers the port avoids the race of "find a free port, close it, bind it again".
+    """
+    return TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+    )
+
+
+def init_side_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout: float,
+    *,
+    store: Store | None = None,
+) -> dist.ProcessGroup:
+    """Join the group `group_name`; blocks until all `world_size` ranks have joined (or `timeout` seconds pass).
+
+    `store` is rank 0's own rendezvous store from `create_rendezvous_store`; without it the TCP rendezvous at
+    `master_address:master_port` is done here (rank 0 then hosts the store). Collectives on the returned group
+    use group ranks (`group_src=0`).
+    """
+    if not dist.is_backend_available(backend):
+        raise RuntimeError(f"torch.distributed backend {backend!r} is not available in this build")
+    if group_name in _world.pg_names.values():
+        raise ValueError(f"a process group named {group_name!r} already exists in this process")
+    if backend == Backend.NCCL:
+        # SGLang's own update test calls these "very important": cuMem/NVLS buffers break a second NCCL world.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    wait = timedelta(seconds=timeout)
+    if store is None:
+        url = f"tcp://{master_address}:{master_port}"
+        store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=wait))
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=wait,
+    )
+    # `destroy_process_group` and rank translation look the group up here; the helper leaves it to its callers.
+    _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
+    return group
+
+
+def destroy_side_group(group: dist.ProcessGroup) -> None:
+    """Tear down a group made by `init_side_group`; the default group, if any, is untouched."""
+    dist.destroy_process_group(group)

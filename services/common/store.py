@@ -1,0 +1,203 @@
+"""Versioned trajectories on Redis Streams, and the job's other shared state in Redis.
+
+One stream per job. Rollout workers append a whole group atomically (a Lua script that refuses groups the
+controller has revoked, so a re-issued group is never trained twice). The trainer reads through a consumer
+group, acknowledges entries only after the step that used them is checkpointed, reclaims the pending entries
+of a dead consumer with XAUTOCLAIM, and trims what nobody needs any more (bounded retention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from areal_k8s.api.v1 import common_pb2
+
+CONSUMER_GROUP = "trainer"
+
+# KEYS: stream, written, revoked. ARGV: group_id, then per trajectory: trajectory_id, min_version, max_version,
+# admitted_version, ticket, payload.
+_WRITE_GROUP = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return false end
+local ids = {}
+for i = 2, #ARGV, 6 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*',
+    'trajectory_id', ARGV[i], 'group_id', ARGV[1], 'min_version', ARGV[i + 1], 'max_version', ARGV[i + 2],
+    'admitted_version', ARGV[i + 3], 'ticket', ARGV[i + 4], 'payload', ARGV[i + 5])
+end
+redis.call('SADD', KEYS[2], ARGV[1])
+return ids
+"""
+
+# KEYS: written, revoked. ARGV: group_id. Returns 1 if the group was already written (it counts as accepted),
+# else marks it revoked so a late write by its old worker is refused.
+_REVOKE_GROUP = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+redis.call('SADD', KEYS[2], ARGV[1])
+return 0
+"""
+
+
+class JobKeys:
+    """Every Redis key of one job. The hash tag keeps them in one cluster slot, so scripts may touch several."""
+
+    def __init__(self, job: str):
+        self.prefix = f"areal:{{{job}}}"
+        self.stream = f"{self.prefix}:trajectories"
+        self.version = f"{self.prefix}:version"
+        self.written = f"{self.prefix}:written-groups"
+        self.revoked = f"{self.prefix}:revoked-groups"
+        self.controller_state = f"{self.prefix}:controller"
+
+
+@dataclass(frozen=True)
+class StreamEntry:
+    entry_id: str
+    group_id: str
+    min_version: int
+    max_version: int
+    admitted_version: int
+    ticket: int
+    trajectory: common_pb2.Trajectory
+
+
+def policy_versions(trajectory: common_pb2.Trajectory) -> tuple[int, int]:
+    """(oldest, newest) policy version among the generated tokens."""
+    generated = [v for v in trajectory.versions if v >= 0]
+    if not generated:
+        raise ValueError(f"trajectory {trajectory.trajectory_id} has no generated tokens")
+    return min(generated), max(generated)
+
+
+def _decode(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
+    trajectory = common_pb2.Trajectory.FromString(fields[b"payload"])
+    return StreamEntry(
+        entry_id=entry_id.decode(),
+        group_id=fields[b"group_id"].decode(),
+        min_version=int(fields[b"min_version"]),
+        max_version=int(fields[b"max_version"]),
+        admitted_version=int(fields[b"admitted_version"]),
+        ticket=int(fields[b"ticket"]),
+        trajectory=trajectory,
+    )
+
+
+def connect(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+
+
+class TrajectoryStore:
+    def __init__(self, client: aioredis.Redis, job: str):
+        self.client = client
+        self.keys = JobKeys(job)
+        self._write_group = client.register_script(_WRITE_GROUP)
+        self._revoke_group = client.register_script(_REVOKE_GROUP)
+
+    # -- producers (rollout) -------------------------------------------------------------------------------
+
+    async def write_group(self, trajectories: list[common_pb2.Trajectory]) -> list[str] | None:
+        """Append one group's trajectories atomically. None: the controller revoked the group (not written)."""
+        group_ids = {t.group_id for t in trajectories}
+        if len(group_ids) != 1:
+            raise ValueError(f"write_group needs trajectories of exactly one group, got {sorted(group_ids)}")
+        args: list[object] = [group_ids.pop()]
+        for t in trajectories:
+            oldest, newest = policy_versions(t)
+            args += [t.trajectory_id, oldest, newest, t.admitted_version, t.ticket, t.SerializeToString()]
+        ids = await self._write_group(keys=[self.keys.stream, self.keys.written, self.keys.revoked], args=args)
+        return None if ids is None else [i.decode() for i in ids]
+
+    # -- controller ----------------------------------------------------------------------------------------
+
+    async def revoke_group(self, group_id: str) -> bool:
+        """Stop a group from being written later. True if it had already been written (nothing to redo)."""
+        return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
+
+    # -- consumer (trainer) --------------------------------------------------------------------------------
+
+    async def ensure_consumer_group(self) -> None:
+        try:
+            # From the start of the stream: groups written before the trainer first came up belong to it too.
+            await self.client.xgroup_create(self.keys.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def claim_pending(self, consumer: str, min_idle_ms: int = 0) -> int:
+        """Move every pending entry idle for `min_idle_ms` (e.g. a dead trainer's) to `consumer`. Returns the count."""
+        claimed, cursor = 0, "0-0"
+        while True:
+            cursor, entries, _deleted = await self.client.xautoclaim(
+                self.keys.stream, CONSUMER_GROUP, consumer, min_idle_time=min_idle_ms, start_id=cursor, count=512
+            )
+            claimed += len(entries)
+            if cursor in (b"0-0", "0-0"):
+                return claimed
+
+    async def read_pending(self, consumer: str) -> list[StreamEntry]:
+        """Entries delivered to `consumer` and not yet acknowledged (what a restarted trainer must redo)."""
+        out: list[StreamEntry] = []
+        last = "0"
+        while True:
+            reply = await self.client.xreadgroup(CONSUMER_GROUP, consumer, {self.keys.stream: last}, count=512)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return out
+            for entry_id, fields in entries:
+                if fields:  # an entry trimmed while pending comes back empty
+                    out.append(_decode(entry_id, fields))
+                last = entry_id
+
+    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
+        reply = await self.client.xreadgroup(
+            CONSUMER_GROUP, consumer, {self.keys.stream: ">"}, count=count, block=block_ms or None
+        )
+        return [_decode(entry_id, fields) for entry_id, fields in (reply[0][1] if reply else [])]
+
+    async def ack(self, entries: list[StreamEntry]) -> None:
+        """Acknowledge trained entries and trim the stream below the oldest entry still needed."""
+        if not entries:
+            return
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.keys.stream, CONSUMER_GROUP, *[e.entry_id for e in entries])
+            pipe.srem(self.keys.written, *{e.group_id for e in entries})
+            await pipe.execute()
+        await self.trim()
+
+    async def trim(self) -> None:
+        """Drop entries that are acknowledged: keep from the oldest pending entry, or from the last delivered one."""
+        summary = await self.client.xpending(self.keys.stream, CONSUMER_GROUP)
+        if summary["pending"]:
+            keep_from = summary["min"]
+        else:
+            groups = await self.client.xinfo_groups(self.keys.stream)
+            keep_from = next(g["last-delivered-id"] for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()))
+        await self.client.xtrim(self.keys.stream, minid=keep_from, approximate=False)
+
+    # -- shared state --------------------------------------------------------------------------------------
+
+    async def get_version(self) -> int | None:
+        value = await self.client.get(self.keys.version)
+        return None if value is None else int(value)
+
+    async def set_version(self, version: int) -> None:
+        await self.client.set(self.keys.version, version)
+
+    async def stream_stats(self) -> dict[str, int]:
+        """length: entries kept; pending: delivered, unacknowledged; lag: written but not yet delivered."""
+        length = await self.client.xlen(self.keys.stream)
+        try:
+            groups = await self.client.xinfo_groups(self.keys.stream)
+        except ResponseError:  # no stream yet
+            return {"length": length, "pending": 0, "lag": length}
+        group = next((g for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())), None)
+        if group is None:
+            return {"length": length, "pending": 0, "lag": length}
+        return {"length": length, "pending": int(group["pending"]), "lag": int(group.get("lag") or 0)}
+
+    async def delete_job(self) -> int:
+        """Remove every key of the job (the operator's finalizer calls this)."""
+        keys = [key async for key in self.client.scan_iter(match=f"{self.keys.prefix}:*".replace("{", "\\{").replace("}", "\\}"))]
+        return await self.client.delete(*keys) if keys else 0

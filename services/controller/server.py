@@ -1,0 +1,211 @@
+"""Controller gRPC shell: validates requests, calls the core, persists its snapshot to Redis, reaps dead workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from areal_k8s.common.config import JobConfig
+from areal_k8s.common.grpcutil import FailedPrecondition, InvalidArgument, require, rpc, start_server
+from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
+
+log = logging.getLogger(__name__)
+
+_RESULTS = {
+    controller_pb2.GroupOutcome.ACCEPTED: "accepted",
+    controller_pb2.GroupOutcome.FILTERED: "filtered",
+    controller_pb2.GroupOutcome.FAILED: "failed",
+}
+
+
+def prompt_group(job: JobConfig, admitted: Admitted) -> common_pb2.PromptGroup:
+    lease, item, sampling = admitted.lease, admitted.item, job.sampling
+    return common_pb2.PromptGroup(
+        group_id=lease.group_id,
+        prompt_id=item.id,
+        prompt=item.prompt,
+        reference=item.reference,
+        verifier=job.reward.verifier or item.verifier,
+        n_samples=job.algorithm.group_size,
+        sampling=common_pb2.SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=sampling.max_new_tokens,
+        ),
+        admitted_version=lease.admitted_version,
+        ticket=lease.ticket,
+    )
+
+
+class ControllerServicer(controller_pb2_grpc.ControllerServicer):
+    def __init__(self, core: ControllerCore, store: TrajectoryStore):
+        self.core = core
+        self.store = store
+        self._persist_lock = asyncio.Lock()
+
+    async def restore(self) -> None:
+        snapshot = await self.store.client.get(self.store.keys.controller_state)
+        if snapshot:
+            self.core.restore(json.loads(snapshot))
+            log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
+        version = await self.store.get_version()
+        if version is not None:
+            self.core.announce_version(version, restored=True)
+
+    async def persist(self) -> None:
+        # The snapshot is taken inside the lock, so whichever write lands last carries the newest state.
+        async with self._persist_lock:
+            await self.store.client.set(self.store.keys.controller_state, json.dumps(self.core.snapshot()))
+
+    async def reap_dead_workers(self) -> int:
+        """Revoke the groups of workers that went silent; a group already written counts as accepted."""
+        expired = self.core.expired_leases()
+        for group_id in expired:
+            already_written = await self.store.revoke_group(group_id)
+            self.core.complete(group_id, "accepted" if already_written else "failed")
+            log.warning("group %s: worker went silent, %s", group_id, "already written" if already_written else "re-queued")
+        if expired:
+            await self.persist()
+        return len(expired)
+
+    @rpc
+    async def RegisterWorker(self, request, context):
+        require(bool(request.worker_id), "worker_id is required")
+        require(bool(request.address), "address (host:port of the worker's Rollout service) is required")
+        self.core.register(request.worker_id, request.address, request.engine_version)
+        log.info("worker %s registered at %s (engine version %d)", request.worker_id, request.address, request.engine_version)
+        return controller_pb2.RegisterWorkerResponse(version=self.core.version, job=self.core.job.name)
+
+    @rpc
+    async def AcquireGroups(self, request, context):
+        require(bool(request.worker_id), "worker_id is required")
+        require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
+        capacity = self.core.capacity()
+        try:
+            admitted = self.core.acquire(request.worker_id, request.max_groups, request.engine_version)
+        except UnknownWorker as exc:
+            raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None
+        if admitted:
+            await self.persist()
+        return controller_pb2.AcquireGroupsResponse(
+            groups=[prompt_group(self.core.job, a) for a in admitted],
+            version=self.core.version,
+            finished=self.core.progress.finished,
+            capacity=capacity,
+        )
+
+    @rpc
+    async def CompleteGroups(self, request, context):
+        require(bool(request.worker_id), "worker_id is required")
+        for outcome in request.outcomes:
+            require(bool(outcome.group_id), "every outcome needs a group_id")
+            require(outcome.result in _RESULTS, f"group {outcome.group_id}: result must be ACCEPTED, FILTERED or FAILED")
+        unknown = 0
+        for outcome in request.outcomes:
+            result = _RESULTS[outcome.result]
+            if result == "failed" and await self.store.revoke_group(outcome.group_id):
+                result = "accepted"  # its trajectories reached the stream before the worker gave up on it
+            unknown += not self.core.complete(outcome.group_id, result)
+        await self.persist()
+        return controller_pb2.CompleteGroupsResponse(unknown=unknown)
+
+    @rpc
+    async def ListWorkers(self, request, context):
+        running = {}
+        for lease in self.core.leases.values():
+            running[lease.worker_id] = running.get(lease.worker_id, 0) + 1
+        return controller_pb2.ListWorkersResponse(
+            workers=[
+                controller_pb2.WorkerInfo(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    engine_version=w.engine_version,
+                    last_seen=w.last_seen,
+                    running_groups=running.get(w.worker_id, 0),
+                )
+                for w in sorted(self.core.workers.values(), key=lambda w: w.worker_id)
+                if w.address  # placeholders for lease holders that have not re-registered since a restart
+            ]
+        )
+
+    @rpc
+    async def AnnounceVersion(self, request, context):
+        require(request.version >= 0, f"version must be >= 0, got {request.version}")
+        try:
+            self.core.announce_version(request.version, request.restored)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        await self.store.set_version(request.version)
+        await self.persist()
+        log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
+        return controller_pb2.AnnounceVersionResponse(version=self.core.version)
+
+    @rpc
+    async def GetOutstanding(self, request, context):
+        return controller_pb2.GetOutstandingResponse(
+            running_by_admitted_version=self.core.outstanding(), running_total=self.core.running
+        )
+
+    @rpc
+    async def ReportTrainStep(self, request, context):
+        require(request.version >= 0, f"version must be >= 0, got {request.version}")
+        require(request.samples >= 0 and request.tokens >= 0, "samples and tokens must be >= 0")
+        require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
+        self.core.record_step(
+            version=request.version,
+            groups=len(request.group_ids),
+            samples=request.samples,
+            tokens=request.tokens,
+            max_staleness=request.max_staleness,
+            mean_staleness=request.mean_staleness,
+            reward_mean=request.reward_mean,
+            eval_accuracy=request.eval_accuracy,
+            base_evaluation=request.base_evaluation,
+            finished=request.finished,
+        )
+        await self.persist()
+        return controller_pb2.ReportTrainStepResponse()
+
+    @rpc
+    async def GetJobStatus(self, request, context):
+        status = self.core.status()
+        stream = await self.store.stream_stats()
+        if status["finished"]:
+            phase = controller_pb2.JobStatus.COMPLETED
+        elif status["workers"] or status["consumed"]:
+            phase = controller_pb2.JobStatus.RUNNING
+        else:
+            phase = controller_pb2.JobStatus.PENDING
+        fields = {k: v for k, v in status.items() if k != "finished"}
+        return controller_pb2.JobStatus(
+            job=self.core.job.name,
+            phase=phase,
+            queue_depth=stream["pending"] + stream["lag"],
+            stream_length=stream["length"],
+            **fields,
+        )
+
+
+async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, reap_interval: float = 2.0):
+    """Start the controller on `address`. Returns (server, port, servicer, reaper task)."""
+    servicer = ControllerServicer(core, store)
+    await servicer.restore()
+    await store.ensure_consumer_group()
+    server, port, _health = await start_server(
+        [(controller_pb2_grpc.add_ControllerServicer_to_server, servicer, "areal.v1.Controller")], address
+    )
+
+    async def reaper() -> None:
+        while True:
+            await asyncio.sleep(reap_interval)
+            try:
+                await servicer.reap_dead_workers()
+            except Exception:  # Redis blip: try again next round
+                log.exception("reaping dead workers failed")
+
+    return server, port, servicer, asyncio.create_task(reaper())
+

@@ -1,0 +1,310 @@
+"""Build the demo's assets offline: a character tokenizer, a tiny Qwen2 warmed up by a short SFT, and the data.
+
+The warm-up is deliberately short: the base model knows the scratchpad format and solves most short sums,
+but makes enough mistakes on longer ones that sampled groups disagree, which is the signal GRPO needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+import transformers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from areal_k8s.demo import task
+
+BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
+MANIFEST = "manifest.json"
+BUCKET_BATCHES = 8  # batches drawn together and split by length
+
+
+@dataclass(frozen=True)
+class DemoBuildConfig:
+    seed: int = 0
+    # task distribution
+    min_digits: int = task.DEFAULT_DIGITS.min_digits
+    max_digits: int = task.DEFAULT_DIGITS.max_digits
+    tail_exponent: float = task.DEFAULT_DIGITS.tail_exponent
+    train_size: int = 20000
+    eval_size: int = 256
+    # model
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    intermediate_size: int = 512
+    # supervised warm-up
+    sft_steps: int = 300
+    sft_batch_size: int = 64
+    sft_lr: float = 3e-3
+    sft_warmup_steps: int = 20
+    # base-model evaluation
+    eval_max_new_tokens: int = 128
+    eval_batch_size: int = 128
+
+    @property
+    def digits(self) -> task.DigitDistribution:
+        return task.DigitDistribution(self.min_digits, self.max_digits, self.tail_exponent)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per task character plus <bos>/<eos>/<pad>/<unk>; <bos> is prepended when encoding."""
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {token: index for index, token in enumerate(specials + list(task.ALPHABET))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
+    )
+
+
+def build_model(config: DemoBuildConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(config.seed)
+    return Qwen2ForCausalLM(model_config)
+
+
+def encode_pair(tokenizer: PreTrainedTokenizerFast, problem: task.Problem) -> tuple[list[int], list[int]]:
+    """(prompt ids with <bos>, solution ids ending in <eos>)."""
+    prompt = tokenizer(task.prompt_text(problem))["input_ids"]
+    solution = tokenizer(task.solution_text(problem), add_special_tokens=False)["input_ids"]
+    return prompt, solution + [tokenizer.eos_token_id]
+
+
+def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels that are -100 everywhere but on solution tokens."""
+    width = max(len(p) + len(s) for p, s in pairs)
+    input_ids = torch.full((len(pairs), width), pad_id)
+    labels = torch.full((len(pairs), width), -100)
+    mask = torch.zeros((len(pairs), width), dtype=torch.long)
+    for row, (prompt, solution) in enumerate(pairs):
+        ids = prompt + solution
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, len(prompt) : len(ids)] = torch.tensor(solution)
+        mask[row, : len(ids)] = 1
+    return input_ids, mask, labels
+
+
+def length_bucketed_batches(
+    pairs: list[tuple[list[int], list[int]]], *, steps: int, batch_size: int, rng: random.Random
+) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """`steps` random batches; each draw of BUCKET_BATCHES batches is sorted by length before splitting,
+    so the rare long sample pads a batch of long samples rather than a batch of short ones."""
+    emitted = 0
+    while emitted < steps:
+        count = min(BUCKET_BATCHES, steps - emitted)
+        drawn = sorted(rng.sample(pairs, batch_size * count), key=lambda pair: len(pair[0]) + len(pair[1]))
+        batches = [drawn[i * batch_size : (i + 1) * batch_size] for i in range(count)]
+        rng.shuffle(batches)
+        yield from batches
+        emitted += count
+
+
+def warmup_cosine(steps: int, warmup_steps: int) -> Callable[[int], float]:
+    return lambda step: min(1.0, (step + 1) / warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+
+def supervised_warmup(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[task.Problem],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    seed: int,
+) -> list[float]:
+    """AdamW on prompt+solution with loss on solution tokens only; linear warm-up then cosine decay. Returns losses."""
+    pairs = [encode_pair(tokenizer, p) for p in problems]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup_steps))
+    model.train()
+    losses = []
+    for batch in length_bucketed_batches(pairs, steps=steps, batch_size=batch_size, rng=random.Random(seed)):
+        input_ids, mask, labels = supervised_batch(batch, tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: Qwen2ForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int
+) -> list[list[int]]:
+    """Greedy continuations of left-padded prompts with a KV cache; each stops at (and excludes) <eos>."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    finished = torch.zeros(len(prompts), dtype=torch.bool)
+    outputs = []
+    past = None
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=past, use_cache=True)
+        past = logits.past_key_values
+        next_ids = logits.logits[:, -1].argmax(-1).masked_fill(finished, pad_id)
+        outputs.append(next_ids)
+        finished |= next_ids == eos_id
+        if finished.all():
+            break
+        input_ids = next_ids[:, None]
+        position_ids = position_ids[:, -1:] + 1
+        mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
+    tokens = torch.stack(outputs, dim=1).tolist()
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens]
+
+
+def greedy_accuracy(
+    model: Qwen2ForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[task.Problem],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+) -> float:
+    """Fraction of `problems` whose greedy response scores 1.0."""
+    correct = 0.0
+    # Similar lengths together waste less decoding on padding.
+    ordered = sorted(problems, key=lambda p: len(task.prompt_text(p)))
+    for start in range(0, len(ordered), batch_size):
+        chunk = ordered[start : start + batch_size]
+        prompts = [tokenizer(task.prompt_text(p))["input_ids"] for p in chunk]
+        responses = greedy_decode(
+            model, prompts, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id
+        )
+        correct += sum(task.score(tokenizer.decode(r), p.answer) for r, p in zip(responses, chunk))
+    return correct / len(problems)
+
+
+def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dict:
+    """Build (or reuse) the demo's model, tokenizer and data under `out_dir` and return the manifest.
+
+    `overrides` replace `DemoBuildConfig` defaults. An existing manifest with the same parameters is returned
+    as is; the manifest is written last, so an interrupted build is redone.
+    """
+    config = DemoBuildConfig(seed=seed, **overrides)
+    out_dir = Path(out_dir)
+    manifest_path = out_dir / MANIFEST
+    if manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("params") == asdict(config):
+            return manifest
+
+    started = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # float results, hence the built model, depend on the thread count
+    try:
+        manifest = _build(config, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+    manifest["build_seconds"] = round(time.perf_counter() - started, 1)
+    temporary = manifest_path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(manifest, indent=2) + "\n")
+    temporary.replace(manifest_path)
+    return manifest
+
+
+def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
+    eval_problems = task.write_dataset(out_dir / "eval.jsonl", config.eval_size, seed=2 * config.seed + 1, digits=config.digits)
+    train_problems = task.write_dataset(
+        out_dir / "train.jsonl",
+        config.train_size,
+        seed=2 * config.seed,
+        digits=config.digits,
+        exclude=frozenset(task.prompt_text(p) for p in eval_problems),
+    )
+    tokenizer = build_tokenizer()
+    model = build_model(config, tokenizer)
+
+    sft_started = time.perf_counter()
+    losses = supervised_warmup(
+        model,
+        tokenizer,
+        train_problems,
+        steps=config.sft_steps,
+        batch_size=config.sft_batch_size,
+        lr=config.sft_lr,
+        warmup_steps=config.sft_warmup_steps,
+        seed=config.seed,
+    )
+    sft_seconds = time.perf_counter() - sft_started
+
+    eval_started = time.perf_counter()
+    accuracy = greedy_accuracy(
+        model,
+        tokenizer,
+        eval_problems,
+        max_new_tokens=config.eval_max_new_tokens,
+        batch_size=config.eval_batch_size,
+    )
+    eval_seconds = time.perf_counter() - eval_started
+
+    model_dir = out_dir / "model"
+    model.generation_config.update(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tokenizer.save_pretrained(model_dir)
+    return {
+        "params": asdict(config),
+        "seed": config.seed,
+        "model": "model",
+        "train": "train.jsonl",
+        "eval": "eval.jsonl",
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "sft_steps": config.sft_steps,
+        "sft_seconds": round(sft_seconds, 1),
+        "sft_final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "base_greedy_accuracy": accuracy,
+        "eval_seconds": round(eval_seconds, 1),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m areal_k8s.demo.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    manifest = build_demo_assets(args.out, seed=args.seed)
+    print(
+        f"demo assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
+        f"{manifest['sft_steps']} SFT steps in {manifest['sft_seconds']}s, "
+        f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} on {manifest['params']['eval_size']} held-out sums"
+    )
+
+
+if __name__ == "__main__":
+    main()

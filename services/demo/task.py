@@ -1,0 +1,157 @@
+"""The demo task: multi-digit addition solved with a least-significant-digit-first scratchpad.
+
+A prompt is the bare sum, ``"4567+123="``. The solution walks the columns from the right, one fixed-width
+entry per column holding both digits, the incoming carry and the two-digit column sum (whose first digit is
+the next carry), then states the answer between ``|`` and the end marker ``.``::
+
+    4567+123=  ->  7+3+0=10,6+2+1=09,5+1+0=06,4+0+0=04|4690.
+
+Fixed-width entries keep every lookup at a regular offset, which is what lets a tiny character-level model
+learn the algorithm. Operand digit counts follow a truncated power law, so most problems are short and a
+few are much longer: the long tail of response lengths an asynchronous RL system is meant to absorb.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+ANSWER_START = "|"
+END_MARK = "."
+COLUMN_SEPARATOR = ","
+VERIFIER = "addition"
+# Every character a prompt or solution can contain (the demo tokenizer's vocabulary).
+ALPHABET = "0123456789+=" + COLUMN_SEPARATOR + ANSWER_START + END_MARK
+
+
+@dataclass(frozen=True)
+class DigitDistribution:
+    """Operand digit counts d in [min_digits, max_digits] with P(d) proportional to (d - min_digits + 1) ** -tail_exponent."""
+
+    min_digits: int = 1
+    max_digits: int = 12
+    tail_exponent: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_digits <= self.max_digits:
+            raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}..{self.max_digits}")
+        if self.tail_exponent < 0:
+            raise ValueError(f"tail_exponent must be >= 0, got {self.tail_exponent}")
+
+    @property
+    def digit_counts(self) -> list[int]:
+        return list(range(self.min_digits, self.max_digits + 1))
+
+    @property
+    def weights(self) -> list[float]:
+        return [(d - self.min_digits + 1) ** -self.tail_exponent for d in self.digit_counts]
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.choices(self.digit_counts, weights=self.weights)[0]
+
+
+DEFAULT_DIGITS = DigitDistribution()
+
+
+@dataclass(frozen=True)
+class Problem:
+    left: int
+    right: int
+
+    @property
+    def answer(self) -> str:
+        return str(self.left + self.right)
+
+
+def _random_operand(rng: random.Random, digits: int) -> int:
+    if digits == 1:
+        return rng.randrange(10)
+    return rng.randrange(10 ** (digits - 1), 10**digits)
+
+
+def make_problem(rng: random.Random, digits: DigitDistribution = DEFAULT_DIGITS) -> Problem:
+    """Draw both operands' digit counts independently from `digits`, then the operands uniformly."""
+    return Problem(_random_operand(rng, digits.sample(rng)), _random_operand(rng, digits.sample(rng)))
+
+
+def prompt_text(problem: Problem) -> str:
+    return f"{problem.left}+{problem.right}="
+
+
+def solution_text(problem: Problem) -> str:
+    """The SFT target: one entry per column, least significant first, then the answer and the end marker."""
+    left, right = str(problem.left)[::-1], str(problem.right)[::-1]
+    entries, carry = [], 0
+    for column in range(max(len(left), len(right))):
+        a = int(left[column]) if column < len(left) else 0
+        b = int(right[column]) if column < len(right) else 0
+        total = a + b + carry
+        entries.append(f"{a}+{b}+{carry}={total:02d}")
+        carry = total // 10
+    return COLUMN_SEPARATOR.join(entries) + ANSWER_START + problem.answer + END_MARK
+
+
+def extract_answer(response: str) -> str | None:
+    """The digits between the last answer start and the end marker after it; None if absent or not a number."""
+    if not isinstance(response, str):
+        return None
+    start = response.rfind(ANSWER_START)
+    if start < 0:
+        return None
+    end = response.find(END_MARK, start + 1)
+    if end < 0:
+        return None  # truncated before the end marker
+    answer = response[start + 1 : end]
+    return answer if answer.isascii() and answer.isdigit() else None
+
+
+def score(response: str, reference: str) -> float:
+    """1.0 iff the extracted answer equals `reference` exactly, else 0.0."""
+    answer = extract_answer(response)
+    return 1.0 if answer is not None and answer == reference else 0.0
+
+
+def make_problems(n: int, seed: int, digits: DigitDistribution = DEFAULT_DIGITS, exclude: frozenset[str] = frozenset()) -> list[Problem]:
+    """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed."""
+    rng = random.Random(seed)
+    seen, problems = set(exclude), []
+    attempts = 0
+    while len(problems) < n:
+        attempts += 1
+        if attempts > 100 * n + 1000:
+            raise ValueError(f"cannot draw {n} distinct problems from {digits}")
+        problem = make_problem(rng, digits)
+        prompt = prompt_text(problem)
+        if prompt not in seen:
+            seen.add(prompt)
+            problems.append(problem)
+    return problems
+
+
+def dataset_record(problem: Problem, record_id: str) -> dict[str, str]:
+    return {"id": record_id, "prompt": prompt_text(problem), "answer": problem.answer, "verifier": VERIFIER}
+
+
+def write_dataset(
+    path: str | Path,
+    n: int,
+    seed: int,
+    digits: DigitDistribution = DEFAULT_DIGITS,
+    exclude: frozenset[str] = frozenset(),
+    id_prefix: str | None = None,
+) -> list[Problem]:
+    """Write `n` distinct problems as JSONL records (id, prompt, answer, verifier) and return them.
+
+    Prompts in `exclude` are skipped, which is how a held-out split is kept disjoint from training. Ids are
+    `{prefix}-{line number}`, what the dataset loader would derive for a record without one.
+    """
+    path = Path(path)
+    prefix = id_prefix if id_prefix is not None else path.stem
+    problems = make_problems(n, seed, digits, exclude)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for line_number, problem in enumerate(problems, start=1):
+            out.write(json.dumps(dataset_record(problem, f"{prefix}-{line_number}")) + "\n")
+    return problems

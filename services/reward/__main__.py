@@ -1,0 +1,40 @@
+"""python -m areal_k8s.reward [--host 127.0.0.1] [--port 50053] [--workers 2] [--timeout 15]"""
+
+import argparse
+import asyncio
+import logging
+import os
+
+from areal_k8s.common.service import run_service, setup_logging
+from areal_k8s.reward.server import serve
+
+log = logging.getLogger("areal.reward")
+
+
+def parse_args() -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="python -m areal_k8s.reward", description="areal-k8s reward service")
+    parser.add_argument("--host", default=env("AREAL_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("AREAL_PORT", 50053)), help="0 picks a free port")
+    parser.add_argument("--workers", type=int, default=2, help="verifier worker processes")
+    parser.add_argument("--timeout", type=float, default=15.0, help="default per-item scoring timeout, seconds")
+    parser.add_argument("--log-level", default=env("AREAL_LOG_LEVEL", "INFO"))
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    setup_logging("reward", args.log_level)
+
+    async def run(stop: asyncio.Event) -> None:
+        service = await serve(f"{args.host}:{args.port}", workers=args.workers, timeout=args.timeout)
+        log.info("reward service listening on %s:%d", args.host, service.port)
+        await stop.wait()
+        log.info("reward service stopping")
+        await service.stop(grace=5)
+
+    run_service("reward", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""python -m areal_k8s.rollout --job JOB.yaml --engine-url URL --controller ADDR --reward ADDR --redis-url URL"""
+
+import asyncio
+import logging
+import os
+import socket
+
+from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
+from areal_k8s.common.grpcutil import channel, start_server
+from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.service import base_parser, load_job, run_service, setup_logging
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.rollout.engine_client import SGLangClient
+from areal_k8s.rollout.server import RolloutServicer
+from areal_k8s.rollout.worker import RolloutWorker, parse_weight_version
+
+log = logging.getLogger("areal.rollout")
+
+
+def main() -> None:
+    env = os.environ.get
+    parser = base_parser("rollout", default_port=50052)
+    parser.add_argument("--worker-id", default=env("AREAL_WORKER_ID", socket.gethostname()))
+    parser.add_argument("--advertise", default=env("AREAL_ADVERTISE_ADDRESS"), help="host:port the trainer reaches this worker at")
+    parser.add_argument("--engine-url", default=env("AREAL_ENGINE_URL", "http://127.0.0.1:30000"))
+    parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
+    parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
+    parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds to wait for the engine to become healthy")
+    args = parser.parse_args()
+    setup_logging(f"rollout[{args.worker_id}]", args.log_level)
+    job = load_job(args.job)
+
+    async def run(stop: asyncio.Event) -> None:
+        engine = SGLangClient(args.engine_url)
+        await engine.wait_until_healthy(args.engine_timeout)
+        redis_client = connect(args.redis_url)
+        controller_channel, reward_channel = channel(args.controller), channel(args.reward)
+        worker = RolloutWorker(
+            job=job,
+            worker_id=args.worker_id,
+            address="",
+            controller=controller_pb2_grpc.ControllerStub(controller_channel),
+            reward=reward_pb2_grpc.RewardStub(reward_channel),
+            engine=engine,
+            store=TrajectoryStore(redis_client, job.name),
+            tokenizer=load_tokenizer(job.tokenizer_path),
+        )
+        worker.engine_version = parse_weight_version(await engine.get_weight_version())
+        server, port, _health = await start_server(
+            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], f"{args.host}:{args.port}"
+        )
+        worker.address = args.advertise or f"{args.host}:{port}"
+        log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)
+        try:
+            await worker.run(stop)
+        finally:
+            await server.stop(grace=2)
+            await asyncio.gather(controller_channel.close(), reward_channel.close())
+            await engine.close()
+            await redis_client.aclose()
+
+    run_service("rollout", run)
+
+
+if __name__ == "__main__":
+    main()

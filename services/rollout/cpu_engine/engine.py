@@ -1,0 +1,914 @@
+"""Our CPU inference engine: any Hugging Face decoder LM, continuous batching over one KV cache, SGLang's RL semantics.
+
+Decoding (`DecodeBatch`, also used by `generate_batch` on the trainer's own model):
+- The running batch shares one HF `DynamicCache`, left-padded, with a 2D attention mask over the cached positions
+  and explicit position ids that count only a row's real tokens, so a row's numerics do not depend on its neighbours.
+- New requests are prefilled together in their own forward pass, then join: both caches are left-padded to the same
+  length and concatenated along the batch dimension. Finished rows leave through `batch_select_indices`, and padding
+  columns no remaining row needs are cut from the left, so the cache never grows past the longest live row.
+- Only attention-only models whose cache layers are plain `DynamicLayer`s are supported (checked at the first
+  prefill): sliding-window caches with their own bookkeeping and linear-attention states cannot be merged like this.
+
+Logprob convention: the logprob of a sampled token is `log_softmax(logits / temperature)[token]` (raw logits when
+greedy, temperature 0), taken *before* top-k/top-p truncation: the behaviour-policy logprob the trainer recomputes
+with the same temperature.
+
+Threading: one scheduler thread owns the model. It alternates "run queued control commands" with "admit waiting
+requests, run one decode step". Everything that touches the model (weight loading, checksums, reading weights) is a
+command, so it can never race a forward pass. Async callers talk to it through `concurrent.futures.Future`s, which
+keeps the engine usable from any event loop. Blocking collectives (rendezvous, broadcasts) run in worker threads:
+generation goes on while a broadcast is received, and only the final copy into the model is a command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import math
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging as hf_logging
+
+from areal_k8s.common.distributed import destroy_side_group, init_side_group
+from areal_k8s.trainer.weight_sync import weights_checksum
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "in_place")
+ABORT_BEFORE_PREFILL = "Abort before prefill"  # SGLang's message for a request aborted with no tokens produced
+
+
+class InvalidRequest(ValueError):
+    """A request that can never succeed as sent (the server answers 400)."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight-group or weight-update operation failed; nothing was loaded from the failed update."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling parameters and per-request state
+
+
+# Accepted only at their neutral value: the CPU engine does not implement them, and silently ignoring a
+# non-neutral value would change the sampling distribution behind the caller's back.
+_NEUTRAL_SAMPLING_PARAMS: dict[str, Any] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "n": 1,
+    "logit_bias": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+}
+# Presentation-only knobs of SGLang that do not apply to a non-streaming, tokens-first engine.
+_IGNORED_SAMPLING_PARAMS = {"spaces_between_special_tokens", "stream_interval"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """SGLang's sampling parameters that this engine implements (defaults as in SGLang)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # affects `text` only; `output_ids` always keep the matched stop token
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise InvalidRequest(f"sampling_params must be an object, got {type(raw).__name__}")
+        values: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in _IGNORED_SAMPLING_PARAMS:
+                continue
+            if key in _NEUTRAL_SAMPLING_PARAMS:
+                if value != _NEUTRAL_SAMPLING_PARAMS[key]:
+                    raise InvalidRequest(f"sampling param {key}={value!r} is not supported by the CPU engine")
+                continue
+            if key not in cls.__dataclass_fields__:
+                raise InvalidRequest(f"unknown sampling param {key!r}")
+            if value is not None:
+                values[key] = value
+        params = cls(
+            max_new_tokens=_require_int("max_new_tokens", values.get("max_new_tokens", cls.max_new_tokens), low=0),
+            temperature=_require_float("temperature", values.get("temperature", cls.temperature), low=0.0),
+            top_p=_require_float("top_p", values.get("top_p", cls.top_p), low=0.0, high=1.0),
+            top_k=_require_int("top_k", values.get("top_k", cls.top_k), low=-1),
+            stop_token_ids=_require_token_ids("stop_token_ids", values.get("stop_token_ids", [])),
+            stop=_require_strings("stop", values.get("stop", ())),
+            ignore_eos=_require_bool("ignore_eos", values.get("ignore_eos", cls.ignore_eos)),
+            skip_special_tokens=_require_bool(
+                "skip_special_tokens", values.get("skip_special_tokens", cls.skip_special_tokens)
+            ),
+            no_stop_trim=_require_bool("no_stop_trim", values.get("no_stop_trim", cls.no_stop_trim)),
+            sampling_seed=_require_int("sampling_seed", values["sampling_seed"]) if "sampling_seed" in values else None,
+        )
+        if params.top_p == 0.0:
+            raise InvalidRequest("top_p must be in (0, 1]")
+        return params
+
+
+def _require_int(name: str, value: Any, *, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _require_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{name} must be a list of token ids, got {value!r}")
+    return tuple(_require_int(f"{name}[]", token, low=0) for token in value)
+
+
+def _require_float(name: str, value: Any, *, low: float, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise InvalidRequest(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
+    return float(value)
+
+
+def _require_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _require_str(name: str, value: Any) -> str:
+    if not (isinstance(value, str) and value):
+        raise InvalidRequest(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _require_strings(name: str, value: Any) -> tuple[str, ...]:
+    strings = (value,) if isinstance(value, str) else value
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+        raise InvalidRequest(f"{name} must be a non-empty string or a list of them, got {value!r}")
+    return tuple(strings)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt's generation state: what it produced so far and why it stopped (`finish_reason`, SGLang's shape)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]  # EOS ids (unless ignore_eos) and the request's stop_token_ids
+    max_total_tokens: int  # the model's context: prompt + output never exceed it
+    generator: torch.Generator
+    detokenize: Callable[[list[int]], str] | None = None  # needed only for stop strings
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.max_new_tokens == 0:
+            self.finish_reason = {"type": "length", "length": 0}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, logprob: float) -> None:
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = {"type": "stop", "matched": token_id}
+        elif (matched := self._matched_stop_string()) is not None:
+            self.finish_reason = {"type": "stop", "matched": matched}
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": self.params.max_new_tokens}
+        elif len(self.prompt_ids) + len(self.output_ids) >= self.max_total_tokens:
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+
+    def abort(self, message: str) -> None:
+        if not self.finished:
+            self.finish_reason = {"type": "abort", "message": message}
+
+    def _matched_stop_string(self) -> str | None:
+        if not self.params.stop or self.detokenize is None:
+            return None
+        # A stop string can only end in the newest token, and spans at most 4 tokens per character (byte-level BPE).
+        window = 4 * max(len(s) for s in self.params.stop) + 1
+        tail = self.detokenize(self.output_ids[-window:])
+        return next((s for s in self.params.stop if s in tail), None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling and the decode step, shared by the engine and `generate_batch`
+
+
+def sample_next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose each row's next token from float32 `logits` [rows, vocab]; returns (tokens, logprobs).
+
+    The logprob is under softmax(logits / T) (raw logits when greedy), before top-k/top-p truncation.
+    Each sequence samples with its own generator (on the logits' device), so a seeded request does not depend on
+    its batch neighbours.
+    """
+    temperatures = torch.tensor([s.params.temperature for s in sequences], dtype=logits.dtype, device=logits.device)
+    greedy = temperatures == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    sampled_rows = (~greedy).nonzero().flatten().tolist()
+    if sampled_rows:
+        probs = _truncate(logprobs[sampled_rows].exp(), [sequences[row].params for row in sampled_rows])
+        for probs_row, row in zip(probs, sampled_rows):
+            tokens[row] = torch.multinomial(probs_row, 1, generator=sequences[row].generator)[0]
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens outside each row's top-k and top-p nucleus (unnormalised; `multinomial` does not need it)."""
+    vocab = probs.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
+    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # The most likely token always stays: its rank is 0 < top_k and no mass comes before it.
+    keep = (torch.arange(vocab, device=probs.device) < top_k[:, None]) & (mass_before < top_p[:, None])
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
+
+
+class DecodeBatch:
+    """Sequences decoding together: one forward pass per step over a shared, left-padded KV cache.
+
+    Row i's cache holds its prompt and all its output tokens but the last; `_next_tokens[i]` is that last token,
+    fed by the next step.
+    """
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.device = model.device
+        self.sequences: list[Sequence] = []
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
+        self._next_tokens: torch.Tensor | None = None  # [rows]
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @torch.inference_mode()
+    def advance(self, joining: list[Sequence]) -> list[Sequence]:
+        """Prefill `joining` into the batch, then run one decode step over every row; returns the sequences that
+        finished (they have left the batch)."""
+        finished = self._admit(joining) if joining else []
+        if self.sequences:
+            finished += self._step()
+        return finished
+
+    def remove(self, sequences: Iterable[Sequence]) -> None:
+        leaving = {id(s) for s in sequences}
+        self._keep_rows([i for i, s in enumerate(self.sequences) if id(s) not in leaving])
+
+    def _admit(self, joining: list[Sequence]) -> list[Sequence]:
+        width = max(len(s.prompt_ids) for s in joining)
+        padding = [width - len(s.prompt_ids) for s in joining]
+        rows = [([0] * pad + s.prompt_ids, [0] * pad + [1] * len(s.prompt_ids)) for pad, s in zip(padding, joining)]
+        input_ids = torch.tensor([ids for ids, _ in rows], device=self.device)
+        mask = torch.tensor([row_mask for _, row_mask in rows], device=self.device)
+        cache = DynamicCache()
+        logits = self._forward(input_ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0), cache)
+        _check_mergeable(cache)
+        tokens = self._choose(joining, logits)
+        if self.sequences:
+            cache = _merge_caches(self._cache, cache)
+            mask = torch.cat(_left_pad_to_common_length([self._mask, mask], dim=-1))
+            tokens = torch.cat([self._next_tokens, tokens])
+        self._cache, self._mask, self._next_tokens = cache, mask, tokens
+        self.sequences = self.sequences + joining
+        return self._drop_finished()
+
+    def _step(self) -> list[Sequence]:
+        mask = torch.cat([self._mask, self._mask.new_ones(len(self), 1)], dim=1)
+        positions = self._mask.sum(dim=1, keepdim=True)  # a row's real tokens so far = the new token's position
+        logits = self._forward(self._next_tokens[:, None], mask, positions, self._cache)
+        self._mask = mask
+        self._next_tokens = self._choose(self.sequences, logits)
+        return self._drop_finished()
+
+    def _forward(self, input_ids, mask, positions, cache: DynamicCache) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1, :].float()
+
+    @staticmethod
+    def _choose(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        tokens, logprobs = sample_next_tokens(logits, sequences)
+        for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
+            sequence.append(token, logprob)
+        return tokens
+
+    def _drop_finished(self) -> list[Sequence]:
+        finished = [s for s in self.sequences if s.finished]
+        if finished:
+            self._keep_rows([i for i, s in enumerate(self.sequences) if not s.finished])
+        return finished
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if len(rows) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[i] for i in rows]
+        if not rows:
+            self._cache = self._mask = self._next_tokens = None
+            return
+        index = torch.tensor(rows, device=self.device)
+        self._cache.batch_select_indices(index)
+        self._mask, self._next_tokens = self._mask[index], self._next_tokens[index]
+        first_used = int(self._mask.any(dim=0).int().argmax())  # leading columns that are padding in every row
+        if first_used:
+            self._mask = self._mask[:, first_used:]
+            for layer in self._cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first_used:], layer.values[:, :, first_used:]
+
+
+def _check_mergeable(cache: DynamicCache) -> None:
+    unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if unsupported:
+        raise NotImplementedError(f"the CPU engine can only batch plain DynamicLayer KV caches, got {unsupported}")
+
+
+def _merge_caches(running: DynamicCache, joining: DynamicCache) -> DynamicCache:
+    return DynamicCache(
+        ddp_cache_data=[
+            (
+                torch.cat(_left_pad_to_common_length([old.keys, new.keys], dim=-2)),
+                torch.cat(_left_pad_to_common_length([old.values, new.values], dim=-2)),
+            )
+            for old, new in zip(running.layers, joining.layers)
+        ]
+    )
+
+
+def _left_pad_to_common_length(tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+    length = max(t.shape[dim] for t in tensors)
+    padded = []
+    for tensor in tensors:
+        shape = list(tensor.shape)
+        shape[dim] = length - tensor.shape[dim]
+        padded.append(torch.cat([tensor.new_zeros(shape), tensor], dim=dim) if shape[dim] else tensor)
+    return padded
+
+
+def context_length(model: PreTrainedModel) -> int:
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2**31 - 1
+
+
+def generate_batch(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Iterable[int] = (),
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int = 0,
+    max_batch_size: int = 64,
+) -> list[Sequence]:
+    """Generate for every prompt with `model` itself (the trainer's evaluation), using the engine's decode step.
+
+    Rows are refilled continuously up to `max_batch_size`. Returns one `Sequence` per prompt, in order, with
+    `output_ids`, `output_logprobs` (the engine's convention) and `finish_reason`. The model runs in eval mode
+    and is put back in its previous mode afterwards; it may live on any device.
+    """
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+    stop_ids = frozenset(eos_token_ids)
+    limit = context_length(model)
+    sequences = [
+        Sequence(
+            rid=str(index),
+            prompt_ids=list(prompt),
+            params=params,
+            stop_token_ids=stop_ids,
+            max_total_tokens=limit,
+            generator=torch.Generator(device=model.device).manual_seed(seed + index),
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    waiting = deque(s for s in sequences if not s.finished)
+    batch = DecodeBatch(model)
+    was_training = model.training
+    model.eval()
+    try:
+        while waiting or len(batch):
+            joining = [waiting.popleft() for _ in range(min(max_batch_size - len(batch), len(waiting)))]
+            batch.advance(joining)
+    finally:
+        model.train(was_training)
+    return sequences
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class CpuEngine:
+    """An SGLang-compatible engine for CPU: same operations, same JSON shapes (see server.py for the HTTP face).
+
+    `generate` answers like SGLang's /generate. Pausing: "abort" returns every queued and running request at once
+    with finish_reason abort and its tokens so far; "in_place" freezes running requests with their KV cache. Either
+    way, requests arriving while paused wait for `continue_generation`. `flush_cache` is a no-op when idle (there is
+    no cross-request prefix cache) and fails while requests are queued or running, like SGLang's.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        num_threads: int = 1,
+        seed: int = 0,
+        weight_version: str = "0",
+        weight_update_timeout: float = 600.0,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        torch.set_num_threads(num_threads)
+        hf_logging.disable_progress_bar()
+        self.model_path = str(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype)).eval()
+        self.max_batch_size = max_batch_size
+        self.weight_version = weight_version
+        self.weight_update_timeout = weight_update_timeout
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.context_length = context_length(self.model)
+        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self._rng = random.Random(seed)
+        self._batch = DecodeBatch(self.model)
+        self._pause_mode: str | None = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._group_lock = threading.Lock()  # one rendezvous/broadcast sequence at a time
+        # Shared with the callers' threads, guarded by `_wakeup`:
+        self._wakeup = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._replies: dict[str, concurrent.futures.Future] = {}  # rid -> answered when the request finishes
+        self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._stopping = False
+        self._scheduler = threading.Thread(target=self._schedule, name="cpu-engine-scheduler", daemon=True)
+        self._scheduler.start()
+        log.info(
+            "loaded %s (%s, %d parameters), eos %s, context %d",
+            self.model_path,
+            dtype,
+            sum(p.numel() for p in self.model.parameters()),
+            sorted(self.eos_token_ids),
+            self.context_length,
+        )
+
+    # --- generation -------------------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        rid: str | list[str] | None = None,
+        *,
+        return_logprob: bool = True,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """SGLang's /generate: one prompt gives one answer, a list of prompts a list of answers."""
+        if isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+            count = len(input_ids)
+            if rid is not None and not isinstance(rid, list):
+                raise InvalidRequest("for a batch of prompts, rid must be a list (one per prompt) or null")
+            rids = [None] * count if rid is None else rid
+            params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+            if len(rids) != count or len(params) != count:
+                raise InvalidRequest("for a batch, rid and sampling_params lists must be as long as input_ids")
+            named = [r for r in rids if r is not None]
+            if len(set(map(repr, named))) != len(named):
+                raise InvalidRequest("the rids of a batch must be distinct")
+            sequences = [self._new_sequence(*request) for request in zip(input_ids, params, rids)]
+            return list(await asyncio.gather(*(self._run(s, return_logprob) for s in sequences)))
+        if isinstance(rid, list) or isinstance(sampling_params, list):
+            raise InvalidRequest("rid and sampling_params may be lists only when input_ids is a list of prompts")
+        return await self._run(self._new_sequence(input_ids, sampling_params, rid), return_logprob)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+        def pause() -> None:
+            self._pause_mode = mode
+            if mode == "abort":
+                self._abort(lambda s: True, "Abort by pause_generation")
+
+        await self._in_scheduler(pause)
+
+    async def continue_generation(self) -> None:
+        def resume() -> None:
+            self._pause_mode = None
+
+        await self._in_scheduler(resume)
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> int:
+        """Abort one request (or all); returns how many were aborted. Unknown rids are not an error (as SGLang)."""
+        if not _require_bool("abort_all", abort_all) and not isinstance(rid, str):
+            raise InvalidRequest("give a rid (string) or abort_all=true")
+        return await self._in_scheduler(
+            lambda: self._abort(lambda s: abort_all or s.rid == rid, "Abort by abort_request")
+        )
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False while requests are queued or running (the caller may retry)."""
+        return await self._in_scheduler(lambda: not (self._waiting or self._batch.sequences))
+
+    # --- weights ----------------------------------------------------------------------------------------------
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> str:
+        """Join the trainer's weight group as rank `rank_offset` (TP=1); returns once every rank has joined."""
+        _require_int("master_port", master_port, low=1)
+        _require_int("world_size", world_size, low=2)
+        _require_int("rank_offset", rank_offset, low=1)
+        if rank_offset >= world_size:
+            raise InvalidRequest(f"rank_offset {rank_offset} must be < world_size {world_size}")
+        for name, value in (("master_address", master_address), ("group_name", group_name), ("backend", backend)):
+            _require_str(name, value)
+
+        def join() -> None:
+            with self._group_lock:
+                if group_name in self._groups:
+                    raise WeightUpdateError(f"weight update group {group_name!r} already exists")
+                self._groups[group_name] = init_side_group(
+                    backend, master_address, master_port, world_size, rank_offset, group_name,
+                    self.weight_update_timeout,
+                )
+
+        await asyncio.to_thread(_as_weight_update_error, join)
+        return f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
+        def destroy() -> None:
+            with self._group_lock:
+                group = self._groups.pop(group_name, None)
+                if group is None:
+                    raise WeightUpdateError(f"no weight update group named {group_name!r}")
+                destroy_side_group(group)
+
+        await asyncio.to_thread(_as_weight_update_error, destroy)
+        return f"destroyed weight update group {group_name!r}"
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        *,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+    ) -> str:
+        """Receive tensors broadcast by group rank 0 and load them by HF parameter name.
+
+        Names and shapes are checked against the model only after the broadcast was received in full, so a
+        mismatch leaves the group usable, and nothing is copied unless every tensor fits: a failing update loads
+        nothing. Metadata this engine cannot receive at all (a bad dtype, an unknown group) is refused before the
+        broadcast, which then has no receiver: the trainer must rebuild the group. `flush_cache` is accepted for
+        compatibility; there is no cross-request cache to flush. Running requests, if any, go on with the new
+        weights (pause first, as the trainer does, to avoid mixing).
+        """
+        if not (isinstance(names, list) and all(isinstance(n, str) for n in names) and names):
+            raise InvalidRequest("names must be a non-empty list of strings")
+        if not (isinstance(dtypes, list) and isinstance(shapes, list) and len(dtypes) == len(shapes) == len(names)):
+            raise InvalidRequest("names, dtypes and shapes must be lists of the same length")
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        shapes = [_require_shape(s) for s in shapes]
+        if load_format not in (None, "flattened_bucket"):
+            raise InvalidRequest(f"load_format must be null or 'flattened_bucket', got {load_format!r}")
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise InvalidRequest(f"weight_version must be a string, got {weight_version!r}")
+        _require_bool("flush_cache", flush_cache)
+        if _require_bool("abort_all_requests", abort_all_requests):
+            await self.abort_request(abort_all=True)
+
+        def receive_and_load() -> None:
+            with self._group_lock:
+                group = self._groups.get(group_name)
+                if group is None:
+                    raise WeightUpdateError(f"no weight update group named {group_name!r}")
+                tensors = _receive_broadcast(group, torch_dtypes, shapes, flattened=load_format is not None)
+                load = functools.partial(self._load_weights, list(zip(names, tensors)), weight_version)
+                self._submit_command(load).result()
+
+        await asyncio.to_thread(_as_weight_update_error, receive_and_load)
+        return f"updated {len(names)} tensors, weight version {self.weight_version}"
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows (first dimension) of a parameter, as nested float lists (as SGLang)."""
+        _require_int("truncate_size", truncate_size, low=1)
+
+        def read() -> list:
+            return self._parameters([name])[0][1].detach()[:truncate_size].float().tolist()
+
+        return await self._in_scheduler(read)
+
+    async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
+        """Our extension: `weights_checksum` over the named parameters (all of them by default)."""
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise InvalidRequest("names must be a list of strings")
+
+        def checksum() -> dict[str, Any]:
+            per_tensor, combined = weights_checksum(self._parameters(names))
+            return {"per_tensor": per_tensor, "combined": combined, "weight_version": self.weight_version}
+
+        return await self._in_scheduler(checksum)
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+        }
+
+    # --- health and lifecycle ---------------------------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return self._scheduler.is_alive()
+
+    def is_idle(self) -> bool:
+        """No queued or running requests, and not paused: a probe generate would be served at once."""
+        with self._wakeup:
+            return not (self._waiting or self._replies or self._pause_mode)
+
+    def shutdown(self) -> None:
+        """Stop the scheduler; requests still open are answered as aborted. Idempotent."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._scheduler.join()
+        with self._group_lock:
+            for group in self._groups.values():
+                destroy_side_group(group)
+            self._groups.clear()
+
+    # --- internals: requests ----------------------------------------------------------------------------------
+
+    def _new_sequence(self, input_ids: Any, sampling_params: Any, rid: Any) -> Sequence:
+        if not (isinstance(input_ids, list) and input_ids):
+            raise InvalidRequest("input_ids must be a non-empty list of token ids")
+        for token in input_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise InvalidRequest(f"input_ids must be token ids in [0, {self.vocab_size}), got {token!r}")
+        if len(input_ids) >= self.context_length:
+            raise InvalidRequest(
+                f"prompt of {len(input_ids)} tokens leaves no room in the model's context of {self.context_length}"
+            )
+        if rid is not None and not (isinstance(rid, str) and rid):
+            raise InvalidRequest(f"rid must be a non-empty string, got {rid!r}")
+        params = SamplingParams.from_dict(sampling_params)
+        seed = params.sampling_seed if params.sampling_seed is not None else self._rng.getrandbits(63)
+        return Sequence(
+            rid=rid or f"cpu-{self._rng.getrandbits(64):016x}",
+            prompt_ids=list(input_ids),
+            params=params,
+            stop_token_ids=frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids),
+            max_total_tokens=self.context_length,
+            generator=torch.Generator().manual_seed(seed),
+            detokenize=functools.partial(self.tokenizer.decode, skip_special_tokens=params.skip_special_tokens),
+        )
+
+    async def _run(self, sequence: Sequence, return_logprob: bool) -> dict[str, Any]:
+        if not sequence.finished:
+            reply = concurrent.futures.Future()
+            with self._wakeup:
+                if self._stopping:
+                    raise RuntimeError("the engine is shutting down")
+                if sequence.rid in self._replies:
+                    raise InvalidRequest(f"a request with rid {sequence.rid!r} is already running")
+                self._replies[sequence.rid] = reply
+                self._waiting.append(sequence)
+                self._wakeup.notify()
+            try:
+                # Shielded: a cancelled caller must not cancel the future the scheduler is about to answer.
+                await asyncio.shield(asyncio.wrap_future(reply))
+            except asyncio.CancelledError:
+                self._submit_command(lambda: self._abort(lambda s: s is sequence, "Abort: the caller went away"))
+                raise
+        return self._response(sequence, return_logprob)
+
+    def _response(self, sequence: Sequence, return_logprob: bool) -> dict[str, Any]:
+        """SGLang's /generate answer for a finished sequence."""
+        text_ids = sequence.output_ids
+        matched = (sequence.finish_reason or {}).get("matched")
+        if isinstance(matched, int) and not sequence.params.no_stop_trim:
+            text_ids = text_ids[:-1]
+        text = self.tokenizer.decode(text_ids, skip_special_tokens=sequence.params.skip_special_tokens)
+        if isinstance(matched, str) and not sequence.params.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]
+        meta_info: dict[str, Any] = {
+            "id": sequence.rid,
+            "finish_reason": sequence.finish_reason,
+            "prompt_tokens": len(sequence.prompt_ids),
+            "completion_tokens": len(sequence.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+        }
+        if return_logprob:
+            meta_info["output_token_logprobs"] = [
+                [logprob, token, None] for logprob, token in zip(sequence.output_logprobs, sequence.output_ids)
+            ]
+        return {"text": text, "output_ids": list(sequence.output_ids), "meta_info": meta_info}
+
+    # --- internals: the scheduler thread ----------------------------------------------------------------------
+
+    def _submit_command(self, command: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `command` on the scheduler thread between two model steps."""
+        result = concurrent.futures.Future()
+        with self._wakeup:
+            if self._stopping:
+                result.set_exception(RuntimeError("the engine is shutting down"))
+                return result
+            self._commands.append((command, result))
+            self._wakeup.notify()
+        return result
+
+    async def _in_scheduler(self, command: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self._submit_command(command))
+
+    def _schedule(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._stopping or self._commands or self._has_work()):
+                    self._wakeup.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            for command, result in commands:
+                try:
+                    result.set_result(command())
+                except Exception as exc:
+                    result.set_exception(exc)
+            if self._pause_mode is not None:
+                continue
+            with self._wakeup:
+                room = self.max_batch_size - len(self._batch)
+                joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            if not (joining or self._batch.sequences):
+                continue
+            try:
+                finished = self._batch.advance(joining)
+            except Exception as exc:  # a model failure fails this batch's requests, never the engine
+                log.exception("decode step failed; failing %d requests", len(self._batch) + len(joining))
+                failed = list({id(s): s for s in [*self._batch.sequences, *joining]}.values())
+                self._batch = DecodeBatch(self.model)
+                self._reply(failed, exc)
+                continue
+            self._reply(finished)
+        self._abort(lambda s: True, "Abort: engine shutting down")
+        with self._wakeup:
+            for _, result in self._commands:
+                result.set_exception(RuntimeError("the engine is shutting down"))
+            self._commands.clear()
+
+    def _has_work(self) -> bool:
+        return self._pause_mode is None and bool(self._waiting or self._batch.sequences)
+
+    def _abort(self, selected: Callable[[Sequence], bool], message: str) -> int:
+        with self._wakeup:
+            queued = [s for s in self._waiting if selected(s)]
+            self._waiting = deque(s for s in self._waiting if not selected(s))
+        running = [s for s in self._batch.sequences if selected(s)]
+        for sequence in queued:
+            sequence.abort(ABORT_BEFORE_PREFILL)
+        for sequence in running:
+            sequence.abort(message)
+        self._batch.remove(running)
+        self._reply(queued + running)
+        return len(queued) + len(running)
+
+    def _reply(self, sequences: list[Sequence], error: Exception | None = None) -> None:
+        with self._wakeup:
+            replies = [self._replies.pop(s.rid) for s in sequences if s.rid in self._replies]
+        for reply in replies:
+            if error is None:
+                reply.set_result(None)
+            else:
+                reply.set_exception(error)
+
+    def _parameters(self, names: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+        if names is None:
+            return list(self.model.named_parameters())
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        unknown = [name for name in names if name not in parameters]
+        if unknown:
+            raise InvalidRequest(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        return [(name, parameters[name]) for name in names]
+
+    def _load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None) -> None:
+        parameters = dict(self.model.named_parameters(remove_duplicate=False))
+        problems = []
+        for name, tensor in named_tensors:
+            if name not in parameters:
+                problems.append(f"unknown parameter {name!r}")
+            elif parameters[name].shape != tensor.shape:
+                problems.append(
+                    f"shape mismatch for {name!r}: model has {list(parameters[name].shape)}, got {list(tensor.shape)}"
+                )
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise WeightUpdateError("; ".join(problems[:5]) + more + "; nothing was loaded from this update")
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                parameters[name].copy_(tensor)
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+
+def _receive_broadcast(
+    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool
+) -> list[torch.Tensor]:
+    """Receive what group rank 0 broadcasts: one tensor per name, or one flattened bucket in `names` order."""
+    if not flattened:
+        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+        for tensor in tensors:
+            dist.broadcast(tensor, group_src=0, group=group)
+        return tensors
+    # The sender's torch.cat promotes mixed dtypes; receive in the promoted dtype and cast each piece back.
+    bucket_dtype = functools.reduce(torch.promote_types, dtypes)
+    sizes = [math.prod(shape) for shape in shapes]
+    bucket = torch.empty(sum(sizes), dtype=bucket_dtype)
+    dist.broadcast(bucket, group_src=0, group=group)
+    return [piece.view(shape).to(dtype) for piece, shape, dtype in zip(bucket.split(sizes), shapes, dtypes)]
+
+
+def _as_weight_update_error(action: Callable[[], None]) -> None:
+    """Run a blocking group operation, reporting torch/gloo failures as WeightUpdateError (answered 400)."""
+    try:
+        action()
+    except (WeightUpdateError, InvalidRequest):
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _require_shape(shape: Any) -> list[int]:
+    if not isinstance(shape, list):
+        raise InvalidRequest(f"each shape must be a list of sizes, got {shape!r}")
+    return [_require_int("shape size", size, low=0) for size in shape]
+
+
+def parse_dtype(name: Any) -> torch.dtype:
+    """"bfloat16" or "torch.bfloat16" -> torch.bfloat16; only floating dtypes are weights."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InvalidRequest(f"unsupported dtype {name!r}")
+    return dtype
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

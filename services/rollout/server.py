@@ -1,0 +1,118 @@
+"""Rollout gRPC shell: on-demand generation and the weight-sync operations, passed to the inference engine."""
+
+from __future__ import annotations
+
+from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_k8s.common.grpcutil import require, rpc
+from areal_k8s.rollout.worker import RolloutWorker
+
+PAUSE_MODES = {"", "abort", "in_place"}
+
+
+def validate_group(group: common_pb2.PromptGroup) -> None:
+    require(bool(group.group_id), "group.group_id is required")
+    require(bool(group.prompt), "group.prompt must not be empty")
+    require(bool(group.verifier), "group.verifier is required")
+    require(group.n_samples >= 1, f"group.n_samples must be >= 1, got {group.n_samples}")
+    require(group.sampling.max_new_tokens >= 1, f"group.sampling.max_new_tokens must be >= 1, got {group.sampling.max_new_tokens}")
+    require(group.sampling.temperature >= 0, f"group.sampling.temperature must be >= 0, got {group.sampling.temperature}")
+    require(0 <= group.sampling.top_p <= 1, f"group.sampling.top_p must be in [0, 1], got {group.sampling.top_p}")
+
+
+def _ok(message: str = "") -> rollout_pb2.WeightOpResponse:
+    return rollout_pb2.WeightOpResponse(success=True, message=message)
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, worker: RolloutWorker):
+        self.worker = worker
+        self.engine = worker.engine
+        self.paused = False
+
+    @rpc
+    async def Generate(self, request, context):
+        validate_group(request.group)
+        return rollout_pb2.GenerateResponse(trajectories=await self.worker.generate_group(request.group))
+
+    @rpc
+    async def InitWeightUpdateGroup(self, request, context):
+        require(bool(request.master_address), "master_address is required")
+        require(0 < request.master_port < 65536, f"master_port must be a TCP port, got {request.master_port}")
+        require(0 < request.rank_offset < request.world_size, f"rank_offset {request.rank_offset} must be in [1, world_size={request.world_size})")
+        require(request.backend in ("gloo", "nccl"), f"backend must be gloo or nccl, got {request.backend!r}")
+        require(bool(request.group_name), "group_name is required")
+        await self.engine.init_weights_update_group(
+            master_address=request.master_address,
+            master_port=request.master_port,
+            rank_offset=request.rank_offset,
+            world_size=request.world_size,
+            group_name=request.group_name,
+            backend=request.backend,
+        )
+        return _ok()
+
+    @rpc
+    async def DestroyWeightUpdateGroup(self, request, context):
+        require(bool(request.group_name), "group_name is required")
+        await self.engine.destroy_weights_update_group(request.group_name)
+        return _ok()
+
+    @rpc
+    async def UpdateWeights(self, request, context):
+        require(len(request.names) > 0, "names must not be empty")
+        require(
+            len(request.names) == len(request.dtypes) == len(request.shapes),
+            f"names, dtypes and shapes must have equal lengths, got {len(request.names)}, {len(request.dtypes)}, {len(request.shapes)}",
+        )
+        require(request.load_format in ("", "flattened_bucket"), f"load_format must be '' or 'flattened_bucket', got {request.load_format!r}")
+        new_version = request.weight_version if request.HasField("weight_version") else None
+        require(new_version is None or new_version >= 0, f"weight_version must be >= 0, got {new_version}")
+        await self.engine.update_weights_from_distributed(
+            names=list(request.names),
+            dtypes=list(request.dtypes),
+            shapes=[list(s.dims) for s in request.shapes],
+            group_name=request.group_name,
+            weight_version=None if new_version is None else str(new_version),
+            load_format=request.load_format or None,
+            flush_cache=request.flush_cache,
+        )
+        if new_version is not None:
+            self.worker.engine_version = new_version
+        return _ok()
+
+    @rpc
+    async def PauseGeneration(self, request, context):
+        require(request.mode in PAUSE_MODES, f"mode must be abort or in_place, got {request.mode!r}")
+        await self.engine.pause_generation(request.mode or "abort")
+        self.paused = True
+        return _ok()
+
+    @rpc
+    async def ContinueGeneration(self, request, context):
+        await self.engine.continue_generation()
+        self.paused = False
+        return _ok()
+
+    @rpc
+    async def GetWeightVersion(self, request, context):
+        return common_pb2.WeightVersion(version=self.worker.engine_version)
+
+    @rpc
+    async def GetWeightsChecksum(self, request, context):
+        checksum = await self.engine.weights_checksum(list(request.names) or None)
+        return rollout_pb2.WeightsChecksum(
+            per_tensor=checksum["per_tensor"], combined=checksum["combined"], version=self.worker.engine_version
+        )
+
+    @rpc
+    async def GetRolloutStatus(self, request, context):
+        c = self.worker.counters
+        return rollout_pb2.RolloutStatus(
+            worker_id=self.worker.worker_id,
+            engine_version=self.worker.engine_version,
+            in_flight_groups=len(self.worker.in_flight),
+            generated_samples=c.generated_samples,
+            generated_tokens=c.generated_tokens,
+            interruptions=c.interruptions,
+            paused=self.paused,
+        )

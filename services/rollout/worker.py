@@ -1,0 +1,236 @@
+"""The rollout worker: pull admitted prompt groups, generate n samples each, score them, write them to the stream.
+
+Generation is interruptible: when the trainer pauses the engine to push weights, in-flight requests come back
+with finish_reason "abort" and the tokens so far; the worker resubmits prompt + generated prefix, the engine
+recomputes the KV cache under the new weights, and every token keeps the policy version that produced it
+(AReaL's partial rollout, areal-design-notes §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
+from areal_k8s.common.config import JobConfig
+from areal_k8s.common.prompts import encode_prompt, stop_token_ids
+from areal_k8s.common.store import TrajectoryStore
+
+log = logging.getLogger(__name__)
+
+MAX_INTERRUPTIONS = 64  # a request aborted this often is not being interrupted by weight pushes: give up on it
+
+
+def parse_weight_version(value: object) -> int:
+    """SGLang reports the version as a string ("default" before the first update, i.e. the initial weights)."""
+    text = str(value)
+    return int(text) if text.lstrip("-").isdigit() else 0
+
+
+@dataclass
+class Sample:
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    interruptions: int = 0
+
+
+@dataclass
+class Counters:
+    generated_samples: int = 0
+    generated_tokens: int = 0
+    interruptions: int = 0
+
+
+async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rid: str) -> Sample:
+    """Generate one response, resuming after every abort from its generated prefix."""
+    sample = Sample()
+    budget = sampling["max_new_tokens"]
+    while True:
+        params = dict(sampling, max_new_tokens=budget - len(sample.output_ids))
+        result = await engine.generate(prompt_ids + sample.output_ids, params, rid=rid)
+        meta = result["meta_info"]
+        version = parse_weight_version(meta["weight_version"])
+        for logprob, token_id, _text in meta["output_token_logprobs"]:
+            sample.output_ids.append(token_id)
+            sample.logprobs.append(logprob)
+            sample.versions.append(version)
+        reason = meta["finish_reason"]["type"]
+        if reason != "abort":
+            sample.finish_reason = reason
+            return sample
+        sample.interruptions += 1
+        if len(sample.output_ids) >= budget:
+            sample.finish_reason = "length"
+            return sample
+        if sample.interruptions > MAX_INTERRUPTIONS:
+            raise RuntimeError(f"request {rid} was aborted {sample.interruptions} times")
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        worker_id: str,
+        address: str,
+        controller: controller_pb2_grpc.ControllerStub,
+        reward: reward_pb2_grpc.RewardStub,
+        engine,
+        store: TrajectoryStore,
+        tokenizer,
+        poll_interval: float = 0.2,
+    ):
+        self.job = job
+        self.worker_id = worker_id
+        self.address = address
+        self.controller = controller
+        self.reward = reward
+        self.engine = engine
+        self.store = store
+        self.tokenizer = tokenizer
+        self.poll_interval = poll_interval
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.engine_version = 0
+        self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
+        self.counters = Counters()
+
+    # -- one group -----------------------------------------------------------------------------------------
+
+    async def generate_group(self, group: common_pb2.PromptGroup) -> list[common_pb2.Trajectory]:
+        """Generate and score group.n_samples responses; the trajectories are returned, not written."""
+        started = time.time()
+        prompt_ids = encode_prompt(self.tokenizer, group.prompt, self.job.rollout.prompt_template)
+        sampling = {
+            "temperature": group.sampling.temperature,
+            "top_p": group.sampling.top_p or 1.0,
+            "top_k": group.sampling.top_k if group.sampling.top_k > 0 else -1,
+            "max_new_tokens": group.sampling.max_new_tokens,
+            "stop_token_ids": self.stop_ids,
+        }
+        rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
+        samples = await asyncio.gather(*(generate_interruptible(self.engine, prompt_ids, sampling, rid) for rid in rids))
+        generated = time.time()
+        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
+        scores = await self.reward.Score(
+            reward_pb2.ScoreRequest(
+                items=[
+                    reward_pb2.ScoreItem(item_id=rid, verifier=group.verifier, prompt=group.prompt, response=text, reference=group.reference)
+                    for rid, text in zip(rids, texts)
+                ]
+            )
+        )
+        rewarded = time.time()
+        by_id = {r.item_id: r for r in scores.results}
+        trajectories = []
+        for rid, sample, text in zip(rids, samples, texts):
+            score = by_id[rid]
+            n_prompt, n_out = len(prompt_ids), len(sample.output_ids)
+            trajectories.append(
+                common_pb2.Trajectory(
+                    trajectory_id=rid,
+                    group_id=group.group_id,
+                    prompt_id=group.prompt_id,
+                    token_ids=prompt_ids + sample.output_ids,
+                    prompt_length=n_prompt,
+                    logprobs=[0.0] * n_prompt + sample.logprobs,
+                    versions=[-1] * n_prompt + sample.versions,
+                    loss_mask=[False] * n_prompt + [True] * n_out,
+                    reward=score.reward,
+                    reward_status=reward_pb2.ScoreResult.Status.Name(score.status).lower(),
+                    finish_reason=sample.finish_reason,
+                    interruptions=sample.interruptions,
+                    response_text=text,
+                    admitted_version=group.admitted_version,
+                    ticket=group.ticket,
+                    timings=common_pb2.Timings(
+                        generation_started_at=started, generation_finished_at=generated, reward_finished_at=rewarded
+                    ),
+                )
+            )
+            self.counters.generated_samples += 1
+            self.counters.generated_tokens += n_out
+            self.counters.interruptions += sample.interruptions
+        return trajectories
+
+    async def process_group(self, group: common_pb2.PromptGroup) -> None:
+        """Generate, score, write, report. Any failure re-queues the prompt at the controller; nothing is lost."""
+        result, reason = controller_pb2.GroupOutcome.ACCEPTED, ""
+        try:
+            trajectories = await self.generate_group(group)
+            now = time.time()
+            for t in trajectories:
+                t.timings.written_at = now
+            if await self.store.write_group(trajectories) is None:
+                reason = "revoked by the controller before it was written"
+                log.warning("group %s: %s", group.group_id, reason)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("group %s failed", group.group_id)
+            result, reason = controller_pb2.GroupOutcome.FAILED, f"{type(exc).__name__}: {exc}"
+        await self.controller.CompleteGroups(
+            controller_pb2.CompleteGroupsRequest(
+                worker_id=self.worker_id,
+                outcomes=[controller_pb2.GroupOutcome(group_id=group.group_id, result=result, reason=reason)],
+            )
+        )
+
+    # -- the pull loop -------------------------------------------------------------------------------------
+
+    async def register(self) -> None:
+        await self.controller.RegisterWorker(
+            controller_pb2.RegisterWorkerRequest(worker_id=self.worker_id, address=self.address, engine_version=self.engine_version)
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat."""
+        await self.register()
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            while not stop.is_set():
+                free = self.job.rollout.groups_per_worker - len(self.in_flight)
+                try:
+                    reply = await self.controller.AcquireGroups(
+                        controller_pb2.AcquireGroupsRequest(worker_id=self.worker_id, max_groups=free, engine_version=self.engine_version)
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the controller restarted and forgot us
+                        await self.register()
+                    else:
+                        log.warning("controller unreachable (%s); retrying", exc.code().name)
+                        await asyncio.sleep(1.0)
+                    continue
+                if reply.finished:
+                    log.info("job finished; worker %s stops", self.worker_id)
+                    return
+                for group in reply.groups:
+                    task = asyncio.create_task(self.process_group(group))
+                    self.in_flight[task] = group
+                    task.add_done_callback(lambda done: self.in_flight.pop(done, None))
+                await asyncio.wait({stopping, *self.in_flight}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            await self.abandon_in_flight()
+
+    async def abandon_in_flight(self) -> None:
+        """On shutdown, hand unfinished groups back at once rather than waiting for their leases to expire."""
+        abandoned = list(self.in_flight.values())
+        for task in list(self.in_flight):
+            task.cancel()
+        await asyncio.gather(*self.in_flight, return_exceptions=True)
+        if not abandoned:
+            return
+        outcomes = [
+            controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED, reason="worker stopped")
+            for g in abandoned
+        ]
+        try:
+            await self.controller.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id=self.worker_id, outcomes=outcomes), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not hand back %d groups (%s); their leases will expire", len(abandoned), exc.code().name)

@@ -1,0 +1,64 @@
+"""python -m areal_k8s.trainer --job JOB.yaml --controller ADDR --reward ADDR --redis-url URL"""
+
+import asyncio
+import logging
+import os
+
+import torch
+
+from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, trainer_pb2_grpc
+from areal_k8s.common.grpcutil import channel, start_server
+from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.service import base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.trainer.server import TrainerServicer
+from areal_k8s.trainer.trainer import Trainer
+
+log = logging.getLogger("areal.trainer")
+
+
+def main() -> None:
+    env = os.environ.get
+    parser = base_parser("trainer", default_port=50054)
+    parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
+    parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
+    parser.add_argument("--consumer", default=env("AREAL_CONSUMER", "trainer-0"), help="stream consumer name")
+    parser.add_argument("--master-address", default=env("AREAL_MASTER_ADDRESS", "127.0.0.1"),
+                        help="address the rollout engines reach this trainer at for the weight-update group")
+    args = parser.parse_args()
+    setup_logging("trainer", args.log_level)
+    job = load_job(args.job)
+    torch.set_num_threads(job.trainer.threads)
+    eval_items = load_items(job.dataset.eval, job.dataset.format)[: job.dataset.eval_limit] if job.dataset.eval else []
+
+    async def run(stop: asyncio.Event) -> None:
+        redis_client = connect(args.redis_url)
+        controller_channel, reward_channel = channel(args.controller), channel(args.reward)
+        trainer = Trainer(
+            job=job,
+            store=TrajectoryStore(redis_client, job.name),
+            controller=controller_pb2_grpc.ControllerStub(controller_channel),
+            reward=reward_pb2_grpc.RewardStub(reward_channel),
+            tokenizer=load_tokenizer(job.tokenizer_path),
+            eval_items=eval_items,
+            consumer=args.consumer,
+            master_address=args.master_address,
+        )
+        server, port, _health = await start_server(
+            [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer), "areal.v1.Trainer")], f"{args.host}:{args.port}"
+        )
+        log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
+        try:
+            await run_until_stopped(trainer.run(), stop)
+        finally:
+            await trainer.close_targets()
+            await server.stop(grace=2)
+            await asyncio.gather(controller_channel.close(), reward_channel.close())
+            await redis_client.aclose()
+
+    run_service("trainer", run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Forming training batches from the trajectory stream without any sample exceeding the staleness bound.
+
+A group admitted at version a must be trained at a version no later than its deadline a + η. The controller's
+admission rule (controller/admission.py) makes the deadlines satisfiable: by the time the trainer reaches
+version w, at most (w − v + 1)·B unconsumed groups are due. AReaL stops there, so a straggler can still be
+trained late when newer groups overtook it. We keep the bound per sample: the trainer takes the oldest
+complete groups, but only if the groups left behind (complete or still generating) can all still meet their
+deadlines with B per step; otherwise it waits for the straggler whose place in this batch is needed.
+This is earliest-deadline-first scheduling, and it only ever waits when the bound would otherwise break.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.common.store import StreamEntry, TrajectoryStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    group_id: str
+    admitted_version: int
+    ticket: int
+    entries: tuple[StreamEntry, ...]
+
+    @property
+    def min_version(self) -> int:
+        return min(e.min_version for e in self.entries)
+
+
+def deadlines_feasible(deadlines: Iterable[int], *, version: int, batch_size: int) -> bool:
+    """Can groups with these deadlines all be trained in the steps after `version`, B per step?"""
+    due = 0
+    for deadline in sorted(deadlines):
+        due += 1
+        if due > (deadline - version) * batch_size:
+            return False
+    return True
+
+
+def select_batch(
+    complete: list[Group],
+    running: dict[int, int],
+    *,
+    version: int,
+    batch_size: int,
+    max_staleness: int,
+) -> list[Group] | None:
+    """The batch to train at `version`, or None to wait for more groups.
+
+    `running` counts groups still generating by admitted version. If no choice can keep every deadline
+    (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway.
+    """
+    if len(complete) < batch_size:
+        return None
+    ordered = sorted(complete, key=lambda g: (g.admitted_version, g.ticket))
+    batch = ordered[:batch_size]
+    running_deadlines = [admitted + max_staleness for admitted, count in running.items() for _ in range(count)]
+    left_behind = [g.admitted_version + max_staleness for g in ordered[batch_size:]] + running_deadlines
+    if deadlines_feasible(left_behind, version=version, batch_size=batch_size):
+        return batch
+    # Waiting helps only if an earliest-deadline batch over all groups needs one that is still generating.
+    everything = sorted([(g.admitted_version + max_staleness, 0) for g in ordered] + [(d, 1) for d in running_deadlines])
+    if deadlines_feasible([d for d, _ in everything[batch_size:]], version=version, batch_size=batch_size):
+        return None
+    log.warning("staleness bound cannot hold at version %d for every group; training the oldest", version)
+    return batch
+
+
+def staleness(version: int, group: Group) -> int:
+    """Versions between the oldest policy that produced the group's tokens and the one training on them."""
+    return version - group.min_version
+
+
+class BatchAssembler:
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        consumer: str,
+        controller,
+        *,
+        batch_size: int,
+        group_size: int,
+        max_staleness: int,
+        poll_ms: int = 200,
+    ):
+        self.store = store
+        self.consumer = consumer
+        self.controller = controller
+        self.batch_size = batch_size
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.poll_ms = poll_ms
+        self.buffer: dict[str, list[StreamEntry]] = {}
+
+    def add(self, entries: list[StreamEntry]) -> None:
+        for entry in entries:
+            self.buffer.setdefault(entry.group_id, []).append(entry)
+
+    def complete_groups(self) -> list[Group]:
+        return [
+            Group(gid, entries[0].admitted_version, entries[0].ticket, tuple(entries))
+            for gid, entries in self.buffer.items()
+            if len(entries) == self.group_size
+        ]
+
+    @property
+    def buffered_entries(self) -> int:
+        return sum(len(entries) for entries in self.buffer.values())
+
+    async def drain(self, block_ms: int = 0) -> None:
+        """Buffer every entry written so far (waiting up to `block_ms` for the first if there is none)."""
+        count = self.batch_size * self.group_size
+        while entries := await self.store.read_new(self.consumer, count=count, block_ms=block_ms):
+            self.add(entries)
+            block_ms = 0
+            if len(entries) < count:
+                return
+
+    async def next_batch(self, version: int) -> list[Group]:
+        while True:
+            # Ask the controller first, then read: a group it no longer counts as running was written before it
+            # was reported, so the read below sees it. (The other order could miss a group in both places.)
+            outstanding = await self.controller.GetOutstanding(controller_pb2.GetOutstandingRequest())
+            await self.drain()
+            batch = select_batch(
+                self.complete_groups(),
+                dict(outstanding.running_by_admitted_version),
+                version=version,
+                batch_size=self.batch_size,
+                max_staleness=self.max_staleness,
+            )
+            if batch is not None:
+                for group in batch:
+                    del self.buffer[group.group_id]
+                return batch
+            await self.drain(block_ms=self.poll_ms)

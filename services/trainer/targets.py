@@ -1,0 +1,76 @@
+"""The trainer's view of a rollout worker as a weight-sync target, over the Rollout gRPC service.
+
+The worker passes each call to its engine (SGLang or ours), so the trainer never needs to know which engine
+runs behind it; the tensors themselves travel engine-side over the torch.distributed group.
+"""
+
+from __future__ import annotations
+
+from areal_k8s.api.v1 import rollout_pb2, rollout_pb2_grpc
+from areal_k8s.common.grpcutil import channel
+
+
+class WeightTargetError(RuntimeError):
+    pass
+
+
+class RolloutTarget:
+    def __init__(self, worker_id: str, address: str):
+        self.worker_id = worker_id
+        self.address = address
+        self._channel = channel(address)
+        self.stub = rollout_pb2_grpc.RolloutStub(self._channel)
+
+    def __repr__(self) -> str:
+        return f"rollout worker {self.worker_id} at {self.address}"
+
+    async def _call(self, method, request, timeout: float | None = None):
+        reply = await method(request, timeout=timeout)
+        if hasattr(reply, "success") and not reply.success:
+            raise WeightTargetError(f"{self!r}: {reply.message}")
+        return reply
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        await self._call(
+            self.stub.InitWeightUpdateGroup,
+            rollout_pb2.InitWeightUpdateGroupRequest(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            ),
+        )
+
+    async def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name, *, weight_version=None, load_format=None, flush_cache=True, abort_all_requests=False
+    ):
+        # abort_all_requests is moot: the trainer pauses generation (abort mode) before the first bucket.
+        request = rollout_pb2.UpdateWeightsRequest(
+            names=names,
+            dtypes=dtypes,
+            shapes=[rollout_pb2.TensorShape(dims=list(shape)) for shape in shapes],
+            group_name=group_name,
+            load_format=load_format or "",
+            flush_cache=flush_cache,
+        )
+        if weight_version is not None:
+            request.weight_version = int(weight_version)
+        await self._call(self.stub.UpdateWeights, request)
+
+    async def pause_generation(self, mode: str = "abort"):
+        await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode), timeout=60)
+
+    async def continue_generation(self):
+        await self._call(self.stub.ContinueGeneration, rollout_pb2.ContinueGenerationRequest(), timeout=60)
+
+    async def destroy_weights_update_group(self, group_name: str):
+        await self._call(self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name), timeout=60)
+
+    async def weights_checksum(self) -> str:
+        reply = await self._call(self.stub.GetWeightsChecksum, rollout_pb2.GetWeightsChecksumRequest(), timeout=120)
+        return reply.combined
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,384 @@
+"""The trainer: consume trajectories, step the policy, checkpoint, push weights, announce the version.
+
+`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2
+from areal_k8s.common.config import JobConfig
+from areal_k8s.common.prompts import encode_prompt, stop_token_ids
+from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.rollout.cpu_engine.engine import generate_batch
+from areal_k8s.trainer.algorithm import group_advantages, ppo_policy_loss
+from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
+from areal_k8s.trainer.checkpoint import TrainerState, latest_checkpoint, load_state, save_checkpoint
+from areal_k8s.trainer.targets import RolloutTarget
+from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError, weights_checksum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """One line of steps.jsonl: what a step consumed and how it went."""
+
+    version: int
+    groups: list[str]
+    entries: list[str]
+    staleness: list[int]
+    reward_mean: float
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    grad_norm: float
+    samples: int
+    tokens: int
+    seconds: dict[str, float]
+    weight_push: dict = field(default_factory=dict)
+    weights_verified: dict[str, bool] = field(default_factory=dict)
+    eval_accuracy: float = -1.0
+
+
+def micro_batches(sequences: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Split sequence indices into micro-batches whose padded size (count × longest) fits the budget."""
+    order = sorted(sequences, key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > token_budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token_t | tokens_<t) for t = 1..L-1, under the engine's convention softmax(logits / T)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        job: JobConfig,
+        store: TrajectoryStore,
+        controller,
+        reward,
+        tokenizer,
+        eval_items: list[DatasetItem],
+        consumer: str,
+        master_address: str = "127.0.0.1",
+    ):
+        self.job = job
+        self.store = store
+        self.controller = controller
+        self.reward = reward
+        self.tokenizer = tokenizer
+        self.eval_items = eval_items
+        self.consumer = consumer
+        self.master_address = master_address
+        self.run_dir = Path(job.run_dir)
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.steps_log = self.run_dir / "trainer" / "steps.jsonl"
+        self.device = torch.device(job.trainer.device)
+        self.assembler = BatchAssembler(
+            store,
+            consumer,
+            controller,
+            batch_size=job.algorithm.batch_size,
+            group_size=job.algorithm.group_size,
+            max_staleness=job.algorithm.max_staleness,
+        )
+        self.sender: WeightSender | None = None
+        self.targets: dict[str, RolloutTarget] = {}
+        self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
+        self.phase = "starting"
+        self.lock = asyncio.Lock()  # a checkpoint never interleaves with a step
+        self.model = None
+        self.optimizer = None
+        self.state = TrainerState(version=0)
+        self.last: StepRecord | None = None
+        self.reclaimed = 0
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.start()
+        total = self.job.algorithm.total_steps
+        while self.version < total:
+            self.phase = "waiting_for_data"
+            waited = time.monotonic()
+            groups = await self.assembler.next_batch(self.version)
+            async with self.lock:
+                self.phase = "training"
+                record = await asyncio.to_thread(self.train_step, groups)
+                record.seconds["wait"] = time.monotonic() - waited - record.seconds["train"]
+                self.state.version += 1
+                self.unacked += [e for g in groups for e in g.entries]
+                if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
+                    record.seconds["checkpoint"] = await self.commit()
+            self.phase = "pushing_weights"
+            record.weight_push, record.weights_verified = await self.push_weights()
+            await self.announce(restored=False)
+            if self.evaluation_due():
+                self.phase = "evaluating"
+                record.eval_accuracy = await self.evaluate()
+            await self.report(record, finished=self.version == total)
+            self.last = record
+        self.phase = "finished"
+
+    # -- start and recovery --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines."""
+        checkpoint = latest_checkpoint(self.checkpoints)
+        source = checkpoint or Path(self.job.model)
+        torch.manual_seed(self.job.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        algorithm = self.job.algorithm
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
+        )
+        if checkpoint:
+            self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+            self.state = load_state(checkpoint)
+            log.info("resumed from %s at version %d", checkpoint, self.version)
+        await self.store.ensure_consumer_group()
+        # Entries a dead trainer read but never checkpointed are trained again: nothing is lost.
+        self.reclaimed = await self.store.claim_pending(self.consumer)
+        pending = await self.store.read_pending(self.consumer)
+        self.assembler.add(pending)
+        if pending:
+            log.info("reclaimed %d pending stream entries", len(pending))
+        self.phase = "pushing_weights"
+        await self.push_weights()
+        await self.announce(restored=checkpoint is not None)
+        if checkpoint is None:
+            self.phase = "evaluating"
+            self.state.base_accuracy = await self.evaluate()
+            await self.controller.ReportTrainStep(
+                controller_pb2.TrainStepReport(version=0, eval_accuracy=self.state.base_accuracy, base_evaluation=True)
+            )
+            log.info("base model held-out accuracy %.3f", self.state.base_accuracy)
+
+    # -- one step ------------------------------------------------------------------------------------------
+
+    def train_step(self, groups: list[Group]) -> StepRecord:
+        """GRPO advantages and one clipped policy-gradient step over the batch, in token-budgeted micro-batches."""
+        started = time.monotonic()
+        algorithm = self.job.algorithm
+        trajectories = [e.trajectory for g in groups for e in g.entries]
+        rewards = torch.tensor([[e.trajectory.reward for e in g.entries] for g in groups], dtype=torch.float32)
+        advantages = group_advantages(rewards, algorithm.adv_eps).flatten()
+        lengths = [len(t.token_ids) for t in trajectories]
+        total_tokens = sum(sum(t.loss_mask) for t in trajectories)
+        temperature = self.job.sampling.temperature
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, clip_sum, kl_sum = 0.0, 0.0, 0.0
+        for indices in micro_batches(list(range(len(trajectories))), lengths, self.job.trainer.micro_batch_tokens):
+            batch = collate([trajectories[i] for i in indices], advantages[indices], self.tokenizer.pad_token_id, self.device)
+            logprobs = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], temperature)
+            loss, stats = ppo_policy_loss(
+                logprobs, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
+                eps_clip=algorithm.eps_clip, normaliser=float(total_tokens),
+            )
+            loss.backward()
+            share = float(batch["loss_mask"].sum()) / total_tokens
+            loss_sum += float(loss)
+            clip_sum += stats.clip_fraction * share
+            kl_sum += stats.approx_kl * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)
+        self.optimizer.step()
+        self.state.trained_samples += len(trajectories)
+        self.state.trained_tokens += total_tokens
+        return StepRecord(
+            version=self.version + 1,
+            groups=[g.group_id for g in groups],
+            entries=[e.entry_id for g in groups for e in g.entries],
+            staleness=[staleness(self.version, g) for g in groups for _ in g.entries],
+            reward_mean=float(rewards.mean()),
+            loss=loss_sum,
+            clip_fraction=clip_sum,
+            approx_kl=kl_sum,
+            grad_norm=float(grad_norm),
+            samples=len(trajectories),
+            tokens=total_tokens,
+            seconds={"train": time.monotonic() - started},
+        )
+
+    async def commit(self) -> float:
+        """Checkpoint, then acknowledge the entries the checkpoint covers. Returns the seconds it took."""
+        started = time.monotonic()
+        await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state, self.job.trainer.keep_checkpoints)
+        await self.store.ack(self.unacked)
+        self.unacked = []
+        return time.monotonic() - started
+
+    async def save_now(self) -> Path:
+        async with self.lock:
+            await self.commit()
+        return latest_checkpoint(self.checkpoints)
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    async def refresh_targets(self) -> None:
+        """Rebuild the weight-update group when rollout workers came or went."""
+        reply = await self.controller.ListWorkers(controller_pb2.ListWorkersRequest())
+        wanted = {w.worker_id: w.address for w in reply.workers}
+        if self.sender and wanted == {wid: t.address for wid, t in self.targets.items()}:
+            return
+        await self.close_targets()
+        if not wanted:
+            return
+        self.targets = {wid: RolloutTarget(wid, address) for wid, address in sorted(wanted.items())}
+        self.sender = WeightSender(
+            backend=self.job.trainer.weight_sync_backend,
+            master_address=self.master_address,
+            bucket_bytes=int(self.job.trainer.weight_bucket_mb * 2**20),
+            timeout=self.job.trainer.weight_sync_timeout_seconds,
+        )
+        await self.sender.connect(list(self.targets.values()))
+        log.info("weight-update group: %s", ", ".join(self.targets))
+
+    async def push_weights(self) -> tuple[dict, dict[str, bool]]:
+        """Push the current weights to every rollout engine (generation paused around it); verify if asked."""
+        for attempt in (1, 2):
+            try:
+                await self.refresh_targets()
+                if not self.sender:
+                    return {}, {}
+                named = [(name, p.detach()) for name, p in self.model.named_parameters()]
+                stats = await self.sender.push(named, self.version)
+                break
+            except WeightSyncError as exc:
+                # A worker died mid-push: rebuild the group from the workers the controller still lists.
+                log.warning("weight push failed (%s); rebuilding the group (attempt %d)", exc, attempt)
+                await self.close_targets()
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(1.0)
+        verified = await self.verify_weights() if self.job.trainer.verify_weight_sync else {}
+        return asdict(stats), verified
+
+    async def verify_weights(self) -> dict[str, bool]:
+        _, expected = weights_checksum([(name, p.detach()) for name, p in self.model.named_parameters()])
+        results = {wid: await target.weights_checksum() == expected for wid, target in self.targets.items()}
+        if not all(results.values()):
+            raise RuntimeError(f"engine weights differ from the trainer's after pushing version {self.version}: {results}")
+        return results
+
+    async def close_targets(self) -> None:
+        if self.sender:
+            await self.sender.close()
+        for target in self.targets.values():
+            await target.close()
+        self.sender, self.targets = None, {}
+
+    async def announce(self, restored: bool) -> None:
+        await self.controller.AnnounceVersion(common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored))
+
+    # -- evaluation and reporting --------------------------------------------------------------------------
+
+    def evaluation_due(self) -> bool:
+        interval = self.job.trainer.eval_interval
+        return bool(self.eval_items) and (self.version == self.job.algorithm.total_steps or (interval and self.version % interval == 0))
+
+    async def evaluate(self) -> float:
+        """Greedy held-out accuracy of the trainer's current policy, scored by the reward service."""
+        if not self.eval_items:
+            return -1.0
+        template = self.job.rollout.prompt_template
+        prompts = [encode_prompt(self.tokenizer, item.prompt, template) for item in self.eval_items]
+        max_new_tokens = self.job.trainer.eval_max_new_tokens or self.job.sampling.max_new_tokens
+        self.model.eval()
+        with torch.no_grad():
+            outputs = await asyncio.to_thread(
+                generate_batch, self.model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop_token_ids(self.tokenizer)
+            )
+        scores = await self.reward.Score(
+            reward_pb2.ScoreRequest(
+                items=[
+                    reward_pb2.ScoreItem(
+                        item_id=item.id,
+                        verifier=self.job.reward.verifier or item.verifier,
+                        prompt=item.prompt,
+                        response=self.tokenizer.decode(output.output_ids, skip_special_tokens=True),
+                        reference=item.reference,
+                    )
+                    for item, output in zip(self.eval_items, outputs)
+                ]
+            )
+        )
+        return sum(r.reward for r in scores.results) / len(scores.results)
+
+    async def report(self, record: StepRecord, finished: bool) -> None:
+        self.steps_log.parent.mkdir(parents=True, exist_ok=True)
+        with self.steps_log.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+        await self.controller.ReportTrainStep(
+            controller_pb2.TrainStepReport(
+                version=record.version,
+                group_ids=record.groups,
+                samples=record.samples,
+                tokens=record.tokens,
+                max_staleness=max(record.staleness),
+                mean_staleness=sum(record.staleness) / len(record.staleness),
+                reward_mean=record.reward_mean,
+                loss=record.loss,
+                step_seconds=sum(record.seconds.values()),
+                finished=finished,
+                eval_accuracy=record.eval_accuracy,
+            )
+        )
+        log.info(
+            "version %d: reward %.3f loss %.4f staleness ≤ %d%s",
+            record.version, record.reward_mean, record.loss, max(record.staleness),
+            f" eval {record.eval_accuracy:.3f}" if record.eval_accuracy >= 0 else "",
+        )
+
+
+def collate(trajectories: list, advantages: torch.Tensor, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch; token-aligned arrays are shifted by one to line up with next-token logprobs."""
+    longest = max(len(t.token_ids) for t in trajectories)
+    n = len(trajectories)
+    input_ids = torch.full((n, longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, longest), dtype=torch.long)
+    old_logprobs = torch.zeros((n, longest - 1))
+    loss_mask = torch.zeros((n, longest - 1), dtype=torch.bool)
+    for row, t in enumerate(trajectories):
+        length = len(t.token_ids)
+        input_ids[row, :length] = torch.tensor(t.token_ids)
+        attention_mask[row, :length] = 1
+        old_logprobs[row, : length - 1] = torch.tensor(t.logprobs[1:])
+        loss_mask[row, : length - 1] = torch.tensor(t.loss_mask[1:])
+    token_advantages = advantages.unsqueeze(1).expand(n, longest - 1)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "old_logprobs": old_logprobs.to(device),
+        "loss_mask": loss_mask.to(device),
+        "advantages": token_advantages.to(device),
+    }

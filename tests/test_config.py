@@ -1,0 +1,75 @@
+"""The job schema: valid files load, malformed ones fail with one readable line naming the field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_k8s.common.config import JobFileError, load_job_file, parse_job
+
+MINIMAL = "name: demo\nmodel: models/tiny\ndataset:\n  train: data/train.jsonl\n"
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
+    job = load_job_file(write(tmp_path, MINIMAL), project_root=tmp_path)
+    assert job.algorithm.max_staleness == 2 and job.algorithm.concurrency == 16 * 3
+    assert job.model == str(tmp_path / "models/tiny")
+    assert job.run_dir == str(tmp_path / "runs/demo")
+    assert job.tokenizer_path == job.model
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("algorithm:\n  max_staleness: -1\n", "algorithm.max_staleness: Input should be greater than or equal to 0 (got -1)"),
+        ("algorithm:\n  batch_sise: 4\n", "algorithm.batch_sise: unknown field"),
+        ("sampling:\n  temperature: hot\n", "sampling.temperature: Input should be a valid number"),
+        ("rollout:\n  engine: vllm\n", "rollout.engine: Input should be 'cpu' or 'sglang'"),
+        ("rollout:\n  engine: sglang\n  workers: 2\n  engine_urls: [http://a:30000]\n", "needs one entry in engine_urls per worker"),
+    ],
+)
+def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):
+    with pytest.raises(JobFileError) as info:
+        load_job_file(write(tmp_path, MINIMAL + extra))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(tmp_path / "job.yaml"))
+    assert expected in message
+
+
+def test_missing_required_field_and_bad_name(tmp_path):
+    with pytest.raises(JobFileError, match=r"dataset: required field is missing"):
+        load_job_file(write(tmp_path, "name: demo\nmodel: m\n"))
+    with pytest.raises(JobFileError, match=r"name: String should match pattern"):
+        parse_job({"name": "Demo_Job", "model": "m", "dataset": {"train": "t"}})
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    with pytest.raises(JobFileError, match=r"not valid YAML at line 2"):
+        load_job_file(write(tmp_path, "name: demo\nmodel: a: b\n"))
+    with pytest.raises(JobFileError, match="expected a mapping"):
+        load_job_file(write(tmp_path, "- just\n- a list\n"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(example):
+    load_job_file(example)
+
+
+def test_cli_exits_non_zero_with_one_readable_line(tmp_path):
+    bad = write(tmp_path, MINIMAL + "algorithm:\n  group_size: 0\n")
+    result = subprocess.run([sys.executable, "-m", "areal_k8s.cli.main", "validate", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"arealctl: error: {bad}: algorithm.group_size: Input should be greater than or equal to 1 (got 0)"]
+    good = write(tmp_path, MINIMAL)
+    result = subprocess.run([sys.executable, "-m", "areal_k8s.cli.main", "validate", str(good)], capture_output=True, text=True)
+    assert result.returncode == 0 and "ok" in result.stdout

@@ -1,0 +1,211 @@
+"""The controller's admission, leases and recovery, as plain Python (no network)."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_k8s.common.config import parse_job
+from areal_k8s.controller.admission import admission_capacity
+from areal_k8s.controller.core import ControllerCore, UnknownWorker
+from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.trainer.batching import Group, select_batch, staleness
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_job(**algorithm):
+    algorithm = {"batch_size": 2, "group_size": 1, "max_staleness": 1, "total_steps": 50, **algorithm}
+    return parse_job({"name": "t", "model": "m", "dataset": {"train": "x.jsonl", "shuffle": False}, "algorithm": algorithm})
+
+
+def make_core(clock=None, items=5, **algorithm):
+    dataset = [DatasetItem(id=f"p{i}", prompt=f"q{i}", reference=str(i), verifier="exact") for i in range(items)]
+    core = ControllerCore(make_job(**algorithm), dataset, lease_seconds=30, clock=clock or Clock())
+    core.register("w", "127.0.0.1:1", 0)
+    return core
+
+
+def test_capacity_is_areals_formula():
+    # (η + v + 1)·B − (accepted + running) = (2 + 3 + 1)·4 − (17 + 3) = 4; concurrency 10 − 3 = 7
+    assert admission_capacity(version=3, running=3, accepted=17, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000) == 4
+    assert admission_capacity(version=3, running=9, accepted=5, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000) == 1
+    assert admission_capacity(version=3, running=0, accepted=0, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=3) == 3
+    assert admission_capacity(version=0, running=5, accepted=5, batch_size=4, max_staleness=0, max_concurrent=10, total_groups=100) == 0
+
+
+def test_synchronous_admission_hands_out_one_batch_per_version():
+    core = make_core(max_staleness=0)
+    first = core.acquire("w", 10, engine_version=0)
+    assert [a.lease.ticket for a in first] == [0, 1]
+    assert core.acquire("w", 10, engine_version=0) == []
+    for a in first:
+        core.complete(a.lease.group_id, "accepted")
+    assert core.acquire("w", 10, engine_version=0) == []  # the batch is done but not trained yet
+    core.announce_version(1, restored=False)
+    assert core.acquire("w", 10, engine_version=0) == []  # this engine still serves version 0
+    assert len(core.acquire("w", 10, engine_version=1)) == 2
+
+
+def test_items_follow_the_dataset_and_failed_groups_come_back_first():
+    core = make_core(max_staleness=3)
+    groups = core.acquire("w", 3, engine_version=0)
+    assert [a.item.id for a in groups] == ["p0", "p1", "p2"]
+    core.complete(groups[1].lease.group_id, "failed")
+    again = core.acquire("w", 2, engine_version=0)
+    assert [a.item.id for a in again] == ["p1", "p3"]
+    assert again[0].lease.group_id != groups[1].lease.group_id  # a new admission, a new id
+    assert core.failed == 1 and core.running == 4
+
+
+def test_filtered_groups_do_not_use_the_staleness_budget():
+    core = make_core(max_staleness=0)
+    a, b = core.acquire("w", 2, engine_version=0)
+    core.complete(a.lease.group_id, "filtered")
+    core.complete(b.lease.group_id, "accepted")
+    assert len(core.acquire("w", 5, engine_version=0)) == 1
+
+
+def test_dataset_wraps_into_a_new_epoch():
+    core = make_core(items=2, max_staleness=5)
+    ids = [a.item.id for a in core.acquire("w", 5, engine_version=0)]
+    assert ids == ["p0", "p1", "p0", "p1", "p0"]
+    assert core.cursor.epoch == 2
+
+
+def test_unknown_worker_must_register():
+    core = make_core()
+    with pytest.raises(UnknownWorker):
+        core.acquire("stranger", 1, engine_version=0)
+
+
+def test_silent_worker_loses_its_leases():
+    clock = Clock()
+    core = make_core(clock, max_staleness=2)
+    core.register("quiet", "127.0.0.1:2", 0)
+    held = core.acquire("quiet", 2, engine_version=0)
+    assert core.outstanding() == {0: 2}
+    clock.now += 10
+    core.acquire("w", 0, engine_version=0)  # heartbeat
+    assert core.expired_leases() == []
+    clock.now += 25
+    assert sorted(core.expired_leases()) == sorted(a.lease.group_id for a in held)
+    assert "quiet" not in core.workers and "w" in core.workers
+
+
+def test_version_can_go_back_only_for_a_restored_trainer():
+    core = make_core()
+    core.announce_version(4, restored=False)
+    with pytest.raises(ValueError):
+        core.announce_version(3, restored=False)
+    core.announce_version(3, restored=True)
+    assert core.version == 3
+
+
+def test_snapshot_restores_cursor_counters_and_leases():
+    clock = Clock()
+    core = make_core(clock, max_staleness=3)
+    held = core.acquire("w", 3, engine_version=0)
+    core.complete(held[0].lease.group_id, "accepted")
+    core.announce_version(1, restored=False)
+    core.record_step(version=1, groups=2, samples=2, tokens=10, max_staleness=1, mean_staleness=0.5,
+                     reward_mean=0.25, eval_accuracy=-1, base_evaluation=False, finished=False)
+    revived = make_core(clock, max_staleness=3)
+    revived.workers.clear()
+    revived.restore(core.snapshot())
+    assert revived.snapshot() == core.snapshot()
+    with pytest.raises(UnknownWorker):  # a restarted controller knows lease holders, but not their addresses
+        revived.acquire("w", 1, engine_version=1)
+    revived.register("w", "127.0.0.1:1", 1)
+    assert [a.item.id for a in revived.acquire("w", 1, engine_version=1)] == ["p3"]
+    assert revived.expired_leases() == []  # lease holders get a grace period after a restart
+
+
+def test_finished_job_admits_nothing_and_total_work_is_capped():
+    core = make_core(total_steps=1, max_staleness=4)
+    assert len(core.acquire("w", 10, engine_version=0)) == 2  # total_steps · B
+    core.record_step(version=1, groups=2, samples=2, tokens=4, max_staleness=0, mean_staleness=0, reward_mean=1,
+                     eval_accuracy=0.5, base_evaluation=False, finished=True)
+    assert core.acquire("w", 10, engine_version=1) == []
+    assert core.status()["finished"] is True and core.status()["eval_accuracy"] == 0.5
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch_size=st.integers(1, 4),
+    eta=st.integers(0, 3),
+    concurrency=st.integers(1, 12),
+    seed=st.integers(0, 10_000),
+)
+def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(batch_size, eta, concurrency, seed):
+    """Controller admission + the trainer's batch rule, under random completion order and filtering."""
+    rng = random.Random(seed)
+    core = make_core(items=7, batch_size=batch_size, max_staleness=eta, total_steps=6, max_concurrent_rollouts=concurrency)
+    running: dict[str, tuple[int, int]] = {}  # group id -> (admitted version, ticket)
+    finished: list[Group] = []
+    version = 0
+    for _ in range(10_000):
+        if version == 6:
+            break
+        action = rng.random()
+        if action < 0.4:
+            for a in core.acquire("w", rng.randint(0, 3), engine_version=version):
+                running[a.lease.group_id] = (a.lease.admitted_version, a.lease.ticket)
+        elif action < 0.8 and running:
+            gid = rng.choice(sorted(running))
+            admitted, ticket = running.pop(gid)
+            result = "filtered" if rng.random() < 0.1 else "accepted"
+            core.complete(gid, result)
+            if result == "accepted":
+                # tokens come from the engine's version, which is at least the admitted one
+                entry = type("E", (), {"min_version": rng.randint(admitted, version)})()
+                finished.append(Group(gid, admitted, ticket, (entry,)))
+        else:
+            batch = select_batch(finished, core.outstanding(), version=version, batch_size=batch_size, max_staleness=eta)
+            if batch is None:
+                continue
+            assert all(staleness(version, g) <= eta for g in batch)
+            finished = [g for g in finished if g not in batch]
+            version += 1
+            core.announce_version(version, restored=False)
+            core.record_step(version=version, groups=len(batch), samples=len(batch), tokens=1, max_staleness=0,
+                             mean_staleness=0, reward_mean=0, eval_accuracy=-1, base_evaluation=False, finished=version == 6)
+    assert version == 6, "the run stalled"
+
+
+def group(admitted: int, ticket: int) -> Group:
+    entry = type("E", (), {"min_version": admitted})()
+    return Group(f"g{ticket}", admitted, ticket, (entry,))
+
+
+def test_batch_takes_the_oldest_complete_groups_when_nothing_is_due():
+    complete = [group(2, 5), group(1, 3), group(2, 4)]
+    batch = select_batch(complete, {1: 1}, version=2, batch_size=2, max_staleness=2)
+    assert [g.ticket for g in batch] == [3, 4]  # the straggler admitted at 1 is due at 3: still feasible
+
+
+def test_batch_waits_for_a_straggler_due_now():
+    complete = [group(2, 5), group(2, 4), group(3, 6)]
+    assert select_batch(complete, {1: 1}, version=3, batch_size=2, max_staleness=2) is None
+    complete.append(group(1, 2))  # the straggler arrives
+    assert [g.ticket for g in select_batch(complete, {}, version=3, batch_size=2, max_staleness=2)] == [2, 4]
+
+
+def test_batch_waits_when_too_many_groups_would_be_due_next_step():
+    # B = 1, η = 1, version 0: two groups admitted at 0 are due at 1 → one must be trained now, and the
+    # complete group admitted at 0 goes first; but taking a group admitted at 1 would leave two due at 1.
+    assert [g.ticket for g in select_batch([group(0, 0)], {0: 1}, version=0, batch_size=1, max_staleness=1)] == [0]
+    assert select_batch([group(1, 9)], {0: 2}, version=0, batch_size=1, max_staleness=1) is None
+
+
+def test_batch_is_taken_anyway_when_no_wait_can_help():
+    # after a rollback, more groups are overdue than one batch holds: waiting would never end
+    complete = [group(0, 0), group(0, 1), group(0, 2)]
+    assert len(select_batch(complete, {}, version=5, batch_size=2, max_staleness=1)) == 2

@@ -1,0 +1,155 @@
+"""The controller over real gRPC on loopback, persisting to a real Redis server."""
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from areal_k8s.common.config import parse_job
+from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.server import serve
+from areal_k8s.data.dataset import DatasetItem
+
+ITEMS = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
+JOB = parse_job({
+    "name": "svc",
+    "model": "m",
+    "dataset": {"train": "t.jsonl", "shuffle": False},
+    "algorithm": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 5},
+    "sampling": {"max_new_tokens": 16, "temperature": 0.7},
+})
+
+
+class Controller:
+    """A controller service plus a client, restartable against the same Redis."""
+
+    def __init__(self, redis_url):
+        self.redis_url = redis_url
+
+    async def start(self, lease_seconds=60.0):
+        self.redis = connect(self.redis_url)
+        self.store = TrajectoryStore(self.redis, JOB.name)
+        core = ControllerCore(JOB, ITEMS, lease_seconds=lease_seconds)
+        self.server, port, self.servicer, self.reaper = await serve(core, self.store, "127.0.0.1:0", reap_interval=3600)
+        self.channel = channel(f"127.0.0.1:{port}")
+        self.stub = controller_pb2_grpc.ControllerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        return self
+
+    async def stop(self):
+        self.reaper.cancel()
+        await self.channel.close()
+        await self.server.stop(None)
+        await self.redis.aclose()
+
+
+@pytest.fixture
+async def controller(redis_url):
+    c = await Controller(redis_url).start()
+    yield c
+    await c.stop()
+
+
+def trajectory(group: common_pb2.PromptGroup, i: int) -> common_pb2.Trajectory:
+    return common_pb2.Trajectory(
+        trajectory_id=f"{group.group_id}-{i}", group_id=group.group_id, token_ids=[1, 2], prompt_length=1,
+        logprobs=[0, -1], versions=[-1, group.admitted_version], loss_mask=[False, True],
+        admitted_version=group.admitted_version, ticket=group.ticket,
+    )
+
+
+async def acquire(stub, n, version=0, worker="w0"):
+    return await stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version))
+
+
+async def test_health_registration_and_admission(controller):
+    check = await controller.health.Check(health_pb2.HealthCheckRequest(service="areal.v1.Controller"))
+    assert check.status == health_pb2.HealthCheckResponse.SERVING
+    stub = controller.stub
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await acquire(stub, 1)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=0))
+    reply = await acquire(stub, 10)
+    assert reply.capacity == 4  # (η + v + 1)·B = 4
+    assert [g.prompt_id for g in reply.groups] == ["p0", "p1", "p2", "p3"]
+    g = reply.groups[0]
+    assert (g.n_samples, g.verifier, g.sampling.max_new_tokens, g.admitted_version) == (2, "addition", 16, 0)
+    assert g.sampling.temperature == pytest.approx(0.7)
+    outstanding = await stub.GetOutstanding(controller_pb2.GetOutstandingRequest())
+    assert (dict(outstanding.running_by_admitted_version), outstanding.running_total) == ({0: 4}, 4)
+    workers = await stub.ListWorkers(controller_pb2.ListWorkersRequest())
+    assert [(w.worker_id, w.running_groups) for w in workers.workers] == [("w0", 4)]
+
+
+@pytest.mark.parametrize(
+    ("call", "request_", "message"),
+    [
+        ("AcquireGroups", controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=-1), "max_groups must be >= 0"),
+        ("AcquireGroups", controller_pb2.AcquireGroupsRequest(max_groups=1), "worker_id is required"),
+        ("RegisterWorker", controller_pb2.RegisterWorkerRequest(worker_id="w"), "address"),
+        ("CompleteGroups", controller_pb2.CompleteGroupsRequest(worker_id="w", outcomes=[controller_pb2.GroupOutcome(group_id="g0")]),
+         "result must be ACCEPTED, FILTERED or FAILED"),
+        ("AnnounceVersion", common_pb2.WeightVersion(version=-2), "version must be >= 0"),
+        ("ReportTrainStep", controller_pb2.TrainStepReport(version=1, samples=-1), "samples and tokens must be >= 0"),
+    ],
+)
+async def test_invalid_requests_get_invalid_argument(controller, call, request_, message):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await getattr(controller.stub, call)(request_)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    status = await controller.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # still serving
+    assert status.job == "svc"
+
+
+async def test_failed_group_already_in_the_stream_counts_as_accepted(controller):
+    stub = controller.stub
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    written, lost = (await acquire(stub, 2)).groups
+    assert await controller.store.write_group([trajectory(written, i) for i in range(2)])
+    outcomes = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED) for g in (written, lost)]
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=outcomes))
+    status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    assert (status.accepted, status.failed, status.running) == (1, 1, 0)
+    assert status.queue_depth == 2 and status.stream_length == 2
+    assert await controller.store.write_group([trajectory(lost, 0)]) is None  # a late write of the re-queued group is refused
+    again = (await acquire(stub, 1)).groups[0]
+    assert again.prompt_id == lost.prompt_id and again.group_id != lost.group_id
+
+
+async def test_dead_worker_groups_are_revoked_and_requeued(redis_url):
+    c = await Controller(redis_url).start(lease_seconds=0.0)
+    try:
+        await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="dies", address="127.0.0.1:9"))
+        done, stuck = (await acquire(c.stub, 2, worker="dies")).groups
+        await c.store.write_group([trajectory(done, i) for i in range(2)])
+        assert await c.servicer.reap_dead_workers() == 2
+        status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.accepted, status.failed, status.running, status.workers) == (1, 1, 0, 0)
+        assert await c.store.write_group([trajectory(stuck, 0)]) is None
+    finally:
+        await c.stop()
+
+
+async def test_restarted_controller_continues_where_it_stopped(redis_url):
+    first = await Controller(redis_url).start()
+    await first.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    held = (await acquire(first.stub, 3)).groups
+    await first.stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
+    await first.stop()
+
+    second = await Controller(redis_url).start()
+    try:
+        status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.version, status.running, status.dataset_cursor) == (1, 3, 3)
+        await second.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=1))
+        outcome = controller_pb2.GroupOutcome(group_id=held[0].group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+        reply = await second.stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
+        assert reply.unknown == 0
+        fresh = (await acquire(second.stub, 5, version=1)).groups
+        assert [g.ticket for g in fresh] == [3, 4]  # tickets continue; concurrency B·(η+1) = 4 with 2 running
+    finally:
+        await second.stop()

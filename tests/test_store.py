@@ -1,0 +1,100 @@
+"""The trajectory store against a real Redis server."""
+
+import pytest
+
+from areal_k8s.api.v1 import common_pb2
+from areal_k8s.common.store import TrajectoryStore, connect
+
+
+def trajectory(group_id: str, index: int, versions: list[int], ticket: int = 0) -> common_pb2.Trajectory:
+    prompt = [1, 2, 3]
+    return common_pb2.Trajectory(
+        trajectory_id=f"{group_id}-{index}",
+        group_id=group_id,
+        token_ids=prompt + [4] * len(versions),
+        prompt_length=len(prompt),
+        logprobs=[0.0] * len(prompt) + [-0.5] * len(versions),
+        versions=[-1] * len(prompt) + versions,
+        loss_mask=[False] * len(prompt) + [True] * len(versions),
+        reward=float(index % 2),
+        admitted_version=min(versions),
+        ticket=ticket,
+    )
+
+
+@pytest.fixture
+async def store(redis_url):
+    client = connect(redis_url)
+    yield TrajectoryStore(client, "job-a")
+    await client.aclose()
+
+
+async def test_group_round_trip_keeps_versions_and_payload(store):
+    await store.ensure_consumer_group()
+    written = await store.write_group([trajectory("g1", i, [3, 3, 4], ticket=7) for i in range(4)])
+    assert len(written) == 4
+    entries = await store.read_new("trainer-0", count=10, block_ms=100)
+    assert [e.entry_id for e in entries] == written
+    assert {(e.group_id, e.min_version, e.max_version, e.ticket) for e in entries} == {("g1", 3, 4, 7)}
+    assert entries[1].trajectory.reward == 1.0
+    assert list(entries[0].trajectory.versions) == [-1, -1, -1, 3, 3, 4]
+
+
+async def test_entries_written_before_the_consumer_group_exists_are_delivered(store):
+    await store.write_group([trajectory("early", 0, [0])])
+    await store.ensure_consumer_group()
+    entries = await store.read_new("trainer-0", count=10, block_ms=100)
+    assert [e.group_id for e in entries] == ["early"]
+
+
+async def test_a_revoked_group_is_refused_and_a_written_one_cannot_be_revoked(store):
+    assert await store.revoke_group("late") is False
+    assert await store.write_group([trajectory("late", 0, [1])]) is None
+    assert await store.write_group([trajectory("done", 0, [1])]) is not None
+    assert await store.revoke_group("done") is True
+    assert (await store.stream_stats())["length"] == 1
+
+
+async def test_restarted_consumer_reclaims_pending_entries_of_a_dead_one(store):
+    await store.ensure_consumer_group()
+    for g in range(3):
+        await store.write_group([trajectory(f"g{g}", i, [g]) for i in range(2)])
+    delivered = await store.read_new("trainer-old", count=100, block_ms=100)
+    assert len(delivered) == 6
+    await store.ack(delivered[:2])  # one group trained and checkpointed before the crash
+
+    assert await store.read_pending("trainer-new") == []
+    assert await store.claim_pending("trainer-new") == 4
+    reclaimed = await store.read_pending("trainer-new")
+    assert [e.entry_id for e in reclaimed] == [e.entry_id for e in delivered[2:]]
+    assert await store.read_pending("trainer-old") == []
+
+
+async def test_ack_trims_the_stream_to_what_is_still_needed(store):
+    await store.ensure_consumer_group()
+    for g in range(4):
+        await store.write_group([trajectory(f"g{g}", 0, [0])])
+    first_two = await store.read_new("t", count=2, block_ms=100)
+    await store.ack(first_two)
+    stats = await store.stream_stats()
+    # the last delivered entry is kept as the trim mark; the two undelivered ones are untouched
+    assert stats == {"length": 3, "pending": 0, "lag": 2}
+    rest = await store.read_new("t", count=10, block_ms=100)
+    assert [e.group_id for e in rest] == ["g2", "g3"]
+    await store.ack(rest[:1])
+    assert (await store.stream_stats())["length"] == 1  # only the pending g3 is left
+
+
+async def test_trainer_acks_drop_written_markers_and_delete_job_removes_every_key(store):
+    await store.ensure_consumer_group()
+    await store.write_group([trajectory("g", 0, [0])])
+    await store.set_version(5)
+    entries = await store.read_new("t", count=1, block_ms=100)
+    await store.ack(entries)
+    assert await store.client.smembers(store.keys.written) == set()
+    assert await store.get_version() == 5
+    other = TrajectoryStore(store.client, "job-b")
+    await other.set_version(1)
+    assert await store.delete_job() >= 2
+    assert await store.client.keys("areal:{job-a}:*") == []
+    assert await other.get_version() == 1

@@ -1,0 +1,255 @@
+"""Weight sync end to end: this process is the trainer (rank 0), the CPU engine runs as a real subprocess; real gloo,
+real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from areal_k8s.rollout.engine_client import SGLangClient
+from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError, plan_buckets, weights_checksum
+from tiny_models import build_tiny_qwen2
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [30, 31, 32, 33, 34, 35, 36, 37]]
+READY = re.compile(r"CPU engine ready on (http://\S+)")
+SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+# --- plan_buckets and weights_checksum ---------------------------------------------------------------------------
+
+
+def sizes_in_bytes(bucket):
+    return sum(t.numel() * t.element_size() for _, t in bucket)
+
+
+def test_plan_buckets_examples():
+    f32 = [(f"f{i}", torch.zeros(4)) for i in range(5)]  # 16 bytes each
+    assert [[n for n, _ in b] for b in plan_buckets(f32, 32)] == [["f0", "f1"], ["f2", "f3"], ["f4"]]
+    big = [("small", torch.zeros(1)), ("huge", torch.zeros(100)), ("tail", torch.zeros(1))]
+    assert [[n for n, _ in b] for b in plan_buckets(big, 64)] == [["small"], ["huge"], ["tail"]]
+    mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
+    assert [[n for n, _ in b] for b in plan_buckets(mixed, 1 << 20)] == [["a"], ["b"], ["c"]]
+    assert plan_buckets([], 10) == []
+    with pytest.raises(ValueError):
+        plan_buckets(f32, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16]), st.integers(0, 40)), max_size=30),
+    budget=st.integers(1, 200),
+)
+def test_plan_buckets_properties(specs, budget):
+    tensors = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (dtype, n) in enumerate(specs)]
+    buckets = plan_buckets(tensors, budget)
+    assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in tensors]
+    for bucket in buckets:
+        assert bucket and len({t.dtype for _, t in bucket}) == 1
+        assert len(bucket) == 1 or sizes_in_bytes(bucket) <= budget
+    for before, after in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit, or changed dtype
+        first = after[0][1]
+        assert first.dtype != before[0][1].dtype or sizes_in_bytes(before) + sizes_in_bytes(after[:1]) > budget
+
+
+def test_weights_checksum_hashes_float32_values_and_ignores_order():
+    a, b = torch.randn(3, 4), torch.randn(5)
+    per_tensor, combined = weights_checksum([("a", a), ("b", b)])
+    assert weights_checksum([("b", b), ("a", a)]) == (per_tensor, combined)
+    assert weights_checksum([("a", a.double()), ("b", b)])[1] == combined  # same float32 values
+    assert weights_checksum([("a", a + 1e-3), ("b", b)])[0]["b"] == per_tensor["b"]
+    assert weights_checksum([("a", a + 1e-3), ("b", b)])[1] != combined
+
+
+# --- against a real engine process -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine_url(model_path, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model_path), "--port", "0",
+             "--threads", "1", "--max-batch-size", "16"],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=SUBPROCESS_ENV,
+        )
+    try:
+        yield wait_for_ready_line(process, log_path)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_for_ready_line(process: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if match := READY.search(log_path.read_text()):
+            return match.group(1)
+        if process.poll() is not None:
+            pytest.fail(f"engine exited with {process.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    pytest.fail(f"engine not ready after {timeout} s:\n{log_path.read_text()}")
+
+
+@pytest.fixture
+async def client(engine_url):
+    client = SGLangClient(engine_url, timeout=120)
+    await client.wait_until_healthy(60)
+    yield client
+    await client.close()
+
+
+@pytest.fixture(scope="module")
+def trainer_model(model_path):
+    """The trainer's copy of the weights, perturbed so the engine's original weights no longer match."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def sender(**overrides) -> WeightSender:
+    options = {"bucket_bytes": 16 * 1024, "timeout": 60.0, "group_name": f"test-{uuid.uuid4().hex[:8]}"}
+    return WeightSender("gloo", "127.0.0.1", **{**options, **overrides})
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            max_new_tokens=max_new_tokens,
+        )
+    return output[0, len(prompt) :].tolist()
+
+
+async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client, trainer_model):
+    expected_per_tensor, expected = weights_checksum(trainer_model.named_parameters())
+    assert (await client.weights_checksum())["combined"] != expected
+    weights = sender()
+    await weights.connect([client])
+    try:
+        stats = await weights.push(trainer_model.named_parameters(), version=7)
+    finally:
+        await weights.close()
+    assert stats.buckets > 1
+    assert stats.bytes == sum(p.numel() * p.element_size() for p in trainer_model.parameters())
+    checksum = await client.weights_checksum()
+    assert checksum["per_tensor"] == expected_per_tensor
+    assert checksum["combined"] == expected
+    assert checksum["weight_version"] == "7" == await client.get_weight_version()
+    answers = await client.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 20})
+    for prompt, answer in zip(PROMPTS, answers):
+        assert answer["output_ids"] == hf_greedy(trainer_model, prompt, 20)
+        assert answer["meta_info"]["weight_version"] == "7"
+
+
+async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, trainer_model):
+    version_before = await client.get_weight_version()
+    weights = sender()
+    await weights.connect([client])
+    try:
+        with pytest.raises(WeightSyncError) as failure:
+            await weights.push([("model.norm.weight", torch.zeros(3))], version="bad")
+        message = str(failure.value)
+        assert repr(client) in message and "shape mismatch" in message and "model.norm.weight" in message
+        with pytest.raises(WeightSyncError, match="close"):
+            await weights.push(trainer_model.named_parameters(), version="bad")
+    finally:
+        await weights.close()
+    assert await client.get_weight_version() == version_before
+    # Generation was continued after the failed push.
+    assert (await client.generate([1, 2], {"max_new_tokens": 2}))["meta_info"]["finish_reason"]["type"] != "abort"
+    await weights.connect([client])
+    try:
+        await weights.push(trainer_model.named_parameters(), version="rebuilt")
+    finally:
+        await weights.close()
+    assert (await client.weights_checksum())["weight_version"] == "rebuilt"
+
+
+async def test_requests_in_flight_are_aborted_by_a_push_and_resubmitted_under_the_new_version(client, trainer_model):
+    long = {"temperature": 0.0, "max_new_tokens": 2000, "ignore_eos": True}  # ~ the whole context
+    weights = sender()
+    await weights.connect([client])
+    try:
+        in_flight = [asyncio.create_task(client.generate(prompt, long)) for prompt in PROMPTS[:2]]
+        await asyncio.sleep(0.3)  # let them reach the engine: separate connections have no order
+        # The engine admits FIFO, so a probe sent after them returns only once they are decoding.
+        await client.generate([3], {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True})
+        await weights.push(trainer_model.named_parameters(), version="9")
+    finally:
+        await weights.close()
+    for prompt, task in zip(PROMPTS, in_flight):
+        answer = await task
+        meta = answer["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        assert 2 <= meta["completion_tokens"] < long["max_new_tokens"]
+        resumed = await client.generate(prompt + answer["output_ids"], {"temperature": 0.0, "max_new_tokens": 4})
+        assert resumed["meta_info"]["weight_version"] == "9"
+        assert resumed["meta_info"]["completion_tokens"] > 0
+
+
+TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
+    """
+    import asyncio, sys, torch, torch.distributed as dist
+    from areal_k8s.common.distributed import create_rendezvous_store
+    from areal_k8s.rollout.engine_client import SGLangClient
+    from areal_k8s.trainer.weight_sync import WeightSender, weights_checksum
+
+    async def main(url, group_name):
+        client = SGLangClient(url)
+        weights = WeightSender("gloo", bucket_bytes=1 << 20, timeout=60.0, group_name=group_name)
+        await weights.connect([client])
+        named = [("model.norm.weight", torch.full((64,), 0.5))]
+        await weights.push(named, version="with-default-group")
+        await weights.close()
+        # the default group (Megatron's, in a real trainer) still works
+        dist.all_reduce(torch.ones(1))
+        remote = (await client.weights_checksum(["model.norm.weight"]))["combined"]
+        await client.close()
+        print("MATCH" if remote == weights_checksum(named)[1] else "MISMATCH")
+
+    torch.set_num_threads(1)
+    store = create_rendezvous_store("127.0.0.1", 0, 1, 60.0)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    dist.destroy_process_group()
+    """
+)
+
+
+async def test_a_trainer_that_already_has_a_default_process_group(engine_url, client):
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", TRAINER_WITH_DEFAULT_GROUP, engine_url, f"test-{uuid.uuid4().hex[:8]}",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=SUBPROCESS_ENV,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0 and b"MATCH" in output, output.decode()
+    assert await client.get_weight_version() == "with-default-group"
