@@ -73,3 +73,12 @@ def test_cli_exits_non_zero_with_one_readable_line(tmp_path):
     good = write(tmp_path, MINIMAL)
     result = subprocess.run([sys.executable, "-m", "areal_k8s.cli.main", "validate", str(good)], capture_output=True, text=True)
     assert result.returncode == 0 and "ok" in result.stdout
+
+
+def test_readme_job_reference_is_generated_from_the_schema():
+    from areal_k8s.cli.main import REFERENCE_END, REFERENCE_START
+    from areal_k8s.common.config import reference_markdown
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    documented = readme.split(REFERENCE_START, 1)[1].split(REFERENCE_END, 1)[0]
+    assert documented == reference_markdown(), "run `arealctl reference --write README.md`"

@@ -91,7 +91,7 @@ def test_silent_worker_loses_its_leases():
     core = make_core(clock, max_staleness=2)
     core.register("quiet", "127.0.0.1:2", 0)
     held = core.acquire("quiet", 2, engine_version=0)
-    assert core.outstanding() == {0: 2}
+    assert core.outstanding() == {a.lease.group_id: 0 for a in held}
     clock.now += 10
     core.acquire("w", 0, engine_version=0)  # heartbeat
     assert core.expired_leases() == []
@@ -168,7 +168,7 @@ def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(
                 entry = type("E", (), {"min_version": rng.randint(admitted, version)})()
                 finished.append(Group(gid, admitted, ticket, (entry,)))
         else:
-            batch = select_batch(finished, core.outstanding(), version=version, batch_size=batch_size, max_staleness=eta)
+            batch = select_batch(finished, list(core.outstanding().values()), version=version, batch_size=batch_size, max_staleness=eta)
             if batch is None:
                 continue
             assert all(staleness(version, g) <= eta for g in batch)
@@ -187,25 +187,25 @@ def group(admitted: int, ticket: int) -> Group:
 
 def test_batch_takes_the_oldest_complete_groups_when_nothing_is_due():
     complete = [group(2, 5), group(1, 3), group(2, 4)]
-    batch = select_batch(complete, {1: 1}, version=2, batch_size=2, max_staleness=2)
+    batch = select_batch(complete, [1], version=2, batch_size=2, max_staleness=2)
     assert [g.ticket for g in batch] == [3, 4]  # the straggler admitted at 1 is due at 3: still feasible
 
 
 def test_batch_waits_for_a_straggler_due_now():
     complete = [group(2, 5), group(2, 4), group(3, 6)]
-    assert select_batch(complete, {1: 1}, version=3, batch_size=2, max_staleness=2) is None
+    assert select_batch(complete, [1], version=3, batch_size=2, max_staleness=2) is None
     complete.append(group(1, 2))  # the straggler arrives
-    assert [g.ticket for g in select_batch(complete, {}, version=3, batch_size=2, max_staleness=2)] == [2, 4]
+    assert [g.ticket for g in select_batch(complete, [], version=3, batch_size=2, max_staleness=2)] == [2, 4]
 
 
 def test_batch_waits_when_too_many_groups_would_be_due_next_step():
     # B = 1, η = 1, version 0: two groups admitted at 0 are due at 1 → one must be trained now, and the
     # complete group admitted at 0 goes first; but taking a group admitted at 1 would leave two due at 1.
-    assert [g.ticket for g in select_batch([group(0, 0)], {0: 1}, version=0, batch_size=1, max_staleness=1)] == [0]
-    assert select_batch([group(1, 9)], {0: 2}, version=0, batch_size=1, max_staleness=1) is None
+    assert [g.ticket for g in select_batch([group(0, 0)], [0], version=0, batch_size=1, max_staleness=1)] == [0]
+    assert select_batch([group(1, 9)], [0, 0], version=0, batch_size=1, max_staleness=1) is None
 
 
 def test_batch_is_taken_anyway_when_no_wait_can_help():
     # after a rollback, more groups are overdue than one batch holds: waiting would never end
     complete = [group(0, 0), group(0, 1), group(0, 2)]
-    assert len(select_batch(complete, {}, version=5, batch_size=2, max_staleness=1)) == 2
+    assert len(select_batch(complete, [], version=5, batch_size=2, max_staleness=1)) == 2

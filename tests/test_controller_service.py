@@ -79,7 +79,7 @@ async def test_health_registration_and_admission(controller):
     assert (g.n_samples, g.verifier, g.sampling.max_new_tokens, g.admitted_version) == (2, "addition", 16, 0)
     assert g.sampling.temperature == pytest.approx(0.7)
     outstanding = await stub.GetOutstanding(controller_pb2.GetOutstandingRequest())
-    assert (dict(outstanding.running_by_admitted_version), outstanding.running_total) == ({0: 4}, 4)
+    assert dict(outstanding.running) == {g.group_id: 0 for g in reply.groups}
     workers = await stub.ListWorkers(controller_pb2.ListWorkersRequest())
     assert [(w.worker_id, w.running_groups) for w in workers.workers] == [("w0", 4)]
 

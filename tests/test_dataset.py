@@ -68,9 +68,17 @@ def test_blank_lines_are_skipped_but_keep_line_numbers(tmp_path):
         (['{"prompt": "", "answer": "1"}'], ":1:", "'prompt' is empty"),
         ([json.dumps(GSM8K_RECORD), '{"question": "q", "answer": "it is 4"}'], ":2:", "no '#### <number>'"),
         (['{"question": "q", "answer": "4\\n####  "}'], ":1:", "nothing after '####'"),
-        (['{"id": "a", "prompt": "p", "answer": "1"}', '{"id": "a", "prompt": "q", "answer": "2"}'], ":2:", "duplicate id 'a'"),
+        (
+            ['{"id": "a", "prompt": "p", "answer": "1"}', '{"id": "a", "prompt": "q", "answer": "2"}'],
+            ":2:",
+            "duplicate id 'a'",
+        ),
         # a default id can collide with an explicit one
-        (['{"prompt": "p", "answer": "1"}', '{"id": "bad-1", "prompt": "q", "answer": "2"}'], ":2:", "duplicate id 'bad-1'"),
+        (
+            ['{"prompt": "p", "answer": "1"}', '{"id": "bad-1", "prompt": "q", "answer": "2"}'],
+            ":2:",
+            "duplicate id 'bad-1'",
+        ),
         ([], ":1:", "empty file"),
         (["", "  "], ":1:", "empty file"),
     ],

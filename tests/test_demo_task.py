@@ -83,17 +83,21 @@ def test_non_string_inputs_score_zero():
     assert task.score(b"|3.", "3") == 0.0
 
 
-def test_digit_counts_are_long_tailed():
+def test_problem_lengths_are_long_tailed():
     rng = random.Random(0)
-    digits = [len(str(task.make_problem(rng).left)) for _ in range(20000)]
+    problems = [task.make_problem(rng) for _ in range(20000)]
+    columns = [max(len(str(p.left)), len(str(p.right))) for p in problems]
     distribution = task.DEFAULT_DIGITS
-    median = statistics.median(digits)
-    # most operands are short, yet the longest ones are several times the median and not vanishingly rare
-    assert median <= distribution.min_digits + 1
-    assert max(digits) == distribution.max_digits >= 3 * median
-    assert 0.005 < sum(d >= 2 * median + 2 for d in digits) / len(digits) < 0.2
-    counts = [digits.count(d) for d in distribution.digit_counts]
+    counts = [columns.count(c) for c in distribution.column_counts]
     assert counts == sorted(counts, reverse=True)
+    # most sums are short, yet the longest responses are several times the median and not vanishingly rare
+    lengths = sorted(len(task.solution_text(p)) for p in problems)
+    median = statistics.median(lengths)
+    assert statistics.median(columns) == distribution.min_digits
+    assert lengths[-1] >= 3.5 * median
+    assert 0.01 < sum(length >= 2 * median for length in lengths) / len(lengths) < 0.2
+    # the other operand is never longer than the column count
+    assert all(min(len(str(p.left)), len(str(p.right))) <= c for p, c in zip(problems, columns))
 
 
 def test_digit_distribution_validates_its_range():
@@ -110,7 +114,8 @@ def test_write_dataset_is_deterministic_and_loadable(tmp_path):
     assert first == second != other
     assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
     records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
-    assert records[0] == {"id": "a-1", "prompt": task.prompt_text(first[0]), "answer": first[0].answer, "verifier": "addition"}
+    expected = {"id": "a-1", "prompt": task.prompt_text(first[0]), "answer": first[0].answer, "verifier": "addition"}
+    assert records[0] == expected
     items = load_dataset(tmp_path / "a.jsonl")
     assert len({item.prompt for item in items}) == 200
     assert all(item.verifier == task.VERIFIER for item in items)
@@ -128,3 +133,98 @@ def test_impossible_request_fails_instead_of_looping(tmp_path):
     single_digit = task.DigitDistribution(min_digits=1, max_digits=1)
     with pytest.raises(ValueError, match="distinct problems"):
         task.write_dataset(tmp_path / "x.jsonl", 101, seed=0, digits=single_digit)
+
+
+# --- asset build (tiny sizes, a handful of SFT steps) ---
+
+TINY_BUILD = dict(
+    train_size=64,
+    eval_size=8,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=2,
+    intermediate_size=64,
+    sft_steps=3,
+    sft_batch_size=8,
+    sft_warmup_steps=1,
+    eval_max_new_tokens=12,
+    eval_batch_size=8,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    from areal_k8s.demo.build import build_demo_assets
+
+    out = tmp_path_factory.mktemp("demo")
+    return out, build_demo_assets(out, seed=3, **TINY_BUILD)
+
+
+def test_build_writes_model_tokenizer_data_and_manifest(tiny_assets):
+    out, manifest = tiny_assets
+    assert (out / "model" / "model.safetensors").is_file()
+    assert (out / "model" / "tokenizer.json").is_file()
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert manifest["seed"] == manifest["params"]["seed"] == 3
+    assert {key: manifest["params"][key] for key in TINY_BUILD} == TINY_BUILD
+    assert manifest["sft_steps"] == 3 and manifest["sft_seconds"] >= 0
+    assert 0.0 <= manifest["base_greedy_accuracy"] <= 1.0
+    train, held_out = load_dataset(out / manifest["train"]), load_dataset(out / manifest["eval"])
+    assert (len(train), len(held_out)) == (64, 8)
+    assert not {item.prompt for item in train} & {item.prompt for item in held_out}
+    assert {item.verifier for item in train + held_out} == {task.VERIFIER}
+
+
+def test_tokenizer_round_trips_after_reload(tiny_assets):
+    from transformers import AutoTokenizer
+
+    out, _ = tiny_assets
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    problem = task.Problem(90417, 385)
+    text = task.prompt_text(problem) + task.solution_text(problem)
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == len(text) + 1
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    specials = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}
+    assert None not in specials and len(specials) == 3
+    assert tokenizer.decode([*ids, tokenizer.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_model_reloads_with_auto_class_and_matches_config(tiny_assets):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = tiny_assets
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "model")
+    assert model.config.model_type == "qwen2"
+    assert model.config.vocab_size == len(tokenizer)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 1)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([tokenizer("12+3=")["input_ids"]])).logits
+    assert logits.shape == (1, 6, len(tokenizer)) and torch.isfinite(logits).all()
+
+
+def test_build_is_idempotent_and_deterministic(tiny_assets, tmp_path):
+    from areal_k8s.demo.build import build_demo_assets
+
+    out, manifest = tiny_assets
+    weights = out / "model" / "model.safetensors"
+    modified = weights.stat().st_mtime_ns
+    assert build_demo_assets(out, seed=3, **TINY_BUILD) == manifest
+    assert weights.stat().st_mtime_ns == modified
+
+    again = build_demo_assets(tmp_path, seed=3, **TINY_BUILD)
+    assert (tmp_path / "model" / "model.safetensors").read_bytes() == weights.read_bytes()
+    assert (tmp_path / "train.jsonl").read_text() == (out / "train.jsonl").read_text()
+    assert again["base_greedy_accuracy"] == manifest["base_greedy_accuracy"]
+
+
+def test_changed_parameters_rebuild(tmp_path):
+    from areal_k8s.demo.build import build_demo_assets
+
+    first = build_demo_assets(tmp_path, seed=0, **TINY_BUILD)
+    second = build_demo_assets(tmp_path, seed=1, **TINY_BUILD)
+    assert (first["seed"], second["seed"]) == (0, 1)
+    assert json.loads((tmp_path / "manifest.json").read_text())["params"]["seed"] == 1

@@ -52,10 +52,25 @@ def cmd_run(args) -> int:
     return 0
 
 
+REFERENCE_START, REFERENCE_END = "<!-- job-reference:start -->\n", "<!-- job-reference:end -->"
+
+
 def cmd_reference(args) -> int:
+    from pathlib import Path
+
     from areal_k8s.common.config import reference_markdown
 
-    print(reference_markdown(), end="")
+    table = reference_markdown()
+    if not args.write:
+        print(table, end="")
+        return 0
+    path = Path(args.write)
+    text = path.read_text()
+    if REFERENCE_START not in text or REFERENCE_END not in text:
+        return fail(f"{path}: no {REFERENCE_START.strip()} ... {REFERENCE_END} markers", EXIT_FAILED)
+    head, rest = text.split(REFERENCE_START, 1)
+    path.write_text(head + REFERENCE_START + table + REFERENCE_END + rest.split(REFERENCE_END, 1)[1])
+    print(f"updated the job-file reference in {path}", file=sys.stderr)
     return 0
 
 
@@ -89,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_validate)
 
     reference = sub.add_parser("reference", help="print the job-file reference (Markdown)")
+    reference.add_argument("--write", metavar="README", help="replace the reference between the markers in this file")
     reference.set_defaults(func=cmd_reference)
 
     status = sub.add_parser("status", help="print a running job's status")

@@ -28,6 +28,10 @@ class FailedPrecondition(RuntimeError):
     """A request that is valid but cannot be served in the current state; answered with FAILED_PRECONDITION."""
 
 
+class Unavailable(RuntimeError):
+    """A dependency of the service cannot be reached; answered with UNAVAILABLE (callers may retry)."""
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidArgument(message)
@@ -44,6 +48,8 @@ def rpc(method: Callable) -> Callable:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a bug or a dependency failure: report it to the caller, keep serving

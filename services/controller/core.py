@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -198,9 +198,9 @@ class ControllerCore:
             del self.workers[worker_id]
         return [gid for gid, lease in self.leases.items() if lease.worker_id in silent]
 
-    def outstanding(self) -> dict[int, int]:
-        """Groups still generating, counted by the version they were admitted at."""
-        return dict(Counter(lease.admitted_version for lease in self.leases.values()))
+    def outstanding(self) -> dict[str, int]:
+        """Groups still generating: group id -> the version they were admitted at."""
+        return {gid: lease.admitted_version for gid, lease in self.leases.items()}
 
     # -- versions and progress -----------------------------------------------------------------------------
 

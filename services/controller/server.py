@@ -146,9 +146,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @rpc
     async def GetOutstanding(self, request, context):
-        return controller_pb2.GetOutstandingResponse(
-            running_by_admitted_version=self.core.outstanding(), running_total=self.core.running
-        )
+        return controller_pb2.GetOutstandingResponse(running=self.core.outstanding())
 
     @rpc
     async def ReportTrainStep(self, request, context):

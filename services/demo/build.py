@@ -1,14 +1,16 @@
 """Build the demo's assets offline: a character tokenizer, a tiny Qwen2 warmed up by a short SFT, and the data.
 
-The warm-up is deliberately short: the base model knows the scratchpad format and solves most short sums,
-but makes enough mistakes on longer ones that sampled groups disagree, which is the signal GRPO needs.
+The warm-up is deliberately short: it stops as soon as greedy accuracy on a probe set reaches
+`sft_target_accuracy`, when the model writes the scratchpad format but still gets most sums wrong and its
+sampled answers to one prompt often disagree, which is the signal GRPO learns from. Stopping on accuracy
+rather than after a fixed step count keeps the base model equally weak across seeds (the warm-up's learning
+curve is steep, and when it steepens varies by seed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,8 @@ from areal_k8s.demo import task
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 MANIFEST = "manifest.json"
+# Long sums are rarely solved by a warm-up model; a shorter budget keeps the probe checks cheap.
+PROBE_MAX_NEW_TOKENS = 64
 BUCKET_BATCHES = 8  # batches drawn together and split by length
 
 
@@ -34,17 +38,21 @@ class DemoBuildConfig:
     min_digits: int = task.DEFAULT_DIGITS.min_digits
     max_digits: int = task.DEFAULT_DIGITS.max_digits
     tail_exponent: float = task.DEFAULT_DIGITS.tail_exponent
-    train_size: int = 20000
+    train_size: int = 4000
     eval_size: int = 256
     # model
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
     intermediate_size: int = 512
-    # supervised warm-up
-    sft_steps: int = 300
+    # supervised warm-up: stops once greedy accuracy on a probe set reaches the target (or after max steps)
+    sft_target_accuracy: float = 0.25
+    sft_first_check: int = 160
+    sft_check_every: int = 20
+    sft_max_steps: int = 320
+    sft_probe_size: int = 256
     sft_batch_size: int = 64
-    sft_lr: float = 3e-3
+    sft_lr: float = 2e-3
     sft_warmup_steps: int = 20
     # base-model evaluation
     eval_max_new_tokens: int = 128
@@ -96,7 +104,9 @@ def encode_pair(tokenizer: PreTrainedTokenizerFast, problem: task.Problem) -> tu
     return prompt, solution + [tokenizer.eos_token_id]
 
 
-def supervised_batch(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def supervised_batch(
+    pairs: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded input ids, attention mask and labels that are -100 everywhere but on solution tokens."""
     width = max(len(p) + len(s) for p, s in pairs)
     input_ids = torch.full((len(pairs), width), pad_id)
@@ -125,28 +135,27 @@ def length_bucketed_batches(
         emitted += count
 
 
-def warmup_cosine(steps: int, warmup_steps: int) -> Callable[[int], float]:
-    return lambda step: min(1.0, (step + 1) / warmup_steps) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-
-
 def supervised_warmup(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     problems: list[task.Problem],
     *,
-    steps: int,
+    max_steps: int,
     batch_size: int,
     lr: float,
     warmup_steps: int,
     seed: int,
+    should_stop: Callable[[int], bool] = lambda step: False,
 ) -> list[float]:
-    """AdamW on prompt+solution with loss on solution tokens only; linear warm-up then cosine decay. Returns losses."""
+    """AdamW on prompt+solution with loss on solution tokens only; linear warm-up, then a constant rate.
+
+    `should_stop(steps_done)` is asked after every step. Returns the per-step losses."""
     pairs = [encode_pair(tokenizer, p) for p in problems]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, warmup_steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
     model.train()
     losses = []
-    for batch in length_bucketed_batches(pairs, steps=steps, batch_size=batch_size, rng=random.Random(seed)):
+    for batch in length_bucketed_batches(pairs, steps=max_steps, batch_size=batch_size, rng=random.Random(seed)):
         input_ids, mask, labels = supervised_batch(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -155,6 +164,8 @@ def supervised_warmup(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if should_stop(len(losses)):
+            break
     model.eval()
     return losses
 
@@ -172,9 +183,11 @@ def greedy_decode(
     outputs = []
     past = None
     for _ in range(max_new_tokens):
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=past, use_cache=True)
-        past = logits.past_key_values
-        next_ids = logits.logits[:, -1].argmax(-1).masked_fill(finished, pad_id)
+        output = model(
+            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=past, use_cache=True
+        )
+        past = output.past_key_values
+        next_ids = output.logits[:, -1].argmax(-1).masked_fill(finished, pad_id)
         outputs.append(next_ids)
         finished |= next_ids == eos_id
         if finished.all():
@@ -221,6 +234,7 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("params") == asdict(config):
             return manifest
+        manifest_path.unlink()  # the old manifest must not vouch for half-rewritten files
 
     started = time.perf_counter()
     threads = torch.get_num_threads()
@@ -237,27 +251,44 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
 
 
 def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
-    eval_problems = task.write_dataset(out_dir / "eval.jsonl", config.eval_size, seed=2 * config.seed + 1, digits=config.digits)
+    eval_problems = task.write_dataset(
+        out_dir / "eval.jsonl", config.eval_size, seed=2 * config.seed + 1, digits=config.digits
+    )
+    held_out = frozenset(task.prompt_text(p) for p in eval_problems)
     train_problems = task.write_dataset(
         out_dir / "train.jsonl",
         config.train_size,
         seed=2 * config.seed,
         digits=config.digits,
-        exclude=frozenset(task.prompt_text(p) for p in eval_problems),
+        exclude=held_out,
     )
     tokenizer = build_tokenizer()
     model = build_model(config, tokenizer)
+
+    # Fresh draws from the task distribution: the training file's de-duplication thins out short sums.
+    probe = task.make_problems(config.sft_probe_size, seed=2 * config.seed + 2, digits=config.digits, exclude=held_out)
+    probe_accuracy = 0.0
+
+    def reached_target(step: int) -> bool:
+        nonlocal probe_accuracy
+        if step < config.sft_first_check or (step - config.sft_first_check) % config.sft_check_every:
+            return False
+        probe_accuracy = greedy_accuracy(
+            model, tokenizer, probe, max_new_tokens=PROBE_MAX_NEW_TOKENS, batch_size=config.eval_batch_size
+        )
+        return probe_accuracy >= config.sft_target_accuracy
 
     sft_started = time.perf_counter()
     losses = supervised_warmup(
         model,
         tokenizer,
         train_problems,
-        steps=config.sft_steps,
+        max_steps=config.sft_max_steps,
         batch_size=config.sft_batch_size,
         lr=config.sft_lr,
         warmup_steps=config.sft_warmup_steps,
         seed=config.seed,
+        should_stop=reached_target,
     )
     sft_seconds = time.perf_counter() - sft_started
 
@@ -284,8 +315,9 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
         "train": "train.jsonl",
         "eval": "eval.jsonl",
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "sft_steps": config.sft_steps,
+        "sft_steps": len(losses),
         "sft_seconds": round(sft_seconds, 1),
+        "sft_probe_accuracy": probe_accuracy,
         "sft_final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
         "base_greedy_accuracy": accuracy,
         "eval_seconds": round(eval_seconds, 1),
@@ -294,6 +326,7 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.demo.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
@@ -302,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"demo assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
         f"{manifest['sft_steps']} SFT steps in {manifest['sft_seconds']}s, "
-        f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} on {manifest['params']['eval_size']} held-out sums"
+        f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} "
+        f"on {manifest['params']['eval_size']} held-out sums"
     )
 
 

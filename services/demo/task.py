@@ -6,9 +6,12 @@ the next carry), then states the answer between ``|`` and the end marker ``.``::
 
     4567+123=  ->  7+3+0=10,6+2+1=09,5+1+0=06,4+0+0=04|4690.
 
-Fixed-width entries keep every lookup at a regular offset, which is what lets a tiny character-level model
-learn the algorithm. Operand digit counts follow a truncated power law, so most problems are short and a
-few are much longer: the long tail of response lengths an asynchronous RL system is meant to absorb.
+Fixed-width entries with explicit carries keep each step local (the carry sits a fixed distance back); only
+the digit look-ups reach into the prompt, and the answer is the entries' last digits read backwards.
+
+Problem lengths follow a truncated power law over the column count: by default about two thirds of the sums
+have two columns and a few have up to twelve, whose responses are four times longer than the median: the
+long tail of generation lengths that an asynchronous RL system is meant to absorb.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ ALPHABET = "0123456789+=" + COLUMN_SEPARATOR + ANSWER_START + END_MARK
 
 @dataclass(frozen=True)
 class DigitDistribution:
-    """Operand digit counts d in [min_digits, max_digits] with P(d) proportional to (d - min_digits + 1) ** -tail_exponent."""
+    """How long a problem is: its column count c (the longer operand's digits) follows a truncated power law,
+    P(c) proportional to (c - min_digits + 1) ** -tail_exponent on [min_digits, max_digits]; the other operand
+    has between 1 and c digits, uniformly."""
 
-    min_digits: int = 1
+    min_digits: int = 2
     max_digits: int = 12
-    tail_exponent: float = 1.5
+    tail_exponent: float = 2.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_digits <= self.max_digits:
@@ -41,15 +46,18 @@ class DigitDistribution:
             raise ValueError(f"tail_exponent must be >= 0, got {self.tail_exponent}")
 
     @property
-    def digit_counts(self) -> list[int]:
+    def column_counts(self) -> list[int]:
         return list(range(self.min_digits, self.max_digits + 1))
 
     @property
     def weights(self) -> list[float]:
-        return [(d - self.min_digits + 1) ** -self.tail_exponent for d in self.digit_counts]
+        return [(c - self.min_digits + 1) ** -self.tail_exponent for c in self.column_counts]
 
-    def sample(self, rng: random.Random) -> int:
-        return rng.choices(self.digit_counts, weights=self.weights)[0]
+    def sample(self, rng: random.Random) -> tuple[int, int]:
+        """(digits of the left operand, digits of the right operand)."""
+        columns = rng.choices(self.column_counts, weights=self.weights)[0]
+        other = rng.randint(1, columns)
+        return (columns, other) if rng.random() < 0.5 else (other, columns)
 
 
 DEFAULT_DIGITS = DigitDistribution()
@@ -72,8 +80,9 @@ def _random_operand(rng: random.Random, digits: int) -> int:
 
 
 def make_problem(rng: random.Random, digits: DigitDistribution = DEFAULT_DIGITS) -> Problem:
-    """Draw both operands' digit counts independently from `digits`, then the operands uniformly."""
-    return Problem(_random_operand(rng, digits.sample(rng)), _random_operand(rng, digits.sample(rng)))
+    """Draw the operands' digit counts from `digits`, then each operand uniformly among numbers of that length."""
+    left_digits, right_digits = digits.sample(rng)
+    return Problem(_random_operand(rng, left_digits), _random_operand(rng, right_digits))
 
 
 def prompt_text(problem: Problem) -> str:
@@ -113,8 +122,14 @@ def score(response: str, reference: str) -> float:
     return 1.0 if answer is not None and answer == reference else 0.0
 
 
-def make_problems(n: int, seed: int, digits: DigitDistribution = DEFAULT_DIGITS, exclude: frozenset[str] = frozenset()) -> list[Problem]:
-    """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed."""
+def make_problems(
+    n: int, seed: int, digits: DigitDistribution = DEFAULT_DIGITS, exclude: frozenset[str] = frozenset()
+) -> list[Problem]:
+    """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed.
+
+    Short sums are few (about 10,000 with two columns), so a set of many thousands holds relatively fewer of
+    them than the distribution itself.
+    """
     rng = random.Random(seed)
     seen, problems = set(exclude), []
     attempts = 0
@@ -130,7 +145,7 @@ def make_problems(n: int, seed: int, digits: DigitDistribution = DEFAULT_DIGITS,
     return problems
 
 
-def dataset_record(problem: Problem, record_id: str) -> dict[str, str]:
+def _record(problem: Problem, record_id: str) -> dict[str, str]:
     return {"id": record_id, "prompt": prompt_text(problem), "answer": problem.answer, "verifier": VERIFIER}
 
 
@@ -153,5 +168,5 @@ def write_dataset(
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for line_number, problem in enumerate(problems, start=1):
-            out.write(json.dumps(dataset_record(problem, f"{prefix}-{line_number}")) + "\n")
+            out.write(json.dumps(_record(problem, f"{prefix}-{line_number}")) + "\n")
     return problems

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from areal_k8s.common.grpcutil import require, rpc
+from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
+from areal_k8s.rollout.engine_client import EngineError
 from areal_k8s.rollout.worker import RolloutWorker
 
 PAUSE_MODES = {"", "abort", "in_place"}
@@ -19,6 +22,19 @@ def validate_group(group: common_pb2.PromptGroup) -> None:
     require(0 <= group.sampling.top_p <= 1, f"group.sampling.top_p must be in [0, 1], got {group.sampling.top_p}")
 
 
+def engine_errors(method):
+    """The engine's answer, as a status: it refused the request (FAILED_PRECONDITION) or is unreachable (UNAVAILABLE)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except EngineError as exc:
+            raise (Unavailable if exc.status is None or exc.status >= 500 else FailedPrecondition)(f"engine: {exc}") from None
+
+    return wrapper
+
+
 def _ok(message: str = "") -> rollout_pb2.WeightOpResponse:
     return rollout_pb2.WeightOpResponse(success=True, message=message)
 
@@ -30,11 +46,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.paused = False
 
     @rpc
+    @engine_errors
     async def Generate(self, request, context):
         validate_group(request.group)
         return rollout_pb2.GenerateResponse(trajectories=await self.worker.generate_group(request.group))
 
     @rpc
+    @engine_errors
     async def InitWeightUpdateGroup(self, request, context):
         require(bool(request.master_address), "master_address is required")
         require(0 < request.master_port < 65536, f"master_port must be a TCP port, got {request.master_port}")
@@ -52,12 +70,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return _ok()
 
     @rpc
+    @engine_errors
     async def DestroyWeightUpdateGroup(self, request, context):
         require(bool(request.group_name), "group_name is required")
         await self.engine.destroy_weights_update_group(request.group_name)
         return _ok()
 
     @rpc
+    @engine_errors
     async def UpdateWeights(self, request, context):
         require(len(request.names) > 0, "names must not be empty")
         require(
@@ -81,6 +101,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return _ok()
 
     @rpc
+    @engine_errors
     async def PauseGeneration(self, request, context):
         require(request.mode in PAUSE_MODES, f"mode must be abort or in_place, got {request.mode!r}")
         await self.engine.pause_generation(request.mode or "abort")
@@ -88,6 +109,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return _ok()
 
     @rpc
+    @engine_errors
     async def ContinueGeneration(self, request, context):
         await self.engine.continue_generation()
         self.paused = False
@@ -98,6 +120,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         return common_pb2.WeightVersion(version=self.worker.engine_version)
 
     @rpc
+    @engine_errors
     async def GetWeightsChecksum(self, request, context):
         checksum = await self.engine.weights_checksum(list(request.names) or None)
         return rollout_pb2.WeightsChecksum(

@@ -45,7 +45,7 @@ def deadlines_feasible(deadlines: Iterable[int], *, version: int, batch_size: in
 
 def select_batch(
     complete: list[Group],
-    running: dict[int, int],
+    running: list[int],
     *,
     version: int,
     batch_size: int,
@@ -53,14 +53,14 @@ def select_batch(
 ) -> list[Group] | None:
     """The batch to train at `version`, or None to wait for more groups.
 
-    `running` counts groups still generating by admitted version. If no choice can keep every deadline
+    `running` holds the admitted versions of groups still generating. If no choice can keep every deadline
     (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway.
     """
     if len(complete) < batch_size:
         return None
     ordered = sorted(complete, key=lambda g: (g.admitted_version, g.ticket))
     batch = ordered[:batch_size]
-    running_deadlines = [admitted + max_staleness for admitted, count in running.items() for _ in range(count)]
+    running_deadlines = [admitted + max_staleness for admitted in running]
     left_behind = [g.admitted_version + max_staleness for g in ordered[batch_size:]] + running_deadlines
     if deadlines_feasible(left_behind, version=version, batch_size=batch_size):
         return batch
@@ -128,9 +128,11 @@ class BatchAssembler:
             # was reported, so the read below sees it. (The other order could miss a group in both places.)
             outstanding = await self.controller.GetOutstanding(controller_pb2.GetOutstandingRequest())
             await self.drain()
+            # A group written but not yet reported back is in both places: count it once, as complete.
+            running = [version for gid, version in outstanding.running.items() if gid not in self.buffer]
             batch = select_batch(
                 self.complete_groups(),
-                dict(outstanding.running_by_admitted_version),
+                running,
                 version=version,
                 batch_size=self.batch_size,
                 max_staleness=self.max_staleness,
