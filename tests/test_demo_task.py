@@ -144,7 +144,11 @@ TINY_BUILD = dict(
     num_layers=1,
     num_heads=2,
     intermediate_size=64,
-    sft_steps=3,
+    sft_target_accuracy=1.0,  # never reached by a 3-step warm-up: it runs to sft_max_steps
+    sft_first_check=2,
+    sft_check_every=1,
+    sft_max_steps=3,
+    sft_probe_size=8,
     sft_batch_size=8,
     sft_warmup_steps=1,
     eval_max_new_tokens=12,
@@ -190,6 +194,21 @@ def test_tokenizer_round_trips_after_reload(tiny_assets):
     assert tokenizer.decode([*ids, tokenizer.eos_token_id], skip_special_tokens=True) == text
 
 
+def test_reloaded_tokenizer_encodes_like_the_built_one(tiny_assets):
+    # transformers 5 loads any tokenizer saved beside a qwen2 config as Qwen2Tokenizer, which swaps in its own
+    # pre-tokenizer and a merge-free BPE over our vocabulary; on the task alphabet the ids must not change.
+    from transformers import AutoTokenizer
+
+    from areal_k8s.demo.build import build_tokenizer
+
+    out, _ = tiny_assets
+    reloaded, built = AutoTokenizer.from_pretrained(out / "model"), build_tokenizer()
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice(task.ALPHABET) for _ in range(rng.randint(0, 40)))
+        assert reloaded(text)["input_ids"] == built(text)["input_ids"]
+
+
 def test_model_reloads_with_auto_class_and_matches_config(tiny_assets):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,6 +238,13 @@ def test_build_is_idempotent_and_deterministic(tiny_assets, tmp_path):
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == weights.read_bytes()
     assert (tmp_path / "train.jsonl").read_text() == (out / "train.jsonl").read_text()
     assert again["base_greedy_accuracy"] == manifest["base_greedy_accuracy"]
+
+
+def test_warmup_stops_once_the_probe_reaches_the_target(tmp_path):
+    from areal_k8s.demo.build import build_demo_assets
+
+    manifest = build_demo_assets(tmp_path, seed=0, **{**TINY_BUILD, "sft_target_accuracy": 0.0})
+    assert manifest["sft_steps"] == TINY_BUILD["sft_first_check"]
 
 
 def test_changed_parameters_rebuild(tmp_path):

@@ -23,6 +23,7 @@ import transformers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.demo import task
+from areal_k8s.rollout.cpu_engine.engine import generate_batch
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 MANIFEST = "manifest.json"
@@ -46,11 +47,11 @@ class DemoBuildConfig:
     num_heads: int = 4
     intermediate_size: int = 512
     # supervised warm-up: stops once greedy accuracy on a probe set reaches the target (or after max steps)
-    sft_target_accuracy: float = 0.25
-    sft_first_check: int = 160
-    sft_check_every: int = 20
+    sft_target_accuracy: float = 0.2
+    sft_first_check: int = 150
+    sft_check_every: int = 10
     sft_max_steps: int = 320
-    sft_probe_size: int = 256
+    sft_probe_size: int = 128
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
     sft_warmup_steps: int = 20
@@ -170,35 +171,6 @@ def supervised_warmup(
     return losses
 
 
-@torch.no_grad()
-def greedy_decode(
-    model: Qwen2ForCausalLM, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, pad_id: int
-) -> list[list[int]]:
-    """Greedy continuations of left-padded prompts with a KV cache; each stops at (and excludes) <eos>."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    finished = torch.zeros(len(prompts), dtype=torch.bool)
-    outputs = []
-    past = None
-    for _ in range(max_new_tokens):
-        output = model(
-            input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=past, use_cache=True
-        )
-        past = output.past_key_values
-        next_ids = output.logits[:, -1].argmax(-1).masked_fill(finished, pad_id)
-        outputs.append(next_ids)
-        finished |= next_ids == eos_id
-        if finished.all():
-            break
-        input_ids = next_ids[:, None]
-        position_ids = position_ids[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
-    tokens = torch.stack(outputs, dim=1).tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in tokens]
-
-
 def greedy_accuracy(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
@@ -214,10 +186,12 @@ def greedy_accuracy(
     for start in range(0, len(ordered), batch_size):
         chunk = ordered[start : start + batch_size]
         prompts = [tokenizer(task.prompt_text(p))["input_ids"] for p in chunk]
-        responses = greedy_decode(
-            model, prompts, max_new_tokens=max_new_tokens, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id
+        responses = generate_batch(
+            model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=[tokenizer.eos_token_id], max_batch_size=batch_size
         )
-        correct += sum(task.score(tokenizer.decode(r), p.answer) for r, p in zip(responses, chunk))
+        correct += sum(
+            task.score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer) for r, p in zip(responses, chunk)
+        )
     return correct / len(problems)
 
 
