@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto demo demo-assets test bench clean
+.PHONY: venv proto crd demo demo-assets test bench clean
 
 venv: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(STUBS): $(PROTOS) proto/generate.py $(VENV)/.installed
 	$(PY) proto/generate.py
 	touch $@
 
+# the RLJob CRD is generated from the job schema (services/common/config.py); a test checks it is current
+crd: proto
+	$(PY) -m areal_k8s.k8s_operator.schema --write
+
 demo-assets: proto
 	$(PY) -m areal_k8s.demo.build --out $(DEMO)
 
@@ -32,6 +36,10 @@ demo: demo-assets
 
 test: proto
 	$(VENV)/bin/pytest
+
+# not a test: timings, reported as ratios measured side by side in one run (results in bench/results/)
+bench: demo-assets
+	$(PY) bench/sync_vs_async.py
 
 clean:
 	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)

@@ -124,6 +124,56 @@ def test_requests_joining_a_running_batch_decode_like_hf_generate(hf_model):
         assert sequence.output_ids == hf_greedy(hf_model, prompt, budget), sequence.rid
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(
+            st.integers(0, 4),  # decode steps before the next arrival
+            st.lists(st.tuples(st.integers(0, len(PROMPTS) - 1), st.integers(1, 16)), min_size=1, max_size=3),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_any_schedule_of_joins_and_departures_decodes_like_hf_generate(hf_model, plan):
+    """Whatever the arrivals (taking over dead rows, rebuilding the cache, compacting a draining batch), every
+    sequence decodes exactly as it would alone."""
+    batch, expected = DecodeBatch(hf_model), []
+    for wait, arrivals in plan:
+        for _ in range(wait):
+            batch.advance([])
+        joining = []
+        for prompt_index, budget in arrivals:
+            sequence = greedy_sequence(hf_model, str(len(expected)), PROMPTS[prompt_index], budget)
+            joining.append(sequence)
+            expected.append((sequence, PROMPTS[prompt_index], budget))
+        batch.advance(joining)
+    while len(batch):
+        batch.advance([])
+    for sequence, prompt, budget in expected:
+        assert sequence.output_ids == hf_greedy(hf_model, prompt, budget), sequence.rid
+
+
+def test_a_request_joining_a_busy_batch_takes_over_a_finished_row_without_copying_the_cache(hf_model):
+    long_runners = [greedy_sequence(hf_model, f"long{i}", PROMPTS[2], 30) for i in range(4)]
+    short = greedy_sequence(hf_model, "short", PROMPTS[1], 2)
+    batch = DecodeBatch(hf_model)
+    batch.advance([*long_runners, short])
+    batch.advance([])  # one row in five is dead: not enough to compact
+    assert short.finished and len(batch) == 4
+    def storage() -> int:
+        return batch._cache.layers[0]._key_buffer.untyped_storage().data_ptr()
+
+    before = storage()
+    newcomer = greedy_sequence(hf_model, "newcomer", PROMPTS[1], 10)
+    batch.advance([newcomer])
+    assert storage() == before and len(batch._rows) == 5  # written in place, into the finished row
+    while len(batch):
+        batch.advance([])
+    assert newcomer.output_ids == hf_greedy(hf_model, PROMPTS[1], 10)
+    assert all(s.output_ids == hf_greedy(hf_model, PROMPTS[2], 30) for s in long_runners)
+
+
 def test_generate_batch_refills_rows_and_matches_hf(hf_model):
     results = generate_batch(hf_model, PROMPTS, max_new_tokens=15, eos_token_ids=[EOS], max_batch_size=2)
     assert [r.output_ids for r in results] == [hf_greedy(hf_model, p, 15) for p in PROMPTS]
@@ -376,3 +426,39 @@ def test_generate_answers_any_json_with_200_or_400(server_url, body):
     except urllib.error.HTTPError as error:
         status = error.code
     assert status in (200, 400), body
+
+
+async def test_get_load_reports_queue_and_busy_time(server_url):
+    def load() -> dict:
+        with urllib.request.urlopen(f"{server_url}/get_load", timeout=10) as reply:
+            (rank,) = json.load(reply)
+        return rank
+
+    before = load()
+    client = SGLangClient(server_url)
+    try:
+        answers = await client.generate(PROMPTS[:3], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+    finally:
+        await client.close()
+    after = load()
+    assert after["num_reqs"] == after["num_running_reqs"] + after["num_waiting_reqs"] == 0
+    assert after["busy_seconds"] > before["busy_seconds"]
+    assert after["generated_tokens"] - before["generated_tokens"] >= sum(len(a["output_ids"]) for a in answers)
+    assert after["uptime_seconds"] >= after["busy_seconds"]
+
+
+async def test_control_calls_reach_a_paused_engine_holding_many_generation_requests(server_url):
+    """A paused engine holds every generation request open; pause/continue must not queue behind them (a client
+    connection pool shared with generation deadlocked the weight push once more than its limit were in flight)."""
+    client = SGLangClient(server_url, timeout=120)
+    try:
+        await client.pause_generation("abort")
+        held = [asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0.0})) for _ in range(150)]
+        await asyncio.sleep(1.0)
+        assert not any(task.done() for task in held)
+        await asyncio.wait_for(client.get_weight_version(), timeout=30)
+        await asyncio.wait_for(client.continue_generation(), timeout=30)
+        answers = await asyncio.wait_for(asyncio.gather(*held), timeout=120)
+    finally:
+        await client.close()
+    assert all(a["meta_info"]["finish_reason"]["type"] == "length" for a in answers)

@@ -253,3 +253,45 @@ async def test_a_trainer_that_already_has_a_default_process_group(engine_url, cl
     output, _ = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode == 0 and b"MATCH" in output, output.decode()
     assert await client.get_weight_version() == "with-default-group"
+
+
+def teacher_forced_logprobs(model, token_ids: list[int], start: int, temperature: float) -> list[float]:
+    """log softmax(logits / T) of token_ids[t] given token_ids[:t], for t >= start (the engine's convention)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0, start - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids[start:])[:, None]).squeeze(1).tolist()
+
+
+async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_logprobs(
+    client, model_path, trainer_model
+):
+    """The rollout worker's interruptible generation across a real weight push: the sample's tokens carry the
+    version that produced them, and every behaviour logprob is what that version's weights give for the prefix."""
+    from areal_k8s.rollout.worker import generate_interruptible
+
+    original = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    models = {30: original, 31: trainer_model}
+    weights = sender()
+    await weights.connect([client])
+    try:
+        await weights.push(original.named_parameters(), version="30")
+        prompt = PROMPTS[0]
+        sampling = {"temperature": 1.0, "max_new_tokens": 600, "ignore_eos": True, "sampling_seed": 3}
+        sample_task = asyncio.create_task(generate_interruptible(client, prompt, sampling, rid="interrupted"))
+        await asyncio.sleep(0.3)
+        await client.generate([3], {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True})  # it is decoding
+        await weights.push(trainer_model.named_parameters(), version="31")
+        sample = await sample_task
+    finally:
+        await weights.close()
+
+    assert sample.interruptions >= 1 and sample.finish_reason == "length"
+    assert len(sample.output_ids) == sampling["max_new_tokens"]  # nothing lost, nothing duplicated
+    switch = sample.versions.index(31)
+    assert 0 < switch and sample.versions == [30] * switch + [31] * (len(sample.versions) - switch)
+    tokens = prompt + sample.output_ids
+    for version, model in models.items():
+        positions = [i for i, v in enumerate(sample.versions) if v == version]
+        recomputed = teacher_forced_logprobs(model, tokens, len(prompt), sampling["temperature"])
+        expected = torch.tensor([recomputed[i] for i in positions])
+        assert torch.allclose(torch.tensor([sample.logprobs[i] for i in positions]), expected, atol=1e-4)

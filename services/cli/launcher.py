@@ -78,6 +78,7 @@ class Endpoints:
 def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # progress bars are noise in log files
     return env
 
 

@@ -1,4 +1,4 @@
-"""arealctl: run a job on this machine, validate a job file, read a job's status."""
+"""arealctl: run a job on this machine, validate a job file, read a job's status, render an RLJob's objects."""
 
 from __future__ import annotations
 
@@ -88,6 +88,33 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_manifests(args) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from areal_k8s.k8s_operator.children import desired_children, to_yaml
+    from areal_k8s.k8s_operator.validation import InvalidSpec, validate
+
+    try:
+        rljob = yaml.safe_load(Path(args.rljob).read_text())
+    except OSError as exc:
+        return fail(f"{args.rljob}: cannot read ({exc.strerror})", EXIT_INVALID)
+    except yaml.YAMLError as exc:
+        return fail(f"{args.rljob}: not valid YAML: {exc}", EXIT_INVALID)
+    if not isinstance(rljob, dict) or rljob.get("kind") != "RLJob":
+        return fail(f"{args.rljob}: expected an RLJob manifest (kind: RLJob)", EXIT_INVALID)
+    if args.namespace:
+        rljob.setdefault("metadata", {})["namespace"] = args.namespace
+    try:
+        job = validate(rljob)
+    except InvalidSpec as exc:
+        return fail(f"{args.rljob}: " + "; ".join(exc.problems), EXIT_INVALID)
+    # What the operator creates for this RLJob as it stands (without owner references until it has a uid).
+    print(to_yaml(desired_children(job, running=not job.spec["suspend"])), end="")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arealctl", description="areal-k8s: asynchronous RL for reasoning LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -110,6 +137,11 @@ def parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a running job's status")
     status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
     status.set_defaults(func=cmd_status)
+
+    manifests = sub.add_parser("manifests", help="print the Kubernetes objects the operator creates for an RLJob")
+    manifests.add_argument("rljob", help="RLJob manifest (YAML)")
+    manifests.add_argument("--namespace", help="namespace to render for (default: the manifest's, else default)")
+    manifests.set_defaults(func=cmd_manifests)
     return p
 
 

@@ -47,7 +47,7 @@ class DemoBuildConfig:
     num_heads: int = 4
     intermediate_size: int = 512
     # supervised warm-up: stops once greedy accuracy on a probe set reaches the target (or after max steps)
-    sft_target_accuracy: float = 0.2
+    sft_target_accuracy: float = 0.16
     sft_first_check: int = 150
     sft_check_every: int = 10
     sft_max_steps: int = 320

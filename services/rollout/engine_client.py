@@ -39,7 +39,11 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.legacy_pause = legacy_pause
-        self._session: aiohttp.ClientSession | None = None
+        # Generation requests hold their connection until the sequence finishes, and a paused engine holds them all:
+        # control calls (pause, continue, weight updates) get their own connections, or they would queue behind
+        # the very requests they are meant to release. Generation itself is not capped: its concurrency is the
+        # caller's (groups in flight × samples).
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.base_url})"
@@ -60,7 +64,7 @@ class SGLangClient:
         }
         if rid is not None:
             body["rid"] = rid
-        return await self._post("/generate", body)
+        return await self._request("POST", "/generate", body, session="generation")
 
     async def pause_generation(self, mode: str = "abort") -> None:
         if self.legacy_pause:
@@ -179,9 +183,9 @@ class SGLangClient:
             await asyncio.sleep(interval)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
 
     # --- transport -----------------------------------------------------------------------------------------------
 
@@ -191,12 +195,14 @@ class SGLangClient:
     async def _post(self, path: str, body: dict[str, Any] | None) -> Any:
         return await self._request("POST", path, body)
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None, session: str = "control") -> Any:
+        if session not in self._sessions:
+            self._sessions[session] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout), connector=aiohttp.TCPConnector(limit=0)
+            )
         url = self.base_url + path
         try:
-            async with self._session.request(method, url, json=body) as response:
+            async with self._sessions[session].request(method, url, json=body) as response:
                 text = await response.text()
                 status = response.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:

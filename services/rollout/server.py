@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
 from areal_k8s.rollout.engine_client import EngineError
 from areal_k8s.rollout.worker import RolloutWorker
+
+log = logging.getLogger(__name__)
 
 PAUSE_MODES = {"", "abort", "in_place"}
 
@@ -104,6 +107,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @engine_errors
     async def PauseGeneration(self, request, context):
         require(request.mode in PAUSE_MODES, f"mode must be abort or in_place, got {request.mode!r}")
+        log.info("pause generation (%s) for %s", request.mode or "abort", context.peer())
         await self.engine.pause_generation(request.mode or "abort")
         self.paused = True
         return _ok()
@@ -111,6 +115,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @rpc
     @engine_errors
     async def ContinueGeneration(self, request, context):
+        log.info("continue generation for %s", context.peer())
         await self.engine.continue_generation()
         self.paused = False
         return _ok()

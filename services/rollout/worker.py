@@ -19,6 +19,7 @@ from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, re
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.trainer.algorithm import is_informative
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +164,16 @@ class RolloutWorker:
         result, reason = controller_pb2.GroupOutcome.ACCEPTED, ""
         try:
             trajectories = await self.generate_group(group)
-            now = time.time()
-            for t in trajectories:
-                t.timings.written_at = now
-            if await self.store.write_group(trajectories) is None:
-                reason = "revoked by the controller before it was written"
-                log.warning("group %s: %s", group.group_id, reason)
+            if self.job.algorithm.dynamic_sampling and not is_informative([t.reward for t in trajectories]):
+                # No signal: dropped here, and the controller admits another group in its place.
+                result, reason = controller_pb2.GroupOutcome.FILTERED, f"all {len(trajectories)} rewards equal"
+            else:
+                now = time.time()
+                for t in trajectories:
+                    t.timings.written_at = now
+                if await self.store.write_group(trajectories) is None:
+                    reason = "revoked by the controller before it was written"
+                    log.warning("group %s: %s", group.group_id, reason)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

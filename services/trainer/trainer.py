@@ -21,8 +21,18 @@ from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.rollout.cpu_engine.engine import generate_batch
-from areal_k8s.trainer.algorithm import group_advantages, ppo_policy_loss
+from areal_k8s.trainer.algorithm import (
+    LossStats,
+    compute_advantages,
+    decoupled_ppo_loss,
+    is_informative,
+    kl_penalty,
+    loglinear_proximal_logprobs,
+    loss_normaliser,
+    merge_loss_stats,
+)
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
+from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.checkpoint import TrainerState, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError, weights_checksum
@@ -49,21 +59,10 @@ class StepRecord:
     weight_push: dict = field(default_factory=dict)
     weights_verified: dict[str, bool] = field(default_factory=dict)
     eval_accuracy: float = -1.0
-
-
-def micro_batches(sequences: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Split sequence indices into micro-batches whose padded size (count × longest) fits the budget."""
-    order = sorted(sequences, key=lambda i: lengths[i])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > token_budget:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches
+    behaviour_weight_mean: float = 1.0  # mean π_prox/π_behav: how far behind the behaviour policies were
+    capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
+    groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
+    finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -72,6 +71,13 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def split_minibatches(groups: int, group_size: int, count: int) -> list[list[int]]:
+    """Row indices of `count` minibatches of whole groups, as even as possible, in batch order."""
+    count = min(count, groups)
+    bounds = [round(i * groups / count) for i in range(count + 1)]
+    return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(count)]
 
 
 class Trainer:
@@ -113,6 +119,7 @@ class Trainer:
         self.phase = "starting"
         self.lock = asyncio.Lock()  # a checkpoint never interleaves with a step
         self.model = None
+        self.reference = None
         self.optimizer = None
         self.state = TrainerState(version=0)
         self.last: StepRecord | None = None
@@ -144,7 +151,10 @@ class Trainer:
             await self.announce(restored=False)
             if self.evaluation_due():
                 self.phase = "evaluating"
+                evaluated = time.monotonic()
                 record.eval_accuracy = await self.evaluate()
+                record.seconds["eval"] = time.monotonic() - evaluated
+            record.finished_at = time.time()
             await self.report(record, finished=self.version == total)
             self.last = record
         self.phase = "finished"
@@ -161,6 +171,9 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
         )
+        if algorithm.kl_coef > 0:  # the KL penalty's reference is the initial model
+            self.reference = AutoModelForCausalLM.from_pretrained(self.job.model, dtype=torch.float32).to(self.device).eval()
+            self.reference.requires_grad_(False)
         if checkpoint:
             self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
             self.state = load_state(checkpoint)
@@ -186,32 +199,34 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------------------
 
     def train_step(self, groups: list[Group]) -> StepRecord:
-        """GRPO advantages and one clipped policy-gradient step over the batch, in token-budgeted micro-batches."""
+        """Advantages, then `minibatches` AdamW updates of the decoupled PPO loss over token-budgeted micro-batches."""
         started = time.monotonic()
-        algorithm = self.job.algorithm
+        algorithm, sampling = self.job.algorithm, self.job.sampling
         trajectories = [e.trajectory for g in groups for e in g.entries]
         rewards = torch.tensor([[e.trajectory.reward for e in g.entries] for g in groups], dtype=torch.float32)
-        advantages = group_advantages(rewards, algorithm.adv_eps).flatten()
+        generated = torch.tensor([[len(e.trajectory.token_ids) - e.trajectory.prompt_length for e in g.entries] for g in groups])
+        advantages = compute_advantages(
+            algorithm.name, rewards, generated, eps=algorithm.adv_eps, max_new_tokens=sampling.max_new_tokens,
+            overlong_buffer=algorithm.overlong_buffer, overlong_factor=algorithm.overlong_factor,
+        ).flatten()
+        batch = collate(trajectories, advantages, self.tokenizer.pad_token_id)
         lengths = [len(t.token_ids) for t in trajectories]
-        total_tokens = sum(sum(t.loss_mask) for t in trajectories)
-        temperature = self.job.sampling.temperature
+        minibatches = split_minibatches(len(groups), algorithm.group_size, algorithm.minibatches)
+        # The proximal policy is the one before this step's first update: with one update it is the current policy.
+        if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
+            batch["proximal_logprobs"] = self.batch_logprobs(self.model, batch, lengths)
+        if algorithm.kl_coef > 0:
+            batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
+
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, clip_sum, kl_sum = 0.0, 0.0, 0.0
-        for indices in micro_batches(list(range(len(trajectories))), lengths, self.job.trainer.micro_batch_tokens):
-            batch = collate([trajectories[i] for i in indices], advantages[indices], self.tokenizer.pad_token_id, self.device)
-            logprobs = token_logprobs(self.model, batch["input_ids"], batch["attention_mask"], temperature)
-            loss, stats = ppo_policy_loss(
-                logprobs, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
-                eps_clip=algorithm.eps_clip, normaliser=float(total_tokens),
-            )
-            loss.backward()
-            share = float(batch["loss_mask"].sum()) / total_tokens
-            loss_sum += float(loss)
-            clip_sum += stats.clip_fraction * share
-            kl_sum += stats.approx_kl * share
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)
-        self.optimizer.step()
+        parts, grad_norms = [], []
+        for rows in minibatches:
+            parts += self.update(batch, rows, lengths)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        stats = merge_loss_stats([stats for _, stats in parts])
+        total_tokens = int(batch["loss_mask"].sum())
         self.state.trained_samples += len(trajectories)
         self.state.trained_tokens += total_tokens
         return StepRecord(
@@ -220,14 +235,76 @@ class Trainer:
             entries=[e.entry_id for g in groups for e in g.entries],
             staleness=[staleness(self.version, g) for g in groups for _ in g.entries],
             reward_mean=float(rewards.mean()),
-            loss=loss_sum,
-            clip_fraction=clip_sum,
-            approx_kl=kl_sum,
-            grad_norm=float(grad_norm),
+            loss=sum(loss for loss, _ in parts),
+            clip_fraction=stats.clip_fraction,
+            approx_kl=stats.approx_kl,
+            grad_norm=max(grad_norms),
             samples=len(trajectories),
             tokens=total_tokens,
             seconds={"train": time.monotonic() - started},
+            behaviour_weight_mean=stats.behaviour_weight_mean,
+            capped_fraction=stats.capped_fraction,
+            groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards),
         )
+
+    def update(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> list[tuple[float, LossStats]]:
+        """Accumulate the gradient of one minibatch's loss over first-fit-decreasing micro-batches."""
+        algorithm = self.job.algorithm
+        normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], self.job.sampling.max_new_tokens)
+        if algorithm.kl_coef == 0:
+            # A zero-advantage sample (its group's rewards all equal) adds nothing to the loss or its gradient; it
+            # still counts in the normaliser, as in the full-batch loss.
+            rows = [i for i in rows if batch["advantages"][i, 0] != 0]
+        parts = []
+        packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
+        for micro in packed:
+            micro_batch = {k: v.to(self.device) for k, v in take_rows(batch, [rows[i] for i in micro], lengths).items()}
+            logprobs = token_logprobs(self.model, micro_batch["input_ids"], micro_batch["attention_mask"], self.job.sampling.temperature)
+            loss, stats = decoupled_ppo_loss(
+                logprobs,
+                self.proximal_logprobs(micro_batch, logprobs),
+                micro_batch["behaviour_logprobs"],
+                micro_batch["advantages"],
+                micro_batch["loss_mask"],
+                normaliser=normaliser,
+                eps_clip=algorithm.eps_clip,
+                eps_clip_high=algorithm.eps_clip_high,
+                dual_clip=algorithm.dual_clip,
+                behaviour_weight_cap=algorithm.behaviour_weight_cap,
+                cap_mode=algorithm.behaviour_cap_mode,
+                decoupled=algorithm.decoupled,
+                ratio_level="sequence" if algorithm.name == "gspo" else "token",
+            )
+            if algorithm.kl_coef > 0:
+                loss = loss + kl_penalty(
+                    logprobs, micro_batch["reference_logprobs"], micro_batch["loss_mask"], coef=algorithm.kl_coef, normaliser=normaliser
+                )
+            loss.backward()
+            parts.append((loss.item(), stats))
+        return parts
+
+    def proximal_logprobs(self, micro_batch: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
+        """The pre-update policy's logprobs: recomputed before the first update, approximated log-linearly, or (with a
+        single update per step, when the model still is the proximal policy) the current ones."""
+        if "proximal_logprobs" in micro_batch:
+            return micro_batch["proximal_logprobs"]
+        if self.job.algorithm.proximal == "loglinear" and self.job.algorithm.minibatches > 1:
+            return loglinear_proximal_logprobs(
+                logprobs, micro_batch["behaviour_logprobs"], micro_batch["versions"],
+                proximal_version=self.version, current_version=self.version + 1,
+            )
+        return logprobs.detach()
+
+    @torch.no_grad()
+    def batch_logprobs(self, model, batch: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        """Token logprobs of every row under `model` (no gradient), computed in micro-batches: [rows, L − 1]."""
+        result = torch.zeros_like(batch["behaviour_logprobs"])
+        model.eval()
+        for micro in first_fit_decreasing(lengths, self.job.trainer.micro_batch_tokens):
+            rows = take_rows(batch, micro, lengths)
+            logprobs = token_logprobs(model, rows["input_ids"].to(self.device), rows["attention_mask"].to(self.device), self.job.sampling.temperature)
+            result[micro, : logprobs.shape[1]] = logprobs.cpu()
+        return result
 
     async def commit(self) -> float:
         """Checkpoint, then acknowledge the entries the checkpoint covers. Returns the seconds it took."""
@@ -360,25 +437,27 @@ class Trainer:
         )
 
 
-def collate(trajectories: list, advantages: torch.Tensor, pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch; token-aligned arrays are shifted by one to line up with next-token logprobs."""
+def collate(trajectories: list, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad the batch; token-aligned arrays are shifted by one to line up with next-token logprobs."""
     longest = max(len(t.token_ids) for t in trajectories)
     n = len(trajectories)
     input_ids = torch.full((n, longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((n, longest), dtype=torch.long)
-    old_logprobs = torch.zeros((n, longest - 1))
+    behaviour_logprobs = torch.zeros((n, longest - 1))
+    versions = torch.full((n, longest - 1), -1, dtype=torch.long)
     loss_mask = torch.zeros((n, longest - 1), dtype=torch.bool)
     for row, t in enumerate(trajectories):
         length = len(t.token_ids)
         input_ids[row, :length] = torch.tensor(t.token_ids)
         attention_mask[row, :length] = 1
-        old_logprobs[row, : length - 1] = torch.tensor(t.logprobs[1:])
+        behaviour_logprobs[row, : length - 1] = torch.tensor(t.logprobs[1:])
+        versions[row, : length - 1] = torch.tensor(t.versions[1:])
         loss_mask[row, : length - 1] = torch.tensor(t.loss_mask[1:])
-    token_advantages = advantages.unsqueeze(1).expand(n, longest - 1)
     return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
-        "old_logprobs": old_logprobs.to(device),
-        "loss_mask": loss_mask.to(device),
-        "advantages": token_advantages.to(device),
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "behaviour_logprobs": behaviour_logprobs,
+        "versions": versions,
+        "loss_mask": loss_mask,
+        "advantages": advantages.unsqueeze(1).expand(n, longest - 1).contiguous(),
     }

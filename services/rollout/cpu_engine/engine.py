@@ -3,9 +3,11 @@
 Decoding (`DecodeBatch`, also used by `generate_batch` on the trainer's own model):
 - The running batch shares one HF `DynamicCache`, left-padded, with a 2D attention mask over the cached positions
   and explicit position ids that count only a row's real tokens, so a row's numerics do not depend on its neighbours.
-- New requests are prefilled together in their own forward pass, then join: both caches are left-padded to the same
-  length and concatenated along the batch dimension. Finished rows leave through `batch_select_indices`, and padding
-  columns no remaining row needs are cut from the left, so the cache never grows past the longest live row.
+- The running cache's layers are `SlackLayer`s: views into buffers with spare columns, so a decode step writes one
+  column in place. New requests are prefilled together in their own forward pass, then join in groups: the running
+  rows and the new ones are copied, right-aligned, into fresh buffers. Finished rows stay as dead rows until the
+  next join (or until a quarter of the batch is dead), then leave in one `batch_select_indices`; padding columns no
+  remaining row needs are cut from the left, so the cache never grows far past the longest live row.
 - Only attention-only models whose cache layers are plain `DynamicLayer`s are supported (checked at the first
   prefill): sliding-window caches with their own bookkeeping and linear-attention states cannot be merged like this.
 
@@ -29,6 +31,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from areal_k8s.common.distributed import destroy_side_group, init_side_group
@@ -258,36 +261,136 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs * keep)
 
 
+def joining_count(room: int, waiting: int, max_batch_size: int) -> int:
+    """How many waiting requests to admit now. Admission merges caches (a copy of the whole batch), so requests
+    join in groups of at least an eighth of the batch, unless everything waiting fits or nothing is running."""
+    count = min(room, waiting)
+    if count == waiting or room == max_batch_size or count >= max(1, max_batch_size // 8):
+        return count
+    return 0
+
+
+class SlackLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys/values are views into buffers with spare columns: a decode step writes its
+    column in place instead of concatenating the whole cache (which made decoding quadratic in length)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def right_aligned(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> SlackLayer:
+        """One layer stacking `parts` (keys, values) along the batch, each left-padded with zeros to `width`."""
+        layer = cls()
+        keys, values = parts[0]
+        layer.lazy_initialization(keys, values)
+        rows = sum(k.shape[0] for k, _ in parts)
+        layer._key_buffer, layer._value_buffer = (
+            t.new_empty(rows, t.shape[1], 2 * width + 16, t.shape[3]) for t in (keys, values)
+        )
+        first = 0
+        for k, v in parts:
+            last, start = first + k.shape[0], width - k.shape[-2]
+            for buffer, part in ((layer._key_buffer, k), (layer._value_buffer, v)):
+                buffer[first:last, :, :start] = 0  # padding must be finite: masked scores are still computed
+                buffer[first:last, :, start:width] = part
+            first = last
+        layer._expose(width)
+        return layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._key_buffer is None:  # only layers built by `right_aligned` are used for decoding
+            raise RuntimeError("SlackLayer must be created with right_aligned()")
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:
+            self._grow(2 * end + 16)
+        self._key_buffer[:, :, length:end] = key_states
+        self._value_buffer[:, :, length:end] = value_states
+        self._expose(end)
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        length = self.get_seq_length()
+        self._key_buffer, self._value_buffer = (self._copy(b[indices, :, :length], b.shape[-2]) for b in self._buffers())
+        self._expose(length)
+
+    def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace `rows` with `keys`/`values` right-aligned to the current length, zero padding before them."""
+        length, start = self.get_seq_length(), self.get_seq_length() - keys.shape[-2]
+        for buffer, new in ((self._key_buffer, keys), (self._value_buffer, values)):
+            buffer[rows, :, :start] = 0
+            buffer[rows, :, start:length] = new
+
+    def drop_leading(self, columns: int) -> None:
+        """Forget the first `columns` positions (padding in every row); a view, no copy."""
+        length = self.get_seq_length()
+        self._key_buffer, self._value_buffer = self._key_buffer[:, :, columns:], self._value_buffer[:, :, columns:]
+        self._expose(length - columns)
+
+    def _grow(self, capacity: int) -> None:
+        length = self.get_seq_length()
+        self._key_buffer, self._value_buffer = (self._copy(b[:, :, :length], capacity) for b in self._buffers())
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._key_buffer, self._value_buffer
+
+    @staticmethod
+    def _copy(used: torch.Tensor, capacity: int) -> torch.Tensor:
+        """`used` in a new buffer of `capacity` columns; the columns after it are written before they are read."""
+        buffer = used.new_empty(used.shape[0], used.shape[1], capacity, used.shape[3])
+        buffer[:, :, : used.shape[-2]] = used
+        return buffer
+
+    def _expose(self, length: int) -> None:
+        self.keys, self.values = self._key_buffer[:, :, :length], self._value_buffer[:, :, :length]
+
+
 class DecodeBatch:
     """Sequences decoding together: one forward pass per step over a shared, left-padded KV cache.
 
     Row i's cache holds its prompt and all its output tokens but the last; `_next_tokens[i]` is that last token,
-    fed by the next step.
+    fed by the next step. A finished row stays in place (dead, its output ignored): joining requests take over dead
+    rows in place (their prefilled cache written right-aligned into the row), so a busy engine never copies its
+    cache; only when the batch drains (a quarter of the rows dead and nobody joining) or a joining prompt is longer
+    than the cache are rows removed or the cache rebuilt, in one copy.
     """
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
         self.device = model.device
-        self.sequences: list[Sequence] = []
-        self._cache: DynamicCache | None = None
+        self._rows: list[Sequence | None] = []  # None = dead row awaiting compaction
+        self._live = 0
+        self._cache: Cache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
         self._next_tokens: torch.Tensor | None = None  # [rows]
+        self.tokens_generated = 0
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        return [s for s in self._rows if s is not None]
 
     def __len__(self) -> int:
-        return len(self.sequences)
+        return self._live
 
     @torch.inference_mode()
     def advance(self, joining: list[Sequence]) -> list[Sequence]:
         """Prefill `joining` into the batch, then run one decode step over every row; returns the sequences that
         finished (they have left the batch)."""
-        finished = self._admit(joining) if joining else []
-        if self.sequences:
+        if joining:
+            finished = self._admit(joining)
+        else:
+            finished = []
+            if 4 * (len(self._rows) - self._live) >= len(self._rows):
+                self._compact()
+        if self._live:
             finished += self._step()
         return finished
 
     def remove(self, sequences: Iterable[Sequence]) -> None:
         leaving = {id(s) for s in sequences}
-        self._keep_rows([i for i, s in enumerate(self.sequences) if id(s) not in leaving])
+        self._kill([i for i, s in enumerate(self._rows) if s is not None and id(s) in leaving])
 
     def _admit(self, joining: list[Sequence]) -> list[Sequence]:
         width = max(len(s.prompt_ids) for s in joining)
@@ -295,27 +398,56 @@ class DecodeBatch:
         rows = [([0] * pad + s.prompt_ids, [0] * pad + [1] * len(s.prompt_ids)) for pad, s in zip(padding, joining)]
         input_ids = torch.tensor([ids for ids, _ in rows], device=self.device)
         mask = torch.tensor([row_mask for _, row_mask in rows], device=self.device)
-        cache = DynamicCache()
-        logits = self._forward(input_ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0), cache)
-        _check_mergeable(cache)
+        prefill = DynamicCache()
+        logits = self._forward(input_ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0), prefill)
+        _check_mergeable(prefill)
         tokens = self._choose(joining, logits)
-        if self.sequences:
-            cache = _merge_caches(self._cache, cache)
-            mask = torch.cat(_left_pad_to_common_length([self._mask, mask], dim=-1))
-            tokens = torch.cat([self._next_tokens, tokens])
-        self._cache, self._mask, self._next_tokens = cache, mask, tokens
-        self.sequences = self.sequences + joining
+        dead = [i for i, s in enumerate(self._rows) if s is None]
+        if self._rows and len(dead) >= len(joining) and width <= self._mask.shape[1]:
+            self._take_over(dead[: len(joining)], joining, prefill, mask, tokens)
+        else:
+            self._compact()
+            if self._rows:
+                width = max(width, self._mask.shape[1])
+                layers = [
+                    SlackLayer.right_aligned([(old.keys, old.values), (new.keys, new.values)], width)
+                    for old, new in zip(self._cache.layers, prefill.layers)
+                ]
+                mask = torch.cat(_left_pad_to_common_length([self._mask, mask], dim=-1))
+                tokens = torch.cat([self._next_tokens, tokens])
+            else:
+                layers = [SlackLayer.right_aligned([(new.keys, new.values)], width) for new in prefill.layers]
+            self._cache, self._mask, self._next_tokens = Cache(layers=layers), mask, tokens
+            self._rows += joining
+        self._live += len(joining)
         return self._drop_finished()
 
+    def _take_over(self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Put prefilled `joining` into dead `rows`, right-aligned to the cache's current length."""
+        index = torch.tensor(rows, device=self.device)
+        self._mask[index] = torch.nn.functional.pad(mask, (self._mask.shape[1] - mask.shape[1], 0))
+        self._next_tokens = self._next_tokens.clone()
+        self._next_tokens[index] = tokens
+        for layer, new in zip(self._cache.layers, prefill.layers):
+            layer.write_rows(index, new.keys, new.values)
+        for row, sequence in zip(rows, joining):
+            self._rows[row] = sequence
+
     def _step(self) -> list[Sequence]:
-        mask = torch.cat([self._mask, self._mask.new_ones(len(self), 1)], dim=1)
+        mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
         positions = self._mask.sum(dim=1, keepdim=True)  # a row's real tokens so far = the new token's position
         logits = self._forward(self._next_tokens[:, None], mask, positions, self._cache)
         self._mask = mask
-        self._next_tokens = self._choose(self.sequences, logits)
+        live = [i for i, s in enumerate(self._rows) if s is not None]
+        if len(live) == len(self._rows):
+            self._next_tokens = self._choose(self._rows, logits)
+        else:
+            self._next_tokens = self._next_tokens.clone()
+            index = torch.tensor(live, device=self.device)
+            self._next_tokens[index] = self._choose([self._rows[i] for i in live], logits[index])
         return self._drop_finished()
 
-    def _forward(self, input_ids, mask, positions, cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, input_ids, mask, positions, cache: Cache) -> torch.Tensor:
         output = self.model(
             input_ids=input_ids,
             attention_mask=mask,
@@ -326,52 +458,58 @@ class DecodeBatch:
         )
         return output.logits[:, -1, :].float()
 
-    @staticmethod
-    def _choose(sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def _choose(self, sequences: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         tokens, logprobs = sample_next_tokens(logits, sequences)
+        self.tokens_generated += len(sequences)
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
             sequence.append(token, logprob)
         return tokens
 
     def _drop_finished(self) -> list[Sequence]:
-        finished = [s for s in self.sequences if s.finished]
-        if finished:
-            self._keep_rows([i for i, s in enumerate(self.sequences) if not s.finished])
+        rows = [i for i, s in enumerate(self._rows) if s is not None and s.finished]
+        finished = [self._rows[i] for i in rows]
+        self._kill(rows)
         return finished
 
-    def _keep_rows(self, rows: list[int]) -> None:
-        if len(rows) == len(self.sequences):
+    def _kill(self, rows: list[int]) -> None:
+        for i in rows:
+            self._rows[i] = None
+        self._live -= len(rows)
+        if rows:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Forget leading positions no live row uses (a view, no copy). A dead row still attends to the newest
+        column, which stays, so no row's attention is ever fully masked."""
+        live = [i for i, s in enumerate(self._rows) if s is not None]
+        if not live:
             return
-        self.sequences = [self.sequences[i] for i in rows]
-        if not rows:
-            self._cache = self._mask = self._next_tokens = None
-            return
-        index = torch.tensor(rows, device=self.device)
-        self._cache.batch_select_indices(index)
-        self._mask, self._next_tokens = self._mask[index], self._next_tokens[index]
-        first_used = int(self._mask.any(dim=0).int().argmax())  # leading columns that are padding in every row
+        first_used = int(self._mask[live].any(dim=0).int().argmax())
         if first_used:
             self._mask = self._mask[:, first_used:]
             for layer in self._cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first_used:], layer.values[:, :, first_used:]
+                layer.drop_leading(first_used)
+
+    def _compact(self) -> None:
+        """Drop dead rows (one copy of the cache) and the padding columns no live row needs."""
+        alive = [i for i, s in enumerate(self._rows) if s is not None]
+        if len(alive) == len(self._rows):
+            return
+        self._rows = [self._rows[i] for i in alive]
+        if not alive:
+            self._cache = self._mask = self._next_tokens = None
+            return
+        index = torch.tensor(alive, device=self.device)
+        self._mask, self._next_tokens = self._mask[index], self._next_tokens[index]
+        for layer in self._cache.layers:
+            layer.batch_select_indices(index)
+        self._trim()
 
 
 def _check_mergeable(cache: DynamicCache) -> None:
     unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
     if unsupported:
         raise NotImplementedError(f"the CPU engine can only batch plain DynamicLayer KV caches, got {unsupported}")
-
-
-def _merge_caches(running: DynamicCache, joining: DynamicCache) -> DynamicCache:
-    return DynamicCache(
-        ddp_cache_data=[
-            (
-                torch.cat(_left_pad_to_common_length([old.keys, new.keys], dim=-2)),
-                torch.cat(_left_pad_to_common_length([old.values, new.values], dim=-2)),
-            )
-            for old, new in zip(running.layers, joining.layers)
-        ]
-    )
 
 
 def _left_pad_to_common_length(tensors: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
@@ -426,8 +564,8 @@ def generate_batch(
     model.eval()
     try:
         while waiting or len(batch):
-            joining = [waiting.popleft() for _ in range(min(max_batch_size - len(batch), len(waiting)))]
-            batch.advance(joining)
+            count = joining_count(max_batch_size - len(batch), len(waiting), max_batch_size)
+            batch.advance([waiting.popleft() for _ in range(count)])
     finally:
         model.train(was_training)
     return sequences
@@ -481,6 +619,10 @@ class CpuEngine:
         self._replies: dict[str, concurrent.futures.Future] = {}  # rid -> answered when the request finishes
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._stopping = False
+        # Written by the scheduler thread only: what the engine did, for /get_load and benchmarks.
+        self.started_at = time.monotonic()
+        self.busy_seconds = 0.0  # inside prefill/decode steps
+        self.generated_tokens = 0
         self._scheduler = threading.Thread(target=self._schedule, name="cpu-engine-scheduler", daemon=True)
         self._scheduler.start()
         log.info(
@@ -526,14 +668,15 @@ class CpuEngine:
 
         def pause() -> None:
             self._pause_mode = mode
-            if mode == "abort":
-                self._abort(lambda s: True, "Abort by pause_generation")
+            aborted = self._abort(lambda s: True, "Abort by pause_generation") if mode == "abort" else 0
+            log.info("generation paused (%s): %d requests aborted", mode, aborted)
 
         await self._in_scheduler(pause)
 
     async def continue_generation(self) -> None:
         def resume() -> None:
             self._pause_mode = None
+            log.info("generation continued")
 
         await self._in_scheduler(resume)
 
@@ -571,8 +714,11 @@ class CpuEngine:
 
         def join() -> None:
             with self._group_lock:
-                if group_name in self._groups:
-                    raise WeightUpdateError(f"weight update group {group_name!r} already exists")
+                # Only the trainer (rank 0) creates groups: a second init under the same name means the trainer that
+                # made the first one restarted, and that group is dead (its receive, if any, has already timed out).
+                if (stale := self._groups.pop(group_name, None)) is not None:
+                    log.warning("replacing weight update group %r left by a previous trainer", group_name)
+                    destroy_side_group(stale)
                 self._groups[group_name] = init_side_group(
                     backend, master_address, master_port, world_size, rank_offset, group_name,
                     self.weight_update_timeout,
@@ -672,6 +818,21 @@ class CpuEngine:
         }
 
     # --- health and lifecycle ---------------------------------------------------------------------------------
+
+    def load(self) -> dict[str, Any]:
+        """SGLang's /get_load fields for one data-parallel rank, plus how busy the engine has been since it started."""
+        with self._wakeup:
+            waiting = len(self._waiting)
+        running = len(self._batch)
+        return {
+            "dp_rank": 0,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_running_reqs": running,
+            "busy_seconds": self.busy_seconds,
+            "uptime_seconds": time.monotonic() - self.started_at,
+            "generated_tokens": self.generated_tokens,
+        }
 
     def is_alive(self) -> bool:
         return self._scheduler.is_alive()
@@ -792,12 +953,15 @@ class CpuEngine:
             if self._pause_mode is not None:
                 continue
             with self._wakeup:
-                room = self.max_batch_size - len(self._batch)
-                joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                count = joining_count(self.max_batch_size - len(self._batch), len(self._waiting), self.max_batch_size)
+                joining = [self._waiting.popleft() for _ in range(count)]
             if not (joining or self._batch.sequences):
                 continue
             try:
+                stepped, tokens = time.monotonic(), self._batch.tokens_generated
                 finished = self._batch.advance(joining)
+                self.busy_seconds += time.monotonic() - stepped
+                self.generated_tokens += self._batch.tokens_generated - tokens
             except Exception as exc:  # a model failure fails this batch's requests, never the engine
                 log.exception("decode step failed; failing %d requests", len(self._batch) + len(joining))
                 failed = list({id(s): s for s in [*self._batch.sequences, *joining]}.values())

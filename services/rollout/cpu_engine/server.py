@@ -41,6 +41,7 @@ def create_app(engine: CpuEngine) -> web.Application:
     app.router.add_get("/get_weight_version", get_weight_version)
     app.router.add_route("GET", "/get_weights_by_name", get_weights_by_name)
     app.router.add_route("POST", "/get_weights_by_name", get_weights_by_name)
+    app.router.add_get("/get_load", get_load)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/ping", ping)
@@ -192,6 +193,10 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
 async def weights_checksum(request: web.Request) -> web.Response:
     body = await _body(request) if request.method == "POST" else {}
     return web.json_response(await _engine(request).weights_checksum(body.get("names")))
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response([_engine(request).load()])
 
 
 def _query_int(name: str, value: str) -> int:

@@ -1,0 +1,179 @@
+"""The kopf side: thin handlers around `reconcile`, which observes, decides (lifecycle), applies (children).
+
+Edge-triggered handlers (create, update, resume) react at once; a timer reconciles every `interval` seconds,
+so drift is repaired and the status follows the controller. A finalizer deletes the job's Redis keys.
+Everything that reaches outside (the apiserver, the controller's gRPC status, Redis, the clock) comes in
+through `Context`, so tests run the same handlers against kmock, a loopback controller and a real Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import grpc
+import kopf
+from redis.exceptions import RedisError
+
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.k8s_operator import lifecycle, names
+from areal_k8s.k8s_operator.apply import apply
+from areal_k8s.k8s_operator.children import desired_children
+from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
+from areal_k8s.k8s_operator.validation import InvalidSpec, ValidJob, validate
+
+log = logging.getLogger("areal.operator")
+
+STATUS_TIMEOUT_SECONDS = 3.0
+
+
+def read_job_status(address: str) -> controller_pb2.JobStatus:
+    """Controller.GetJobStatus over gRPC; raises grpc.RpcError when the controller does not answer."""
+    with grpc.insecure_channel(address) as channel:
+        return controller_pb2_grpc.ControllerStub(channel).GetJobStatus(
+            controller_pb2.GetJobStatusRequest(), timeout=STATUS_TIMEOUT_SECONDS)
+
+
+def controller_service_address(namespace: str, name: str) -> str:
+    return f"{names.child_name(name, 'controller')}.{namespace}.svc:{names.CONTROLLER_PORT}"
+
+
+def delete_redis_keys(redis_url: str, job_key: str) -> int:
+    """Delete every Redis key of the job; returns how many there were."""
+
+    async def run() -> int:
+        client = connect(redis_url)
+        try:
+            return await TrajectoryStore(client, job_key).delete_job()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())  # kopf runs sync handlers in worker threads, which have no loop of their own
+
+
+@dataclass
+class Context:
+    kube: KubeApi
+    read_job_status: Callable[[str], controller_pb2.JobStatus] = read_job_status
+    controller_address: Callable[[str, str], str] = controller_service_address  # (namespace, name) -> host:port
+    delete_redis_keys: Callable[[str, str], int] = delete_redis_keys  # (url, job key) -> keys deleted
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(timezone.utc))
+    interval: float = 10.0  # seconds between level-triggered reconciles
+
+
+def rljob_path(namespace: str, name: str) -> str:
+    return object_path(names.API_VERSION, names.PLURAL, namespace, name)
+
+
+def observe_controller(ctx: Context, job: ValidJob, observed: lifecycle.Observed) -> None:
+    address = ctx.controller_address(job.namespace, job.name)
+    try:
+        observed.controller = ctx.read_job_status(address)
+    except grpc.RpcError as exc:
+        observed.controller_error = f"controller {address}: {exc.code().name}: {exc.details()}"
+
+
+def reconcile(ctx: Context, rljob: dict) -> dict:
+    """One level-triggered pass over an RLJob; returns its status patch."""
+    meta, previous = rljob["metadata"], dict(rljob.get("status") or {})
+    now = ctx.clock()
+    try:
+        job = validate(rljob)
+    except InvalidSpec as exc:
+        log.warning("RLJob %s/%s: invalid spec: %s", meta.get("namespace"), meta.get("name"), exc)
+        return lifecycle.invalid_status(generation=meta.get("generation"), previous=previous, problems=exc.problems, now=now)
+
+    observed = lifecycle.Observed()
+    if not job.spec["suspend"] and not any(lifecycle.is_true(previous, t) for t in lifecycle.TERMINAL):
+        observe_controller(ctx, job, observed)
+        pods = ctx.kube.list(object_path("v1", "pods", job.namespace), names.job_selector(job.name))
+        observed.restarts = lifecycle.count_restarts(pods, job.name)
+    phase = lifecycle.decide_phase(job.spec, previous, observed, now)
+
+    for child in desired_children(job, running=phase.running):
+        try:
+            live = apply(ctx.kube, child)
+        except ApiError as exc:
+            if exc.retriable:
+                raise kopf.TemporaryError(str(exc), delay=ctx.interval) from None
+            observed.apply_errors.append(f"{child['kind']} {child['metadata']['name']}: HTTP {exc.status}: {exc.message}")
+            continue
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
+
+    status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
+                                  previous=previous, phase=phase, observed=observed, now=now)
+    if lifecycle.ttl_expired(job.spec, {**previous, **status}, now):
+        log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
+        ctx.kube.delete(rljob_path(job.namespace, job.name))
+    return status
+
+
+def redis_url_of(ctx: Context, job: ValidJob) -> str:
+    redis = job.spec["redis"]
+    if "url" in redis:
+        return redis["url"]
+    ref = redis["urlSecretRef"]
+    secret = ctx.kube.get(object_path("v1", "secrets", job.namespace, ref["name"]))
+    encoded = ((secret or {}).get("data") or {}).get(ref["key"])
+    if encoded is None:
+        raise kopf.TemporaryError(f"Secret {job.namespace}/{ref['name']} has no key {ref['key']!r} (redis.urlSecretRef)",
+                                  delay=ctx.interval)
+    return base64.b64decode(encoded).decode()
+
+
+def finalize(ctx: Context, rljob: dict) -> None:
+    """Delete the job's Redis keys. The children go with the RLJob through their owner references."""
+    meta = rljob["metadata"]
+    try:
+        job = validate(rljob)
+    except InvalidSpec as exc:
+        log.warning("RLJob %s/%s: invalid spec, so no Redis URL: its keys stay (%s)", meta.get("namespace"), meta.get("name"), exc)
+        return
+    url = redis_url_of(ctx, job)
+    try:
+        deleted = ctx.delete_redis_keys(url, job.config.name)
+    except (RedisError, OSError) as exc:
+        raise kopf.TemporaryError(f"cannot reach Redis to delete the job's keys: {exc}", delay=ctx.interval) from None
+    log.info("RLJob %s/%s: deleted %d Redis keys of job %s", job.namespace, job.name, deleted, job.config.name)
+
+
+def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
+    """Attach the RLJob handlers to `registry`."""
+    resource = {"group": names.GROUP, "version": names.VERSION, "plural": names.PLURAL, "registry": registry}
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_):
+        settings.persistence.finalizer = names.FINALIZER
+        settings.peering.standalone = True  # run one replica: kopf's peering is not leader election
+
+    def reconcile_into(body: kopf.Body, patch: kopf.Patch) -> None:
+        if body.metadata.get("deletionTimestamp"):
+            return  # being deleted: the garbage collector removes the children, the finalizer cleans Redis
+        rljob = copy.deepcopy(dict(body))
+        status = reconcile(ctx, rljob)
+        patch.setdefault("status", {}).update(status)
+        for event_type, reason, message in lifecycle.transitions(rljob.get("status") or {}, status):
+            kopf.event(body, type=event_type, reason=reason, message=message)
+
+    # Errors the reconcile does not turn into conditions (an unreachable apiserver) are retried every interval.
+    @kopf.on.resume(**resource, backoff=ctx.interval)
+    @kopf.on.create(**resource, backoff=ctx.interval)
+    @kopf.on.update(**resource, backoff=ctx.interval)
+    def reconcile_on_change(body, patch, **_):
+        reconcile_into(body, patch)
+
+    @kopf.timer(**resource, interval=ctx.interval, backoff=ctx.interval)
+    def reconcile_periodically(body, patch, **_):
+        reconcile_into(body, patch)
+
+    # Give up after a few minutes of an unreachable Redis rather than block the RLJob's deletion for ever.
+    @kopf.on.delete(**resource, retries=20, backoff=10)
+    def delete_job_keys(body, **_):
+        finalize(ctx, copy.deepcopy(dict(body)))

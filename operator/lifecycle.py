@@ -1,0 +1,222 @@
+"""Where an RLJob stands and what its status says, as pure functions of what the operator observed.
+
+Phases: Running, Suspended, Complete, Failed. Complete and Failed are terminal: the workloads go to zero and
+stay there. Conditions follow metav1.Condition; a condition keeps its lastTransitionTime while its status holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.k8s_operator import names
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed")
+RUNNING, SUSPENDED, COMPLETE, FAILED = "Running", "Suspended", "Complete", "Failed"
+TERMINAL = (COMPLETE, FAILED)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str  # Running | Suspended | Complete | Failed
+    reason: str  # CamelCase, for the conditions
+    message: str
+
+    @property
+    def running(self) -> bool:
+        return self.name == RUNNING
+
+
+@dataclass(frozen=True)
+class RoleReplicas:
+    desired: int
+    current: int
+    ready: int
+
+
+@dataclass
+class Observed:
+    """What one reconcile saw: its children, the controller's job status, the pods' restarts."""
+
+    replicas: dict[str, RoleReplicas] = field(default_factory=dict)
+    controller: controller_pb2.JobStatus | None = None
+    controller_error: str | None = None
+    restarts: int = 0
+    apply_errors: list[str] = field(default_factory=list)
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> datetime:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def condition_of(status: dict, kind: str) -> dict | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == kind), None)
+
+
+def is_true(status: dict, kind: str) -> bool:
+    found = condition_of(status, kind)
+    return bool(found) and found.get("status") == "True"
+
+
+def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) -> Phase:
+    """The job's phase. Terminal phases stick; suspension stops the deadline clock (startTime resets on resume)."""
+    for terminal in TERMINAL:
+        if is_true(previous, terminal):
+            held = condition_of(previous, terminal)
+            return Phase(terminal, held["reason"], held["message"])
+    report = observed.controller
+    if report is not None and report.phase == controller_pb2.JobStatus.COMPLETED:
+        return Phase(COMPLETE, "TrainingFinished", f"trained {report.version} of {report.total_steps} steps")
+    if report is not None and report.phase == controller_pb2.JobStatus.FAILED:
+        return Phase(FAILED, "JobFailed", report.message or "the controller reports the job failed")
+    limit = spec["failurePolicy"]["maxRestarts"]
+    if observed.restarts > limit:
+        return Phase(FAILED, "RestartLimitExceeded",
+                     f"containers restarted {observed.restarts} times, more than failurePolicy.maxRestarts ({limit})")
+    if spec["suspend"]:
+        return Phase(SUSPENDED, "SuspendedByUser", "spec.suspend is true: every service is scaled to zero")
+    deadline = spec.get("activeDeadlineSeconds")
+    started = previous.get("startTime")
+    if deadline is not None and started and now - parse_time(started) > timedelta(seconds=deadline):
+        return Phase(FAILED, "DeadlineExceeded", f"the job ran longer than activeDeadlineSeconds ({deadline} s)")
+    return Phase(RUNNING, "Running", "the services are deployed")
+
+
+def workload_replicas(live: dict) -> RoleReplicas:
+    status = live.get("status") or {}
+    return RoleReplicas(desired=live.get("spec", {}).get("replicas", 0), current=status.get("replicas", 0),
+                        ready=status.get("readyReplicas", 0))
+
+
+def count_restarts(pods: list[dict], job: str) -> int:
+    """Container restarts over the job's current pods (the list may hold other pods: the labels decide)."""
+    wanted = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job}
+    return sum(
+        container.get("restartCount", 0)
+        for pod in pods
+        if wanted.items() <= (pod.get("metadata", {}).get("labels") or {}).items()
+        for container in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+
+
+def merge_conditions(previous: dict, wanted: dict[str, tuple[bool, str, str]], generation: int | None, now: datetime) -> list[dict]:
+    """metav1.Conditions for `wanted` (type -> (status, reason, message)), keeping unchanged transition times."""
+    out = []
+    for kind in CONDITION_TYPES:
+        if kind not in wanted:
+            if condition_of(previous, kind):
+                out.append(condition_of(previous, kind))
+            continue
+        value, reason, message = wanted[kind]
+        status = "True" if value else "False"
+        before = condition_of(previous, kind)
+        moved = before is None or before.get("status") != status
+        condition = {"type": kind, "status": status, "lastTransitionTime": rfc3339(now) if moved else before["lastTransitionTime"],
+                     "reason": reason, "message": message}
+        if generation is not None:
+            condition["observedGeneration"] = generation
+        out.append(condition)
+    return out
+
+
+def not_ready(replicas: dict[str, RoleReplicas]) -> list[str]:
+    """Roles short of ready pods, as "role ready/desired" (a role not observed at all counts as short)."""
+    short = []
+    for role in names.ROLES:
+        r = replicas.get(role)
+        if r is None:
+            short.append(f"{role} (not observed)")
+        elif r.ready < r.desired:
+            short.append(f"{role} {r.ready}/{r.desired}")
+    return short
+
+
+def job_conditions(phase: Phase, observed: Observed) -> dict[str, tuple[bool, str, str]]:
+    lagging = not_ready(observed.replicas)
+    if not phase.running:
+        ready = (False, phase.reason, phase.message)
+        progressing = (False, phase.reason, phase.message)
+    elif lagging:
+        ready = (False, "ReplicasNotReady", "ready/desired: " + ", ".join(lagging))
+        progressing = (True, "Starting", "waiting for " + ", ".join(lagging))
+    else:
+        ready = (True, "AllReplicasReady", "every service has its replicas ready")
+        training = observed.controller is not None and observed.controller.phase == controller_pb2.JobStatus.RUNNING
+        progressing = (True, "Training", "policy version advancing") if training else (True, "Starting", "waiting for the job to start")
+    controller = observed.replicas.get("controller")
+    controller_ready = controller is not None and 0 < controller.desired <= controller.ready
+    if observed.apply_errors:
+        degraded = (True, "ApplyFailed", "; ".join(observed.apply_errors))
+    elif phase.running and controller_ready and observed.controller_error:
+        degraded = (True, "ControllerUnreachable", observed.controller_error)
+    else:
+        degraded = (False, "AsExpected", "nothing wrong observed")
+    return {
+        "Ready": ready,
+        "Progressing": progressing,
+        "Degraded": degraded,
+        "Suspended": (phase.name == SUSPENDED, phase.reason, phase.message),
+        "Complete": (phase.name == COMPLETE, phase.reason, phase.message),
+        "Failed": (phase.name == FAILED, phase.reason, phase.message),
+    }
+
+
+def job_status(*, job_name: str, job_key: str, generation: int | None, previous: dict, phase: Phase,
+               observed: Observed, now: datetime) -> dict:
+    """The status patch for a valid RLJob. Fields the controller did not report this time keep their values."""
+    status: dict = {
+        "observedGeneration": generation,
+        "jobName": job_key,
+        "conditions": merge_conditions(previous, job_conditions(phase, observed), generation, now),
+        "replicas": {role: {"desired": r.desired, "current": r.current, "ready": r.ready} for role, r in observed.replicas.items()},
+        "rolloutSelector": names.role_selector(job_name, "rollout"),
+        "restarts": observed.restarts,
+    }
+    report = observed.controller
+    if report is not None:
+        status.update(
+            policyVersion=report.version,
+            totalSteps=report.total_steps,
+            staleness={"mean": round(report.mean_staleness, 4), "max": report.max_staleness_seen, "last": report.last_max_staleness},
+            throughput={"samplesPerSecond": round(report.samples_per_second, 4), "tokensPerSecond": round(report.tokens_per_second, 2)},
+        )
+    if phase.running:
+        status["startTime"] = previous.get("startTime") or rfc3339(now)
+    elif phase.name == SUSPENDED:
+        status["startTime"] = None  # resuming starts the deadline clock afresh, as for a Job
+    if phase.name in TERMINAL:
+        status["completionTime"] = previous.get("completionTime") or rfc3339(now)
+    return status
+
+
+def invalid_status(*, generation: int | None, previous: dict, problems: list[str], now: datetime) -> dict:
+    """A spec the operator cannot run: say why; the children and the other conditions stay as they are."""
+    message = "; ".join(problems)
+    wanted = {"Ready": (False, "InvalidSpec", message), "Progressing": (False, "InvalidSpec", message),
+              "Degraded": (True, "InvalidSpec", message)}
+    return {"observedGeneration": generation, "conditions": merge_conditions(previous, wanted, generation, now)}
+
+
+# Conditions whose turning True deserves an Event on the RLJob (`kubectl describe` shows them).
+EVENT_TYPES = {"Degraded": "Warning", "Failed": "Warning", "Suspended": "Normal", "Complete": "Normal"}
+
+
+def transitions(previous: dict, status: dict) -> list[tuple[str, str, str]]:
+    """(event type, reason, message) for each noteworthy condition that became True with `status`."""
+    out = []
+    for kind, event_type in EVENT_TYPES.items():
+        now = condition_of(status, kind)
+        if now and now["status"] == "True" and not is_true(previous, kind):
+            out.append((event_type, now["reason"], now["message"]))
+    return out
+
+
+def ttl_expired(spec: dict, status: dict, now: datetime) -> bool:
+    """A finished job whose ttlSecondsAfterFinished has passed is due for deletion."""
+    ttl, finished = spec.get("ttlSecondsAfterFinished"), status.get("completionTime")
+    return ttl is not None and bool(finished) and now - parse_time(finished) >= timedelta(seconds=ttl)

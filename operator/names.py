@@ -1,0 +1,99 @@
+"""Names the CRD, the operator and the child manifests agree on: API coordinates, labels, ports, object names."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib.metadata import PackageNotFoundError, version
+
+GROUP = "areal-k8s.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SINGULAR = "rljob"
+SHORT_NAMES = ["rlj"]
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+ROLES = ("controller", "reward", "rollout", "trainer")
+
+# The StatefulSet `<name>-trainer` must stay within 52 characters (its pods' controller-revision-hash label adds
+# 11 and must fit in 63), and the job key `<name>-<6 hex>` within JobConfig's 48: 40 satisfies both.
+MAX_NAME_LENGTH = 40
+
+# Ports the services listen on inside their pods (their own defaults, see each service's __main__).
+CONTROLLER_PORT = 50051
+ROLLOUT_PORT = 50052
+REWARD_PORT = 50053
+TRAINER_PORT = 50054
+ENGINE_PORT = 30000
+TORCH_RENDEZVOUS_PORT = 29500
+
+CONFIG_DIR = "/etc/areal"
+CONFIG_KEY = "job.yaml"
+JOB_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+# Volumes the operator adds itself; user mounts may not take these names.
+RESERVED_VOLUME_PREFIX = "areal-"
+CONFIG_VOLUME = "areal-config"
+CHECKPOINT_VOLUME = "areal-checkpoint"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+APP_NAME = "areal-k8s"
+MANAGER = "areal-k8s-operator"
+FINALIZER = f"{GROUP}/redis-cleanup"
+LAST_APPLIED_ANNOTATION = f"{GROUP}/last-applied"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+# The StatefulSet controller labels each pod with its ordinal (Kubernetes >= 1.28): the trainer's node rank.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+IMAGE_REPOSITORY = "ghcr.io/areal-k8s"
+
+
+def operator_version() -> str:
+    try:
+        return version("areal-k8s")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "latest"
+
+
+def default_image(component: str) -> str:
+    """Images come from the chart-and-images issue; the tag follows the operator's own version."""
+    return f"{IMAGE_REPOSITORY}/{component}:{operator_version()}"
+
+
+def child_name(job: str, role: str) -> str:
+    return f"{job}-{role}"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def job_key(namespace: str, name: str) -> str:
+    """The JobConfig name, which scopes the job's Redis keys (`areal:{key}:...`).
+
+    A shared Redis may serve RLJobs of equal names in different namespaces: the namespace's digest keeps their
+    keys apart, so one job's finalizer never deletes another's stream.
+    """
+    return f"{name}-{hashlib.sha256(namespace.encode()).hexdigest()[:6]}"
+
+
+def selector_labels(job: str, role: str) -> dict[str, str]:
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: job, LABEL_COMPONENT: role}
+
+
+def labels(job: str, role: str) -> dict[str, str]:
+    return {**selector_labels(job, role), LABEL_MANAGED_BY: MANAGER}
+
+
+def job_selector(job: str) -> str:
+    """A label selector (string form) for every pod of the job."""
+    return f"{LABEL_NAME}={APP_NAME},{LABEL_INSTANCE}={job}"
+
+
+def role_selector(job: str, role: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(job, role).items())

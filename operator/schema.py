@@ -1,0 +1,454 @@
+"""The RLJob CustomResourceDefinition, built in one place: `python -m areal_k8s.k8s_operator.schema --write`.
+
+The job-file sections of the spec (dataset, reward, sampling, algorithm, rollout, trainer, and model/tokenizer/
+seed) are generated from the pydantic models in areal_k8s.common.config, keeping the job file's own keys, so
+the job file and the RLJob share one typed schema. The Kubernetes parts (roles, mounts, checkpoint, redis,
+lifecycle) are written here in camelCase. Cross-field rules come from rules.RULES. operator/crd/rljobs.yaml is
+this module's output (a test checks it is current); the Helm chart ships that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from areal_k8s.common.config import (
+    AlgorithmConfig,
+    DatasetConfig,
+    JobConfig,
+    RewardConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.rules import RULES
+
+CRD_PATH = Path(__file__).resolve().parent / "crd" / "rljobs.yaml"
+
+# Job-file fields the operator fills from the Kubernetes parts of the spec instead.
+OPERATOR_OWNED = {
+    "rollout": {"workers", "engine_urls"},  # roles.rollout.replicas; each worker's engine is beside it in its pod
+    "algorithm": {"max_staleness"},  # staleness.eta
+}
+JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
+    "dataset": (DatasetConfig, "The job file's `dataset` section."),
+    "reward": (RewardConfig, "The job file's `reward` section: the verifier and its options."),
+    "sampling": (SamplingConfig, "The job file's `sampling` section."),
+    "algorithm": (AlgorithmConfig, "The job file's `algorithm` section (η is staleness.eta)."),
+    "rollout": (RolloutConfig, "The job file's `rollout` section (the worker count is roles.rollout.replicas)."),
+    "trainer": (TrainerConfig, "The job file's `trainer` section."),
+}
+JOB_FIELDS = ("model", "tokenizer", "seed")
+
+# -- pydantic JSON Schema -> structural OpenAPI v3.0 ------------------------------------------------------
+
+
+def structural(prop: dict) -> dict:
+    """One pydantic JSON-Schema property as the structural OpenAPI v3.0 schema a CRD accepts."""
+    prop = {k: v for k, v in prop.items() if k != "title"}
+    if "anyOf" in prop:  # `X | None`
+        variants = [v for v in prop.pop("anyOf") if v.get("type") != "null"]
+        if len(variants) != 1:
+            raise ValueError(f"cannot express a union of {variants} in a structural schema")
+        prop = {**structural(variants[0]), **prop, "nullable": True}
+    if "const" in prop:
+        prop["enum"] = [prop.pop("const")]
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if exclusive in prop and not isinstance(prop[exclusive], bool):  # draft 2020 number -> v3.0 boolean flag
+            prop[bound] = prop.pop(exclusive)
+            prop[exclusive] = True
+    if "prefixItems" in prop:  # fixed-length tuples of one type
+        items = prop.pop("prefixItems")
+        if any(item != items[0] for item in items):
+            raise ValueError(f"cannot express a mixed tuple {items} in a structural schema")
+        prop["items"] = items[0]
+    if "items" in prop:
+        prop["items"] = structural(prop["items"])
+    if "$ref" in prop or "properties" in prop:
+        raise ValueError(f"nested models are not expected in a job-file section: {prop}")
+    if "default" in prop and prop["default"] is None:
+        del prop["default"]
+    return {key: prop[key] for key in sorted(prop, key=lambda k: (k != "type", k != "description", k))}
+
+
+def section_schema(model: type[BaseModel], description: str, exclude: set[str] = frozenset()) -> dict:
+    source = model.model_json_schema()
+    properties = {k: structural(v) for k, v in source["properties"].items() if k not in exclude}
+    schema = {"type": "object", "description": description, "properties": properties}
+    required = [k for k in source.get("required", []) if k not in exclude]
+    if required:
+        schema["required"] = required
+    else:
+        schema["default"] = {}  # so the apiserver fills in the section's field defaults
+    return schema
+
+
+def job_field(name: str) -> dict:
+    return structural(JobConfig.model_json_schema()["properties"][name])
+
+
+# -- Kubernetes parts --------------------------------------------------------------------------------------
+
+
+def obj(description: str, properties: dict, *, required: list[str] | None = None, default: dict | None = None) -> dict:
+    schema = {"type": "object", "description": description, "properties": properties}
+    if required:
+        schema["required"] = required
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def integer(description: str, *, minimum: int | None = None, default: int | None = None) -> dict:
+    schema: dict = {"type": "integer", "description": description}
+    if minimum is not None:
+        schema["minimum"] = minimum
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def string(description: str, **extra) -> dict:
+    return {"type": "string", "description": description, **extra}
+
+
+QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
+
+
+def resources(description: str) -> dict:
+    quantities = {"type": "object", "additionalProperties": QUANTITY}
+    return obj(description + " (core/v1 ResourceRequirements: requests and limits).",
+               {"requests": quantities, "limits": quantities})
+
+
+def role(component: str, description: str, *, replicas: str | None, autoscaled: bool, gpus: str | None,
+         extra: dict | None = None) -> dict:
+    properties: dict = {
+        "image": string(f"Container image; default {names.IMAGE_REPOSITORY}/{component}:<operator version>."),
+        "imagePullPolicy": string("Image pull policy of the role's containers.", enum=["Always", "IfNotPresent", "Never"]),
+    }
+    if replicas:
+        properties["replicas"] = integer(replicas, minimum=1, default=1)
+    if autoscaled:
+        properties["minReplicas"] = integer("Lowest replica count an autoscaler (HPA/KEDA through /scale) may set.", minimum=1)
+        properties["maxReplicas"] = integer("Highest replica count an autoscaler may set.", minimum=1)
+    properties["resources"] = resources("CPU and memory of the role's main container")
+    if gpus:
+        properties["gpusPerPod"] = integer(gpus, minimum=0, default=0)
+    properties["nodeSelector"] = {"type": "object", "description": "Node labels the pods must match.",
+                                  "additionalProperties": {"type": "string"}}
+    properties["tolerations"] = {
+        "type": "array",
+        "description": "Taints the pods tolerate (core/v1 Toleration).",
+        "items": {
+            "type": "object",
+            "properties": {
+                "key": {"type": "string"},
+                "operator": {"type": "string", "enum": ["Exists", "Equal"]},
+                "value": {"type": "string"},
+                "effect": {"type": "string", "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
+                "tolerationSeconds": {"type": "integer"},
+            },
+        },
+    }
+    properties.update(extra or {})
+    return obj(description, properties, default={})
+
+
+def roles_schema() -> dict:
+    engine = obj(
+        "The inference engine container beside each rollout agent (it gets the role's GPUs).",
+        {
+            "image": string("Engine image; default: the rollout image for the cpu engine, "
+                            f"{names.IMAGE_REPOSITORY}/sglang:<operator version> for sglang."),
+            "resources": resources("CPU and memory of the engine container"),
+        },
+        default={},
+    )
+    parallelism = obj(
+        "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count.",
+        {
+            "tensor": integer("Tensor-parallel size.", minimum=1, default=1),
+            "pipeline": integer("Pipeline-parallel size.", minimum=1, default=1),
+            "data": integer("Data-parallel size.", minimum=1, default=1),
+        },
+        default={},
+    )
+    return obj(
+        "Pod settings of each service.",
+        {
+            "controller": role("controller", "The controller: one pod (admission state lives in it and in Redis).",
+                               replicas=None, autoscaled=False, gpus=None),
+            "reward": role("reward", "The reward service (verifiers).",
+                           replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards)."),
+            "rollout": role("rollout", "Rollout pods: a rollout agent and its inference engine each. "
+                            "The /scale subresource sets roles.rollout.replicas.",
+                            replicas="Rollout workers.", autoscaled=True, gpus="GPUs of each pod's engine.",
+                            extra={"engine": engine}),
+            "trainer": role("trainer", "The trainer StatefulSet (one pod per node; torch rendezvous via a headless Service).",
+                            replicas="Trainer pods (nodes).", autoscaled=False, gpus="GPUs (ranks) per trainer pod.",
+                            extra={"parallelism": parallelism}),
+        },
+        default={},
+    )
+
+
+def mounts_schema() -> dict:
+    return {
+        "type": "array",
+        "description": "Volumes mounted into every service pod, so model, tokenizer and dataset paths resolve.",
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+        "items": obj(
+            "One mount: a PersistentVolumeClaim or an OCI image (image volumes need Kubernetes >= 1.31).",
+            {
+                "name": string("Volume name, unique in the list.", maxLength=63),
+                "mountPath": string("Where the volume appears in the containers.", pattern="^/"),
+                "subPath": string("Mount only this path of the volume."),
+                "readOnly": {"type": "boolean", "description": "Mount read-only.", "default": True},
+                "persistentVolumeClaim": obj("An existing PersistentVolumeClaim.",
+                                             {"claimName": string("Claim name.")}, required=["claimName"]),
+                "image": obj("An OCI image (or artifact) holding model weights or data.",
+                             {"reference": string("Image reference."),
+                              "pullPolicy": string("Pull policy.", enum=["Always", "IfNotPresent", "Never"])},
+                             required=["reference"]),
+            },
+            required=["name", "mountPath"],
+        ),
+    }
+
+
+def spec_schema() -> dict:
+    job_parts = {field: job_field(field) for field in JOB_FIELDS}
+    sections = {
+        key: section_schema(model, description, OPERATOR_OWNED.get(key, set()))
+        for key, (model, description) in JOB_SECTIONS.items()
+    }
+    eta = structural(AlgorithmConfig.model_json_schema()["properties"]["max_staleness"])
+    properties = {
+        **job_parts,
+        **sections,
+        "staleness": obj(
+            "The staleness target: the bound η, and the band measured staleness should stay in.",
+            {
+                "eta": eta,
+                "targetBand": obj(
+                    "Band for the measured mean staleness (status.staleness.mean), within [0, eta].",
+                    {"min": {"type": "number", "minimum": 0, "description": "Lower edge.", "default": 0},
+                     "max": {"type": "number", "minimum": 0, "description": "Upper edge."}},
+                    required=["max"],
+                ),
+            },
+            default={},
+        ),
+        "gpuBudget": integer("GPUs the job may hold at once, over all roles.", minimum=0),
+        "roles": roles_schema(),
+        "mounts": mounts_schema(),
+        "checkpoint": obj(
+            "Where the trainer keeps checkpoints (the run directory); it survives suspend, so a resumed job "
+            "continues from its last checkpoint.",
+            {
+                "mountPath": string("Where the checkpoint volume is mounted in the trainer.", pattern="^/",
+                                    default="/var/lib/areal"),
+                "claimName": string("An existing PersistentVolumeClaim (ReadWriteOnce is enough: only the trainer writes)."),
+                "volumeClaimTemplate": obj(
+                    "A claim per trainer pod, made by the StatefulSet and deleted with the job.",
+                    {"size": {**QUANTITY, "description": "Requested storage."},
+                     "storageClassName": string("Storage class; default: the cluster's.")},
+                    required=["size"],
+                ),
+            },
+            default={"volumeClaimTemplate": {"size": "10Gi"}},
+        ),
+        "redis": obj(
+            "The Redis holding the trajectory stream: the chart's in-cluster Redis "
+            "(redis://<release>-redis.<namespace>.svc:6379/0) or an external one.",
+            {
+                "url": string("redis://[:password@]host:port/db, for a Redis without credentials."),
+                "urlSecretRef": obj("A Secret key holding the whole URL, when it carries a password.",
+                                    {"name": string("Secret name."), "key": string("Key in the Secret.")},
+                                    required=["name", "key"]),
+            },
+        ),
+        "suspend": {"type": "boolean", "default": False,
+                    "description": "Scale every service to zero; clearing it resumes from the last checkpoint."},
+        "activeDeadlineSeconds": integer("Fail the job once it has run this long (suspended time not counted).", minimum=1),
+        "ttlSecondsAfterFinished": integer("Delete the RLJob this long after it completed or failed.", minimum=0),
+        "failurePolicy": obj(
+            "When to give up.",
+            {"maxRestarts": integer("Fail the job once the containers of its current pods restarted more often than "
+                                    "this, in total.",
+                                    minimum=0, default=10)},
+            default={},
+        ),
+    }
+    return obj(
+        "What to train and how to run it. Job-file sections keep the job file's keys (snake_case); "
+        "the Kubernetes parts use camelCase.",
+        properties,
+        required=["model", "dataset", "redis"],
+    )
+
+
+def condition_schema() -> dict:
+    return obj(
+        "A metav1.Condition.",
+        {
+            "type": string("Ready, Progressing, Degraded, Suspended, Complete or Failed."),
+            "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+            "observedGeneration": integer("The spec generation the condition describes."),
+            "lastTransitionTime": string("When status last changed.", format="date-time"),
+            "reason": string("CamelCase reason."),
+            "message": string("Human-readable detail."),
+        },
+        required=["type", "status", "lastTransitionTime", "reason", "message"],
+    )
+
+
+def status_schema() -> dict:
+    role_replicas = obj("Replica counts of one role.", {
+        "desired": integer("Replicas the operator asks for (0 while suspended or finished)."),
+        "current": integer("Pods the workload has."),
+        "ready": integer("Pods ready."),
+    })
+    return obj(
+        "Observed state, written by the operator.",
+        {
+            "observedGeneration": integer("The spec generation last reconciled."),
+            "jobName": string("The job's name in its services and Redis keys (areal:{jobName}:...)."),
+            "conditions": {"type": "array", "description": "Ready, Progressing, Degraded, Suspended, Complete, Failed.",
+                           "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"],
+                           "items": condition_schema()},
+            "replicas": obj("Per role.", {r: role_replicas for r in names.ROLES}),
+            "rolloutSelector": string("Label selector of the rollout pods (for the /scale subresource)."),
+            "policyVersion": integer("Policy version the rollout engines serve."),
+            "totalSteps": integer("Training steps the job runs."),
+            "staleness": obj("Staleness of trained samples, in policy versions.", {
+                "mean": {"type": "number", "description": "Mean over the run."},
+                "max": integer("Largest seen."),
+                "last": integer("Largest in the last step."),
+            }),
+            "throughput": obj("Training throughput over the run.", {
+                "samplesPerSecond": {"type": "number", "description": "Trained samples per second."},
+                "tokensPerSecond": {"type": "number", "description": "Trained tokens per second."},
+            }),
+            "restarts": integer("Container restarts in the job's current pods, counted against failurePolicy.maxRestarts."),
+            "lastRebalanceTime": string("When the staleness rebalancer last changed the rollout/trainer split "
+                                        "(the rebalancer is not part of this operator version).", format="date-time"),
+            "lastRebalanceReason": string("Why it changed."),
+            "startTime": string("When the job last started running (reset by resume).", format="date-time"),
+            "completionTime": string("When the job completed or failed.", format="date-time"),
+        },
+    )
+
+
+def place_rules(root: dict) -> None:
+    """Attach each rule of rules.RULES to the schema node at its path."""
+    for rule in RULES:
+        node = root
+        for step in rule.path:
+            node = node["items"] if step == "*" else node["properties"][step]
+        node.setdefault("x-kubernetes-validations", []).append({"rule": rule.cel, "message": rule.message})
+
+
+def printer_columns() -> list[dict]:
+    def condition(kind: str) -> str:
+        return f'.status.conditions[?(@.type=="{kind}")].status'
+
+    return [
+        {"name": "Version", "type": "integer", "jsonPath": ".status.policyVersion", "description": "Policy version"},
+        {"name": "Staleness", "type": "number", "jsonPath": ".status.staleness.mean", "description": "Mean staleness"},
+        {"name": "Samples/s", "type": "number", "jsonPath": ".status.throughput.samplesPerSecond"},
+        {"name": "Tokens/s", "type": "number", "jsonPath": ".status.throughput.tokensPerSecond", "priority": 1},
+        {"name": "Rollout", "type": "integer", "jsonPath": ".status.replicas.rollout.ready", "description": "Ready rollout pods"},
+        {"name": "Trainer", "type": "integer", "jsonPath": ".status.replicas.trainer.ready", "description": "Ready trainer pods"},
+        {"name": "Ready", "type": "string", "jsonPath": condition("Ready")},
+        {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason', "priority": 1},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def openapi_schema() -> dict:
+    root = obj(
+        "RLJob: an asynchronous RL run (controller, rollout, reward and trainer services) on Kubernetes.",
+        {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        required=["spec"],
+    )
+    place_rules(root)
+    return root
+
+
+def build_crd() -> dict:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": names.CRD_NAME, "labels": {names.LABEL_NAME: names.APP_NAME}},
+        "spec": {
+            "group": names.GROUP,
+            "names": {"kind": names.KIND, "listKind": f"{names.KIND}List", "plural": names.PLURAL,
+                      "singular": names.SINGULAR, "shortNames": names.SHORT_NAMES, "categories": ["areal"]},
+            "scope": "Namespaced",
+            "versions": [{
+                "name": names.VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": openapi_schema()},
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.roles.rollout.replicas",
+                        "statusReplicasPath": ".status.replicas.rollout.current",
+                        "labelSelectorPath": ".status.rolloutSelector",
+                    },
+                },
+                "additionalPrinterColumns": printer_columns(),
+            }],
+        },
+    }
+
+
+HEADER = "# Generated by `python -m areal_k8s.k8s_operator.schema --write` from operator/schema.py; do not edit.\n"
+
+
+def render() -> str:
+    return HEADER + yaml.safe_dump(build_crd(), sort_keys=False, allow_unicode=True, width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m areal_k8s.k8s_operator.schema", description=__doc__.splitlines()[0])
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--write", action="store_true", help=f"write {CRD_PATH}")
+    action.add_argument("--check", action="store_true", help=f"exit 1 if {CRD_PATH} is not the generated CRD")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.write:
+        CRD_PATH.parent.mkdir(parents=True, exist_ok=True)
+        CRD_PATH.write_text(text)
+        print(f"wrote {CRD_PATH}", file=sys.stderr)
+    elif args.check:
+        current = CRD_PATH.read_text() if CRD_PATH.exists() else ""
+        if current != text:
+            print(f"{CRD_PATH} is stale: run python -m areal_k8s.k8s_operator.schema --write", file=sys.stderr)
+            return 1
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""The operator's pure parts: desired children from a spec, phase and status from observations, the patch math,
+and create-or-patch against kmock (real HTTP) without kopf."""
+
+import asyncio
+import copy
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import yaml
+from operator_fixtures import EXAMPLES, NAMESPACE, Cluster, cluster, rljob, with_changes  # noqa: F401  (fixture)
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.common.config import parse_job
+from areal_k8s.k8s_operator import lifecycle, names
+from areal_k8s.k8s_operator.apply import apply, is_subset, merge_patch
+from areal_k8s.k8s_operator.children import config_hash, desired_children
+from areal_k8s.k8s_operator.kube import KubeApi
+from areal_k8s.k8s_operator.validation import validate
+from areal_k8s.reward.__main__ import parse_args as reward_args
+from areal_k8s.rollout.cpu_engine.__main__ import parse_args as engine_args
+
+pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+def children(body: dict, running: bool = True) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in desired_children(validate(body), running=running)}
+
+
+def container(workload: dict, name: str) -> dict:
+    return next(c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+
+
+# -- desired children --------------------------------------------------------------------------------------
+
+
+def test_owner_references_only_for_an_rljob_that_exists():
+    with_uid, without = children(rljob(uid="u-9")), children(rljob(uid=None))
+    assert all(c["metadata"]["ownerReferences"][0]["uid"] == "u-9" for c in with_uid.values())
+    assert all("ownerReferences" not in c["metadata"] for c in without.values())
+
+
+def test_stopped_jobs_keep_every_child_but_run_no_pods():
+    running, stopped = children(rljob(), running=True), children(rljob(), running=False)
+    assert running.keys() == stopped.keys()
+    for key, child in running.items():
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            assert stopped[key]["spec"]["replicas"] == 0
+            child = copy.deepcopy(child)
+            child["spec"]["replicas"] = 0
+        assert stopped[key] == child
+
+
+def test_the_config_map_holds_the_job_the_services_read():
+    body = rljob()
+    config = children(body)[("ConfigMap", "demo-config")]["data"][names.CONFIG_KEY]
+    assert parse_job(yaml.safe_load(config)) == validate(body).config
+
+
+def test_pods_roll_for_training_settings_but_not_for_the_rollout_pool_size():
+    base = validate(rljob())
+    resized = validate(with_changes(rljob(), {"spec": {"roles": {"rollout": {"replicas": 3}}}}))
+    retuned = validate(with_changes(rljob(), {"spec": {"algorithm": {"lr": 1e-4}}}))
+    assert config_hash(resized) == config_hash(base) != config_hash(retuned)
+
+
+def test_the_service_arguments_are_ones_the_services_accept(monkeypatch):
+    made = children(rljob())
+    engine = container(made[("Deployment", "demo-rollout")], "engine")
+    assert engine["command"] == ["python", "-m", "areal_k8s.rollout.cpu_engine"]
+    parsed = engine_args(engine["args"])
+    assert (parsed.model_path, parsed.port, parsed.host) == ("/assets/model", names.ENGINE_PORT, "127.0.0.1")
+    reward = container(made[("Deployment", "demo-reward")], "reward")
+    monkeypatch.setattr("sys.argv", ["reward", *reward["args"]])
+    assert (reward_args().workers, reward_args().port) == (1, names.REWARD_PORT)
+
+
+def test_rollout_agents_find_their_engine_controller_and_reward():
+    agent = container(children(rljob())[("Deployment", "demo-rollout")], "rollout")
+    args = dict(zip(agent["args"][::2], agent["args"][1::2]))
+    assert args["--engine-url"] == f"http://127.0.0.1:{names.ENGINE_PORT}"
+    assert args["--controller"] == "demo-controller:50051" and args["--reward"] == "demo-reward:50053"
+    assert args["--job"] == names.JOB_FILE
+
+
+def test_redis_url_from_a_secret_never_lands_in_the_config_map():
+    body = rljob(redis={"urlSecretRef": {"name": "redis-auth", "key": "url"}})
+    made = children(body)
+    trainer = container(made[("StatefulSet", "demo-trainer")], "trainer")
+    assert env_of(trainer)["AREAL_REDIS_URL"] == {"secretKeyRef": {"name": "redis-auth", "key": "url"}}
+    assert "redis-auth" not in made[("ConfigMap", "demo-config")]["data"][names.CONFIG_KEY]
+    assert validate(body).config.redis.url is None
+
+
+def test_checkpoints_on_an_existing_claim_or_a_claim_per_trainer_pod():
+    claimed = children(rljob(checkpoint={"claimName": "ckpt", "mountPath": "/ckpt"}))[("StatefulSet", "demo-trainer")]
+    volumes = {v["name"]: v for v in claimed["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[names.CHECKPOINT_VOLUME]["persistentVolumeClaim"]["claimName"] == "ckpt"
+    assert "volumeClaimTemplates" not in claimed["spec"]
+    templated = children(rljob(checkpoint={"volumeClaimTemplate": {"size": "5Gi", "storageClassName": "ssd"}}))
+    spec = templated[("StatefulSet", "demo-trainer")]["spec"]
+    assert spec["volumeClaimTemplates"][0]["spec"] == {"accessModes": ["ReadWriteOnce"], "storageClassName": "ssd",
+                                                       "resources": {"requests": {"storage": "5Gi"}}}
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    assert validate(rljob(checkpoint={"claimName": "ckpt", "mountPath": "/ckpt"})).config.run_dir.startswith("/ckpt/demo-")
+
+
+def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
+    gsm8k = next(p for p in EXAMPLES if p.name == "rljob-gsm8k.yaml")
+    made = children(yaml.safe_load(gsm8k.read_text()))
+    engine = container(made[("Deployment", "gsm8k-qwen-rollout")], "engine")
+    assert engine["command"][-1] == "sglang.launch_server"
+    assert engine["args"][engine["args"].index("--tp-size") + 1] == "2"
+    assert engine["resources"]["limits"][names.GPU_RESOURCE] == 2
+    trainer = made[("StatefulSet", "gsm8k-qwen-trainer")]
+    env = env_of(container(trainer, "trainer"))
+    assert env["MASTER_ADDR"] == "gsm8k-qwen-trainer-0.gsm8k-qwen-trainer"
+    assert (env["WORLD_SIZE"], env["NPROC_PER_NODE"], env["AREAL_TENSOR_PARALLEL_SIZE"]) == ("8", "8", "2")
+    assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": f"metadata.labels['{names.POD_INDEX_LABEL}']"}}
+    pod = trainer["spec"]["template"]["spec"]
+    assert pod["tolerations"][0]["key"] == names.GPU_RESOURCE
+    assert {v["name"]: v["image"]["reference"] for v in pod["volumes"] if "image" in v}["model"].endswith("qwen2.5-1.5b-instruct:1")
+
+
+def test_equal_names_in_other_namespaces_get_other_redis_keys():
+    here, there = rljob(), with_changes(rljob(), {"metadata": {"namespace": "elsewhere"}})
+    assert validate(here).config.name != validate(there).config.name
+    assert validate(here).config.name.startswith("demo-")
+
+
+# -- phase and status --------------------------------------------------------------------------------------
+
+
+def spec_of(**changes) -> dict:
+    return validate(with_changes(rljob(), {"spec": changes})).spec
+
+
+def report(phase=controller_pb2.JobStatus.RUNNING, **fields) -> controller_pb2.JobStatus:
+    return controller_pb2.JobStatus(phase=phase, **fields)
+
+
+def test_phase_decisions():
+    decide = lifecycle.decide_phase
+    running = decide(spec_of(), {}, lifecycle.Observed(controller=report()), NOW)
+    assert running.name == lifecycle.RUNNING
+    done = decide(spec_of(), {}, lifecycle.Observed(controller=report(controller_pb2.JobStatus.COMPLETED, version=3, total_steps=3)), NOW)
+    assert (done.name, done.reason, done.message) == ("Complete", "TrainingFinished", "trained 3 of 3 steps")
+    crashed = decide(spec_of(failurePolicy={"maxRestarts": 1}), {}, lifecycle.Observed(restarts=2), NOW)
+    assert (crashed.name, crashed.reason) == ("Failed", "RestartLimitExceeded")
+    assert decide(spec_of(suspend=True), {}, lifecycle.Observed(restarts=0), NOW).name == "Suspended"
+    started = {"startTime": lifecycle.rfc3339(NOW - timedelta(seconds=61))}
+    late = decide(spec_of(activeDeadlineSeconds=60), started, lifecycle.Observed(), NOW)
+    assert (late.name, late.reason) == ("Failed", "DeadlineExceeded")
+    assert decide(spec_of(activeDeadlineSeconds=60, suspend=True), started, lifecycle.Observed(), NOW).name == "Suspended"
+
+
+def test_terminal_phases_stick():
+    finished = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=1, previous={},
+                                    phase=lifecycle.Phase("Complete", "TrainingFinished", "done"), observed=lifecycle.Observed(), now=NOW)
+    later = lifecycle.decide_phase(spec_of(), finished, lifecycle.Observed(controller=report()), NOW + timedelta(hours=1))
+    assert (later.name, later.reason) == ("Complete", "TrainingFinished")
+
+
+def ready_replicas(ready: int) -> dict[str, lifecycle.RoleReplicas]:
+    return {role: lifecycle.RoleReplicas(1, 1, ready) for role in names.ROLES}
+
+
+def test_conditions_and_their_transition_times():
+    running = lifecycle.Phase("Running", "Running", "up")
+    first = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=1, previous={}, phase=running,
+                                 observed=lifecycle.Observed(replicas=ready_replicas(0)), now=NOW)
+    assert [c["type"] for c in first["conditions"]] == list(lifecycle.CONDITION_TYPES)
+    ready = {c["type"]: c for c in first["conditions"]}["Ready"]
+    assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == ("False", "ReplicasNotReady", "2026-01-02T03:04:05Z")
+    later = NOW + timedelta(minutes=5)
+    second = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=2, previous=first, phase=running,
+                                  observed=lifecycle.Observed(replicas=ready_replicas(1), controller=report()), now=later)
+    by_type = {c["type"]: c for c in second["conditions"]}
+    assert by_type["Ready"]["status"] == "True" and by_type["Ready"]["lastTransitionTime"] == "2026-01-02T03:09:05Z"
+    assert by_type["Suspended"]["lastTransitionTime"] == "2026-01-02T03:04:05Z", "unchanged status keeps its time"
+    assert by_type["Progressing"]["reason"] == "Training" and by_type["Ready"]["observedGeneration"] == 2
+    assert second["startTime"] == first["startTime"] == "2026-01-02T03:04:05Z"
+
+
+def test_an_unreachable_controller_is_degraded_only_once_its_pod_is_ready():
+    running = lifecycle.Phase("Running", "Running", "up")
+    for ready, degraded in ((0, "False"), (1, "True")):
+        observed = lifecycle.Observed(replicas=ready_replicas(ready), controller_error="controller x: UNAVAILABLE: down")
+        status = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous={}, phase=running, observed=observed, now=NOW)
+        assert {c["type"]: c["status"] for c in status["conditions"]}["Degraded"] == degraded
+
+
+def test_status_carries_the_controller_metrics():
+    status = lifecycle.job_status(
+        job_name="demo", job_key="demo-1", generation=1, previous={}, phase=lifecycle.Phase("Running", "Running", "up"),
+        observed=lifecycle.Observed(controller=report(version=7, total_steps=9, mean_staleness=1.23456, max_staleness_seen=2,
+                                                      last_max_staleness=1, samples_per_second=3.5, tokens_per_second=99.5)),
+        now=NOW)
+    assert (status["policyVersion"], status["totalSteps"]) == (7, 9)
+    assert status["staleness"] == {"mean": 1.2346, "max": 2, "last": 1}
+    assert status["throughput"] == {"samplesPerSecond": 3.5, "tokensPerSecond": 99.5}
+    assert status["rolloutSelector"] == names.role_selector("demo", "rollout")
+
+
+def test_suspension_clears_the_start_time_and_finishing_sets_the_completion_time():
+    previous = {"startTime": "2026-01-01T00:00:00Z"}
+    suspended = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous=previous,
+                                     phase=lifecycle.Phase("Suspended", "SuspendedByUser", "zero"), observed=lifecycle.Observed(), now=NOW)
+    assert suspended["startTime"] is None and "completionTime" not in suspended
+    failed = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous=previous,
+                                  phase=lifecycle.Phase("Failed", "DeadlineExceeded", "late"), observed=lifecycle.Observed(), now=NOW)
+    assert failed["completionTime"] == "2026-01-02T03:04:05Z"
+    assert lifecycle.ttl_expired({"ttlSecondsAfterFinished": 60}, failed, NOW + timedelta(seconds=60))
+    assert not lifecycle.ttl_expired({"ttlSecondsAfterFinished": 60}, failed, NOW + timedelta(seconds=59))
+    assert not lifecycle.ttl_expired({}, failed, NOW + timedelta(days=9))
+
+
+def test_invalid_spec_status_and_the_events_of_transitions():
+    status = lifecycle.invalid_status(generation=3, previous={}, problems=["spec.x: bad", "spec.y: worse"], now=NOW)
+    degraded = lifecycle.condition_of(status, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", "spec.x: bad; spec.y: worse")
+    assert status["observedGeneration"] == 3 and lifecycle.condition_of(status, "Complete") is None
+    assert lifecycle.transitions({}, status) == [("Warning", "InvalidSpec", "spec.x: bad; spec.y: worse")]
+    assert lifecycle.transitions(status, status) == []
+
+
+def test_restarts_count_only_the_jobs_pods():
+    def pod(job, *counts):
+        return {"metadata": {"labels": names.labels(job, "rollout")},
+                "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}
+
+    assert lifecycle.count_restarts([pod("demo", 2, 1), pod("other", 5), {"metadata": {}}], "demo") == 3
+
+
+# -- patch math --------------------------------------------------------------------------------------------
+
+
+def test_merge_patch_removes_what_was_applied_before_and_is_gone_now():
+    last = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "replicas": 2}, "metadata": {"labels": {"x": "y"}}}
+    desired = {"spec": {"nodeSelector": {"a": "1"}, "replicas": 3}, "metadata": {}}
+    assert merge_patch(last, desired) == {"spec": {"nodeSelector": {"a": "1", "b": None}, "replicas": 3},
+                                          "metadata": {"labels": None}}
+
+
+def test_subset_tolerates_server_defaults_and_quantity_spellings():
+    desired = {"spec": {"containers": [{"name": "a", "resources": {"limits": {"cpu": "0.5", names.GPU_RESOURCE: 1}}}]}}
+    live = {"spec": {"containers": [{"name": "a", "imagePullPolicy": "IfNotPresent",
+                                     "resources": {"limits": {"cpu": "500m", names.GPU_RESOURCE: "1"}}}], "dnsPolicy": "x"}}
+    assert is_subset(desired, live)
+    assert not is_subset(desired, {"spec": {"containers": [{"name": "a", "resources": {"limits": {"cpu": "1"}}}]}})
+    assert not is_subset({"args": ["a", "b"]}, {"args": ["a", "b", "c"]})
+    assert not is_subset({"name": "0.5"}, {"name": "500m"}), "only resource quantities are compared as quantities"
+
+
+class ConcurrentlyCreated(KubeApi):
+    """A first read that misses an object someone else is creating at that moment (kopf may run a create
+    handler twice), so the create that follows meets 409."""
+
+    missed = False
+
+    def get(self, path):
+        if not self.missed:
+            self.missed = True
+            return None
+        return super().get(path)
+
+
+async def test_create_or_patch_against_an_apiserver(cluster: Cluster):
+    url = str(cluster.server.url)
+    kube = KubeApi.for_url(url)
+    service = children(rljob())[("Service", "demo-reward")]
+    live = await call(apply, kube, service)
+    assert live["spec"]["selector"] == service["spec"]["selector"]
+    assert names.LAST_APPLIED_ANNOTATION in live["metadata"]["annotations"]
+
+    writes = len(list(cluster.server))
+    await call(apply, kube, service)
+    assert [r.method.name for r in list(cluster.server)[writes:]] == ["GET"], "an up-to-date child is only read"
+
+    changed = with_changes(service, {"spec": {"ports": [{"name": "grpc", "port": 1, "targetPort": 1, "protocol": "TCP"}]},
+                                     "metadata": {"labels": {names.LABEL_MANAGED_BY: None}}})
+    changed["metadata"]["labels"] = {k: v for k, v in changed["metadata"]["labels"].items() if v is not None}
+    live = await call(apply, kube, changed)
+    assert live["spec"]["ports"][0]["port"] == 1
+    assert names.LABEL_MANAGED_BY not in live["metadata"]["labels"], "a label the operator dropped is removed"
+
+    config_map = children(rljob())[("ConfigMap", "demo-config")]
+    await call(apply, kube, config_map)
+    edited = with_changes(config_map, {"data": {names.CONFIG_KEY: "name: x\n"}})
+    live = await call(apply, ConcurrentlyCreated(kube.api_client), edited)
+    assert live["data"][names.CONFIG_KEY] == "name: x\n"
+    assert cluster.get("v1/configmaps", "demo-config", NAMESPACE)["data"][names.CONFIG_KEY] == "name: x\n"
+
+
+async def call(fn, *args):
+    """Run the operator's blocking client off the event loop that serves kmock."""
+    return await asyncio.to_thread(fn, *args)

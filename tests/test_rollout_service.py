@@ -1,0 +1,84 @@
+"""The rollout service's gRPC shell on loopback: bad requests are refused with INVALID_ARGUMENT before they reach
+the engine, and an engine that cannot be reached is reported as UNAVAILABLE, never as a crash."""
+
+import grpc
+import pytest
+
+from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_k8s.common.config import parse_job
+from areal_k8s.common.grpcutil import channel, start_server
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.rollout.engine_client import SGLangClient
+from areal_k8s.rollout.server import RolloutServicer
+from areal_k8s.rollout.worker import RolloutWorker
+from tiny_models import build_tokenizer
+
+JOB = parse_job({"name": "rollout-svc", "model": "m", "dataset": {"train": "t.jsonl"}})
+
+
+@pytest.fixture
+async def rollout(redis_url, unused_tcp_port):
+    # Nothing listens on the engine's port: only requests that pass validation can notice.
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", timeout=5)
+    worker = RolloutWorker(
+        job=JOB, worker_id="w0", address="127.0.0.1:0", controller=None, reward=None, engine=engine,
+        store=TrajectoryStore(connect(redis_url), JOB.name), tokenizer=build_tokenizer(),
+    )
+    server, port, _ = await start_server(
+        [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], "127.0.0.1:0"
+    )
+    client = channel(f"127.0.0.1:{port}")
+    yield rollout_pb2_grpc.RolloutStub(client)
+    await client.close()
+    await server.stop(None)
+    await engine.close()
+
+
+def valid_group(**changes) -> common_pb2.PromptGroup:
+    group = common_pb2.PromptGroup(group_id="g0", prompt="1+1=", verifier="addition", n_samples=2)
+    group.sampling.max_new_tokens = 8
+    group.sampling.temperature = 1.0
+    group.sampling.top_p = 1.0
+    for name, value in changes.items():
+        target, field = (group.sampling, name[len("sampling_"):]) if name.startswith("sampling_") else (group, name)
+        setattr(target, field, value)
+    return group
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"group_id": ""}, "group_id"),
+        ({"prompt": ""}, "prompt"),
+        ({"n_samples": 0}, "n_samples"),
+        ({"sampling_max_new_tokens": 0}, "max_new_tokens"),
+        ({"sampling_temperature": -1.0}, "temperature"),
+        ({"sampling_top_p": 1.5}, "top_p"),
+    ],
+)
+async def test_generate_refuses_an_invalid_group_naming_the_field(rollout, changes, named):
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await rollout.Generate(rollout_pb2.GenerateRequest(group=valid_group(**changes)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in raised.value.details()
+
+
+async def test_weight_update_with_mismatched_metadata_is_invalid(rollout):
+    request = rollout_pb2.UpdateWeightsRequest(names=["a", "b"], dtypes=["float32"], shapes=[])
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await rollout.UpdateWeights(request)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "equal lengths" in raised.value.details()
+
+
+async def test_an_unreachable_engine_is_unavailable_and_the_service_keeps_serving(rollout):
+    request = rollout_pb2.InitWeightUpdateGroupRequest(
+        master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=2, group_name="g", backend="gloo"
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await rollout.InitWeightUpdateGroup(request)
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert raised.value.details().startswith("engine:")
+    with pytest.raises(grpc.aio.AioRpcError) as again:  # still answering, with a precise status
+        await rollout.Generate(rollout_pb2.GenerateRequest(group=valid_group(prompt="")))
+    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
