@@ -83,3 +83,11 @@ def test_readme_job_reference_is_generated_from_the_schema():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     documented = readme.split(REFERENCE_START, 1)[1].split(REFERENCE_END, 1)[0]
     assert documented == reference_markdown(), "run `arealctl reference --write README.md`"
+
+
+def test_nothing_at_the_repository_root_shadows_the_standard_library():
+    # `python -m ...` run from the checkout puts the root first on sys.path: an `operator/__init__.py` there once
+    # broke pip itself (the stdlib `operator` module was shadowed).
+    root = Path(__file__).resolve().parent.parent
+    importable = {p.stem for p in root.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert importable & set(sys.stdlib_module_names) == set()

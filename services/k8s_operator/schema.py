@@ -28,7 +28,8 @@ from areal_k8s.common.config import (
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.rules import RULES
 
-CRD_PATH = Path(__file__).resolve().parent / "crd" / "rljobs.yaml"
+# The committed CRD lives in the repository's operator/ folder (the chart ships it); --write/--check work in a checkout.
+CRD_PATH = Path(__file__).resolve().parents[2] / "operator" / "crd" / "rljobs.yaml"
 
 # Job-file fields the operator fills from the Kubernetes parts of the spec instead.
 OPERATOR_OWNED = {
