@@ -376,3 +376,21 @@ def test_loss_normaliser():
         loss_normaliser("constant", mask)
     with pytest.raises(ValueError):
         loss_normaliser("sequence", mask)
+
+
+# -- the learning rate ---------------------------------------------------------------------------------------------
+
+
+def test_learning_rate_schedules():
+    from areal_k8s.trainer.algorithm import learning_rate
+
+    assert [learning_rate(s, 5, 2.0, schedule="constant") for s in range(5)] == [2.0] * 5
+    assert [learning_rate(s, 5, 2.0, schedule="linear") for s in range(5)] == pytest.approx([2.0, 1.5, 1.0, 0.5, 0.0])
+    # cos(π·k/4) for k = 0..4: 1, √2/2, 0, −√2/2, −1
+    half = math.sqrt(2) / 2
+    assert [learning_rate(s, 5, 2.0, schedule="cosine") for s in range(5)] == pytest.approx([2.0, 1 + half, 1.0, 1 - half, 0.0])
+    # warm-up: 1/3, 2/3, 3/3 of the peak; the decay starts at the peak and reaches min_ratio·peak at the last step
+    warm = [learning_rate(s, 6, 3.0, schedule="linear", warmup_steps=3, min_ratio=0.5) for s in range(7)]
+    assert warm == pytest.approx([1.0, 2.0, 3.0, 3.0, 2.25, 1.5, 1.5])
+    with pytest.raises(ValueError, match="schedule"):
+        learning_rate(3, 5, 1.0, schedule="step")

@@ -64,7 +64,12 @@ class AlgorithmConfig(_Section):
         None, description="Cap on prompt groups generating at once; default B·(η+1)."
     )
     total_steps: Annotated[int, Field(ge=1)] = Field(100, description="Training steps (policy versions) to run.")
-    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="AdamW learning rate.")
+    lr: Annotated[float, Field(gt=0)] = Field(1e-5, description="AdamW learning rate (the peak, under a schedule).")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate decay over total_steps, to lr_min_ratio·lr at the last step."
+    )
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = Field(0, description="Steps of linear warm-up from 0 to lr.")
+    lr_min_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description="Final learning rate as a fraction of lr.")
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: Annotated[float, Field(gt=0)] = Field(1.0, description="Gradient clipping by global norm.")

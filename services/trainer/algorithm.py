@@ -8,6 +8,7 @@ up with next-token logprobs); values at masked-out positions never reach a resul
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
@@ -285,3 +286,25 @@ def kl_penalty(
     log_ratio = ref_logprobs.detach() - logprobs
     k3 = torch.exp(log_ratio) - log_ratio - 1.0
     return coef * torch.where(mask.bool(), k3, 0.0).sum() / normaliser
+
+
+# -- the learning rate -------------------------------------------------------------------------------------------------
+
+
+def learning_rate(step: int, total_steps: int, peak: float, *, schedule: str, warmup_steps: int = 0, min_ratio: float = 0.0) -> float:
+    """The rate for optimizer step `step` (0-based): linear warm-up to `peak`, then constant, or a linear or cosine
+    decay that reaches min_ratio·peak at the last step. A pure function of the step, so a resumed run needs no
+    scheduler state."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return peak
+    span = max(total_steps - 1 - warmup_steps, 1)
+    progress = min((step - warmup_steps) / span, 1.0)
+    if schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+    return peak * (min_ratio + (1.0 - min_ratio) * decay)

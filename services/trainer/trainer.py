@@ -27,6 +27,7 @@ from areal_k8s.trainer.algorithm import (
     decoupled_ppo_loss,
     is_informative,
     kl_penalty,
+    learning_rate,
     loglinear_proximal_logprobs,
     loss_normaliser,
     merge_loss_stats,
@@ -219,6 +220,11 @@ class Trainer:
             batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
 
         self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(
+                self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
+                warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
+            )
         parts, grad_norms = [], []
         for rows in minibatches:
             parts += self.update(batch, rows, lengths)
