@@ -53,15 +53,15 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
     job = parse_job({
         "name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 12},
-        "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, **algorithm},
+        "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
         "trainer": {"micro_batch_tokens": micro_batch_tokens},
     })
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="test")
     torch.manual_seed(0)
     trainer.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    # plain SGD: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
-    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
+    # plain SGD at lr 1: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
+    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=job.algorithm.lr)
     if job.algorithm.kl_coef:
         trainer.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     record = trainer.train_step(groups)
