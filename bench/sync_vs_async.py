@@ -50,11 +50,19 @@ class RunResult:
     time_to: dict[str, float | None] = field(default_factory=dict)
 
 
-def engine_load(urls: list[str]) -> list[dict]:
-    loads = []
+def engine_load(urls: list[str], wait: float = 300.0) -> list[dict]:
+    """Each engine's /get_load (waiting for an engine that is still loading its model)."""
+    loads, deadline = [], time.monotonic() + wait
     for url in urls:
-        with urllib.request.urlopen(f"{url}/get_load", timeout=30) as reply:
-            loads += json.load(reply)
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/get_load", timeout=30) as reply:
+                    loads += json.load(reply)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
     return loads
 
 
@@ -77,7 +85,7 @@ def run(job: JobConfig) -> RunResult:
     print(f"  {job.name}: η={job.algorithm.max_staleness}, decoupled={job.algorithm.decoupled}, "
           f"{job.algorithm.total_steps} steps, {job.rollout.threads} thread(s) per service", flush=True)
     local = LocalRun(job)
-    endpoints = local.start("new")
+    endpoints = local.start("fresh")
     try:
         before = engine_load(endpoints.engines)
         started = time.time()

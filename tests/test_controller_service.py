@@ -153,3 +153,16 @@ async def test_restarted_controller_continues_where_it_stopped(redis_url):
         assert [g.ticket for g in fresh] == [3, 4]  # tickets continue; concurrency B·(η+1) = 4 with 2 running
     finally:
         await second.stop()
+
+
+async def test_a_second_service_cannot_bind_a_port_in_use():
+    # gRPC servers share a port by default (SO_REUSEPORT), which routed calls to the wrong service when two were
+    # given the same port; ours must refuse instead.
+    from areal_k8s.common.grpcutil import start_server
+
+    server, port, _ = await start_server([], "127.0.0.1:0")
+    try:
+        with pytest.raises(OSError, match=str(port)):
+            await start_server([], f"127.0.0.1:{port}")
+    finally:
+        await server.stop(None)

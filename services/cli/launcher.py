@@ -129,8 +129,14 @@ class LocalRun:
             self.redis = EmbeddedRedis(self.run_dir / "redis").start()
             redis_url = self.redis.url
 
+        taken = {self.redis.port} if self.redis else set()
+
         def address() -> str:
-            return f"{self.host}:{free_port(self.host)}"
+            # The kernel may hand the same free port out twice in a row: every service gets its own.
+            while (port := free_port(self.host)) in taken:
+                pass
+            taken.add(port)
+            return f"{self.host}:{port}"
 
         workers = self.job.rollout.workers
         ends = Endpoints(

@@ -68,16 +68,18 @@ async def start_server(
     `services` are (add_XServicer_to_server, servicer, full service name). Returns the server, the bound port
     and the health servicer (every service starts SERVING; shells flip it when they lose a dependency).
     """
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    # No SO_REUSEPORT: a second server on a taken port must fail to bind, not silently share its connections.
+    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []
     for add, servicer, name in services:
         add(servicer, server)
         names.append(name)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's own words for a failed bind
+        raise OSError(f"cannot bind gRPC server to {address}: {exc}") from None
     await server.start()
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
