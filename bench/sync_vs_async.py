@@ -212,7 +212,9 @@ def print_table(synchronous: RunResult, asynchronous: RunResult, speedup: float 
     table.add_column(f"async (η={asynchronous.max_staleness})", justify="right")
 
     def fmt(value) -> str:
-        return "never" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+        if value is None:
+            return "never"
+        return (f"{value:.3f}" if value < 1 else f"{value:.1f}") if isinstance(value, float) else str(value)
 
     for threshold in synchronous.time_to:
         table.add_row(f"seconds to {float(threshold):.0%}", fmt(synchronous.time_to[threshold]), fmt(asynchronous.time_to[threshold]))
