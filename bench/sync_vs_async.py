@@ -3,10 +3,10 @@ ablation. Results go to bench/results/ (JSON, with the async-over-sync time-to-a
 PNG of held-out accuracy against training wall time).
 
 Both modes run the demo job (examples/demo.yaml): same model, data order, batch, group size and number of trained
-samples. They differ in the one setting that makes a run synchronous, `algorithm.max_staleness: 0` (generation and
-training alternate), and in how the two cores are split: asynchronous runs the engine and the trainer side by side
-with one torch thread each; synchronous gives each phase both cores (two threads each), since only one phase runs
-at a time. Wall time excludes held-out evaluation (measurement, identical in both modes).
+samples, and the same rollout pool (two single-threaded engines, one per core). They differ in the one setting that
+makes a run synchronous, `algorithm.max_staleness: 0` (generation and training alternate), and in the trainer's
+threads: one beside the engines when asynchronous, two in its own phase when synchronous. Wall time excludes
+held-out evaluation (measurement, identical in both modes).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
 from areal_k8s.demo.build import build_demo_assets  # noqa: E402
 
 THRESHOLDS = (0.30, 0.40, 0.50)
+ENGINES = 2  # one single-threaded engine per core, in both modes: processes scale better than intra-op threads
 STALENESS_LEVELS = (0, 1, 2, 4, 8)
 
 
@@ -36,7 +37,7 @@ class RunResult:
     label: str
     max_staleness: int
     decoupled: bool
-    threads: int
+    trainer_threads: int
     steps: int
     base_accuracy: float
     final_accuracy: float
@@ -66,7 +67,10 @@ def engine_load(urls: list[str], wait: float = 300.0) -> list[dict]:
     return loads
 
 
-def configure(base: JobConfig, run_root: Path, label: str, *, max_staleness: int, decoupled: bool, threads: int, steps: int, eval_interval: int) -> JobConfig:
+def configure(
+    base: JobConfig, run_root: Path, label: str, *, max_staleness: int, decoupled: bool, trainer_threads: int, steps: int,
+    eval_interval: int, engines: int = ENGINES,
+) -> JobConfig:
     job = base.model_copy(deep=True)
     job.name = label
     job.run_dir = str(run_root / label)
@@ -74,16 +78,17 @@ def configure(base: JobConfig, run_root: Path, label: str, *, max_staleness: int
     job.algorithm.max_concurrent_rollouts = None
     job.algorithm.decoupled = decoupled
     job.algorithm.total_steps = steps
-    job.rollout.groups_per_worker = job.algorithm.batch_size * (max_staleness + 1)
-    job.rollout.threads = threads
-    job.trainer.threads = threads
+    job.rollout.workers = engines
+    job.rollout.groups_per_worker = -(-job.algorithm.batch_size * (max_staleness + 1) // engines)
+    job.rollout.threads = 1
+    job.trainer.threads = trainer_threads
     job.trainer.eval_interval = eval_interval
     return JobConfig.model_validate(job.model_dump())
 
 
 def run(job: JobConfig) -> RunResult:
     print(f"  {job.name}: η={job.algorithm.max_staleness}, decoupled={job.algorithm.decoupled}, "
-          f"{job.algorithm.total_steps} steps, {job.rollout.threads} thread(s) per service", flush=True)
+          f"{job.algorithm.total_steps} steps, {job.rollout.workers} engines, trainer {job.trainer.threads} thread(s)", flush=True)
     local = LocalRun(job)
     endpoints = local.start("fresh")
     try:
@@ -111,7 +116,7 @@ def run(job: JobConfig) -> RunResult:
         label=job.name,
         max_staleness=job.algorithm.max_staleness,
         decoupled=job.algorithm.decoupled,
-        threads=job.rollout.threads,
+        trainer_threads=job.trainer.threads,
         steps=len(steps),
         base_accuracy=summary["base_accuracy"],
         final_accuracy=summary["final_accuracy"],
@@ -172,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
 
     print(f"sync vs async on {cores} cores, {steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} samples", flush=True)
-    asynchronous = run(configure(base, runs, "async", max_staleness=base.algorithm.max_staleness or 2, decoupled=True, threads=1, steps=steps, eval_interval=args.eval_interval))
-    synchronous = run(configure(base, runs, "sync", max_staleness=0, decoupled=True, threads=2, steps=steps, eval_interval=args.eval_interval))
+    asynchronous = run(configure(base, runs, "async", max_staleness=base.algorithm.max_staleness or 2, decoupled=True, trainer_threads=1, steps=steps, eval_interval=args.eval_interval))
+    synchronous = run(configure(base, runs, "sync", max_staleness=0, decoupled=True, trainer_threads=2, steps=steps, eval_interval=args.eval_interval))
     target = synchronous.final_accuracy
     sync_time, async_time = time_to_reach(synchronous.curve, target), time_to_reach(asynchronous.curve, target)
     speedup = round(sync_time / async_time, 2) if sync_time and async_time else None
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         for eta in STALENESS_LEVELS:
             for decoupled in (True, False):
                 label = f"ablation-eta{eta}-{'decoupled' if decoupled else 'naive'}"
-                result = run(configure(base, runs, label, max_staleness=eta, decoupled=decoupled, threads=1, steps=args.ablation_steps, eval_interval=0))
+                result = run(configure(base, runs, label, max_staleness=eta, decoupled=decoupled, trainer_threads=1, steps=args.ablation_steps, eval_interval=0))
                 ablation.append({"max_staleness": eta, "objective": "decoupled" if decoupled else "naive", "final_accuracy": result.final_accuracy})
 
     report = {
@@ -192,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_definition": "sync training seconds to its final accuracy / async training seconds to the same accuracy",
         "target_accuracy": target,
         "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
-        "core_split": {"async": "engine 1 thread + trainer 1 thread, concurrently", "sync": "engine 2 threads, then trainer 2 threads, alternating"},
+        "core_split": {
+            "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
+            "sync": f"{ENGINES} engines × 1 thread, then the trainer with 2 threads, alternating",
+        },
         "runs": {"async": asdict(asynchronous), "sync": asdict(synchronous)},
         "ablation": ablation,
     }
