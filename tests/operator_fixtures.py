@@ -4,7 +4,7 @@ kopf running the real handlers in the test's event loop, and a real controller o
 kmock (a Kubernetes API emulator over real HTTP on 127.0.0.1) needs more for kopf: the bundled built-in
 resources (kopf waits for CRD discovery), the RLJob resource itself, and the apiserver's bookkeeping of
 resourceVersion, generation and generateName (ApiServer below; test modules select it with
-`pytestmark = pytest.mark.kmock(cls=ApiServer)`).
+`pytestmark = ON_API_SERVER`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ class ApiServer(kmock.KubernetesEmulator):
             return await super()._handle(request)
         except jsonpatch.JsonPatchTestFailed as exc:  # kopf's resourceVersion guard: the apiserver answers 422
             raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from None
+
+
+# Marks for a test module run against ApiServer; kmock reads its bundled resource list with a deprecated importlib call.
+ON_API_SERVER = [
+    pytest.mark.kmock(cls=ApiServer),
+    pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning"),
+]
 
 
 def committed_crd() -> dict:

@@ -8,7 +8,7 @@ import pytest
 import redis
 import yaml
 from operator_fixtures import (  # noqa: F401  (fixtures)
-    ApiServer,
+    ON_API_SERVER,
     Cluster,
     cluster,
     controller,
@@ -24,9 +24,7 @@ from areal_k8s.common.store import JobKeys
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.validation import validate
 
-# kmock reads its bundled resource list with a deprecated importlib call
-pytestmark = [pytest.mark.kmock(cls=ApiServer),
-              pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
+pytestmark = ON_API_SERVER
 
 DEPLOYMENTS, STATEFULSETS = "apps/v1/deployments", "apps/v1/statefulsets"
 SERVICES, CONFIGMAPS = "v1/services", "v1/configmaps"

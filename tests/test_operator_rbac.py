@@ -6,7 +6,7 @@ import pytest
 import redis
 import yaml
 from operator_fixtures import (  # noqa: F401  (fixtures)
-    ApiServer,
+    ON_API_SERVER,
     NAMESPACE,
     ROOT,
     Cluster,
@@ -23,8 +23,7 @@ from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.kube import USER_AGENT
 from areal_k8s.k8s_operator.validation import validate
 
-pytestmark = [pytest.mark.kmock(cls=ApiServer),
-              pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")]
+pytestmark = ON_API_SERVER
 
 # Allowed without a request to show for it, each for its stated reason.
 UNEXERCISED = {

@@ -307,8 +307,10 @@ class Trainer:
         result = torch.zeros_like(batch["behaviour_logprobs"])
         model.eval()
         for micro in first_fit_decreasing(lengths, self.job.trainer.micro_batch_tokens):
-            rows = take_rows(batch, micro, lengths)
-            logprobs = token_logprobs(model, rows["input_ids"].to(self.device), rows["attention_mask"].to(self.device), self.job.sampling.temperature)
+            micro_batch = take_rows(batch, micro, lengths)
+            logprobs = token_logprobs(
+                model, micro_batch["input_ids"].to(self.device), micro_batch["attention_mask"].to(self.device), self.job.sampling.temperature
+            )
             result[micro, : logprobs.shape[1]] = logprobs.cpu()
         return result
 

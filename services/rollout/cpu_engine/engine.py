@@ -262,8 +262,9 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
 
 
 def joining_count(room: int, waiting: int, max_batch_size: int) -> int:
-    """How many waiting requests to admit now. Admission merges caches (a copy of the whole batch), so requests
-    join in groups of at least an eighth of the batch, unless everything waiting fits or nothing is running."""
+    """How many waiting requests to admit now: in groups of at least an eighth of the batch (one prefill pass each,
+    and a cache rebuild when there are not enough finished rows to take over), unless everything waiting fits or
+    nothing is running."""
     count = min(room, waiting)
     if count == waiting or room == max_batch_size or count >= max(1, max_batch_size // 8):
         return count
@@ -318,7 +319,8 @@ class SlackLayer(DynamicLayer):
 
     def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace `rows` with `keys`/`values` right-aligned to the current length, zero padding before them."""
-        length, start = self.get_seq_length(), self.get_seq_length() - keys.shape[-2]
+        length = self.get_seq_length()
+        start = length - keys.shape[-2]
         for buffer, new in ((self._key_buffer, keys), (self._value_buffer, values)):
             buffer[rows, :, :start] = 0
             buffer[rows, :, start:length] = new
@@ -361,7 +363,6 @@ class DecodeBatch:
         self.model = model
         self.device = model.device
         self._rows: list[Sequence | None] = []  # None = dead row awaiting compaction
-        self._live = 0
         self._cache: Cache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
         self._next_tokens: torch.Tensor | None = None  # [rows]
@@ -372,7 +373,10 @@ class DecodeBatch:
         return [s for s in self._rows if s is not None]
 
     def __len__(self) -> int:
-        return self._live
+        return len(self._live_rows())
+
+    def _live_rows(self) -> list[int]:
+        return [i for i, s in enumerate(self._rows) if s is not None]
 
     @torch.inference_mode()
     def advance(self, joining: list[Sequence]) -> list[Sequence]:
@@ -382,9 +386,9 @@ class DecodeBatch:
             finished = self._admit(joining)
         else:
             finished = []
-            if 4 * (len(self._rows) - self._live) >= len(self._rows):
+            if 4 * (len(self._rows) - len(self)) >= len(self._rows):
                 self._compact()
-        if self._live:
+        if len(self):
             finished += self._step()
         return finished
 
@@ -419,14 +423,12 @@ class DecodeBatch:
                 layers = [SlackLayer.right_aligned([(new.keys, new.values)], width) for new in prefill.layers]
             self._cache, self._mask, self._next_tokens = Cache(layers=layers), mask, tokens
             self._rows += joining
-        self._live += len(joining)
         return self._drop_finished()
 
     def _take_over(self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         """Put prefilled `joining` into dead `rows`, right-aligned to the cache's current length."""
         index = torch.tensor(rows, device=self.device)
         self._mask[index] = torch.nn.functional.pad(mask, (self._mask.shape[1] - mask.shape[1], 0))
-        self._next_tokens = self._next_tokens.clone()
         self._next_tokens[index] = tokens
         for layer, new in zip(self._cache.layers, prefill.layers):
             layer.write_rows(index, new.keys, new.values)
@@ -438,11 +440,10 @@ class DecodeBatch:
         positions = self._mask.sum(dim=1, keepdim=True)  # a row's real tokens so far = the new token's position
         logits = self._forward(self._next_tokens[:, None], mask, positions, self._cache)
         self._mask = mask
-        live = [i for i, s in enumerate(self._rows) if s is not None]
+        live = self._live_rows()
         if len(live) == len(self._rows):
             self._next_tokens = self._choose(self._rows, logits)
         else:
-            self._next_tokens = self._next_tokens.clone()
             index = torch.tensor(live, device=self.device)
             self._next_tokens[index] = self._choose([self._rows[i] for i in live], logits[index])
         return self._drop_finished()
@@ -474,14 +475,13 @@ class DecodeBatch:
     def _kill(self, rows: list[int]) -> None:
         for i in rows:
             self._rows[i] = None
-        self._live -= len(rows)
         if rows:
             self._trim()
 
     def _trim(self) -> None:
         """Forget leading positions no live row uses (a view, no copy). A dead row still attends to the newest
         column, which stays, so no row's attention is ever fully masked."""
-        live = [i for i, s in enumerate(self._rows) if s is not None]
+        live = self._live_rows()
         if not live:
             return
         first_used = int(self._mask[live].any(dim=0).int().argmax())
@@ -492,7 +492,7 @@ class DecodeBatch:
 
     def _compact(self) -> None:
         """Drop dead rows (one copy of the cache) and the padding columns no live row needs."""
-        alive = [i for i, s in enumerate(self._rows) if s is not None]
+        alive = self._live_rows()
         if len(alive) == len(self._rows):
             return
         self._rows = [self._rows[i] for i in alive]
