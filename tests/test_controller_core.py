@@ -209,3 +209,21 @@ def test_batch_is_taken_anyway_when_no_wait_can_help():
     # after a rollback, more groups are overdue than one batch holds: waiting would never end
     complete = [group(0, 0), group(0, 1), group(0, 2)]
     assert len(select_batch(complete, [], version=5, batch_size=2, max_staleness=1)) == 2
+
+
+def test_core_exports_admission_blocks_and_settled_groups():
+    core = make_core(max_staleness=0)  # B = 2 groups per version
+    m = core.metrics
+    first = core.acquire("w", 10, engine_version=0)
+    assert core.acquire("w", 10, engine_version=0) == []  # the synchronous bound holds the next batch back
+    assert m.value("areal_controller_admission_blocks_total", reason="staleness") == 1
+    core.complete(first[0].lease.group_id, "accepted")
+    core.complete(first[1].lease.group_id, "filtered")
+    assert len(core.acquire("w", 10, engine_version=0)) == 1  # a filtered group frees its room: not a block
+    assert m.value("areal_controller_admission_blocks_total", reason="staleness") == 1
+    core.announce_version(1, restored=False)
+    assert core.acquire("w", 10, engine_version=0) == []  # the engine still serves version 0
+    assert m.value("areal_controller_admission_blocks_total", reason="stale_engine") == 1
+    assert [m.value("areal_controller_groups_total", result=r) for r in ("accepted", "filtered", "failed")] == [1, 1, 0]
+    assert (m.value("areal_controller_policy_version"), m.value("areal_controller_running_groups")) == (1, 1)
+    assert m.value("areal_controller_admission_capacity") == core.capacity() > 0

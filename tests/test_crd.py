@@ -15,7 +15,8 @@ from operator_fixtures import CRD_FILE, EXAMPLES, committed_crd, with_changes
 from areal_k8s.common.config import AlgorithmConfig, JobConfig, RolloutConfig, SamplingConfig, TrainerConfig
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.rules import RULES, Rule, nodes_at
-from areal_k8s.k8s_operator.schema import JOB_SECTIONS, OPERATOR_OWNED, render
+from areal_k8s.k8s_operator import schema
+from areal_k8s.k8s_operator.schema import CHART_CRD_PATH, JOB_SECTIONS, OPERATOR_OWNED, render
 from areal_k8s.k8s_operator.validation import (
     InvalidSpec,
     apply_defaults,
@@ -38,6 +39,22 @@ def spec_schema() -> dict:
 
 def test_the_committed_crd_is_the_generated_one():
     assert CRD_FILE.read_text() == render(), "operator/crd/rljobs.yaml is stale: python -m areal_k8s.k8s_operator.schema --write"
+
+
+def test_the_chart_ships_the_same_crd_and_check_covers_both_copies(tmp_path, monkeypatch, capsys):
+    assert schema.CRD_PATHS == (CRD_FILE, CHART_CRD_PATH)
+    assert CHART_CRD_PATH.read_bytes() == CRD_FILE.read_bytes(), \
+        "charts/areal/crds/rljobs.yaml is stale: python -m areal_k8s.k8s_operator.schema --write"
+    assert schema.main(["--check"]) == 0
+
+    copies = (tmp_path / "operator.yaml", tmp_path / "chart" / "rljobs.yaml")
+    monkeypatch.setattr(schema, "CRD_PATHS", copies)
+    assert schema.main(["--write"]) == 0
+    assert [path.read_text() for path in copies] == [render(), render()]
+    assert schema.main(["--check"]) == 0
+    copies[1].write_text(render().replace("RLJob", "RLJobs", 1))  # a chart copy edited by hand
+    assert schema.main(["--check"]) == 1
+    assert f"{copies[1]} is stale" in capsys.readouterr().err
 
 
 def test_job_file_sections_come_from_the_job_config_models():
@@ -161,7 +178,7 @@ VIOLATIONS = [
     ("rollout.engine sglang needs", {"spec": {"rollout": {"engine": "sglang"}}}),
     ("trainer.device cuda needs", {"spec": {"trainer": {"device": "cuda"}}}),
     ("exceed gpuBudget", {"spec": {"gpuBudget": 0, "trainer": {"device": "cuda"}, "roles": {"trainer": {"gpusPerPod": 1}}}}),
-    ("redis: set exactly one", {"spec": {"redis": {"urlSecretRef": {"name": "r", "key": "url"}}}}),
+    ("redis: set exactly one", {"spec": {"redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "r", "key": "url"}}}}),
     ("checkpoint: set exactly one", {"spec": {"checkpoint": {"claimName": "ckpt"}}}),
     ("each mount needs exactly one source", {"spec": {"mounts": [{"name": "m", "mountPath": "/m"}]}}),
     ("reserved for the operator", {"spec": {"mounts": [{"name": "areal-data", "mountPath": "/d",

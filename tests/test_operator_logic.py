@@ -13,7 +13,7 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.apply import apply, is_subset, merge_patch
-from areal_k8s.k8s_operator.children import config_hash, desired_children
+from areal_k8s.k8s_operator.children import config_hash, desired_children, to_yaml
 from areal_k8s.k8s_operator.kube import KubeApi
 from areal_k8s.k8s_operator.validation import validate
 from areal_k8s.reward.__main__ import parse_args as reward_args
@@ -77,6 +77,14 @@ def test_the_service_arguments_are_ones_the_services_accept(monkeypatch):
     reward = container(made[("Deployment", "demo-reward")], "reward")
     monkeypatch.setattr("sys.argv", ["reward", *reward["args"]])
     assert (reward_args().workers, reward_args().port) == (1, names.REWARD_PORT)
+    assert reward_args().job_name == validate(rljob()).config.name  # the `rljob` label of its metrics
+
+
+def test_the_staleness_target_band_reaches_the_job_file_the_controller_exports_it_from():
+    body = with_changes(rljob(), {"spec": {"staleness": {"eta": 2, "targetBand": {"min": 0.5, "max": 1.5}}}})
+    band = validate(body).config.algorithm.staleness_target
+    assert (band.min, band.max) == (0.5, 1.5)
+    assert validate(rljob()).config.algorithm.staleness_target is None
 
 
 def test_rollout_agents_find_their_engine_controller_and_reward():
@@ -111,19 +119,89 @@ def test_checkpoints_on_an_existing_claim_or_a_claim_per_trainer_pod():
 
 def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
     gsm8k = next(p for p in EXAMPLES if p.name == "rljob-gsm8k.yaml")
-    made = children(yaml.safe_load(gsm8k.read_text()))
+    body = yaml.safe_load(gsm8k.read_text())
+    roles = body["spec"]["roles"]
+    made = children(body)
     engine = container(made[("Deployment", "gsm8k-qwen-rollout")], "engine")
     assert engine["command"][-1] == "sglang.launch_server"
-    assert engine["args"][engine["args"].index("--tp-size") + 1] == "2"
-    assert engine["resources"]["limits"][names.GPU_RESOURCE] == 2
+    assert engine["args"][engine["args"].index("--tp-size") + 1] == str(roles["rollout"]["gpusPerPod"])
+    assert engine["resources"]["limits"][names.GPU_RESOURCE] == roles["rollout"]["gpusPerPod"]
     trainer = made[("StatefulSet", "gsm8k-qwen-trainer")]
     env = env_of(container(trainer, "trainer"))
     assert env["MASTER_ADDR"] == "gsm8k-qwen-trainer-0.gsm8k-qwen-trainer"
-    assert (env["WORLD_SIZE"], env["NPROC_PER_NODE"], env["AREAL_TENSOR_PARALLEL_SIZE"]) == ("8", "8", "2")
+    ranks = roles["trainer"]["replicas"] * roles["trainer"]["gpusPerPod"]
+    assert ranks == 16 and body["spec"]["gpuBudget"] == 64  # the example's 64-GPU split: 48 engines + 16 ranks
+    assert (env["WORLD_SIZE"], env["NPROC_PER_NODE"], env["AREAL_TENSOR_PARALLEL_SIZE"]) == (
+        str(ranks), str(roles["trainer"]["gpusPerPod"]), str(roles["trainer"]["parallelism"]["tensor"]))
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": f"metadata.labels['{names.POD_INDEX_LABEL}']"}}
     pod = trainer["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == names.GPU_RESOURCE
     assert {v["name"]: v["image"]["reference"] for v in pod["volumes"] if "image" in v}["model"].endswith("qwen2.5-1.5b-instruct:1")
+
+
+def pod_specs(made: dict) -> dict[str, dict]:
+    return {name: c["spec"]["template"]["spec"] for (kind, name), c in made.items() if kind in ("Deployment", "StatefulSet")}
+
+
+SERVICE_CONTAINERS = {"controller", "reward", "rollout", "trainer"}  # the engine is SGLang's (or ours) and has none
+
+
+@pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
+def test_every_service_container_serves_metrics_on_the_named_port(example):
+    made = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text()))
+    seen = set()
+    for pod in pod_specs(made).values():
+        for c in pod["containers"]:
+            ports = {port["name"]: port["containerPort"] for port in c["ports"]}
+            if c["name"] in SERVICE_CONTAINERS:
+                seen.add(c["name"])
+                assert ports[names.METRICS_PORT_NAME] == names.METRICS_PORT == 9400, c["name"]
+                assert env_of(c)[names.METRICS_PORT_ENV] == str(names.METRICS_PORT), c["name"]
+            else:
+                assert names.METRICS_PORT_NAME not in ports and names.METRICS_PORT_ENV not in env_of(c), c["name"]
+            assert len(set(ports.values())) == len(ports), f"{c['name']}: two ports share a number"
+    assert seen == SERVICE_CONTAINERS
+    # the pods carry the labels the chart's PodMonitor and NetworkPolicies select job pods by
+    for name, pod_template in ((n, c["spec"]["template"]) for (k, n), c in made.items() if k in ("Deployment", "StatefulSet")):
+        assert {names.LABEL_NAME: names.APP_NAME, names.LABEL_MANAGED_BY: names.MANAGER}.items() <= pod_template["metadata"]["labels"].items(), name
+
+
+@pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
+def test_every_job_pod_runs_unprivileged_on_a_read_only_root_filesystem(example):
+    made = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text()))
+    for name, pod in pod_specs(made).items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == names.RUN_AS_USER != 0, name
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert context["fsGroup"] == names.RUN_AS_GROUP, name  # the checkpoint claim is writable by that user
+        assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False, name
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[names.TMP_VOLUME] == {"name": names.TMP_VOLUME, "emptyDir": {}}
+        for c in pod["containers"]:
+            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}}, (name, c["name"])
+            mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+            assert mounts[names.TMP_DIR] == names.TMP_VOLUME, (name, c["name"])
+            assert env_of(c)["HOME"].startswith(names.TMP_DIR + "/"), "caches must land on the writable volume"
+            gpus = c.get("resources", {}).get("limits", {}).get(names.GPU_RESOURCE, 0)
+            assert (mounts.get("/dev/shm") == names.SHM_VOLUME) == (gpus > 0), (name, c["name"])
+        if any(m["mountPath"] == "/dev/shm" for c in pod["containers"] for m in c["volumeMounts"]):
+            assert volumes[names.SHM_VOLUME]["emptyDir"] == {"medium": "Memory"}
+    printed = to_yaml(desired_children(validate(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text())),
+                                       running=True))
+    assert "&id" not in printed and "*id" not in printed, "shared mounts must not print as YAML aliases"
+
+
+def test_default_images_follow_the_operator_version_unless_the_chart_overrides_them(monkeypatch):
+    monkeypatch.delenv(names.IMAGE_REPOSITORY_ENV, raising=False)
+    monkeypatch.delenv(names.IMAGE_TAG_ENV, raising=False)
+    assert names.default_image("trainer") == f"{names.IMAGE_REPOSITORY}/trainer:{names.operator_version()}"
+    monkeypatch.setenv(names.IMAGE_REPOSITORY_ENV, "registry.example.com/mirror/")
+    monkeypatch.setenv(names.IMAGE_TAG_ENV, "0.1.0-rc1")
+    assert names.default_image("trainer") == "registry.example.com/mirror/trainer:0.1.0-rc1"
+    made = children(rljob())
+    assert container(made[("StatefulSet", "demo-trainer")], "trainer")["image"] == "registry.example.com/mirror/trainer:0.1.0-rc1"
+    assert container(made[("Deployment", "demo-rollout")], "engine")["image"] == "registry.example.com/mirror/rollout:0.1.0-rc1"
 
 
 def test_equal_names_in_other_namespaces_get_other_redis_keys():

@@ -216,9 +216,13 @@ async def test_pool_counts_outcomes_by_verifier():
                 ScoringItem("bad", fixture("raises")),
             ]
         )
-        assert pool.counters["exact"].scored == 1
-        assert pool.counters[fixture("sleeps_forever")].timeouts == 1
-        assert pool.counters[fixture("raises")].errors == 1
+        def scored(verifier: str, status: str) -> float:
+            return pool.metrics.value("areal_reward_scored_items_total", verifier=verifier, status=status)
+
+        assert (scored("exact", "ok"), scored("exact", "timeout"), scored("exact", "error")) == (1, 0, 0)
+        assert scored(fixture("sleeps_forever"), "timeout") == 1
+        assert scored(fixture("raises"), "error") == 1
+        assert pool.metrics.value("areal_reward_scoring_latency_seconds_count", verifier="exact") == 1
     finally:
         await pool.close()
 

@@ -78,11 +78,16 @@ async def test_ack_trims_the_stream_to_what_is_still_needed(store):
     await store.ack(first_two)
     stats = await store.stream_stats()
     # the last delivered entry is kept as the trim mark; the two undelivered ones are untouched
-    assert stats == {"length": 3, "pending": 0, "lag": 2}
+    assert stats == {"length": 3, "pending": 0, "lag": 2, "oldest_unacked_age": 0.0}
     rest = await store.read_new("t", count=10, block_ms=100)
     assert [e.group_id for e in rest] == ["g2", "g3"]
     await store.ack(rest[:1])
-    assert (await store.stream_stats())["length"] == 1  # only the pending g3 is left
+    stats = await store.stream_stats()
+    assert stats["length"] == 1 and stats["pending"] == 1  # only the pending g3 is left
+    # its age comes from its id (the server's clock when it was written), not from when it was delivered
+    seconds, micros = await store.client.time()
+    written = int(rest[1].entry_id.split("-")[0]) / 1000
+    assert 0 <= stats["oldest_unacked_age"] <= seconds + micros / 1e6 - written + 0.01
 
 
 async def test_trainer_acks_drop_written_markers_and_delete_job_removes_every_key(store):

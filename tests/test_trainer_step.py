@@ -110,3 +110,27 @@ def test_several_minibatches_with_recomputed_or_loglinear_proximal_policy(model_
     assert any(not torch.allclose(recomputed[n], loglinear[n], atol=1e-6) for n in single)
     assert all(torch.isfinite(p).all() for p in loglinear.values())
     assert record.behaviour_weight_mean > 1.0  # behaviour logprobs were shifted down: π_prox / π_behav > 1
+
+
+def test_a_step_splits_its_time_and_exports_its_figures(model_path):
+    groups = make_groups(model_path, behaviour_shift=-0.05, silent_last=False)
+    _, record = trained_parameters(model_path, groups, minibatches=2, proximal="recompute")
+    split = record.train_seconds
+    assert set(split) == {"prepare", "recompute", "forward_backward", "optimizer"}
+    assert min(split["recompute"], split["forward_backward"], split["optimizer"]) > 0 and split["prepare"] >= 0
+    assert sum(split.values()) == pytest.approx(record.seconds["train"])
+
+    record.seconds["wait"] = 0.25
+    job = parse_job({"name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"}})
+    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=None, eval_items=[], consumer="test")
+    trainer.observe(record, step_seconds=2.0)
+    m = trainer.metrics
+
+    def phase(name: str) -> float:
+        return m.value("areal_trainer_phase_seconds_total", phase=name)
+
+    assert phase("wait") == 0.25 and phase("forward_backward") == split["forward_backward"] and phase("eval") == 0
+    assert m.value("areal_trainer_trained_samples_total") == GROUPS * SAMPLES == record.samples
+    assert m.value("areal_trainer_sample_staleness_count") == GROUPS * SAMPLES
+    assert m.value("areal_trainer_loss") == record.loss and m.value("areal_trainer_learning_rate") == record.learning_rate > 0
+    assert m.value("areal_trainer_step_duration_seconds_sum") == 2.0

@@ -21,6 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.redis_server import EmbeddedRedis, free_port
@@ -73,6 +74,7 @@ class Endpoints:
     trainer: str
     rollouts: list[str]
     engines: list[str]
+    metrics: dict[str, str]  # service name -> host:port of its Prometheus /metrics
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -107,6 +109,9 @@ class LocalRun:
         self.redis: EmbeddedRedis | None = None
         self.services: list[Service] = []
         self.started_at = time.time()
+        self.recorder: MetricsRecorder | None = None
+        self.prometheus: LocalPrometheus | None = None
+        self.taken_ports: set[int] = set()
 
     # -- start ---------------------------------------------------------------------------------------------
 
@@ -120,7 +125,8 @@ class LocalRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "summary.json").unlink(missing_ok=True)
 
-    def start(self, mode: str = "new", timeout: float = 300.0) -> Endpoints:
+    def start(self, mode: str = "new", timeout: float = 300.0, prometheus: str | None = None) -> Endpoints:
+        """Start every service; with `prometheus` (a scrape interval such as "5s") a Prometheus server first."""
         self.prepare_run_dir(mode)
         job_file = self.run_dir / "job.yaml"
         job_file.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
@@ -129,14 +135,9 @@ class LocalRun:
             self.redis = EmbeddedRedis(self.run_dir / "redis").start()
             redis_url = self.redis.url
 
-        taken = {self.redis.port} if self.redis else set()
-
-        def address() -> str:
-            # The kernel may hand the same free port out twice in a row: every service gets its own.
-            while (port := free_port(self.host)) in taken:
-                pass
-            taken.add(port)
-            return f"{self.host}:{port}"
+        if self.redis:
+            self.taken_ports.add(self.redis.port)
+        address = self.free_address
 
         workers = self.job.rollout.workers
         ends = Endpoints(
@@ -145,16 +146,27 @@ class LocalRun:
             trainer=address(),
             rollouts=[address() for _ in range(workers)],
             engines=self.job.rollout.engine_urls or [f"http://{address()}" for _ in range(workers)],
+            metrics={name: address() for name in ("controller", "reward", *(f"rollout-{i}" for i in range(workers)), "trainer")},
         )
+        self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
+        if prometheus:
+            self.start_prometheus(ends, prometheus)
         logs = self.run_dir / "logs"
         common = ["--job", str(job_file), "--host", self.host]
         deadline = time.monotonic() + timeout
 
-        controller = self.spawn("controller", ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url], logs, 1)
+        def metrics(name: str) -> list[str]:
+            return ["--metrics-port", port_of(ends.metrics[name])]
+
+        controller = self.spawn(
+            "controller",
+            ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url, *metrics("controller")],
+            logs, 1,
+        )
         reward = self.spawn(
             "reward",
             ["areal_k8s.reward", "--host", self.host, "--port", port_of(ends.reward), "--workers", str(self.job.reward.workers),
-             "--timeout", str(self.job.reward.timeout_seconds)],
+             "--timeout", str(self.job.reward.timeout_seconds), "--job-name", self.job.name, *metrics("reward")],
             logs, 1,
         )
         wait_serving(controller, ends.controller, deadline)
@@ -171,16 +183,28 @@ class LocalRun:
             self.spawn(
                 f"rollout-{i}",
                 ["areal_k8s.rollout", *common, "--port", port_of(rollout), "--worker-id", f"rollout-{i}", "--engine-url", engine,
-                 "--controller", ends.controller, "--reward", ends.reward, "--redis-url", redis_url],
+                 "--controller", ends.controller, "--reward", ends.reward, "--redis-url", redis_url, *metrics(f"rollout-{i}")],
                 logs, 1,
             )
         self.spawn(
             "trainer",
             ["areal_k8s.trainer", *common, "--port", port_of(ends.trainer), "--controller", ends.controller, "--reward", ends.reward,
-             "--redis-url", redis_url],
+             "--redis-url", redis_url, *metrics("trainer")],
             logs, self.job.trainer.threads,
         )
         return ends
+
+    def free_address(self) -> str:
+        # The kernel may hand the same free port out twice in a row: every service gets its own.
+        while (port := free_port(self.host)) in self.taken_ports:
+            pass
+        self.taken_ports.add(port)
+        return f"{self.host}:{port}"
+
+    def start_prometheus(self, endpoints: Endpoints, scrape_interval: str = "5s") -> str:
+        """A real Prometheus scraping every service of the run; returns its URL."""
+        self.prometheus = LocalPrometheus(self.run_dir / "prometheus", endpoints.metrics, self.free_address(), scrape_interval)
+        return self.prometheus.start()
 
     def spawn(self, name: str, args: list[str], logs: Path, threads: int) -> Service:
         service = Service(name, args, logs / f"{name}.log")
@@ -217,6 +241,8 @@ class LocalRun:
             status = controller_pb2.JobStatus()
             while True:
                 trainer_done = self.service("trainer").exit_code == 0
+                if self.recorder:
+                    self.recorder.tick()
                 try:
                     status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
                     on_status(status)
@@ -241,6 +267,8 @@ class LocalRun:
             service.stop()
         if self.redis:
             self.redis.stop()
+        if self.prometheus:
+            self.prometheus.stop()
 
     def write_summary(self, status: controller_pb2.JobStatus, interrupted: bool) -> dict:
         summary = {

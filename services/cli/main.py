@@ -28,27 +28,59 @@ def cmd_run(args) -> int:
     from areal_k8s.cli.launcher import LaunchError, LocalRun
     from areal_k8s.cli.progress import ProgressView
 
+    from areal_k8s.cli.monitor import PrometheusError
+
     job = load_job_file(args.job)
     run = LocalRun(job)
     mode = "fresh" if args.fresh else "resume" if args.resume else "new"
     view = ProgressView(job.name, job.algorithm.total_steps)
     status = None
     try:
-        endpoints = run.start(mode)
+        endpoints = run.start(mode, prometheus=args.scrape_interval if args.prometheus else None)
+        view.recorder = run.recorder
+        if run.prometheus:
+            print(f"prometheus: {run.prometheus.url} (data in {run.prometheus.directory}); point Grafana at it and "
+                  "import charts/areal/dashboards/*.json", file=sys.stderr)
         with view:
             status = run.wait(endpoints.controller, view.update)
     except KeyboardInterrupt:
         run.stop()
         if status is not None:
             run.write_summary(status, interrupted=True)
+            report_quietly(run.run_dir)
         return fail("interrupted; services stopped (continue with --resume)", EXIT_INTERRUPTED)
-    except LaunchError as exc:
+    except (LaunchError, PrometheusError) as exc:
         run.stop()
         return fail(str(exc), EXIT_FAILED)
     run.stop()
     summary = run.write_summary(status, interrupted=False)
     print(json.dumps(summary, indent=2))
     print(f"summary: {run.run_dir / 'summary.json'}", file=sys.stderr)
+    report_quietly(run.run_dir)
+    return 0
+
+
+def report_quietly(run_dir) -> None:
+    """The report is a by-product of a run: failing to draw it must not fail the run."""
+    from areal_k8s.cli.report import ReportError, write_report
+
+    try:
+        png, md = write_report(run_dir)
+        print(f"report: {md} ({png.name})", file=sys.stderr)
+    except ReportError as exc:
+        print(f"arealctl: no report: {exc}", file=sys.stderr)
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.cli.report import ReportError, write_report
+
+    try:
+        png, md = write_report(Path(args.run_dir))
+    except ReportError as exc:
+        return fail(str(exc), EXIT_INVALID)
+    print(f"{md}\n{png}")
     return 0
 
 
@@ -124,7 +156,14 @@ def parser() -> argparse.ArgumentParser:
     again = run.add_mutually_exclusive_group()
     again.add_argument("--fresh", action="store_true", help="delete the job's run directory first")
     again.add_argument("--resume", action="store_true", help="continue the run in the job's run directory")
+    run.add_argument("--prometheus", action="store_true",
+                     help="also start a Prometheus server (Debian's prometheus package) scraping every service")
+    run.add_argument("--scrape-interval", default="5s", help="Prometheus scrape interval with --prometheus (default 5s)")
     run.set_defaults(func=cmd_run)
+
+    report = sub.add_parser("report", help="write report.png and report.md for a run directory")
+    report.add_argument("run_dir", help="the job's run directory (runs/NAME)")
+    report.set_defaults(func=cmd_report)
 
     validate = sub.add_parser("validate", help="check a job file and exit")
     validate.add_argument("job")

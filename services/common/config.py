@@ -44,6 +44,11 @@ class SamplingConfig(_Section):
     max_new_tokens: Annotated[int, Field(ge=1)] = Field(256, description="Generation budget per response.")
 
 
+class StalenessBand(_Section):
+    min: Annotated[float, Field(ge=0)] = Field(0.0, description="Lower edge of the band for the mean staleness.")
+    max: Annotated[float, Field(ge=0)] = Field(description="Upper edge (at most η).")
+
+
 class AlgorithmConfig(_Section):
     name: Literal["grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo"] = Field(
         "grpo",
@@ -59,6 +64,11 @@ class AlgorithmConfig(_Section):
         2,
         description="η: a trajectory is trained at most η versions after the oldest policy that produced it. "
         "0 makes the run synchronous: generation and training alternate.",
+    )
+    staleness_target: StalenessBand | None = Field(
+        None,
+        description="Band the measured mean staleness should stay in, within [0, η]; exported for the Staleness "
+        "dashboard (an RLJob sets it from `staleness.targetBand`, where the operator holds it).",
     )
     max_concurrent_rollouts: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Cap on prompt groups generating at once; default B·(η+1)."
@@ -123,6 +133,13 @@ class AlgorithmConfig(_Section):
         if self.loss_normaliser != "auto":
             return self.loss_normaliser
         return "constant" if self.name == "dr_grpo" else "token"
+
+    @model_validator(mode="after")
+    def _band_within_eta(self) -> AlgorithmConfig:
+        band = self.staleness_target
+        if band is not None and not band.min <= band.max <= self.max_staleness:
+            raise ValueError(f"staleness_target needs min <= max <= max_staleness (η = {self.max_staleness}), got [{band.min}, {band.max}]")
+        return self
 
     @model_validator(mode="after")
     def _rloo_needs_a_group(self) -> AlgorithmConfig:

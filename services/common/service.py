@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
 from areal_k8s.common.config import JobConfig, JobFileError, load_job_file
+from areal_k8s.common.metrics import metrics_port
 from areal_k8s.data.dataset import DatasetError, DatasetItem, load_dataset
 
 log = logging.getLogger("areal")
@@ -22,8 +23,14 @@ def base_parser(service: str, default_port: int) -> argparse.ArgumentParser:
     parser.add_argument("--job", required=True, help="job file (YAML), as validated by `arealctl validate`")
     parser.add_argument("--host", default=os.environ.get("AREAL_HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("AREAL_PORT", default_port)))
+    add_metrics_port(parser)
     parser.add_argument("--log-level", default=os.environ.get("AREAL_LOG_LEVEL", "INFO"))
     return parser
+
+
+def add_metrics_port(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics-port", type=int, default=metrics_port(),
+                        help="serve Prometheus metrics at /metrics on this port (env AREAL_METRICS_PORT; 0: off)")
 
 
 def setup_logging(service: str, level: str) -> None:

@@ -185,17 +185,27 @@ class TrajectoryStore:
     async def set_version(self, version: int) -> None:
         await self.client.set(self.keys.version, version)
 
-    async def stream_stats(self) -> dict[str, int]:
-        """length: entries kept; pending: delivered, unacknowledged; lag: written but not yet delivered."""
+    async def stream_stats(self) -> dict[str, float]:
+        """length: entries kept; pending: delivered, unacknowledged; lag: written but not yet delivered;
+        oldest_unacked_age: seconds since the oldest pending entry was written (0 when none is pending)."""
         length = await self.client.xlen(self.keys.stream)
+        stats = {"length": length, "pending": 0, "lag": length, "oldest_unacked_age": 0.0}
         try:
             groups = await self.client.xinfo_groups(self.keys.stream)
         except ResponseError:  # no stream yet
-            return {"length": length, "pending": 0, "lag": length}
+            return stats
         group = next((g for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())), None)
         if group is None:
-            return {"length": length, "pending": 0, "lag": length}
-        return {"length": length, "pending": int(group["pending"]), "lag": int(group.get("lag") or 0)}
+            return stats
+        stats.update(pending=int(group["pending"]), lag=int(group.get("lag") or 0))
+        if stats["pending"]:
+            summary = await self.client.xpending(self.keys.stream, CONSUMER_GROUP)
+            oldest = summary.get("min")
+            if oldest:  # an entry id starts with the Redis server's clock (ms) at the time it was written
+                seconds, _ = await self.client.time()
+                written_ms = int((oldest.decode() if isinstance(oldest, bytes) else oldest).split("-")[0])
+                stats["oldest_unacked_age"] = max(0.0, seconds - written_ms / 1000)
+        return stats
 
     async def delete_job(self) -> int:
         """Remove every key of the job (the operator's finalizer calls this)."""

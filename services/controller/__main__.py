@@ -3,6 +3,7 @@
 import logging
 import os
 
+from areal_k8s.common.metrics import ControllerMetrics
 from areal_k8s.common.service import base_parser, load_items, load_job, run_service, setup_logging
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.controller.core import ControllerCore
@@ -22,7 +23,9 @@ def main() -> None:
 
     async def run(stop):
         client = connect(args.redis_url)
-        core = ControllerCore(job, items, lease_seconds=args.lease_seconds)
+        metrics = ControllerMetrics(job.name)
+        metrics.serve(args.host, args.metrics_port)
+        core = ControllerCore(job, items, lease_seconds=args.lease_seconds, metrics=metrics)
         server, port, _servicer, reaper = await serve(core, TrajectoryStore(client, job.name), f"{args.host}:{args.port}")
         log.info("controller listening on %s:%d (job %s, %d prompts)", args.host, port, job.name, len(items))
         await stop.wait()

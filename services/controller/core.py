@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from areal_k8s.common.config import JobConfig
-from areal_k8s.controller.admission import admission_capacity
+from areal_k8s.common.metrics import ControllerMetrics
+from areal_k8s.controller.admission import admission_capacity, blocking_bound
 from areal_k8s.data.dataset import DatasetItem
 
 
@@ -102,6 +103,7 @@ class ControllerCore:
         *,
         lease_seconds: float = 60.0,
         clock: Callable[[], float] = time.time,
+        metrics: ControllerMetrics | None = None,
     ):
         self.job = job
         self.items = items
@@ -118,6 +120,20 @@ class ControllerCore:
         self.workers: dict[str, Worker] = {}
         self.progress = Progress()
         self.started_at = clock()
+        self.metrics = metrics or ControllerMetrics(job.name)
+        self._export_state()
+
+    def _export_state(self) -> None:
+        """Gauges read the state when scraped (a Prometheus scrape is the only reader)."""
+        m, algorithm = self.metrics, self.job.algorithm
+        m.policy_version.set_function(lambda: self.version)
+        m.admission_capacity.set_function(self.capacity)
+        m.running_groups.set_function(lambda: self.running)
+        m.workers.set_function(lambda: len(self.workers))
+        m.staleness_bound.set(algorithm.max_staleness)
+        if algorithm.staleness_target is not None:
+            m.staleness_target.labels(edge="min").set(algorithm.staleness_target.min)
+            m.staleness_target.labels(edge="max").set(algorithm.staleness_target.max)
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -129,9 +145,9 @@ class ControllerCore:
     def total_groups(self) -> int:
         return self.job.algorithm.total_steps * self.job.algorithm.batch_size
 
-    def capacity(self) -> int:
+    def admission_state(self) -> dict[str, int]:
         algorithm = self.job.algorithm
-        return admission_capacity(
+        return dict(
             version=self.version,
             running=self.running,
             accepted=self.accepted,
@@ -140,6 +156,9 @@ class ControllerCore:
             max_concurrent=algorithm.concurrency,
             total_groups=self.total_groups,
         )
+
+    def capacity(self) -> int:
+        return admission_capacity(**self.admission_state())
 
     def register(self, worker_id: str, address: str, engine_version: int) -> None:
         self.workers[worker_id] = Worker(worker_id, address, engine_version, self.clock())
@@ -155,7 +174,14 @@ class ControllerCore:
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
         worker.last_seen = self.clock()
         worker.engine_version = engine_version
-        if self.progress.finished or engine_version < self.version:
+        if self.progress.finished:
+            return []
+        if engine_version < self.version:
+            if max_groups > 0:
+                self.metrics.admission_blocks.labels(reason="stale_engine").inc()
+            return []
+        if max_groups > 0 and (bound := blocking_bound(**self.admission_state())):
+            self.metrics.admission_blocks.labels(reason=bound).inc()
             return []
         admitted = []
         for _ in range(min(max_groups, self.capacity())):
@@ -187,6 +213,7 @@ class ControllerCore:
             self.retry.append(lease.item_index)
         else:
             raise ValueError(f"unknown group result {result!r}")
+        self.metrics.groups.labels(result=result).inc()
         return True
 
     def expired_leases(self) -> list[str]:

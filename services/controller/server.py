@@ -72,6 +72,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             await self.persist()
         return len(expired)
 
+    async def observe_stream(self) -> None:
+        stream, m = await self.store.stream_stats(), self.core.metrics
+        m.stream_length.set(stream["length"])
+        m.stream_pending.set(stream["pending"])
+        m.stream_lag.set(stream["lag"])
+        m.stream_oldest_unacked_age.set(stream["oldest_unacked_age"])
+
     @rpc
     async def RegisterWorker(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
@@ -182,8 +189,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.JobStatus(
             job=self.core.job.name,
             phase=phase,
-            queue_depth=stream["pending"] + stream["lag"],
-            stream_length=stream["length"],
+            queue_depth=int(stream["pending"] + stream["lag"]),
+            stream_length=int(stream["length"]),
             **fields,
         )
 
@@ -202,8 +209,9 @@ async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, r
             await asyncio.sleep(reap_interval)
             try:
                 await servicer.reap_dead_workers()
+                await servicer.observe_stream()
             except Exception:  # Redis blip: try again next round
-                log.exception("reaping dead workers failed")
+                log.exception("reaping dead workers or reading the stream failed")
 
     return server, port, servicer, asyncio.create_task(reaper())
 

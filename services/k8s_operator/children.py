@@ -6,6 +6,7 @@ The operator applies these; `arealctl manifests` prints them. The wiring mirrors
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import yaml
@@ -37,7 +38,11 @@ def desired_children(job: ValidJob, *, running: bool) -> list[dict]:
 
 
 class _ReadableDumper(yaml.SafeDumper):
-    """Multi-line strings (the job file in the ConfigMap) as literal blocks, for people reading the output."""
+    """Multi-line strings (the job file in the ConfigMap) as literal blocks, for people reading the output; no
+    anchors and aliases where containers share a mount."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
 
 
 _ReadableDumper.add_representer(
@@ -106,9 +111,11 @@ def field_env(name: str, field_path: str) -> dict:
 
 
 def process_env(threads: int) -> list[dict]:
-    """As the launcher's child_env: unbuffered logs and one thread pool size for torch and the BLAS."""
+    """As the launcher's child_env: unbuffered logs and one thread pool size for torch and the BLAS. HOME (and so
+    every cache below it: Hugging Face, Triton, FlashInfer) is on the writable scratch volume, and USER is set
+    because the pod's user may have no passwd entry in an image the spec names (getpass needs one or the other)."""
     return plain_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                      "TOKENIZERS_PARALLELISM": "false"})
+                      "TOKENIZERS_PARALLELISM": "false", "HOME": names.HOME_DIR, "USER": "areal"})
 
 
 def redis_env(job: ValidJob) -> dict:
@@ -126,18 +133,55 @@ def resources(block: dict, gpus: int = 0) -> dict:
     return out
 
 
+# Every container: no privilege escalation, no capabilities, a read-only root filesystem (scratch space is the
+# areal-tmp volume). The pod-level half (non-root user, seccomp) is POD_SECURITY_CONTEXT.
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": names.RUN_AS_USER,
+    "runAsGroup": names.RUN_AS_GROUP,
+    "fsGroup": names.RUN_AS_GROUP,  # the checkpoint claim becomes writable by the pod's user
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def metrics_env() -> dict:
+    return {"name": names.METRICS_PORT_ENV, "value": str(names.METRICS_PORT)}
+
+
+def scratch_mounts(gpus: int) -> list[dict]:
+    """/tmp on the scratch volume; with GPUs also a memory-backed /dev/shm (NCCL and SGLang need more than 64 MiB)."""
+    mounts = [{"name": names.TMP_VOLUME, "mountPath": names.TMP_DIR}]
+    if gpus:
+        mounts.append({"name": names.SHM_VOLUME, "mountPath": "/dev/shm"})
+    return mounts
+
+
 def container(name: str, image: str, module: str, args: list[str], *, block: dict, env: list[dict],
-              port: tuple[str, int], readiness: dict, mounts: list[dict], resource_block: dict, gpus: int = 0) -> dict:
+              port: tuple[str, int], readiness: dict, mounts: list[dict], resource_block: dict, gpus: int = 0,
+              metrics: bool = True) -> dict:
+    """One service container. With `metrics` it serves Prometheus metrics on names.METRICS_PORT (the port named
+    `metrics`, which the chart's PodMonitor scrapes)."""
     port_name, port_number = port
+    ports = [{"name": port_name, "containerPort": port_number, "protocol": "TCP"}]
+    if metrics:
+        ports.append({"name": names.METRICS_PORT_NAME, "containerPort": names.METRICS_PORT, "protocol": "TCP"})
+        env = [*env, metrics_env()]
     out = {
         "name": name,
         "image": image,
         "command": ["python", "-m", module],
         "args": args,
         "env": env,
-        "ports": [{"name": port_name, "containerPort": port_number, "protocol": "TCP"}],
+        "ports": ports,
         "readinessProbe": {**readiness, "periodSeconds": 5},
-        "volumeMounts": mounts,
+        "volumeMounts": [*mounts, *scratch_mounts(gpus)],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if block.get("imagePullPolicy"):
         out["imagePullPolicy"] = block["imagePullPolicy"]
@@ -174,9 +218,25 @@ def config_volume(job: ValidJob) -> tuple[dict, dict]:
             {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_DIR, "readOnly": True})
 
 
+def scratch_volumes(containers: list[dict]) -> list[dict]:
+    volumes = [{"name": names.TMP_VOLUME, "emptyDir": {}}]
+    if any(m["name"] == names.SHM_VOLUME for c in containers for m in c["volumeMounts"]):
+        volumes.append({"name": names.SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+    return volumes
+
+
 def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list[dict]) -> dict:
     block = job.spec["roles"][role]
-    spec: dict = {"containers": containers, "volumes": volumes}
+    spec: dict = {
+        "containers": containers,
+        "volumes": [*volumes, *scratch_volumes(containers)],
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        # Service links would put <SERVICE>_PORT variables into the environment; a Service named `areal` would set
+        # AREAL_PORT, which the services read as their port.
+        "enableServiceLinks": False,
+        # The services never call the Kubernetes API, and the reward pods run verifier code: no token.
+        "automountServiceAccountToken": False,
+    }
     if block.get("nodeSelector"):
         spec["nodeSelector"] = block["nodeSelector"]
     if block.get("tolerations"):
@@ -221,7 +281,7 @@ def reward_deployment(job: ValidJob, running: bool) -> dict:
     main = container(
         "reward", image_of(job, "reward"), "areal_k8s.reward",
         ["--host", "0.0.0.0", "--port", str(names.REWARD_PORT),
-         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds)],
+         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name],
         block=block, env=process_env(1), port=("grpc", names.REWARD_PORT),
         readiness=grpc_readiness(names.REWARD_PORT, "areal.v1.Reward"),
         mounts=[], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
@@ -244,10 +304,11 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
         args = ["--model-path", config.model, "--tokenizer-path", config.tokenizer_path,
                 "--host", "127.0.0.1", "--port", str(names.ENGINE_PORT), "--tp-size", str(gpus),
                 "--random-seed", str(config.seed)]
+    # The engine is not one of the services: its metrics, if any, are the engine's own business.
     return container(
         "engine", image, module, args, block=block, env=process_env(rollout.threads), port=("http", names.ENGINE_PORT),
         readiness={"httpGet": {"path": "/health", "port": names.ENGINE_PORT}},
-        mounts=mounts, resource_block=engine_block.get("resources", {}), gpus=gpus,
+        mounts=mounts, resource_block=engine_block.get("resources", {}), gpus=gpus, metrics=False,
     )
 
 

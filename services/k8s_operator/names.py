@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from importlib.metadata import PackageNotFoundError, version
 
 GROUP = "areal-k8s.dev"
@@ -27,6 +28,11 @@ REWARD_PORT = 50053
 TRAINER_PORT = 50054
 ENGINE_PORT = 30000
 TORCH_RENDEZVOUS_PORT = 29500
+# Prometheus metrics (/metrics over HTTP, env AREAL_METRICS_PORT) of the controller, reward, rollout agent and
+# trainer containers, in a container port of this name; the chart's PodMonitor scrapes that port by name.
+METRICS_PORT = 9400
+METRICS_PORT_NAME = "metrics"
+METRICS_PORT_ENV = "AREAL_METRICS_PORT"
 
 CONFIG_DIR = "/etc/areal"
 CONFIG_KEY = "job.yaml"
@@ -37,6 +43,16 @@ GPU_RESOURCE = "nvidia.com/gpu"
 RESERVED_VOLUME_PREFIX = "areal-"
 CONFIG_VOLUME = "areal-config"
 CHECKPOINT_VOLUME = "areal-checkpoint"
+TMP_VOLUME = "areal-tmp"  # the containers' root filesystems are read-only: scratch space, caches and HOME live here
+SHM_VOLUME = "areal-shm"  # /dev/shm in memory for GPU pods (NCCL, SGLang): the runtime's default is 64 MiB
+TMP_DIR = "/tmp"
+HOME_DIR = f"{TMP_DIR}/home"
+
+# Every pod the operator creates runs as this non-root user (the images' own user, see images/), with a read-only
+# root filesystem, no capabilities, no privilege escalation and the runtime's default seccomp profile; fsGroup
+# makes the checkpoint claim writable by it.
+RUN_AS_USER = 10001
+RUN_AS_GROUP = 10001
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -50,7 +66,13 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 # The StatefulSet controller labels each pod with its ordinal (Kubernetes >= 1.28): the trainer's node rank.
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
+# Images: `<repository>/<component>:<tag>`, built from images/<component>/Dockerfile (`make images`). The tag is
+# the package version, which is also the chart's appVersion (tests/test_images.py keeps the three in step).
 IMAGE_REPOSITORY = "ghcr.io/areal-k8s"
+IMAGE_COMPONENTS = ("operator", "controller", "reward", "rollout", "sglang", "trainer", "cpu")
+# The chart sets these on the operator (values `jobImages.repository`/`jobImages.tag`), e.g. for a registry mirror.
+IMAGE_REPOSITORY_ENV = "AREAL_IMAGE_REPOSITORY"
+IMAGE_TAG_ENV = "AREAL_IMAGE_TAG"
 
 
 def operator_version() -> str:
@@ -61,8 +83,10 @@ def operator_version() -> str:
 
 
 def default_image(component: str) -> str:
-    """Images come from the chart-and-images issue; the tag follows the operator's own version."""
-    return f"{IMAGE_REPOSITORY}/{component}:{operator_version()}"
+    """The image of a role a spec leaves unset: the operator's own version, unless the environment overrides it."""
+    repository = os.environ.get(IMAGE_REPOSITORY_ENV) or IMAGE_REPOSITORY
+    tag = os.environ.get(IMAGE_TAG_ENV) or operator_version()
+    return f"{repository.rstrip('/')}/{component}:{tag}"
 
 
 def child_name(job: str, role: str) -> str:

@@ -28,13 +28,18 @@ from areal_k8s.common.config import (
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.rules import RULES
 
-# The committed CRD lives in the repository's operator/ folder (the chart ships it); --write/--check work in a checkout.
-CRD_PATH = Path(__file__).resolve().parents[2] / "operator" / "crd" / "rljobs.yaml"
+# The committed CRD lives in the repository's operator/ folder, and the Helm chart carries an identical copy in its
+# crds/ folder (Helm installs it on first install; upgrades apply it with kubectl, see charts/areal/README.md).
+# --write writes both, --check verifies both; they work in a checkout.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = REPO_ROOT / "operator" / "crd" / "rljobs.yaml"
+CHART_CRD_PATH = REPO_ROOT / "charts" / "areal" / "crds" / "rljobs.yaml"
+CRD_PATHS = (CRD_PATH, CHART_CRD_PATH)
 
 # Job-file fields the operator fills from the Kubernetes parts of the spec instead.
 OPERATOR_OWNED = {
     "rollout": {"workers", "engine_urls"},  # roles.rollout.replicas; each worker's engine is beside it in its pod
-    "algorithm": {"max_staleness"},  # staleness.eta
+    "algorithm": {"max_staleness", "staleness_target"},  # staleness.eta, staleness.targetBand
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "dataset": (DatasetConfig, "The job file's `dataset` section."),
@@ -433,18 +438,21 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.k8s_operator.schema", description=__doc__.splitlines()[0])
     action = parser.add_mutually_exclusive_group()
-    action.add_argument("--write", action="store_true", help=f"write {CRD_PATH}")
-    action.add_argument("--check", action="store_true", help=f"exit 1 if {CRD_PATH} is not the generated CRD")
+    targets = " and ".join(map(str, CRD_PATHS))
+    action.add_argument("--write", action="store_true", help=f"write {targets}")
+    action.add_argument("--check", action="store_true", help=f"exit 1 unless {targets} are the generated CRD")
     args = parser.parse_args(argv)
     text = render()
     if args.write:
-        CRD_PATH.parent.mkdir(parents=True, exist_ok=True)
-        CRD_PATH.write_text(text)
-        print(f"wrote {CRD_PATH}", file=sys.stderr)
+        for path in CRD_PATHS:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path}", file=sys.stderr)
     elif args.check:
-        current = CRD_PATH.read_text() if CRD_PATH.exists() else ""
-        if current != text:
-            print(f"{CRD_PATH} is stale: run python -m areal_k8s.k8s_operator.schema --write", file=sys.stderr)
+        stale = [path for path in CRD_PATHS if (path.read_text() if path.exists() else "") != text]
+        for path in stale:
+            print(f"{path} is stale: run python -m areal_k8s.k8s_operator.schema --write", file=sys.stderr)
+        if stale:
             return 1
     else:
         print(text, end="")

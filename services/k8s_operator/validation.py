@@ -104,7 +104,8 @@ def compose_job_config(rljob: dict) -> JobConfig:
         **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
         **{section: spec[section] for section in ("dataset", "reward", "sampling", "trainer")},
-        "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"]},
+        "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"],
+                      **({"staleness_target": spec["staleness"]["targetBand"]} if "targetBand" in spec["staleness"] else {})},
         "rollout": {**spec["rollout"], "workers": workers,
                     "engine_urls": [ENGINE_URL] * workers if spec["rollout"]["engine"] == "sglang" else []},
         "redis": {"url": spec["redis"].get("url")},  # a URL from a Secret reaches the pods as AREAL_REDIS_URL only

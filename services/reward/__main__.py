@@ -1,11 +1,12 @@
-"""python -m areal_k8s.reward [--host 127.0.0.1] [--port 50053] [--workers 2] [--timeout 15]"""
+"""python -m areal_k8s.reward [--host 127.0.0.1] [--port 50053] [--workers 2] [--timeout 15] [--job-name NAME]"""
 
 import argparse
 import asyncio
 import logging
 import os
 
-from areal_k8s.common.service import run_service, setup_logging
+from areal_k8s.common.metrics import RewardMetrics
+from areal_k8s.common.service import add_metrics_port, run_service, setup_logging
 from areal_k8s.reward.server import serve
 
 log = logging.getLogger("areal.reward")
@@ -18,6 +19,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(env("AREAL_PORT", 50053)), help="0 picks a free port")
     parser.add_argument("--workers", type=int, default=2, help="verifier worker processes")
     parser.add_argument("--timeout", type=float, default=15.0, help="default per-item scoring timeout, seconds")
+    parser.add_argument("--job-name", default=env("AREAL_JOB_NAME", ""), help="the job this service scores for (a metrics label)")
+    add_metrics_port(parser)
     parser.add_argument("--log-level", default=env("AREAL_LOG_LEVEL", "INFO"))
     return parser.parse_args()
 
@@ -27,7 +30,9 @@ def main() -> None:
     setup_logging("reward", args.log_level)
 
     async def run(stop: asyncio.Event) -> None:
-        service = await serve(f"{args.host}:{args.port}", workers=args.workers, timeout=args.timeout)
+        metrics = RewardMetrics(args.job_name)
+        metrics.serve(args.host, args.metrics_port)
+        service = await serve(f"{args.host}:{args.port}", workers=args.workers, timeout=args.timeout, metrics=metrics)
         log.info("reward service listening on %s:%d", args.host, service.port)
         await stop.wait()
         log.info("reward service stopping")

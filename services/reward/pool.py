@@ -14,7 +14,6 @@ import multiprocessing
 import numbers
 import reprlib
 import time
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Literal
 
 from pebble import ProcessExpired, ProcessPool
 
+from areal_k8s.common.metrics import RewardMetrics
 from areal_k8s.reward import verifiers
 
 log = logging.getLogger(__name__)
@@ -52,28 +52,15 @@ class ScoreOutcome:
     latency_seconds: float  # from the moment a worker was free for the item, queueing before that excluded
 
 
-@dataclass
-class VerifierCounters:
-    scored: int = 0  # status "ok"
-    timeouts: int = 0
-    errors: int = 0
-
-    def count(self, status: Status) -> None:
-        if status == "ok":
-            self.scored += 1
-        elif status == "timeout":
-            self.timeouts += 1
-        else:
-            self.errors += 1
-
-
 class ScoringPool:
-    def __init__(self, max_workers: int = 2, default_timeout: float = 15.0):
+    def __init__(self, max_workers: int = 2, default_timeout: float = 15.0, metrics: RewardMetrics | None = None):
         if max_workers < 1 or not default_timeout > 0:
             raise ValueError(f"need max_workers >= 1 and default_timeout > 0, got {max_workers}, {default_timeout}")
         self.max_workers = max_workers
         self.default_timeout = default_timeout
-        self.counters: defaultdict[str, VerifierCounters] = defaultdict(VerifierCounters)
+        self.metrics = metrics or RewardMetrics("")
+        for name in verifiers.BUILTIN_VERIFIERS:
+            self.metrics.declare_verifier(name)
         # Items enter the process pool only when a worker is free, so an item's deadline starts when it can run.
         self._free_workers = asyncio.Semaphore(max_workers)
         self._processes = self._new_process_pool()
@@ -101,7 +88,8 @@ class ScoringPool:
             started = time.monotonic()
             status, reward, message = await self._run_in_worker(item, timeout)
             latency = time.monotonic() - started
-        self.counters[item.verifier].count(status)
+        self.metrics.scored_items.labels(verifier=item.verifier, status=status).inc()
+        self.metrics.scoring_latency.labels(verifier=item.verifier).observe(latency)
         return ScoreOutcome(item.item_id, reward, status, message, latency)
 
     async def _run_in_worker(self, item: ScoringItem, timeout: float) -> tuple[Status, float, str]:

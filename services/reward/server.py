@@ -11,6 +11,7 @@ from grpc_health.v1 import health
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.grpcutil import InvalidArgument, require, rpc, start_server
+from areal_k8s.common.metrics import RewardMetrics
 from areal_k8s.reward.pool import ScoreOutcome, ScoringItem, ScoringPool
 from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, resolve
 
@@ -105,9 +106,9 @@ class RewardService:
         await self.pool.close()
 
 
-async def serve(address: str, *, workers: int = 2, timeout: float = 15.0) -> RewardService:
+async def serve(address: str, *, workers: int = 2, timeout: float = 15.0, metrics: RewardMetrics | None = None) -> RewardService:
     """Start the reward service on `address` ("host:port", port 0 picks one) with `workers` scoring processes."""
-    pool = ScoringPool(max_workers=workers, default_timeout=timeout)
+    pool = ScoringPool(max_workers=workers, default_timeout=timeout, metrics=metrics)
     await pool.start()
     try:
         servicer = RewardServicer(pool)

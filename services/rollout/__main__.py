@@ -8,6 +8,7 @@ import socket
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.service import base_parser, load_job, run_service, setup_logging
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.rollout.engine_client import SGLangClient
@@ -45,7 +46,9 @@ def main() -> None:
             engine=engine,
             store=TrajectoryStore(redis_client, job.name),
             tokenizer=load_tokenizer(job.tokenizer_path),
+            metrics=RolloutMetrics(job.name),
         )
+        worker.metrics.serve(args.host, args.metrics_port)
         worker.engine_version = parse_weight_version(await engine.get_weight_version())
         server, port, _health = await start_server(
             [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], f"{args.host}:{args.port}"

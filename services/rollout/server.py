@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
@@ -46,7 +47,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     def __init__(self, worker: RolloutWorker):
         self.worker = worker
         self.engine = worker.engine
-        self.paused = False
+        self.paused_at: float | None = None
 
     @rpc
     @engine_errors
@@ -109,7 +110,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         require(request.mode in PAUSE_MODES, f"mode must be abort or in_place, got {request.mode!r}")
         log.info("pause generation (%s) for %s", request.mode or "abort", context.peer())
         await self.engine.pause_generation(request.mode or "abort")
-        self.paused = True
+        if self.paused_at is None:
+            self.paused_at = time.monotonic()
         return _ok()
 
     @rpc
@@ -117,7 +119,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def ContinueGeneration(self, request, context):
         log.info("continue generation for %s", context.peer())
         await self.engine.continue_generation()
-        self.paused = False
+        if self.paused_at is not None:
+            self.worker.metrics.paused_seconds.inc(time.monotonic() - self.paused_at)
+            self.paused_at = None
         return _ok()
 
     @rpc
@@ -134,13 +138,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc
     async def GetRolloutStatus(self, request, context):
-        c = self.worker.counters
+        m = self.worker.metrics
         return rollout_pb2.RolloutStatus(
             worker_id=self.worker.worker_id,
             engine_version=self.worker.engine_version,
             in_flight_groups=len(self.worker.in_flight),
-            generated_samples=c.generated_samples,
-            generated_tokens=c.generated_tokens,
-            interruptions=c.interruptions,
-            paused=self.paused,
+            generated_samples=int(m.value("areal_rollout_generated_samples_total")),
+            generated_tokens=int(m.value("areal_rollout_generated_tokens_total")),
+            interruptions=int(m.value("areal_rollout_interruptions_total")),
+            paused=self.paused_at is not None,
         )

@@ -17,6 +17,7 @@ import grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.trainer.algorithm import is_informative
@@ -41,11 +42,29 @@ class Sample:
     interruptions: int = 0
 
 
-@dataclass
-class Counters:
-    generated_samples: int = 0
-    generated_tokens: int = 0
-    interruptions: int = 0
+class IdleClock:
+    """Counts requests in flight and adds the time their count sits at zero to a counter."""
+
+    def __init__(self, idle_seconds, clock=time.monotonic):
+        self.idle_seconds, self.clock = idle_seconds, clock
+        self.active = 0
+        self.idle_since = clock()
+
+    def started(self) -> None:
+        self.flush()
+        self.active += 1
+
+    def finished(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.idle_since = self.clock()
+
+    def flush(self) -> None:
+        """Credit the idle time so far (called on every poll, so a long idle spell shows up as it happens)."""
+        if self.active == 0:
+            now = self.clock()
+            self.idle_seconds.inc(now - self.idle_since)
+            self.idle_since = now
 
 
 async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rid: str) -> Sample:
@@ -86,6 +105,7 @@ class RolloutWorker:
         store: TrajectoryStore,
         tokenizer,
         poll_interval: float = 0.2,
+        metrics: RolloutMetrics | None = None,
     ):
         self.job = job
         self.worker_id = worker_id
@@ -99,7 +119,11 @@ class RolloutWorker:
         self.stop_ids = stop_token_ids(tokenizer)
         self.engine_version = 0
         self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
-        self.counters = Counters()
+        self.metrics = metrics or RolloutMetrics(job.name)
+        self.requests = IdleClock(self.metrics.idle_seconds)
+        self.metrics.inflight_requests.set_function(lambda: self.requests.active)
+        self.metrics.inflight_groups.set_function(lambda: len(self.in_flight))
+        self.metrics.engine_weight_version.set_function(lambda: self.engine_version)
 
     # -- one group -----------------------------------------------------------------------------------------
 
@@ -115,7 +139,7 @@ class RolloutWorker:
             "stop_token_ids": self.stop_ids,
         }
         rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
-        samples = await asyncio.gather(*(generate_interruptible(self.engine, prompt_ids, sampling, rid) for rid in rids))
+        samples = await asyncio.gather(*(self.generate_sample(prompt_ids, sampling, rid) for rid in rids))
         generated = time.time()
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
         scores = await self.reward.Score(
@@ -154,10 +178,21 @@ class RolloutWorker:
                     ),
                 )
             )
-            self.counters.generated_samples += 1
-            self.counters.generated_tokens += n_out
-            self.counters.interruptions += sample.interruptions
         return trajectories
+
+    async def generate_sample(self, prompt_ids: list[int], sampling: dict, rid: str) -> Sample:
+        started = time.monotonic()
+        self.requests.started()
+        try:
+            sample = await generate_interruptible(self.engine, prompt_ids, sampling, rid)
+        finally:
+            self.requests.finished()
+        m = self.metrics
+        m.generation_latency.observe(time.monotonic() - started)
+        m.generated_samples.inc()
+        m.generated_tokens.inc(len(sample.output_ids))
+        m.interruptions.inc(sample.interruptions)
+        return sample
 
     async def process_group(self, group: common_pb2.PromptGroup) -> None:
         """Generate, score, write, report. Any failure re-queues the prompt at the controller; nothing is lost."""
@@ -199,6 +234,7 @@ class RolloutWorker:
         stopping = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
+                self.requests.flush()
                 free = self.job.rollout.groups_per_worker - len(self.in_flight)
                 try:
                     reply = await self.controller.AcquireGroups(

@@ -9,6 +9,7 @@ import torch
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.service import base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.trainer.server import TrainerServicer
@@ -44,7 +45,9 @@ def main() -> None:
             eval_items=eval_items,
             consumer=args.consumer,
             master_address=args.master_address,
+            metrics=TrainerMetrics(job.name),
         )
+        trainer.metrics.serve(args.host, args.metrics_port)
         server, port, _health = await start_server(
             [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer), "areal.v1.Trainer")], f"{args.host}:{args.port}"
         )

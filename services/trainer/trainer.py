@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
@@ -56,7 +58,9 @@ class StepRecord:
     grad_norm: float
     samples: int
     tokens: int
-    seconds: dict[str, float]
+    seconds: dict[str, float]  # wait, train, checkpoint, eval: wall time of the step's phases
+    train_seconds: dict[str, float] = field(default_factory=dict)  # train split: prepare, recompute, forward_backward, optimizer
+    learning_rate: float = 0.0
     weight_push: dict = field(default_factory=dict)
     weights_verified: dict[str, bool] = field(default_factory=dict)
     eval_accuracy: float = -1.0
@@ -93,6 +97,7 @@ class Trainer:
         eval_items: list[DatasetItem],
         consumer: str,
         master_address: str = "127.0.0.1",
+        metrics: TrainerMetrics | None = None,
     ):
         self.job = job
         self.store = store
@@ -125,6 +130,8 @@ class Trainer:
         self.state = TrainerState(version=0)
         self.last: StepRecord | None = None
         self.reclaimed = 0
+        self.metrics = metrics or TrainerMetrics(job.name)
+        self.metrics.policy_version.set_function(lambda: self.version)
 
     @property
     def version(self) -> int:
@@ -148,14 +155,17 @@ class Trainer:
                 if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
                     record.seconds["checkpoint"] = await self.commit()
             self.phase = "pushing_weights"
+            pushed = time.monotonic()
             record.weight_push, record.weights_verified = await self.push_weights()
             await self.announce(restored=False)
+            self.metrics.phase_seconds.labels(phase="weight_push").inc(time.monotonic() - pushed)
             if self.evaluation_due():
                 self.phase = "evaluating"
                 evaluated = time.monotonic()
                 record.eval_accuracy = await self.evaluate()
                 record.seconds["eval"] = time.monotonic() - evaluated
             record.finished_at = time.time()
+            self.observe(record, step_seconds=time.monotonic() - waited)
             await self.report(record, finished=self.version == total)
             self.last = record
         self.phase = "finished"
@@ -213,24 +223,30 @@ class Trainer:
         batch = collate(trajectories, advantages, self.tokenizer.pad_token_id)
         lengths = [len(t.token_ids) for t in trajectories]
         minibatches = split_minibatches(len(groups), algorithm.group_size, algorithm.minibatches)
+        clock = PhaseClock()
         # The proximal policy is the one before this step's first update: with one update it is the current policy.
         if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
-            batch["proximal_logprobs"] = self.batch_logprobs(self.model, batch, lengths)
+            with clock("recompute"):
+                batch["proximal_logprobs"] = self.batch_logprobs(self.model, batch, lengths)
         if algorithm.kl_coef > 0:
-            batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
+            with clock("recompute"):
+                batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
 
         self.model.train()
+        lr = learning_rate(
+            self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
+            warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
+        )
         for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(
-                self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
-                warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
-            )
+            group["lr"] = lr
         parts, grad_norms = [], []
         for rows in minibatches:
-            parts += self.update(batch, rows, lengths)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            with clock("forward_backward"):
+                parts += self.update(batch, rows, lengths)
+            with clock("optimizer"):
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
         stats = merge_loss_stats([stats for _, stats in parts])
         total_tokens = int(batch["loss_mask"].sum())
         self.state.trained_samples += len(trajectories)
@@ -247,7 +263,9 @@ class Trainer:
             grad_norm=max(grad_norms),
             samples=len(trajectories),
             tokens=total_tokens,
-            seconds={"train": time.monotonic() - started},
+            seconds={"train": (train := time.monotonic() - started)},
+            train_seconds={"prepare": train - sum(clock.seconds.values()), **clock.seconds},
+            learning_rate=lr,
             behaviour_weight_mean=stats.behaviour_weight_mean,
             capped_fraction=stats.capped_fraction,
             groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards),
@@ -357,6 +375,9 @@ class Trainer:
                     return {}, {}
                 named = [(name, p.detach()) for name, p in self.model.named_parameters()]
                 stats = await self.sender.push(named, self.version)
+                self.metrics.weight_sync_duration.observe(stats.seconds)
+                self.metrics.weight_sync_bytes.inc(stats.bytes)
+                self.metrics.weight_sync_buckets.inc(stats.buckets)
                 break
             except WeightSyncError as exc:
                 # A worker died mid-push: rebuild the group from the workers the controller still lists.
@@ -417,7 +438,28 @@ class Trainer:
                 ]
             )
         )
-        return sum(r.reward for r in scores.results) / len(scores.results)
+        accuracy = sum(r.reward for r in scores.results) / len(scores.results)
+        self.metrics.heldout_accuracy.set(accuracy)
+        return accuracy
+
+    def observe(self, record: StepRecord, step_seconds: float) -> None:
+        """Export a finished step (its weight-push time was counted as it happened)."""
+        m = self.metrics
+        m.steps.inc()
+        m.step_duration.observe(step_seconds)
+        for phase, seconds in {**record.train_seconds, **record.seconds}.items():
+            if phase != "train":  # the train phase is exported as its split
+                m.phase_seconds.labels(phase=phase).inc(seconds)
+        m.trained_samples.inc(record.samples)
+        m.trained_tokens.inc(record.tokens)
+        for name, value in (("loss", record.loss), ("kl", record.approx_kl), ("clip_fraction", record.clip_fraction),
+                            ("importance_weight_mean", record.behaviour_weight_mean),
+                            ("importance_weight_capped_fraction", record.capped_fraction),
+                            ("grad_norm", record.grad_norm), ("learning_rate", record.learning_rate),
+                            ("reward_mean", record.reward_mean)):
+            getattr(m, name).set(value)
+        for lag in record.staleness:
+            m.sample_staleness.observe(lag)
 
     async def report(self, record: StepRecord, finished: bool) -> None:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
@@ -443,6 +485,21 @@ class Trainer:
             record.version, record.reward_mean, record.loss, max(record.staleness),
             f" eval {record.eval_accuracy:.3f}" if record.eval_accuracy >= 0 else "",
         )
+
+
+class PhaseClock:
+    """Adds up wall time per phase: `with clock("optimizer"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
 
 
 def collate(trajectories: list, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
