@@ -2,11 +2,16 @@
 ablation. Results go to bench/results/ (JSON, with the async-over-sync time-to-accuracy ratio under `speedup`, and a
 PNG of held-out accuracy against training wall time).
 
-Both modes run the demo job (examples/demo.yaml): same model, data order, batch, group size and number of trained
-samples, and the same rollout pool (two single-threaded engines, one per core). They differ in the one setting that
-makes a run synchronous, `algorithm.max_staleness: 0` (generation and training alternate), and in the trainer's
-threads: one beside the engines when asynchronous, two in its own phase when synchronous. Wall time excludes
-held-out evaluation (measurement, identical in both modes).
+Both modes run the demo job (examples/demo.yaml): same model, data order (the job's seed), batch, group size and
+number of trained samples, and the same rollout pool (two single-threaded engines, one per core). They differ in the
+one setting that makes a run synchronous, `algorithm.max_staleness: 0` (generation and training alternate), and in
+the trainer's threads: one beside the engines when asynchronous, two in its own phase when synchronous (each mode's
+best split of the two cores). Wall time excludes held-out evaluation (measurement, identical in both modes).
+
+One RL run is noisy (held-out accuracy on 256 sums moves by a few points between evaluations and between seeds), so
+each mode runs once per seed, the two modes of a seed back to back (alternating which goes first), and the ratio is
+taken on medians: the target is the median over seeds of sync's final accuracy (each run's mean of its last
+`--smooth` evaluations), and a run reaches it when the trailing mean of its last `--smooth` evaluations does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -27,14 +34,16 @@ from areal_k8s.cli.launcher import LocalRun  # noqa: E402
 from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
 from areal_k8s.demo.build import build_demo_assets  # noqa: E402
 
-THRESHOLDS = (0.30, 0.40, 0.50)
+THRESHOLDS = (0.30, 0.40, 0.45, 0.50)
 ENGINES = 2  # one single-threaded engine per core, in both modes: processes scale better than intra-op threads
 STALENESS_LEVELS = (0, 1, 2, 4, 8)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
 class RunResult:
     label: str
+    seed: int
     max_staleness: int
     decoupled: bool
     trainer_threads: int
@@ -48,6 +57,10 @@ class RunResult:
     trainer_idle_fraction: float
     rollout_idle_fraction: float
     mean_staleness: float
+    seconds: dict[str, float] = field(default_factory=dict)  # trainer: train, wait, weight push, checkpoint
+    engines: dict[str, float] = field(default_factory=dict)  # summed over engines: prefill/decode time, occupancy
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per service (process tree), whole run
+    smoothed_final: float = 0.0
     time_to: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -67,36 +80,70 @@ def engine_load(urls: list[str], wait: float = 300.0) -> list[dict]:
     return loads
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of each service's process tree, sampled until the service exits."""
+
+    def __init__(self, local: LocalRun):
+        self.local = local
+        self.seconds: dict[str, float] = {}
+
+    def sample(self) -> None:
+        table: dict[int, tuple[int, float]] = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in table.items():
+            children.setdefault(parent, []).append(pid)
+        for service in self.local.services:
+            if service.process.poll() is not None:
+                continue
+            total, stack = 0.0, [service.process.pid]
+            while stack:
+                pid = stack.pop()
+                total += table.get(pid, (0, 0.0))[1]
+                stack += children.get(pid, [])
+            self.seconds[service.name] = max(self.seconds.get(service.name, 0.0), total)
+
+
 def configure(
-    base: JobConfig, run_root: Path, label: str, *, max_staleness: int, decoupled: bool, trainer_threads: int, steps: int,
-    eval_interval: int, engines: int = ENGINES,
+    base: JobConfig, run_root: Path, label: str, *, seed: int, max_staleness: int, decoupled: bool, trainer_threads: int,
+    steps: int, eval_interval: int, engines: int = ENGINES,
 ) -> JobConfig:
     job = base.model_copy(deep=True)
     job.name = label
     job.run_dir = str(run_root / label)
+    job.seed = seed
     job.algorithm.max_staleness = max_staleness
-    job.algorithm.max_concurrent_rollouts = None
     job.algorithm.decoupled = decoupled
     job.algorithm.total_steps = steps
+    concurrency = job.algorithm.batch_size * (max_staleness + 1)
+    if job.algorithm.max_concurrent_rollouts:
+        concurrency = min(concurrency, job.algorithm.max_concurrent_rollouts)
     job.rollout.workers = engines
-    job.rollout.groups_per_worker = -(-job.algorithm.batch_size * (max_staleness + 1) // engines)
+    job.rollout.groups_per_worker = -(-concurrency // engines)  # each worker's share of the admission window
     job.rollout.threads = 1
     job.trainer.threads = trainer_threads
     job.trainer.eval_interval = eval_interval
     return JobConfig.model_validate(job.model_dump())
 
 
-def run(job: JobConfig) -> RunResult:
-    print(f"  {job.name}: η={job.algorithm.max_staleness}, decoupled={job.algorithm.decoupled}, "
+def run(job: JobConfig, smooth: int) -> RunResult:
+    print(f"  {job.name}: seed {job.seed}, η={job.algorithm.max_staleness}, decoupled={job.algorithm.decoupled}, "
           f"{job.algorithm.total_steps} steps, {job.rollout.workers} engines, trainer {job.trainer.threads} thread(s)", flush=True)
     local = LocalRun(job)
     endpoints = local.start("fresh")
+    meter = CpuMeter(local)
     try:
         before = engine_load(endpoints.engines)
         started = time.time()
-        final = local.wait(endpoints.controller, lambda status: None, poll=1.0, timeout=6 * 3600)
+        final = local.wait(endpoints.controller, lambda status: meter.sample(), poll=1.0, timeout=6 * 3600)
         elapsed = time.time() - started
         after = engine_load(endpoints.engines)
+        meter.sample()
     finally:
         local.stop()
     summary = local.write_summary(final, interrupted=False)
@@ -111,9 +158,17 @@ def run(job: JobConfig) -> RunResult:
         if step["eval_accuracy"] >= 0:
             curve.append((step["finished_at"] - origin - evaluated, step["eval_accuracy"]))
     training = curve[-1][0]
-    busy = sum(a["busy_seconds"] - b["busy_seconds"] for a, b in zip(after, before))
+    counters = ("busy_seconds", "generated_tokens", "prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens",
+                "decode_seconds", "decode_steps", "decode_rows")
+    engines = {k: round(sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)), 2) for k in counters}
+    if engines.get("decode_steps"):
+        engines["mean_occupancy"] = round(engines["decode_rows"] / engines["decode_steps"], 1)
+    busy = engines.get("busy_seconds", 0.0)
+    seconds = {key: round(sum(s["seconds"].get(key, 0.0) for s in steps), 1) for key in ("train", "wait", "checkpoint")}
+    seconds["weight_push"] = round(sum(s["weight_push"].get("seconds", 0.0) for s in steps), 1)
     result = RunResult(
         label=job.name,
+        seed=job.seed,
         max_staleness=job.algorithm.max_staleness,
         decoupled=job.algorithm.decoupled,
         trainer_threads=job.trainer.threads,
@@ -127,34 +182,92 @@ def run(job: JobConfig) -> RunResult:
         trainer_idle_fraction=round(sum(s["seconds"]["wait"] for s in steps) / training, 3),
         rollout_idle_fraction=round(max(0.0, 1 - busy / (elapsed * len(before))), 3),
         mean_staleness=summary["mean_staleness"],
+        seconds=seconds,
+        engines=engines,
+        cpu_seconds={name: round(value, 1) for name, value in sorted(meter.seconds.items())},
+        smoothed_final=round(smoothed(curve, smooth)[-1][1], 4),
     )
-    result.time_to = {f"{t:.2f}": time_to_reach(curve, t) for t in THRESHOLDS}
-    print(f"    final accuracy {result.final_accuracy:.1%} after {result.training_seconds:.0f} s of training", flush=True)
+    result.time_to = {f"{t:.2f}": time_to_reach(smoothed(curve, smooth), t) for t in THRESHOLDS}
+    print(f"    final accuracy {result.final_accuracy:.1%} (smoothed {result.smoothed_final:.1%}) after "
+          f"{result.training_seconds:.0f} s of training, {result.samples_per_second:.0f} samples/s", flush=True)
     return result
 
 
+def smoothed(curve: list[tuple[float, float]], window: int) -> list[tuple[float, float]]:
+    """Trailing mean of the last `window` evaluations (fewer at the start), at each evaluation's time."""
+    return [(t, sum(a for _, a in curve[max(0, i + 1 - window) : i + 1]) / (i + 1 - max(0, i + 1 - window)))
+            for i, (t, _) in enumerate(curve)]
+
+
 def time_to_reach(curve: list[tuple[float, float]], accuracy: float) -> float | None:
-    """Training seconds at the first evaluation at or above `accuracy` (None: never)."""
-    return next((round(t, 1) for t, a in curve if a >= accuracy), None)
+    """Training seconds at the first point of `curve` at or above `accuracy` (None: never)."""
+    return next((round(t, 1) for t, a in curve if a >= accuracy - 5e-5), None)  # targets are stored to 4 decimals
 
 
-def plot(results: list[RunResult], path: Path) -> None:
+def median_or_none(values: list[float | None]) -> float | None:
+    """Median, counting a run that never got there as slower than any that did (None when the median run never did)."""
+    ordered = sorted(float("inf") if v is None else v for v in values)
+    middle = len(ordered) // 2
+    value = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return None if value == float("inf") else round(value, 1)
+
+
+def compare(asynchronous: list[RunResult], synchronous: list[RunResult], smooth: int) -> dict:
+    target = statistics.median(r.smoothed_final for r in synchronous)
+    sync_times = [time_to_reach(smoothed(r.curve, smooth), target) for r in synchronous]
+    async_times = [time_to_reach(smoothed(r.curve, smooth), target) for r in asynchronous]
+    sync_time, async_time = median_or_none(sync_times), median_or_none(async_times)
+    per_seed = {
+        str(s.seed): (round(st / at, 2) if st is not None and at else None)
+        for s, st, at in zip(synchronous, sync_times, async_times)
+    }
+
+    def median(key: str) -> float:
+        return round(statistics.median(getattr(r, key) for r in synchronous), 4), round(statistics.median(getattr(r, key) for r in asynchronous), 4)
+
+    throughput_sync, throughput_async = median("samples_per_second")
+    return {
+        "speedup": round(sync_time / async_time, 2) if sync_time is not None and async_time else None,
+        "speedup_per_seed": per_seed,
+        "target_accuracy": round(target, 4),
+        "seconds_to_target": {"sync": sync_time, "async": async_time, "sync_runs": sync_times, "async_runs": async_times},
+        "throughput_ratio": round(throughput_async / throughput_sync, 3),
+        "median": {key: dict(zip(("sync", "async"), median(key))) for key in (
+            "final_accuracy", "smoothed_final", "training_seconds", "samples_per_second", "tokens_per_second",
+            "trainer_idle_fraction", "rollout_idle_fraction", "mean_staleness")},
+        "seconds_to_threshold": {
+            f"{t:.2f}": {
+                "sync": median_or_none([r.time_to[f"{t:.2f}"] for r in synchronous]),
+                "async": median_or_none([r.time_to[f"{t:.2f}"] for r in asynchronous]),
+            }
+            for t in THRESHOLDS
+        },
+    }
+
+
+def plot(asynchronous: list[RunResult], synchronous: list[RunResult], smooth: int, target: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.2))
-    for result in results:
-        seconds, accuracy = zip(*result.curve)
-        axes.plot(seconds, [100 * a for a in accuracy], marker="o", label=f"{result.label} (η={result.max_staleness})")
-    axes.set_xlabel("training wall time (s, evaluation excluded)")
-    axes.set_ylabel("held-out greedy accuracy (%)")
-    axes.set_title("Demo task: asynchronous vs synchronous RL, same samples and cores")
-    axes.grid(alpha=0.3)
-    axes.legend()
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharex=True, sharey=True)
+    for panel, (mode, results, color) in zip(axes, (("sync (η=0)", synchronous, "tab:blue"), (f"async (η={asynchronous[0].max_staleness})", asynchronous, "tab:orange"))):
+        for result, style in zip(results, ("-", "--", ":", "-.") * len(results)):
+            seconds, accuracy = zip(*result.curve)
+            panel.plot(seconds, [100 * a for a in accuracy], color=color, alpha=0.25, linewidth=1, linestyle=style)
+            seconds, accuracy = zip(*smoothed(result.curve, smooth))
+            panel.plot(seconds, [100 * a for a in accuracy], color=color, linewidth=2, linestyle=style,
+                       label=f"seed {result.seed}: {result.samples_per_second:.0f} samples/s")
+        panel.axhline(100 * target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.1%} (sync's final)")
+        panel.set_title(mode)
+        panel.set_xlabel("training wall time (s, evaluation excluded)")
+        panel.grid(alpha=0.3)
+        panel.legend(fontsize=8)
+    axes[0].set_ylabel(f"held-out accuracy (%)\nthin: raw, thick: mean of last {smooth}")
+    figure.suptitle("Demo task: asynchronous vs synchronous RL, same samples, data order and cores")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,85 +276,139 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assets", default=str(ROOT / ".cache" / "demo"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--runs", default=str(ROOT / "runs" / "bench"))
-    parser.add_argument("--steps", type=int, help="steps per comparison run (default: the job's total_steps)")
-    parser.add_argument("--eval-interval", type=int, default=25)
-    parser.add_argument("--ablation-steps", type=int, default=100, help="steps per ablation run (0 skips the ablation)")
+    parser.add_argument("--steps", type=int, default=300, help="steps per comparison run (same recipe, the cosine schedule ends there)")
+    parser.add_argument("--seeds", default="0,1,2", help="one async and one sync run per seed (data order, sampling)")
+    parser.add_argument("--eval-interval", type=int, default=20)
+    parser.add_argument("--smooth", type=int, default=3, help="evaluations in the trailing mean used for thresholds")
+    parser.add_argument("--ablation-steps", type=int, default=150, help="steps per ablation run (0 skips the ablation)")
+    parser.add_argument("--ablation-only", action="store_true", help="keep the comparison in the existing JSON, run the ablation")
+    parser.add_argument("--reanalyse", action="store_true", help="recompute the comparison and plot from the runs in the JSON, run nothing")
     args = parser.parse_args(argv)
 
     build_demo_assets(args.assets)
     os.chdir(ROOT)  # the job's relative paths
     base = load_job_file(args.job)
-    steps = args.steps or base.algorithm.total_steps
     runs, out = Path(args.runs), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count()
+    eta = base.algorithm.max_staleness or 2
+    report_path = out / "sync_vs_async.json"
 
-    print(f"sync vs async on {cores} cores, {steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} samples", flush=True)
-    asynchronous = run(configure(base, runs, "async", max_staleness=base.algorithm.max_staleness or 2, decoupled=True, trainer_threads=1, steps=steps, eval_interval=args.eval_interval))
-    synchronous = run(configure(base, runs, "sync", max_staleness=0, decoupled=True, trainer_threads=2, steps=steps, eval_interval=args.eval_interval))
-    target = synchronous.final_accuracy
-    sync_time, async_time = time_to_reach(synchronous.curve, target), time_to_reach(asynchronous.curve, target)
-    speedup = round(sync_time / async_time, 2) if sync_time and async_time else None
+    if args.reanalyse:
+        report = json.loads(report_path.read_text())
+        asynchronous = [RunResult(**r) for r in report["runs"]["async"]]
+        synchronous = [RunResult(**r) for r in report["runs"]["sync"]]
+        for r in asynchronous + synchronous:
+            r.time_to = {f"{t:.2f}": time_to_reach(smoothed(r.curve, args.smooth), t) for t in THRESHOLDS}
+        comparison = compare(asynchronous, synchronous, args.smooth)
+        report.update(comparison, runs={"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]})
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
+        print_table(report, eta)
+        return 0
+    if args.ablation_only:
+        report = json.loads(report_path.read_text())
+    else:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        print(f"sync vs async on {cores} cores, {args.steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} "
+              f"samples, seeds {seeds}", flush=True)
+        asynchronous, synchronous = [], []
+        for index, seed in enumerate(seeds):
+            modes = [("async", eta, 1), ("sync", 0, 2)]
+            for mode, staleness, threads in modes if index % 2 == 0 else modes[::-1]:
+                result = run(configure(base, runs, f"{mode}-seed{seed}", seed=seed, max_staleness=staleness, decoupled=True,
+                                       trainer_threads=threads, steps=args.steps, eval_interval=args.eval_interval), args.smooth)
+                (asynchronous if mode == "async" else synchronous).append(result)
+        comparison = compare(asynchronous, synchronous, args.smooth)
+        report = {
+            **comparison,
+            "speedup_definition": (
+                "median over seeds of sync's training seconds to the target / the same for async; target = median over "
+                f"seeds of sync's final accuracy (mean of its last {args.smooth} evaluations); a run reaches it when the "
+                f"trailing mean of its last {args.smooth} evaluations does"
+            ),
+            "steps": args.steps,
+            "seeds": seeds,
+            "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
+            "core_split": {
+                "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
+                "sync": f"{ENGINES} engines × 1 thread, then the trainer with 2 threads, alternating",
+            },
+            "runs": {"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]},
+            "ablation": [],
+        }
+        report_path.write_text(json.dumps(report, indent=2) + "\n")
+        plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
+        print_table(report, eta)
 
-    ablation = []
     if args.ablation_steps:
         print(f"staleness ablation, {args.ablation_steps} steps each", flush=True)
-        for eta in STALENESS_LEVELS:
+        ablation = []
+        for staleness in STALENESS_LEVELS:
             for decoupled in (True, False):
-                label = f"ablation-eta{eta}-{'decoupled' if decoupled else 'naive'}"
-                result = run(configure(base, runs, label, max_staleness=eta, decoupled=decoupled, trainer_threads=1, steps=args.ablation_steps, eval_interval=0))
-                ablation.append({"max_staleness": eta, "objective": "decoupled" if decoupled else "naive", "final_accuracy": result.final_accuracy})
-
-    report = {
-        "speedup": speedup,
-        "speedup_definition": "sync training seconds to its final accuracy / async training seconds to the same accuracy",
-        "target_accuracy": target,
-        "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
-        "core_split": {
-            "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
-            "sync": f"{ENGINES} engines × 1 thread, then the trainer with 2 threads, alternating",
-        },
-        "runs": {"async": asdict(asynchronous), "sync": asdict(synchronous)},
-        "ablation": ablation,
-    }
-    (out / "sync_vs_async.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot([synchronous, asynchronous], out / "accuracy_vs_time.png")
-    print_table(synchronous, asynchronous, speedup, target, ablation)
+                label = f"ablation-eta{staleness}-{'decoupled' if decoupled else 'naive'}"
+                result = run(configure(base, runs, label, seed=base.seed, max_staleness=staleness, decoupled=decoupled,
+                                       trainer_threads=1, steps=args.ablation_steps, eval_interval=0), args.smooth)
+                ablation.append({"max_staleness": staleness, "objective": "decoupled" if decoupled else "naive",
+                                 "final_accuracy": result.final_accuracy, "mean_staleness": result.mean_staleness,
+                                 "samples_per_second": result.samples_per_second})
+                report["ablation"], report["ablation_steps"] = ablation, args.ablation_steps
+                report_path.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive an interruption
+        print_ablation(ablation)
     return 0
 
 
-def print_table(synchronous: RunResult, asynchronous: RunResult, speedup: float | None, target: float, ablation: list[dict]) -> None:
+def print_table(report: dict, eta: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"sync vs async (speedup to sync's final accuracy {target:.1%}: {speedup if speedup else 'n/a'}×)")
+    speedup = report["speedup"]
+    target = report["target_accuracy"]
+    table = Table(title=f"sync vs async, median of {len(report['seeds'])} seeds (time to sync's final accuracy "
+                        f"{target:.1%}: {f'{speedup}×' if speedup else 'n/a'})")
     table.add_column("metric")
     table.add_column("sync (η=0)", justify="right")
-    table.add_column(f"async (η={asynchronous.max_staleness})", justify="right")
+    table.add_column(f"async (η={eta})", justify="right")
+    table.add_column("async/sync", justify="right")
 
     def fmt(value) -> str:
         if value is None:
             return "never"
         return (f"{value:.3f}" if value < 1 else f"{value:.1f}") if isinstance(value, float) else str(value)
 
-    for threshold in synchronous.time_to:
-        table.add_row(f"seconds to {float(threshold):.0%}", fmt(synchronous.time_to[threshold]), fmt(asynchronous.time_to[threshold]))
-    table.add_row(f"seconds to {target:.1%} (sync final)", fmt(time_to_reach(synchronous.curve, target)), fmt(time_to_reach(asynchronous.curve, target)))
-    for name, key in [("final accuracy", "final_accuracy"), ("training seconds", "training_seconds"), ("samples/s", "samples_per_second"),
-                      ("tokens/s", "tokens_per_second"), ("trainer idle fraction", "trainer_idle_fraction"),
-                      ("rollout idle fraction", "rollout_idle_fraction"), ("mean staleness", "mean_staleness")]:
-        table.add_row(name, fmt(getattr(synchronous, key)), fmt(getattr(asynchronous, key)))
-    console = Console()
-    console.print(table)
-    if ablation:
-        grid = Table(title="staleness ablation: final held-out accuracy")
-        grid.add_column("η")
-        grid.add_column("decoupled PPO", justify="right")
-        grid.add_column("naive PPO", justify="right")
-        for eta in STALENESS_LEVELS:
-            row = {a["objective"]: a["final_accuracy"] for a in ablation if a["max_staleness"] == eta}
-            grid.add_row(str(eta), f"{row['decoupled']:.1%}", f"{row['naive']:.1%}")
-        console.print(grid)
+    def ratio(sync_value, async_value, faster_is_smaller: bool) -> str:
+        if not sync_value or not async_value:
+            return ""
+        return f"{(sync_value / async_value if faster_is_smaller else async_value / sync_value):.2f}×"
+
+    for threshold, times in report["seconds_to_threshold"].items():
+        table.add_row(f"seconds to {float(threshold):.0%}", fmt(times["sync"]), fmt(times["async"]), ratio(times["sync"], times["async"], True))
+    times = report["seconds_to_target"]
+    table.add_row(f"seconds to {target:.1%} (sync final)", fmt(times["sync"]), fmt(times["async"]), ratio(times["sync"], times["async"], True))
+    medians = report["median"]
+    for name, key, faster_is_smaller in [
+        ("final accuracy", "final_accuracy", None), ("final accuracy (mean of last evals)", "smoothed_final", None),
+        ("training seconds", "training_seconds", True), ("samples/s", "samples_per_second", False),
+        ("tokens/s", "tokens_per_second", False), ("trainer idle fraction", "trainer_idle_fraction", None),
+        ("rollout idle fraction", "rollout_idle_fraction", None), ("mean staleness", "mean_staleness", None),
+    ]:
+        sync_value, async_value = medians[key]["sync"], medians[key]["async"]
+        table.add_row(name, fmt(sync_value), fmt(async_value), "" if faster_is_smaller is None else ratio(sync_value, async_value, faster_is_smaller))
+    Console().print(table)
+
+
+def print_ablation(ablation: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    grid = Table(title="staleness ablation: final held-out accuracy")
+    grid.add_column("η")
+    grid.add_column("decoupled PPO", justify="right")
+    grid.add_column("naive PPO", justify="right")
+    for eta in STALENESS_LEVELS:
+        row = {a["objective"]: a["final_accuracy"] for a in ablation if a["max_staleness"] == eta}
+        grid.add_row(str(eta), *(f"{row[k]:.1%}" if k in row else "" for k in ("decoupled", "naive")))
+    Console().print(grid)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,11 @@ Decoding (`DecodeBatch`, also used by `generate_batch` on the trainer's own mode
 - The running batch shares one HF `DynamicCache`, left-padded, with a 2D attention mask over the cached positions
   and explicit position ids that count only a row's real tokens, so a row's numerics do not depend on its neighbours.
 - The running cache's layers are `SlackLayer`s: views into buffers with spare columns, so a decode step writes one
-  column in place. New requests are prefilled together in their own forward pass, then join in groups: the running
-  rows and the new ones are copied, right-aligned, into fresh buffers. Finished rows stay as dead rows until the
-  next join (or until a quarter of the batch is dead), then leave in one `batch_select_indices`; padding columns no
-  remaining row needs are cut from the left, so the cache never grows far past the longest live row.
+  column in place. New requests are prefilled in their own forward passes (grouped by length, so little padding is
+  computed), then join in groups: the running rows and the new ones are copied, right-aligned, into fresh buffers.
+  Finished rows stay as dead rows until the next join (or until a quarter of the batch is dead), then leave in one
+  `batch_select_indices`; padding columns no remaining row needs are cut from the left, so the cache never grows far
+  past the longest live row.
 - Only attention-only models whose cache layers are plain `DynamicLayer`s are supported (checked at the first
   prefill): sliding-window caches with their own bookkeeping and linear-attention states cannot be merged like this.
 
@@ -176,6 +177,9 @@ def _require_strings(name: str, value: Any) -> tuple[str, ...]:
     return tuple(strings)
 
 
+UNIFORM_BLOCK = 32  # sampling uniforms drawn from a sequence's generator at a time
+
+
 @dataclass(eq=False)
 class Sequence:
     """One prompt's generation state: what it produced so far and why it stopped (`finish_reason`, SGLang's shape)."""
@@ -191,9 +195,18 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
 
+    _uniforms: list[float] = field(default_factory=list, repr=False)
+
     def __post_init__(self) -> None:
         if self.params.max_new_tokens == 0:
             self.finish_reason = {"type": "length", "length": 0}
+
+    def next_uniform(self) -> float:
+        """The next number of this sequence's uniform [0, 1) stream (drawn from `generator` in blocks)."""
+        if not self._uniforms:
+            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64, device=self.generator.device)
+            self._uniforms = block.tolist()[::-1]
+        return self._uniforms.pop()
 
     @property
     def finished(self) -> bool:
@@ -232,8 +245,8 @@ def sample_next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> tuple
     """Choose each row's next token from float32 `logits` [rows, vocab]; returns (tokens, logprobs).
 
     The logprob is under softmax(logits / T) (raw logits when greedy), before top-k/top-p truncation.
-    Each sequence samples with its own generator (on the logits' device), so a seeded request does not depend on
-    its batch neighbours.
+    Each sequence draws its uniforms from its own generator (on the logits' device), so a seeded request does not
+    depend on its batch neighbours.
     """
     temperatures = torch.tensor([s.params.temperature for s in sequences], dtype=logits.dtype, device=logits.device)
     greedy = temperatures == 0
@@ -242,8 +255,14 @@ def sample_next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> tuple
     sampled_rows = (~greedy).nonzero().flatten().tolist()
     if sampled_rows:
         probs = _truncate(logprobs[sampled_rows].exp(), [sequences[row].params for row in sampled_rows])
-        for probs_row, row in zip(probs, sampled_rows):
-            tokens[row] = torch.multinomial(probs_row, 1, generator=sequences[row].generator)[0]
+        # Inverse-CDF sampling, all rows in one pass: the first token whose cumulative mass exceeds u·total, for a
+        # uniform u from the row's own stream. A zero-probability token never exceeds its predecessor's mass.
+        cdf = probs.double().cumsum(dim=-1)
+        total = cdf[:, -1:]
+        uniforms = torch.tensor([sequences[row].next_uniform() for row in sampled_rows], dtype=torch.float64, device=cdf.device)
+        targets = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        choice = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+        tokens[sampled_rows] = choice.clamp_(max=probs.shape[-1] - 1).to(tokens.dtype)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
@@ -269,6 +288,30 @@ def joining_count(room: int, waiting: int, max_batch_size: int) -> int:
     if count == waiting or room == max_batch_size or count >= max(1, max_batch_size // 8):
         return count
     return 0
+
+
+PREFILL_PADDING_SLACK = 8  # padding positions a row may carry in a shared prefill pass before it gets its own pass
+
+
+def prefill_chunks(joining: list[Sequence]) -> list[list[Sequence]]:
+    """`joining` split into prefill passes of similar prompt lengths, longest first.
+
+    A pass computes every row at the width of its longest prompt. Resubmitted requests (prompt plus the prefix
+    generated before an interruption) differ in length by up to the whole generation budget, so one pass over all
+    of them would mostly compute padding. A row joins the current pass while its padding stays within a quarter of
+    the pass's width (or a few positions); a pass costs a fixed overhead of its own, so they are not split further.
+    """
+    ordered = sorted(joining, key=lambda s: len(s.prompt_ids), reverse=True)
+    chunks: list[list[Sequence]] = []
+    width = 0
+    for sequence in ordered:
+        length = len(sequence.prompt_ids)
+        if chunks and width - length <= max(PREFILL_PADDING_SLACK, width // 4):
+            chunks[-1].append(sequence)
+        else:
+            chunks.append([sequence])
+            width = length
+    return chunks
 
 
 class SlackLayer(DynamicLayer):
@@ -359,7 +402,9 @@ class DecodeBatch:
     than the cache are rows removed or the cache rebuilt, in one copy.
     """
 
-    def __init__(self, model: PreTrainedModel):
+    COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows")
+
+    def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None):
         self.model = model
         self.device = model.device
         self._rows: list[Sequence | None] = []  # None = dead row awaiting compaction
@@ -367,6 +412,20 @@ class DecodeBatch:
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
         self._next_tokens: torch.Tensor | None = None  # [rows]
         self.tokens_generated = 0
+        # Where the time goes (for /get_load and benchmarks): prefill passes with the joins they feed, decode steps.
+        self.prefill_seconds = 0.0
+        self.prefill_passes = 0
+        self.prefill_rows = 0
+        self.prefill_tokens = 0  # padded positions computed by prefill passes
+        self.decode_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_rows = 0  # live rows summed over decode steps: / decode_steps = mean occupancy
+        for name, value in (counters or {}).items():
+            setattr(self, name, value)
+
+    def counters(self) -> dict[str, float]:
+        """Cumulative prefill/decode time and work, carried over when the engine replaces a failed batch."""
+        return {name: getattr(self, name) for name in self.COUNTERS}
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -383,13 +442,20 @@ class DecodeBatch:
         """Prefill `joining` into the batch, then run one decode step over every row; returns the sequences that
         finished (they have left the batch)."""
         if joining:
+            started = time.perf_counter()
             finished = self._admit(joining)
+            self.prefill_seconds += time.perf_counter() - started
+            self.prefill_rows += len(joining)
         else:
             finished = []
             if 4 * (len(self._rows) - len(self)) >= len(self._rows):
                 self._compact()
-        if len(self):
+        if live := len(self):
+            started = time.perf_counter()
             finished += self._step()
+            self.decode_seconds += time.perf_counter() - started
+            self.decode_steps += 1
+            self.decode_rows += live
         return finished
 
     def remove(self, sequences: Iterable[Sequence]) -> None:
@@ -397,6 +463,37 @@ class DecodeBatch:
         self._kill([i for i, s in enumerate(self._rows) if s is not None and id(s) in leaving])
 
     def _admit(self, joining: list[Sequence]) -> list[Sequence]:
+        chunks = [self._prefill(chunk) for chunk in prefill_chunks(joining)]
+        self.prefill_passes += len(chunks)
+        self.prefill_tokens += sum(len(sequences) * mask.shape[1] for sequences, _, mask, _ in chunks)
+        width = max(mask.shape[1] for _, _, mask, _ in chunks)
+        dead = [i for i, s in enumerate(self._rows) if s is None]
+        if self._rows and len(dead) >= len(joining) and width <= self._mask.shape[1]:
+            for sequences, prefill, mask, tokens in chunks:
+                self._take_over(dead[: len(sequences)], sequences, prefill, mask, tokens)
+                dead = dead[len(sequences):]
+        else:
+            self._compact()
+            parts = [prefill.layers for _, prefill, _, _ in chunks]
+            masks = [mask for _, _, mask, _ in chunks]
+            tokens = [chosen for _, _, _, chosen in chunks]
+            if self._rows:
+                width = max(width, self._mask.shape[1])
+                parts.insert(0, self._cache.layers)
+                masks.insert(0, self._mask)
+                tokens.insert(0, self._next_tokens)
+            layers = [
+                SlackLayer.right_aligned([(layer.keys, layer.values) for layer in per_layer], width)
+                for per_layer in zip(*parts)
+            ]
+            self._cache = Cache(layers=layers)
+            self._mask = torch.cat(_left_pad_to_common_length(masks, dim=-1))
+            self._next_tokens = torch.cat(tokens)
+            self._rows += [sequence for sequences, _, _, _ in chunks for sequence in sequences]
+        return self._drop_finished()
+
+    def _prefill(self, joining: list[Sequence]) -> tuple[list[Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
+        """One prefill pass over `joining` (left-padded to the longest): its cache, mask and first sampled tokens."""
         width = max(len(s.prompt_ids) for s in joining)
         padding = [width - len(s.prompt_ids) for s in joining]
         rows = [([0] * pad + s.prompt_ids, [0] * pad + [1] * len(s.prompt_ids)) for pad, s in zip(padding, joining)]
@@ -405,25 +502,7 @@ class DecodeBatch:
         prefill = DynamicCache()
         logits = self._forward(input_ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0), prefill)
         _check_mergeable(prefill)
-        tokens = self._choose(joining, logits)
-        dead = [i for i, s in enumerate(self._rows) if s is None]
-        if self._rows and len(dead) >= len(joining) and width <= self._mask.shape[1]:
-            self._take_over(dead[: len(joining)], joining, prefill, mask, tokens)
-        else:
-            self._compact()
-            if self._rows:
-                width = max(width, self._mask.shape[1])
-                layers = [
-                    SlackLayer.right_aligned([(old.keys, old.values), (new.keys, new.values)], width)
-                    for old, new in zip(self._cache.layers, prefill.layers)
-                ]
-                mask = torch.cat(_left_pad_to_common_length([self._mask, mask], dim=-1))
-                tokens = torch.cat([self._next_tokens, tokens])
-            else:
-                layers = [SlackLayer.right_aligned([(new.keys, new.values)], width) for new in prefill.layers]
-            self._cache, self._mask, self._next_tokens = Cache(layers=layers), mask, tokens
-            self._rows += joining
-        return self._drop_finished()
+        return joining, prefill, mask, self._choose(joining, logits)
 
     def _take_over(self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         """Put prefilled `joining` into dead `rows`, right-aligned to the cache's current length."""
@@ -832,6 +911,7 @@ class CpuEngine:
             "busy_seconds": self.busy_seconds,
             "uptime_seconds": time.monotonic() - self.started_at,
             "generated_tokens": self.generated_tokens,
+            **self._batch.counters(),
         }
 
     def is_alive(self) -> bool:
@@ -965,7 +1045,7 @@ class CpuEngine:
             except Exception as exc:  # a model failure fails this batch's requests, never the engine
                 log.exception("decode step failed; failing %d requests", len(self._batch) + len(joining))
                 failed = list({id(s): s for s in [*self._batch.sequences, *joining]}.values())
-                self._batch = DecodeBatch(self.model)
+                self._batch = DecodeBatch(self.model, counters=self._batch.counters())
                 self._reply(failed, exc)
                 continue
             self._reply(finished)
