@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from areal_k8s.cli.launcher import LocalRun  # noqa: E402
+from areal_k8s.cli.report import read_steps, started_at  # noqa: E402
 from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
 from areal_k8s.demo.build import build_demo_assets  # noqa: E402
 
@@ -147,11 +148,10 @@ def run(job: JobConfig, smooth: int) -> RunResult:
     finally:
         local.stop()
     summary = local.write_summary(final, interrupted=False)
-    steps = [json.loads(line) for line in (Path(job.run_dir) / "trainer" / "steps.jsonl").read_text().splitlines()]
+    steps = read_steps(Path(job.run_dir))
 
     # Training wall time: from the first batch request (after the base evaluation) on, evaluations left out.
-    first = steps[0]
-    origin = first["finished_at"] - sum(first["seconds"].values()) - first["weight_push"].get("seconds", 0.0)
+    origin = started_at(steps[0])
     curve, evaluated = [(0.0, summary["base_accuracy"])], 0.0
     for step in steps:
         evaluated += step["seconds"].get("eval", 0.0)

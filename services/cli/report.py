@@ -41,13 +41,18 @@ def phase_seconds(step: dict) -> dict[str, float]:
     }
 
 
+def started_at(step: dict) -> float:
+    """Wall clock when a step began waiting for its batch: its finish less every phase it went through."""
+    return step["finished_at"] - sum(phase_seconds(step).values())
+
+
 def summarise(run_dir: Path) -> dict:
     """The figures the report shows, computed from steps.jsonl (and summary.json, job.yaml when present)."""
     steps = read_steps(run_dir)
     summary_path, job_path = run_dir / "summary.json", run_dir / "job.yaml"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     job = yaml.safe_load(job_path.read_text()) if job_path.exists() else {}
-    origin = steps[0]["finished_at"] - sum(phase_seconds(steps[0]).values())
+    origin = started_at(steps[0])
     times = [s["finished_at"] - origin for s in steps]
     rates = []
     for i, t in enumerate(times):
