@@ -124,6 +124,22 @@ def test_requests_joining_a_running_batch_decode_like_hf_generate(hf_model):
         assert sequence.output_ids == hf_greedy(hf_model, prompt, budget), sequence.rid
 
 
+def test_rows_with_the_same_input_are_prefilled_once_and_decode_like_hf_generate(hf_model):
+    """A prompt group's samples share one prefill row (as a prefix cache would); each still decodes on its own."""
+    budgets = [9, 14, 5, 11]
+    group = [greedy_sequence(hf_model, f"g{i}", PROMPTS[0], n) for i, n in enumerate(budgets)]
+    other = greedy_sequence(hf_model, "other", PROMPTS[1], 7)
+    batch = DecodeBatch(hf_model)
+    batch.advance([*group, other])
+    assert batch.prefill_rows == 5
+    assert batch.prefill_tokens <= 2 * max(len(PROMPTS[0]), len(PROMPTS[1]))  # two distinct inputs computed
+    while len(batch):
+        batch.advance([])
+    for sequence, budget in zip(group, budgets):
+        assert sequence.output_ids == hf_greedy(hf_model, PROMPTS[0], budget), sequence.rid
+    assert other.output_ids == hf_greedy(hf_model, PROMPTS[1], 7)
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     plan=st.lists(
@@ -303,6 +319,34 @@ async def test_in_place_pause_resumes_with_the_same_greedy_output(engine):
     assert resumed["meta_info"]["finish_reason"] == {"type": "length", "length": LONG}
     assert resumed["output_ids"][:200] == uninterrupted["output_ids"]
     assert await engine.flush_cache()
+
+
+async def test_retract_pause_requeues_running_requests_and_names_the_version_of_every_token(engine):
+    """Retracted requests wait in the queue without their cache, are prefilled again after the update and go on;
+    the answer names the version that sampled each token (here the weights stay, so greedy output is unchanged)."""
+    params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+    uninterrupted = await engine.generate(PROMPTS[4], params)
+    before = engine.weight_version
+    (retracted,) = await started(engine, (PROMPTS[4], params))
+    await engine.pause_generation("retract")
+    try:
+        load = engine.load()
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
+        await engine._in_scheduler(lambda: engine._load_weights([], "7"))  # a new version label, same weights
+        assert not retracted.done()
+    finally:
+        await engine.continue_generation()
+    try:
+        answer = await retracted
+    finally:
+        await engine._in_scheduler(lambda: engine._load_weights([], before))
+    meta = answer["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 200} and meta["num_retractions"] == 1
+    assert answer["output_ids"] == uninterrupted["output_ids"]  # nothing lost or repeated across the retraction
+    versions = meta["output_token_weight_versions"]
+    switch = versions.index("7")
+    assert switch >= 2 and versions == [before] * switch + ["7"] * (200 - switch)
+    assert uninterrupted["meta_info"]["num_retractions"] == 0
 
 
 async def test_abort_request_by_rid(engine):

@@ -262,26 +262,29 @@ def teacher_forced_logprobs(model, token_ids: list[int], start: int, temperature
     return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(token_ids[start:])[:, None]).squeeze(1).tolist()
 
 
+@pytest.mark.parametrize("pause_mode", ["abort", "retract"])
 async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_logprobs(
-    client, model_path, trainer_model
+    client, model_path, trainer_model, pause_mode
 ):
     """The rollout worker's interruptible generation across a real weight push: the sample's tokens carry the
-    version that produced them, and every behaviour logprob is what that version's weights give for the prefix."""
+    version that produced them, and every behaviour logprob is what that version's weights give for the prefix
+    (so the prefix's KV cache was recomputed under the new weights). Abort: the worker resubmits the prefix;
+    retract: the engine re-queues the request and reports each token's version."""
     from areal_k8s.rollout.worker import generate_interruptible
 
     original = AutoModelForCausalLM.from_pretrained(model_path).eval()
     models = {30: original, 31: trainer_model}
-    weights = sender()
+    weights = sender(pause_mode=pause_mode)
     await weights.connect([client])
     try:
         await weights.push(original.named_parameters(), version="30")
         prompt = PROMPTS[0]
         sampling = {"temperature": 1.0, "max_new_tokens": 600, "ignore_eos": True, "sampling_seed": 3}
-        sample_task = asyncio.create_task(generate_interruptible(client, prompt, sampling, rid="interrupted"))
+        sample_task = asyncio.create_task(generate_interruptible(client, prompt, sampling, rids=["interrupted"]))
         await asyncio.sleep(0.3)
         await client.generate([3], {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True})  # it is decoding
         await weights.push(trainer_model.named_parameters(), version="31")
-        sample = await sample_task
+        (sample,) = await sample_task
     finally:
         await weights.close()
 

@@ -164,6 +164,13 @@ class RolloutConfig(_Section):
         8, description="Prompt groups a worker keeps in flight (its share of the admission capacity)."
     )
     prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
+    interrupt: Literal["abort", "retract"] = Field(
+        "abort",
+        description="How a weight push interrupts in-flight requests. `abort` (SGLang, AReaL): they come back with "
+        "their tokens so far and the worker resubmits prompt + prefix. `retract` (CPU engine only): the engine "
+        "re-queues them itself and reports each token's version; same trajectories, no round trip per request. "
+        "Either way the prefix's KV cache is recomputed under the new weights.",
+    )
 
     @model_validator(mode="after")
     def _engine_urls_match(self) -> RolloutConfig:
@@ -171,6 +178,8 @@ class RolloutConfig(_Section):
             raise ValueError(f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}")
         if self.engine == "cpu" and self.engine_urls:
             raise ValueError("engine_urls is only used with engine: sglang")
+        if self.engine == "sglang" and self.interrupt == "retract":
+            raise ValueError("interrupt: retract needs engine: cpu (SGLang does not report which tokens each weight version sampled)")
         return self
 
 

@@ -13,7 +13,7 @@ from areal_k8s.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = {"", "abort", "in_place"}
+PAUSE_MODES = {"", "abort", "retract", "in_place"}
 
 
 def validate_group(group: common_pb2.PromptGroup) -> None:
@@ -107,7 +107,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @rpc
     @engine_errors
     async def PauseGeneration(self, request, context):
-        require(request.mode in PAUSE_MODES, f"mode must be abort or in_place, got {request.mode!r}")
+        require(request.mode in PAUSE_MODES, f"mode must be abort, retract or in_place, got {request.mode!r}")
         log.info("pause generation (%s) for %s", request.mode or "abort", context.peer())
         await self.engine.pause_generation(request.mode or "abort")
         if self.paused_at is None:

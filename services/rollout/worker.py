@@ -3,7 +3,9 @@
 Generation is interruptible: when the trainer pauses the engine to push weights, in-flight requests come back
 with finish_reason "abort" and the tokens so far; the worker resubmits prompt + generated prefix, the engine
 recomputes the KV cache under the new weights, and every token keeps the policy version that produced it
-(AReaL's partial rollout, areal-design-notes §3).
+(AReaL's partial rollout, areal-design-notes §3). With `rollout.interrupt: retract` (our CPU engine) the engine
+does the same inside: it re-queues the request, recomputes its cache after the update and answers once, naming
+each token's version.
 """
 
 from __future__ import annotations
@@ -67,29 +69,51 @@ class IdleClock:
             self.idle_since = now
 
 
-async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rid: str) -> Sample:
-    """Generate one response, resuming after every abort from its generated prefix."""
-    sample = Sample()
+async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
+    """Generate one response per rid to the same prompt, in one batched request; after every abort, the aborted
+    ones are resubmitted together from their generated prefixes."""
+    samples = {rid: Sample() for rid in rids}
     budget = sampling["max_new_tokens"]
-    while True:
-        params = dict(sampling, max_new_tokens=budget - len(sample.output_ids))
-        result = await engine.generate(prompt_ids + sample.output_ids, params, rid=rid)
-        meta = result["meta_info"]
-        version = parse_weight_version(meta["weight_version"])
-        for logprob, token_id, _text in meta["output_token_logprobs"]:
-            sample.output_ids.append(token_id)
-            sample.logprobs.append(logprob)
-            sample.versions.append(version)
-        reason = meta["finish_reason"]["type"]
-        if reason != "abort":
-            sample.finish_reason = reason
-            return sample
-        sample.interruptions += 1
-        if len(sample.output_ids) >= budget:
-            sample.finish_reason = "length"
-            return sample
-        if sample.interruptions > MAX_INTERRUPTIONS:
-            raise RuntimeError(f"request {rid} was aborted {sample.interruptions} times")
+    pending = list(rids)
+    while pending:
+        results = await engine.generate(
+            [prompt_ids + samples[rid].output_ids for rid in pending],
+            [dict(sampling, max_new_tokens=budget - len(samples[rid].output_ids)) for rid in pending],
+            rid=pending,
+        )
+        aborted = []
+        for rid, result in zip(pending, results, strict=True):
+            if not record_answer(samples[rid], result, budget):
+                aborted.append(rid)
+        pending = aborted
+    return [samples[rid] for rid in rids]
+
+
+def record_answer(sample: Sample, result: dict, budget: int) -> bool:
+    """Append an engine answer's tokens, logprobs and versions to `sample`; False if it must be resubmitted."""
+    meta = result["meta_info"]
+    tokens = meta["output_token_logprobs"]
+    versions = meta.get("output_token_weight_versions")
+    if versions is None:
+        if meta.get("num_retractions"):  # the engine switched weights mid-request without saying where
+            raise RuntimeError(f"request {meta.get('id')} was retracted but its engine does not report per-token versions")
+        versions = [meta["weight_version"]] * len(tokens)
+    for (logprob, token_id, _text), version in zip(tokens, versions, strict=True):
+        sample.output_ids.append(token_id)
+        sample.logprobs.append(logprob)
+        sample.versions.append(parse_weight_version(version))
+    sample.interruptions += meta.get("num_retractions", 0)
+    reason = meta["finish_reason"]["type"]
+    if reason != "abort":
+        sample.finish_reason = reason
+        return True
+    sample.interruptions += 1
+    if len(sample.output_ids) >= budget:
+        sample.finish_reason = "length"
+        return True
+    if sample.interruptions > MAX_INTERRUPTIONS:
+        raise RuntimeError(f"request {meta.get('id')} was aborted {sample.interruptions} times")
+    return False
 
 
 class RolloutWorker:
@@ -139,7 +163,7 @@ class RolloutWorker:
             "stop_token_ids": self.stop_ids,
         }
         rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
-        samples = await asyncio.gather(*(self.generate_sample(prompt_ids, sampling, rid) for rid in rids))
+        samples = await self.generate_samples(prompt_ids, sampling, rids)
         generated = time.time()
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
         scores = await self.reward.Score(
@@ -180,19 +204,23 @@ class RolloutWorker:
             )
         return trajectories
 
-    async def generate_sample(self, prompt_ids: list[int], sampling: dict, rid: str) -> Sample:
+    async def generate_samples(self, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
+        """A group's samples, generated as one batched request (the engine shares the prompt's prefill)."""
         started = time.monotonic()
-        self.requests.started()
+        for _ in rids:
+            self.requests.started()
         try:
-            sample = await generate_interruptible(self.engine, prompt_ids, sampling, rid)
+            samples = await generate_interruptible(self.engine, prompt_ids, sampling, rids)
         finally:
-            self.requests.finished()
+            for _ in rids:
+                self.requests.finished()
         m = self.metrics
-        m.generation_latency.observe(time.monotonic() - started)
-        m.generated_samples.inc()
-        m.generated_tokens.inc(len(sample.output_ids))
-        m.interruptions.inc(sample.interruptions)
-        return sample
+        for sample in samples:  # a batched request answers when its last sample is done: that is each one's latency
+            m.generation_latency.observe(time.monotonic() - started)
+            m.generated_samples.inc()
+            m.generated_tokens.inc(len(sample.output_ids))
+            m.interruptions.inc(sample.interruptions)
+        return samples
 
     async def process_group(self, group: common_pb2.PromptGroup) -> None:
         """Generate, score, write, report. Any failure re-queues the prompt at the controller; nothing is lost."""

@@ -46,7 +46,7 @@ class RolloutTarget:
     async def update_weights_from_distributed(
         self, names, dtypes, shapes, group_name, *, weight_version=None, load_format=None, flush_cache=True, abort_all_requests=False
     ):
-        # abort_all_requests is moot: the trainer pauses generation (abort mode) before the first bucket.
+        # abort_all_requests is moot: the trainer pauses generation (abort or retract) before the first bucket.
         request = rollout_pb2.UpdateWeightsRequest(
             names=names,
             dtypes=dtypes,

@@ -362,6 +362,7 @@ class Trainer:
             master_address=self.master_address,
             bucket_bytes=int(self.job.trainer.weight_bucket_mb * 2**20),
             timeout=self.job.trainer.weight_sync_timeout_seconds,
+            pause_mode=self.job.rollout.interrupt,
         )
         await self.sender.connect(list(self.targets.values()))
         log.info("weight-update group: %s", ", ".join(self.targets))

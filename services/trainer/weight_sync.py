@@ -134,8 +134,10 @@ class WeightSender:
         bucket_bytes: int = 512 * 1024 * 1024,
         timeout: float = 600.0,
         group_name: str = "weight_update_group",
+        pause_mode: str = "abort",
     ):
         self.backend = backend
+        self.pause_mode = pause_mode  # how the engines interrupt in-flight requests around a push
         self.master_address = master_address
         self.master_port = master_port
         self.bucket_bytes = bucket_bytes
@@ -193,7 +195,7 @@ class WeightSender:
         buckets = plan_buckets(named_tensors, self.bucket_bytes)
         sent_bytes = 0
         try:
-            await self._on_all_targets("pause_generation", lambda target: target.pause_generation("abort"))
+            await self._on_all_targets("pause_generation", lambda target: target.pause_generation(self.pause_mode))
             for index, bucket in enumerate(buckets):
                 last = index == len(buckets) - 1
                 sent_bytes += await self._push_bucket(bucket, str(version) if last else None, flush_cache=last)

@@ -49,7 +49,7 @@ from areal_k8s.trainer.weight_sync import weights_checksum
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_BEFORE_PREFILL = "Abort before prefill"  # SGLang's message for a request aborted with no tokens produced
 
 
@@ -193,6 +193,8 @@ class Sequence:
     detokenize: Callable[[list[int]], str] | None = None  # needed only for stop strings
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)  # the weight version that sampled each output token
+    retractions: int = 0  # times a pause sent it back to the queue (its KV recomputed under the new weights)
     finish_reason: dict[str, Any] | None = None
 
     _uniforms: list[float] = field(default_factory=list, repr=False)
@@ -212,9 +214,15 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token_id: int, logprob: float) -> None:
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What a prefill computes the cache of: the prompt, and after a retraction the tokens generated so far."""
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token_id: int, logprob: float, version: str) -> None:
         self.output_ids.append(token_id)
         self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
         if token_id in self.stop_token_ids:
             self.finish_reason = {"type": "stop", "matched": token_id}
         elif (matched := self._matched_stop_string()) is not None:
@@ -301,11 +309,11 @@ def prefill_chunks(joining: list[Sequence]) -> list[list[Sequence]]:
     of them would mostly compute padding. A row joins the current pass while its padding stays within a quarter of
     the pass's width (or a few positions); a pass costs a fixed overhead of its own, so they are not split further.
     """
-    ordered = sorted(joining, key=lambda s: len(s.prompt_ids), reverse=True)
+    ordered = sorted(joining, key=lambda s: len(s.prefill_ids), reverse=True)
     chunks: list[list[Sequence]] = []
     width = 0
     for sequence in ordered:
-        length = len(sequence.prompt_ids)
+        length = len(sequence.prefill_ids)
         if chunks and width - length <= max(PREFILL_PADDING_SLACK, width // 4):
             chunks[-1].append(sequence)
         else:
@@ -404,9 +412,10 @@ class DecodeBatch:
 
     COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows")
 
-    def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None):
+    def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None, weight_version: str = "0"):
         self.model = model
         self.device = model.device
+        self.weight_version = weight_version  # recorded with every sampled token
         self._rows: list[Sequence | None] = []  # None = dead row awaiting compaction
         self._cache: Cache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
@@ -416,7 +425,7 @@ class DecodeBatch:
         self.prefill_seconds = 0.0
         self.prefill_passes = 0
         self.prefill_rows = 0
-        self.prefill_tokens = 0  # padded positions computed by prefill passes
+        self.prefill_tokens = 0  # padded positions computed by prefill passes (a prefix shared by rows counted once)
         self.decode_seconds = 0.0
         self.decode_steps = 0
         self.decode_rows = 0  # live rows summed over decode steps: / decode_steps = mean occupancy
@@ -465,7 +474,6 @@ class DecodeBatch:
     def _admit(self, joining: list[Sequence]) -> list[Sequence]:
         chunks = [self._prefill(chunk) for chunk in prefill_chunks(joining)]
         self.prefill_passes += len(chunks)
-        self.prefill_tokens += sum(len(sequences) * mask.shape[1] for sequences, _, mask, _ in chunks)
         width = max(mask.shape[1] for _, _, mask, _ in chunks)
         dead = [i for i, s in enumerate(self._rows) if s is None]
         if self._rows and len(dead) >= len(joining) and width <= self._mask.shape[1]:
@@ -493,15 +501,26 @@ class DecodeBatch:
         return self._drop_finished()
 
     def _prefill(self, joining: list[Sequence]) -> tuple[list[Sequence], DynamicCache, torch.Tensor, torch.Tensor]:
-        """One prefill pass over `joining` (left-padded to the longest): its cache, mask and first sampled tokens."""
-        width = max(len(s.prompt_ids) for s in joining)
-        padding = [width - len(s.prompt_ids) for s in joining]
-        rows = [([0] * pad + s.prompt_ids, [0] * pad + [1] * len(s.prompt_ids)) for pad, s in zip(padding, joining)]
+        """One prefill pass over `joining` (left-padded to the longest): its cache, mask and first sampled tokens.
+
+        Rows with the same input (a prompt group's samples) are computed once and their cache copied, as a prefix
+        cache would share them; each row still samples from its own stream."""
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(s.prefill_ids), len(distinct)) for s in joining]
+        inputs = [list(ids) for ids in distinct]
+        width = max(len(ids) for ids in inputs)
+        rows = [([0] * (width - len(ids)) + ids, [0] * (width - len(ids)) + [1] * len(ids)) for ids in inputs]
         input_ids = torch.tensor([ids for ids, _ in rows], device=self.device)
         mask = torch.tensor([row_mask for _, row_mask in rows], device=self.device)
         prefill = DynamicCache()
         logits = self._forward(input_ids, mask, (mask.cumsum(dim=-1) - 1).clamp(min=0), prefill)
         _check_mergeable(prefill)
+        self.prefill_tokens += len(inputs) * width
+        if len(inputs) < len(joining):
+            index = torch.tensor(owner, device=self.device)
+            for layer in prefill.layers:
+                layer.keys, layer.values = layer.keys[index], layer.values[index]
+            mask, logits = mask[index], logits[index]
         return joining, prefill, mask, self._choose(joining, logits)
 
     def _take_over(self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -542,7 +561,7 @@ class DecodeBatch:
         tokens, logprobs = sample_next_tokens(logits, sequences)
         self.tokens_generated += len(sequences)
         for sequence, token, logprob in zip(sequences, tokens.tolist(), logprobs.tolist()):
-            sequence.append(token, logprob)
+            sequence.append(token, logprob, self.weight_version)
         return tokens
 
     def _drop_finished(self) -> list[Sequence]:
@@ -658,8 +677,12 @@ class CpuEngine:
     """An SGLang-compatible engine for CPU: same operations, same JSON shapes (see server.py for the HTTP face).
 
     `generate` answers like SGLang's /generate. Pausing: "abort" returns every queued and running request at once
-    with finish_reason abort and its tokens so far; "in_place" freezes running requests with their KV cache. Either
-    way, requests arriving while paused wait for `continue_generation`. `flush_cache` is a no-op when idle (there is
+    with finish_reason abort and its tokens so far; "retract" puts running requests back at the head of the queue,
+    dropping their KV cache, so that after `continue_generation` they are prefilled again (prompt and tokens so far)
+    under whatever weights are loaded by then and go on generating; "in_place" freezes running requests with their
+    KV cache. Every output token carries the weight version that sampled it (`output_token_weight_versions`, beyond
+    SGLang's single `weight_version`), so a retracted request reports where the policy changed. In every mode,
+    requests arriving while paused wait for `continue_generation`. `flush_cache` is a no-op when idle (there is
     no cross-request prefix cache) and fails while requests are queued or running, like SGLang's.
     """
 
@@ -682,13 +705,12 @@ class CpuEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype)).eval()
         self.max_batch_size = max_batch_size
-        self.weight_version = weight_version
         self.weight_update_timeout = weight_update_timeout
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.context_length = context_length(self.model)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._rng = random.Random(seed)
-        self._batch = DecodeBatch(self.model)
+        self._batch = DecodeBatch(self.model, weight_version=weight_version)
         self._pause_mode: str | None = None
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._group_lock = threading.Lock()  # one rendezvous/broadcast sequence at a time
@@ -747,10 +769,18 @@ class CpuEngine:
 
         def pause() -> None:
             self._pause_mode = mode
-            aborted = self._abort(lambda s: True, "Abort by pause_generation") if mode == "abort" else 0
-            log.info("generation paused (%s): %d requests aborted", mode, aborted)
+            if mode == "abort":
+                log.info("generation paused: %d requests aborted", self._abort(lambda s: True, "Abort by pause_generation"))
+            elif mode == "retract":
+                log.info("generation paused: %d running requests retracted", self._retract())
+            else:
+                log.info("generation paused in place")
 
         await self._in_scheduler(pause)
+
+    @property
+    def weight_version(self) -> str:
+        return self._batch.weight_version
 
     async def continue_generation(self) -> None:
         def resume() -> None:
@@ -994,6 +1024,8 @@ class CpuEngine:
             "completion_tokens": len(sequence.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
+            "num_retractions": sequence.retractions,
+            "output_token_weight_versions": list(sequence.output_versions),
         }
         if return_logprob:
             meta_info["output_token_logprobs"] = [
@@ -1045,7 +1077,7 @@ class CpuEngine:
             except Exception as exc:  # a model failure fails this batch's requests, never the engine
                 log.exception("decode step failed; failing %d requests", len(self._batch) + len(joining))
                 failed = list({id(s): s for s in [*self._batch.sequences, *joining]}.values())
-                self._batch = DecodeBatch(self.model, counters=self._batch.counters())
+                self._batch = DecodeBatch(self.model, counters=self._batch.counters(), weight_version=self.weight_version)
                 self._reply(failed, exc)
                 continue
             self._reply(finished)
@@ -1058,13 +1090,23 @@ class CpuEngine:
     def _has_work(self) -> bool:
         return self._pause_mode is None and bool(self._waiting or self._batch.sequences)
 
+    def _retract(self) -> int:
+        """Send the running requests back to the head of the queue, in their order; their cache is dropped."""
+        running = self._batch.sequences
+        self._batch.remove(running)
+        for sequence in running:
+            sequence.retractions += 1
+        with self._wakeup:
+            self._waiting.extendleft(reversed(running))
+        return len(running)
+
     def _abort(self, selected: Callable[[Sequence], bool], message: str) -> int:
         with self._wakeup:
             queued = [s for s in self._waiting if selected(s)]
             self._waiting = deque(s for s in self._waiting if not selected(s))
         running = [s for s in self._batch.sequences if selected(s)]
-        for sequence in queued:
-            sequence.abort(ABORT_BEFORE_PREFILL)
+        for sequence in queued:  # a retracted request in the queue has tokens already
+            sequence.abort(message if sequence.output_ids else ABORT_BEFORE_PREFILL)
         for sequence in running:
             sequence.abort(message)
         self._batch.remove(running)
@@ -1106,7 +1148,7 @@ class CpuEngine:
             for name, tensor in named_tensors:
                 parameters[name].copy_(tensor)
         if weight_version is not None:
-            self.weight_version = weight_version
+            self._batch.weight_version = weight_version
 
 
 def _receive_broadcast(
