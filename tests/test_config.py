@@ -35,6 +35,7 @@ def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
         ("sampling:\n  temperature: hot\n", "sampling.temperature: Input should be a valid number"),
         ("rollout:\n  engine: vllm\n", "rollout.engine: Input should be 'cpu' or 'sglang'"),
         ("rollout:\n  engine: sglang\n  workers: 2\n  engine_urls: [http://a:30000]\n", "needs one entry in engine_urls per worker"),
+        ("rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\n  interrupt: retract\n", "interrupt: retract needs engine: cpu"),
     ],
 )
 def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):

@@ -82,3 +82,23 @@ async def test_an_unreachable_engine_is_unavailable_and_the_service_keeps_servin
     with pytest.raises(grpc.aio.AioRpcError) as again:  # still answering, with a precise status
         await rollout.Generate(rollout_pb2.GenerateRequest(group=valid_group(prompt="")))
     assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def engine_answer(tokens: list[int], finish: str, weight_version: str, **extra) -> dict:
+    meta = {"id": "r", "finish_reason": {"type": finish}, "weight_version": weight_version,
+            "output_token_logprobs": [[-0.5, t, None] for t in tokens], **extra}
+    return {"output_ids": tokens, "meta_info": meta}
+
+
+def test_answers_are_recorded_with_the_version_of_every_token():
+    from areal_k8s.rollout.worker import Sample, record_answer
+
+    sample = Sample()
+    assert not record_answer(sample, engine_answer([4, 5], "abort", "3"), budget=8)  # aborted: resubmit
+    retracted = engine_answer([6, 7, 8], "stop", "5", num_retractions=1, output_token_weight_versions=["4", "4", "5"])
+    assert record_answer(sample, retracted, budget=8)
+    assert sample.output_ids == [4, 5, 6, 7, 8] and sample.versions == [3, 3, 4, 4, 5]
+    assert sample.interruptions == 2 and sample.finish_reason == "stop"
+    # An engine that switched weights mid-request without naming each token's version cannot be labelled.
+    with pytest.raises(RuntimeError, match="does not report per-token versions"):
+        record_answer(Sample(), engine_answer([1], "stop", "5", num_retractions=1), budget=8)

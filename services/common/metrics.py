@@ -143,7 +143,7 @@ class RolloutMetrics(ServiceMetrics):
         self.inflight_requests = self.gauge("areal_rollout_inflight_requests", "Generation requests in the engine.")
         self.inflight_groups = self.gauge("areal_rollout_inflight_groups", "Prompt groups this worker is generating.")
         self.interruptions = self.counter(
-            "areal_rollout_interruptions_total", "Requests aborted by a weight update and resumed from their prefix.")
+            "areal_rollout_interruptions_total", "Requests interrupted by a weight update (aborted or retracted) and resumed from their prefix.")
         self.generation_latency = self.histogram(
             "areal_rollout_generation_latency_seconds", "Time from a response's first request to its last token.")
         self.engine_weight_version = self.gauge("areal_rollout_engine_weight_version", "Policy version the engine serves.")
