@@ -22,7 +22,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from areal_k8s.cli.launcher import LocalRun  # noqa: E402
 from areal_k8s.cli.report import read_steps, started_at  # noqa: E402
 from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
 from areal_k8s.demo.build import build_demo_assets  # noqa: E402
+from areal_k8s.rollout.cpu_engine.engine import DecodeBatch  # noqa: E402
 
 THRESHOLDS = (0.30, 0.40, 0.45, 0.50)
 ENGINES = 2  # one single-threaded engine per core, in both modes: processes scale better than intra-op threads
@@ -158,8 +158,7 @@ def run(job: JobConfig, smooth: int) -> RunResult:
         if step["eval_accuracy"] >= 0:
             curve.append((step["finished_at"] - origin - evaluated, step["eval_accuracy"]))
     training = curve[-1][0]
-    counters = ("busy_seconds", "generated_tokens", "prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens",
-                "decode_seconds", "decode_steps", "decode_rows")
+    counters = ("busy_seconds", "generated_tokens", *DecodeBatch.COUNTERS)
     engines = {k: round(sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)), 2) for k in counters}
     if engines.get("decode_steps"):
         engines["mean_occupancy"] = round(engines["decode_rows"] / engines["decode_steps"], 1)

@@ -52,12 +52,12 @@ class IdleClock:
         self.active = 0
         self.idle_since = clock()
 
-    def started(self) -> None:
+    def started(self, count: int = 1) -> None:
         self.flush()
-        self.active += 1
+        self.active += count
 
-    def finished(self) -> None:
-        self.active -= 1
+    def finished(self, count: int = 1) -> None:
+        self.active -= count
         if self.active == 0:
             self.idle_since = self.clock()
 
@@ -207,16 +207,15 @@ class RolloutWorker:
     async def generate_samples(self, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
         """A group's samples, generated as one batched request (the engine shares the prompt's prefill)."""
         started = time.monotonic()
-        for _ in rids:
-            self.requests.started()
+        self.requests.started(len(rids))
         try:
             samples = await generate_interruptible(self.engine, prompt_ids, sampling, rids)
         finally:
-            for _ in rids:
-                self.requests.finished()
+            self.requests.finished(len(rids))
+        latency = time.monotonic() - started  # a batched request answers when its last sample is done
         m = self.metrics
-        for sample in samples:  # a batched request answers when its last sample is done: that is each one's latency
-            m.generation_latency.observe(time.monotonic() - started)
+        for sample in samples:
+            m.generation_latency.observe(latency)
             m.generated_samples.inc()
             m.generated_tokens.inc(len(sample.output_ids))
             m.interruptions.inc(sample.interruptions)
