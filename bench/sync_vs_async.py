@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="one async and one sync run per seed (data order, sampling)")
     parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--smooth", type=int, default=3, help="evaluations in the trailing mean used for thresholds")
-    parser.add_argument("--ablation-steps", type=int, default=150, help="steps per ablation run (0 skips the ablation)")
+    parser.add_argument("--ablation-steps", type=int, default=150,
+                        help="steps per ablation run (0 skips the ablation and keeps the one in the existing JSON)")
     parser.add_argument("--ablation-only", action="store_true", help="keep the comparison in the existing JSON, run the ablation")
     parser.add_argument("--reanalyse", action="store_true", help="recompute the comparison and plot from the runs in the JSON, run nothing")
     args = parser.parse_args(argv)
@@ -336,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
             "runs": {"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]},
             "ablation": [],
         }
+        if not args.ablation_steps and report_path.exists():
+            previous = json.loads(report_path.read_text())
+            report.update({key: previous[key] for key in ("ablation", "ablation_steps") if key in previous})
         report_path.write_text(json.dumps(report, indent=2) + "\n")
         plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
         print_table(report, eta)

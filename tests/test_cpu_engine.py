@@ -124,6 +124,21 @@ def test_requests_joining_a_running_batch_decode_like_hf_generate(hf_model):
         assert sequence.output_ids == hf_greedy(hf_model, prompt, budget), sequence.rid
 
 
+def test_decode_counts_the_padding_a_batch_of_unequal_lengths_attends_over(hf_model):
+    """Rows of 5 and 2 prompt tokens share a cache 5 wide: each decode step attends over 3 padding positions."""
+    long, short = (Sequence(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+                            stop_token_ids=frozenset(), max_total_tokens=context_length(hf_model), generator=torch.Generator())
+                   for rid, prompt in (("long", PROMPTS[0]), ("short", PROMPTS[1])))
+    batch = DecodeBatch(hf_model)
+    batch.advance([long, short])  # prefill samples each row's first token, then one decode step its second
+    while len(batch):
+        batch.advance([])
+    assert batch.decode_steps == 2
+    # step k attends over 5 + k positions per row; the rows' real tokens are 5 + k and 2 + k
+    assert batch.decode_cache_positions == 2 * (6 + 7)
+    assert batch.decode_context_positions == (6 + 3) + (7 + 4)
+
+
 def test_rows_with_the_same_input_are_prefilled_once_and_decode_like_hf_generate(hf_model):
     """A prompt group's samples share one prefill row (as a prefix cache would); each still decodes on its own."""
     budgets = [9, 14, 5, 11]

@@ -227,6 +227,39 @@ async def test_pool_counts_outcomes_by_verifier():
         await pool.close()
 
 
+def pool_tasks(pool: ScoringPool) -> dict[str, float]:
+    return {kind: pool.metrics.value("areal_reward_pool_tasks_total", kind=kind) for kind in ("chunk", "item")}
+
+
+async def test_a_request_goes_to_the_workers_as_one_chunk_each():
+    pool = ScoringPool(max_workers=2, default_timeout=10.0)
+    try:
+        items = [ScoringItem(f"i{k}", "exact", response="a", reference="a" if k % 2 else "b") for k in range(5)]
+        outcomes = await pool.score(items)
+        assert [(o.item_id, o.status, o.reward) for o in outcomes] == [(f"i{k}", "ok", float(k % 2)) for k in range(5)]
+        assert pool_tasks(pool) == {"chunk": 2, "item": 0}
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("verifier", "status", "message"),
+    [("sleeps_forever", "timeout", "ran past the 0.5 s timeout"), ("kills_its_worker", "error", "killed its worker")],
+)
+async def test_a_chunk_that_fails_as_a_whole_is_scored_again_item_by_item(verifier, status, message):
+    pool = ScoringPool(max_workers=1, default_timeout=0.5)
+    try:
+        items = [ScoringItem("before", "exact", response="a", reference="a"), ScoringItem("bad", fixture(verifier)),
+                 ScoringItem("after", "exact", response="a", reference="a")]
+        before, bad, after = await pool.score(items)
+        assert [(o.status, o.reward) for o in (before, after)] == [("ok", 1.0)] * 2
+        assert (bad.status, bad.reward) == (status, 0.0) and message in bad.message
+        assert pool_tasks(pool) == {"chunk": 1, "item": 3}
+        assert pool.metrics.value("areal_reward_scored_items_total", verifier="exact", status="ok") == 2
+    finally:
+        await pool.close()
+
+
 async def read_ready_port(stderr: asyncio.StreamReader) -> int:
     while line := (await stderr.readline()).decode():
         if match := re.search(r"reward service listening on 127\.0\.0\.1:(\d+)", line):

@@ -163,6 +163,12 @@ class RewardMetrics(ServiceMetrics):
             extra=("verifier", "status"))
         self.scoring_latency = self.histogram(
             "areal_reward_scoring_latency_seconds", "Time to score one item, from the moment a worker is free for it.", extra=("verifier",))
+        self.pool_tasks = self.counter(
+            "areal_reward_pool_tasks_total",
+            "Tasks sent to scoring workers: chunk (a request's items together) or item (one alone: a single-item "
+            "chunk, or the retry of a chunk that timed out or lost its worker).", extra=("kind",))
+        for kind in ("chunk", "item"):
+            self.pool_tasks.labels(kind=kind)
 
     def declare_verifier(self, verifier: str) -> None:
         """Export zeros for a verifier before its first item, so its failure rate is 0 rather than missing."""

@@ -410,7 +410,8 @@ class DecodeBatch:
     than the cache are rows removed or the cache rebuilt, in one copy.
     """
 
-    COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows")
+    COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows",
+                "decode_cache_positions", "decode_context_positions")
 
     def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None, weight_version: str = "0"):
         self.model = model
@@ -429,6 +430,8 @@ class DecodeBatch:
         self.decode_seconds = 0.0
         self.decode_steps = 0
         self.decode_rows = 0  # live rows summed over decode steps: / decode_steps = mean occupancy
+        self.decode_cache_positions = 0  # cache positions (rows × width, padding included) decode steps attended over
+        self.decode_context_positions = 0  # the live rows' real tokens among them
         for name, value in (counters or {}).items():
             setattr(self, name, value)
 
@@ -536,6 +539,8 @@ class DecodeBatch:
     def _step(self) -> list[Sequence]:
         mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
         positions = self._mask.sum(dim=1, keepdim=True)  # a row's real tokens so far = the new token's position
+        self.decode_cache_positions += mask.numel()
+        self.decode_context_positions += int(positions[self._live_rows()].sum()) + len(self)
         logits = self._forward(self._next_tokens[:, None], mask, positions, self._cache)
         self._mask = mask
         live = self._live_rows()
