@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps per ablation run (0 skips the ablation and keeps the one in the existing JSON)")
     parser.add_argument("--ablation-only", action="store_true", help="keep the comparison in the existing JSON, run the ablation")
     parser.add_argument("--reanalyse", action="store_true", help="recompute the comparison and plot from the runs in the JSON, run nothing")
+    parser.add_argument("--append", action="store_true",
+                        help="run --seeds and analyse them together with the runs already in the JSON (more seeds, same file)")
     args = parser.parse_args(argv)
 
     build_demo_assets(args.assets)
@@ -296,10 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.reanalyse:
         report = json.loads(report_path.read_text())
-        asynchronous = [RunResult(**r) for r in report["runs"]["async"]]
-        synchronous = [RunResult(**r) for r in report["runs"]["sync"]]
-        for r in asynchronous + synchronous:
-            r.time_to = {f"{t:.2f}": time_to_reach(smoothed(r.curve, args.smooth), t) for t in THRESHOLDS}
+        asynchronous, synchronous = stored_runs(report, args.smooth)
         comparison = compare(asynchronous, synchronous, args.smooth)
         report.update(comparison, runs={"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]})
         report_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -309,11 +308,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.ablation_only:
         report = json.loads(report_path.read_text())
     else:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        new_seeds = [int(s) for s in args.seeds.split(",")]
         print(f"sync vs async on {cores} cores, {args.steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} "
-              f"samples, seeds {seeds}", flush=True)
-        asynchronous, synchronous = [], []
-        for index, seed in enumerate(seeds):
+              f"samples, seeds {new_seeds}", flush=True)
+        asynchronous, synchronous, seeds = [], [], []
+        if args.append:
+            previous = json.loads(report_path.read_text())
+            if previous["steps"] != args.steps or set(previous["seeds"]) & set(new_seeds):
+                parser.error(f"--append needs the same --steps ({previous['steps']}) and seeds not yet run ({previous['seeds']})")
+            asynchronous, synchronous = stored_runs(previous, args.smooth)
+            seeds = previous["seeds"]
+        for index, seed in enumerate(new_seeds, start=len(seeds)):  # alternating which mode goes first, across appends too
             modes = [("async", eta, 1), ("sync", 0, 2)]
             for mode, staleness, threads in modes if index % 2 == 0 else modes[::-1]:
                 result = run(configure(base, runs, f"{mode}-seed{seed}", seed=seed, max_staleness=staleness, decoupled=True,
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"trailing mean of its last {args.smooth} evaluations does"
             ),
             "steps": args.steps,
-            "seeds": seeds,
+            "seeds": seeds + new_seeds,
             "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
             "core_split": {
                 "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
@@ -359,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
                 report_path.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive an interruption
         print_ablation(ablation)
     return 0
+
+
+def stored_runs(report: dict, smooth: int) -> tuple[list[RunResult], list[RunResult]]:
+    """The async and sync runs of a results JSON, their threshold times recomputed with `smooth`."""
+    asynchronous = [RunResult(**r) for r in report["runs"]["async"]]
+    synchronous = [RunResult(**r) for r in report["runs"]["sync"]]
+    for r in asynchronous + synchronous:
+        r.time_to = {f"{t:.2f}": time_to_reach(smoothed(r.curve, smooth), t) for t in THRESHOLDS}
+    return asynchronous, synchronous
 
 
 def print_table(report: dict, eta: int) -> None:
