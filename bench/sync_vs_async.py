@@ -312,8 +312,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sync vs async on {cores} cores, {args.steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} "
               f"samples, seeds {new_seeds}", flush=True)
         asynchronous, synchronous, seeds = [], [], []
+        previous = json.loads(report_path.read_text()) if report_path.exists() else {}
         if args.append:
-            previous = json.loads(report_path.read_text())
+            if not previous:
+                parser.error(f"--append needs an existing {report_path}")
             if previous["steps"] != args.steps or set(previous["seeds"]) & set(new_seeds):
                 parser.error(f"--append needs the same --steps ({previous['steps']}) and seeds not yet run ({previous['seeds']})")
             asynchronous, synchronous = stored_runs(previous, args.smooth)
@@ -342,8 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs": {"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]},
             "ablation": [],
         }
-        if not args.ablation_steps and report_path.exists():
-            previous = json.loads(report_path.read_text())
+        if not args.ablation_steps:
             report.update({key: previous[key] for key in ("ablation", "ablation_steps") if key in previous})
         report_path.write_text(json.dumps(report, indent=2) + "\n")
         plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")

@@ -539,11 +539,11 @@ class DecodeBatch:
     def _step(self) -> list[Sequence]:
         mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
         positions = self._mask.sum(dim=1, keepdim=True)  # a row's real tokens so far = the new token's position
+        live = self._live_rows()
         self.decode_cache_positions += mask.numel()
-        self.decode_context_positions += int(positions[self._live_rows()].sum()) + len(self)
+        self.decode_context_positions += int(positions[live].sum()) + len(live)
         logits = self._forward(self._next_tokens[:, None], mask, positions, self._cache)
         self._mask = mask
-        live = self._live_rows()
         if len(live) == len(self._rows):
             self._next_tokens = self._choose(self._rows, logits)
         else:
