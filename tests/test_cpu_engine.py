@@ -139,6 +139,18 @@ def test_decode_counts_the_padding_a_batch_of_unequal_lengths_attends_over(hf_mo
     assert batch.decode_context_positions == (6 + 3) + (7 + 4)
 
 
+def test_passes_count_the_cpu_time_of_the_stepping_thread_beside_their_wall_time(hf_model):
+    """CPU seconds are the stepping thread's own: positive for work done, never more than the pass's wall time."""
+    batch = DecodeBatch(hf_model)
+    batch.advance([greedy_sequence(hf_model, "a", PROMPTS[0], 6)])
+    while len(batch):
+        batch.advance([])
+    for kind in ("prefill", "decode"):
+        cpu, wall = getattr(batch, f"{kind}_cpu_seconds"), getattr(batch, f"{kind}_seconds")
+        assert 0 < cpu <= wall + 1e-3, (kind, cpu, wall)
+    assert DecodeBatch(hf_model, counters=batch.counters()).decode_cpu_seconds == batch.decode_cpu_seconds
+
+
 def test_rows_with_the_same_input_are_prefilled_once_and_decode_like_hf_generate(hf_model):
     """A prompt group's samples share one prefill row (as a prefix cache would); each still decodes on its own."""
     budgets = [9, 14, 5, 11]

@@ -411,7 +411,7 @@ class DecodeBatch:
     """
 
     COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows",
-                "decode_cache_positions", "decode_context_positions")
+                "decode_cache_positions", "decode_context_positions", "prefill_cpu_seconds", "decode_cpu_seconds")
 
     def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None, weight_version: str = "0"):
         self.model = model
@@ -432,6 +432,9 @@ class DecodeBatch:
         self.decode_rows = 0  # live rows summed over decode steps: / decode_steps = mean occupancy
         self.decode_cache_positions = 0  # cache positions (rows × width, padding included) decode steps attended over
         self.decode_context_positions = 0  # the live rows' real tokens among them
+        # CPU time of the stepping thread in those passes: below the wall time when other processes share its core
+        self.prefill_cpu_seconds = 0.0
+        self.decode_cpu_seconds = 0.0
         for name, value in (counters or {}).items():
             setattr(self, name, value)
 
@@ -454,18 +457,20 @@ class DecodeBatch:
         """Prefill `joining` into the batch, then run one decode step over every row; returns the sequences that
         finished (they have left the batch)."""
         if joining:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             finished = self._admit(joining)
             self.prefill_seconds += time.perf_counter() - started
+            self.prefill_cpu_seconds += time.thread_time() - cpu_started
             self.prefill_rows += len(joining)
         else:
             finished = []
             if 4 * (len(self._rows) - len(self)) >= len(self._rows):
                 self._compact()
         if live := len(self):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             finished += self._step()
             self.decode_seconds += time.perf_counter() - started
+            self.decode_cpu_seconds += time.thread_time() - cpu_started
             self.decode_steps += 1
             self.decode_rows += live
         return finished
