@@ -12,6 +12,7 @@ One RL run is noisy (held-out accuracy on 256 sums moves by a few points between
 each mode runs once per seed, the two modes of a seed back to back (alternating which goes first), and the ratio is
 taken on medians: the target is the median over seeds of sync's final accuracy (each run's mean of its last
 `--smooth` evaluations), and a run reaches it when the trailing mean of its last `--smooth` evaluations does.
+The same comparison on each mode's curve averaged over seeds (`averaged_curves`) is reported beside it.
 """
 
 from __future__ import annotations
@@ -211,6 +212,27 @@ def median_or_none(values: list[float | None]) -> float | None:
     return None if value == float("inf") else round(value, 1)
 
 
+def averaged_curve(results: list[RunResult]) -> list[tuple[float, float]]:
+    """The runs' accuracy averaged evaluation by evaluation (every run evaluates at the same steps), each point at the
+    median time the runs took to get there: seed noise averages out here instead of deciding which runs count."""
+    count = min(len(r.curve) for r in results)
+    return [(statistics.median(r.curve[i][0] for r in results), statistics.fmean(r.curve[i][1] for r in results))
+            for i in range(count)]
+
+
+def compare_averaged(asynchronous: list[RunResult], synchronous: list[RunResult], smooth: int) -> dict:
+    """Time for each mode's averaged curve to reach the final accuracy of sync's averaged curve, and their ratio."""
+    curves = {"sync": smoothed(averaged_curve(synchronous), smooth), "async": smoothed(averaged_curve(asynchronous), smooth)}
+    target = round(curves["sync"][-1][1], 4)
+    times = {mode: time_to_reach(curve, target) for mode, curve in curves.items()}
+    return {
+        "speedup": round(times["sync"] / times["async"], 2) if times["sync"] is not None and times["async"] else None,
+        "target_accuracy": target,
+        "final_accuracy": {mode: round(curve[-1][1], 4) for mode, curve in curves.items()},
+        "seconds_to_target": times,
+    }
+
+
 def compare(asynchronous: list[RunResult], synchronous: list[RunResult], smooth: int) -> dict:
     target = statistics.median(r.smoothed_final for r in synchronous)
     sync_times = [time_to_reach(smoothed(r.curve, smooth), target) for r in synchronous]
@@ -231,6 +253,7 @@ def compare(asynchronous: list[RunResult], synchronous: list[RunResult], smooth:
         "target_accuracy": round(target, 4),
         "seconds_to_target": {"sync": sync_time, "async": async_time, "sync_runs": sync_times, "async_runs": async_times},
         "throughput_ratio": round(throughput_async / throughput_sync, 3),
+        "averaged_curves": compare_averaged(asynchronous, synchronous, smooth),
         "median": {key: dict(zip(("sync", "async"), median(key))) for key in (
             "final_accuracy", "smoothed_final", "training_seconds", "samples_per_second", "tokens_per_second",
             "trainer_idle_fraction", "rollout_idle_fraction", "mean_staleness")},
@@ -413,6 +436,12 @@ def print_table(report: dict, eta: int) -> None:
         sync_value, async_value = medians[key]["sync"], medians[key]["async"]
         table.add_row(name, fmt(sync_value), fmt(async_value), "" if faster_is_smaller is None else ratio(sync_value, async_value, faster_is_smaller))
     Console().print(table)
+    averaged = report.get("averaged_curves")
+    if averaged:
+        times, finals, speedup = averaged["seconds_to_target"], averaged["final_accuracy"], averaged["speedup"]
+        print(f"averaged curves (mean over seeds at each evaluation): final {finals['sync']:.1%} sync, {finals['async']:.1%} "
+              f"async; seconds to sync's {averaged['target_accuracy']:.1%}: {fmt(times['sync'])} sync, {fmt(times['async'])} "
+              f"async ({f'{speedup}×' if speedup else 'n/a'})")
 
 
 def print_ablation(ablation: list[dict]) -> None:

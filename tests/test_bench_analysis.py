@@ -1,0 +1,36 @@
+"""The benchmark's analysis of stored runs (bench/sync_vs_async.py): pure functions over accuracy curves."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("sync_vs_async", Path(__file__).resolve().parent.parent / "bench" / "sync_vs_async.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = bench  # dataclasses resolve the module of the classes they build
+spec.loader.exec_module(bench)
+
+
+def result(seed: int, curve: list[tuple[float, float]]) -> "bench.RunResult":
+    return bench.RunResult(label=f"seed{seed}", seed=seed, max_staleness=0, decoupled=True, trainer_threads=1, steps=len(curve) - 1,
+                           base_accuracy=curve[0][1], final_accuracy=curve[-1][1], curve=curve, training_seconds=curve[-1][0],
+                           samples_per_second=1.0, tokens_per_second=1.0, trainer_idle_fraction=0.0, rollout_idle_fraction=0.0,
+                           mean_staleness=0.0)
+
+
+def test_averaged_curve_means_accuracy_per_evaluation_at_the_median_time():
+    runs = [result(0, [(0, 0.1), (10, 0.3), (20, 0.5)]), result(1, [(0, 0.1), (12, 0.5), (26, 0.2)]), result(2, [(0, 0.1), (11, 0.4)])]
+    assert bench.averaged_curve(runs) == [(0, pytest.approx(0.1)), (11, pytest.approx(0.4))]  # the shortest run bounds it
+
+
+def test_averaged_curves_compare_where_each_reaches_syncs_averaged_final():
+    """Sync averages to 0.5 at its end (60 s); async's average reaches it at its second evaluation (20 s): 3×."""
+    synchronous = [result(0, [(0, 0.1), (30, 0.3), (60, 0.6)]), result(1, [(0, 0.1), (30, 0.3), (60, 0.4)])]
+    asynchronous = [result(0, [(0, 0.1), (20, 0.6), (40, 0.5)]), result(1, [(0, 0.1), (20, 0.4), (40, 0.5)])]
+    averaged = bench.compare_averaged(asynchronous, synchronous, smooth=1)
+    assert averaged["target_accuracy"] == 0.5
+    assert averaged["seconds_to_target"] == {"sync": 60, "async": 20}
+    assert averaged["speedup"] == 3.0
+    # An async average that never gets there has no ratio.
+    never = bench.compare_averaged([result(0, [(0, 0.1), (20, 0.45)])], synchronous, smooth=1)
+    assert never["seconds_to_target"]["async"] is None and never["speedup"] is None
