@@ -227,3 +227,22 @@ def test_core_exports_admission_blocks_and_settled_groups():
     assert [m.value("areal_controller_groups_total", result=r) for r in ("accepted", "filtered", "failed")] == [1, 1, 0]
     assert (m.value("areal_controller_policy_version"), m.value("areal_controller_running_groups")) == (1, 1)
     assert m.value("areal_controller_admission_capacity") == core.capacity() > 0
+
+
+def test_refusal_names_what_holds_a_request_back_without_counting_it():
+    core = make_core(max_staleness=0, max_concurrent_rollouts=1)  # B = 2, but one group at a time
+    with pytest.raises(UnknownWorker):
+        core.refusal("nobody", 1, engine_version=0)
+    assert core.refusal("w", 1, engine_version=0) is None
+    core.acquire("w", 10, engine_version=0)
+    assert core.refusal("w", 1, engine_version=0) == "concurrency"
+    assert core.refusal("w", 0, engine_version=0) is None  # a heartbeat asks for nothing, so nothing holds it back
+    core.announce_version(1, restored=False)
+    assert core.refusal("w", 1, engine_version=0) == "stale_engine"
+    assert core.metrics.value("areal_controller_admission_blocks_total", reason="concurrency") == 0
+
+    tail = make_core(total_steps=1)  # B = 2 groups in the whole run
+    assert len(tail.acquire("w", 10, engine_version=0)) == 2
+    assert tail.refusal("w", 1, engine_version=0) == "no_work_left"
+    assert tail.acquire("w", 1, engine_version=0) == []  # the end of the run is not counted as a block
+    assert sum(tail.metrics.value("areal_controller_admission_blocks_total", reason=r) for r in ("staleness", "concurrency")) == 0

@@ -1,5 +1,7 @@
 """The controller over real gRPC on loopback, persisting to a real Redis server."""
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -166,3 +168,66 @@ async def test_a_second_service_cannot_bind_a_port_in_use():
             await start_server([], f"127.0.0.1:{port}")
     finally:
         await server.stop(None)
+
+
+async def held_acquire(stub, n, wait_ms, version=0, worker="w0"):
+    request = controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version, wait_ms=wait_ms)
+    return asyncio.ensure_future(stub.AcquireGroups(request))
+
+
+async def test_a_held_poll_is_answered_when_the_next_version_lifts_the_staleness_bound(controller):
+    stub = controller.stub
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    groups = (await acquire(stub, 10)).groups
+    assert len(groups) == 4  # (η + v + 1)·B = 4: the window is full
+    accepted = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups[:2]]
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=accepted))  # still full
+    poll = await held_acquire(stub, 10, wait_ms=60_000)
+    other = await held_acquire(stub, 10, wait_ms=60_000, version=1)
+    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: both polls have reached the server
+    assert not poll.done() and not other.done()
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
+    # The poll from an engine still on version 0 is answered at once with nothing (it must update first);
+    # the one from an engine on version 1 gets the two groups version 1 lets start.
+    stale, fresh = await asyncio.wait_for(asyncio.gather(poll, other), timeout=30)
+    assert (len(stale.groups), stale.version) == (0, 1)
+    assert [g.admitted_version for g in fresh.groups] == [1, 1]
+    m = controller.servicer.core.metrics
+    assert m.value("areal_controller_admission_blocks_total", reason="stale_engine") == 1
+    assert m.value("areal_controller_admission_blocks_total", reason="staleness") == 0  # held, not refused
+
+
+async def test_a_held_poll_that_nothing_lifts_ends_empty_and_counts_one_block(controller):
+    stub = controller.stub
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    groups = (await acquire(stub, 10)).groups
+    poll = await held_acquire(stub, 1, wait_ms=200)
+    accepted = controller_pb2.GroupOutcome(group_id=groups[0].group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[accepted]))  # wakes it; no room
+    reply = await poll
+    assert list(reply.groups) == [] and not reply.finished
+    assert controller.servicer.core.metrics.value("areal_controller_admission_blocks_total", reason="staleness") == 1
+
+
+async def test_a_finished_job_answers_held_polls(controller):
+    stub = controller.stub
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    await acquire(stub, 10)
+    poll = await held_acquire(stub, 1, wait_ms=60_000)
+    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=1, finished=True))
+    reply = await asyncio.wait_for(poll, timeout=30)
+    assert reply.finished and list(reply.groups) == []
+
+
+async def test_workers_waiting_on_the_bound_split_what_a_step_opens(controller):
+    stub = controller.stub
+    for worker in ("w0", "w1"):
+        await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id=worker, address="127.0.0.1:9"))
+    groups = (await acquire(stub, 10)).groups
+    accepted = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups]
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=accepted))
+    polls = [await held_acquire(stub, 10, wait_ms=60_000, version=1, worker=w) for w in ("w0", "w1")]
+    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))  # (η + v + 1)·B − 4 = 2 groups may start
+    replies = await asyncio.wait_for(asyncio.gather(*polls), timeout=30)
+    assert [len(r.groups) for r in replies] == [1, 1]  # not both to whichever poll woke first

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
-from areal_k8s.controller.admission import admission_capacity, blocking_bound
+from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
 from areal_k8s.data.dataset import DatasetItem
 
 
@@ -163,8 +163,10 @@ class ControllerCore:
     def register(self, worker_id: str, address: str, engine_version: int) -> None:
         self.workers[worker_id] = Worker(worker_id, address, engine_version, self.clock())
 
-    def acquire(self, worker_id: str, max_groups: int, engine_version: int) -> list[Admitted]:
-        """Admit up to `max_groups` groups for `worker_id`, as far as the staleness bound allows.
+    def refusal(self, worker_id: str, max_groups: int, engine_version: int) -> str | None:
+        """Why a request for `max_groups` would get nothing now: `stale_engine`, the bound that admits nothing
+        (`staleness`, `concurrency`), or `no_work_left` (every group the run needs has started; a failed one
+        reopens it); None when groups can start, or when nothing was asked for or the job is finished.
 
         A worker whose engine does not yet serve the current version gets nothing: its tokens would be
         older than the version the admission is charged to.
@@ -172,16 +174,26 @@ class ControllerCore:
         worker = self.workers.get(worker_id)
         if worker is None or not worker.address:  # no address: a lease holder restored from a snapshot
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
+        if self.progress.finished or max_groups <= 0:
+            return None
+        if engine_version < self.version:
+            return "stale_engine"
+        state = self.admission_state()
+        if admission_rooms(**state)["remaining_work"] <= 0:
+            return "no_work_left"
+        return blocking_bound(**state)
+
+    def acquire(self, worker_id: str, max_groups: int, engine_version: int) -> list[Admitted]:
+        """Admit up to `max_groups` groups for `worker_id`, as far as the staleness bound allows (see `refusal`)."""
+        reason = self.refusal(worker_id, max_groups, engine_version)
+        worker = self.workers[worker_id]
         worker.last_seen = self.clock()
         worker.engine_version = engine_version
+        if reason is not None:
+            if reason != "no_work_left":  # the end of the run, not a bound holding it back
+                self.metrics.admission_blocks.labels(reason=reason).inc()
+            return []
         if self.progress.finished:
-            return []
-        if engine_version < self.version:
-            if max_groups > 0:
-                self.metrics.admission_blocks.labels(reason="stale_engine").inc()
-            return []
-        if max_groups > 0 and (bound := blocking_bound(**self.admission_state())):
-            self.metrics.admission_blocks.labels(reason=bound).inc()
             return []
         admitted = []
         for _ in range(min(max_groups, self.capacity())):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+from dataclasses import dataclass, field
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.common.config import JobConfig
@@ -13,6 +15,9 @@ from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
 
 log = logging.getLogger(__name__)
+
+MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
+WAITABLE_REFUSALS = {"staleness", "concurrency", "no_work_left"}  # lifted by a trainer step or a settled group
 
 _RESULTS = {
     controller_pb2.GroupOutcome.ACCEPTED: "accepted",
@@ -41,11 +46,25 @@ def prompt_group(job: JobConfig, admitted: Admitted) -> common_pb2.PromptGroup:
     )
 
 
+@dataclass
+class Wakeup:
+    """One lifting of the bounds, and how many held polls it wakes that have not yet taken their share."""
+
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, core: ControllerCore, store: TrajectoryStore):
         self.core = core
         self.store = store
         self._persist_lock = asyncio.Lock()
+        self._wakeup = Wakeup()
+
+    def admission_may_have_opened(self) -> None:
+        """Wake every held AcquireGroups to try again: called after anything that can lift a bound."""
+        self._wakeup.event.set()
+        self._wakeup = Wakeup()
 
     async def restore(self) -> None:
         snapshot = await self.store.client.get(self.store.keys.controller_state)
@@ -69,6 +88,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             self.core.complete(group_id, "accepted" if already_written else "failed")
             log.warning("group %s: worker went silent, %s", group_id, "already written" if already_written else "re-queued")
         if expired:
+            self.admission_may_have_opened()
             await self.persist()
         return len(expired)
 
@@ -91,9 +111,28 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
-        capacity = self.core.capacity()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
+        max_groups = request.max_groups
         try:
-            admitted = self.core.acquire(request.worker_id, request.max_groups, request.engine_version)
+            # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
+            while (remaining := deadline - loop.time()) > 0:
+                wakeup = self._wakeup  # taken before looking, so a change from here on wakes us
+                if self.core.refusal(request.worker_id, request.max_groups, request.engine_version) not in WAITABLE_REFUSALS:
+                    break
+                wakeup.waiting += 1
+                try:
+                    await asyncio.wait_for(wakeup.event.wait(), remaining)
+                except TimeoutError:
+                    wakeup.waiting -= 1
+                    break
+                # The polls one wakeup releases resume in the order they waited: each takes its share of what
+                # opened, so a trainer step's room is split among the waiting workers, not taken by the first.
+                share = max(1, math.ceil(self.core.capacity() / wakeup.waiting))
+                wakeup.waiting -= 1
+                max_groups = min(request.max_groups, share)
+            capacity = self.core.capacity()
+            admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:
             raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None
         if admitted:
@@ -117,6 +156,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if result == "failed" and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
             unknown += not self.core.complete(outcome.group_id, result)
+        self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
 
@@ -146,6 +186,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             self.core.announce_version(request.version, request.restored)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        self.admission_may_have_opened()
         await self.store.set_version(request.version)
         await self.persist()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
@@ -172,6 +213,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             base_evaluation=request.base_evaluation,
             finished=request.finished,
         )
+        self.admission_may_have_opened()  # a finished job answers held polls at once
         await self.persist()
         return controller_pb2.ReportTrainStepResponse()
 

@@ -129,6 +129,7 @@ class RolloutWorker:
         store: TrajectoryStore,
         tokenizer,
         poll_interval: float = 0.2,
+        hold_seconds: float = 1.0,
         metrics: RolloutMetrics | None = None,
     ):
         self.job = job
@@ -140,6 +141,7 @@ class RolloutWorker:
         self.store = store
         self.tokenizer = tokenizer
         self.poll_interval = poll_interval
+        self.hold_seconds = hold_seconds
         self.stop_ids = stop_token_ids(tokenizer)
         self.engine_version = 0
         self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
@@ -256,7 +258,10 @@ class RolloutWorker:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat."""
+        """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat.
+
+        With free slots the poll is a long poll: the controller holds it until a group may start, so a worker
+        waiting on the staleness bound (or, synchronously, on the trainer's step) starts the moment it lifts."""
         await self.register()
         stopping = asyncio.create_task(stop.wait())
         try:
@@ -265,7 +270,12 @@ class RolloutWorker:
                 free = self.job.rollout.groups_per_worker - len(self.in_flight)
                 try:
                     reply = await self.controller.AcquireGroups(
-                        controller_pb2.AcquireGroupsRequest(worker_id=self.worker_id, max_groups=free, engine_version=self.engine_version)
+                        controller_pb2.AcquireGroupsRequest(
+                            worker_id=self.worker_id,
+                            max_groups=free,
+                            engine_version=self.engine_version,
+                            wait_ms=int(self.hold_seconds * 1000) if free > 0 else 0,
+                        )
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the controller restarted and forgot us
@@ -281,6 +291,9 @@ class RolloutWorker:
                     task = asyncio.create_task(self.process_group(group))
                     self.in_flight[task] = group
                     task.add_done_callback(lambda done: self.in_flight.pop(done, None))
+                if reply.groups or (free > 0 and self.engine_version >= reply.version):
+                    continue  # took work (there may be more), or the controller already held the call for us
+                # Every slot busy, or the engine still behind the controller's version (a weight push under way).
                 await asyncio.wait({stopping, *self.in_flight}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopping.cancel()
