@@ -123,14 +123,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 wakeup.waiting += 1
                 try:
                     await asyncio.wait_for(wakeup.event.wait(), remaining)
+                    # The polls one wakeup releases resume in the order they waited: each takes its share of what
+                    # opened, so a trainer step's room is split among the waiting workers, not taken by the first.
+                    max_groups = min(request.max_groups, max(1, math.ceil(self.core.capacity() / wakeup.waiting)))
                 except TimeoutError:
-                    wakeup.waiting -= 1
                     break
-                # The polls one wakeup releases resume in the order they waited: each takes its share of what
-                # opened, so a trainer step's room is split among the waiting workers, not taken by the first.
-                share = max(1, math.ceil(self.core.capacity() / wakeup.waiting))
-                wakeup.waiting -= 1
-                max_groups = min(request.max_groups, share)
+                finally:
+                    wakeup.waiting -= 1
             capacity = self.core.capacity()
             admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:
