@@ -212,7 +212,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             base_evaluation=request.base_evaluation,
             finished=request.finished,
         )
-        self.admission_may_have_opened()  # a finished job answers held polls at once
+        if request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
+            self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.ReportTrainStepResponse()
 
