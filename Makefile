@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench clean images e2e-kind
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -39,8 +39,21 @@ demo-assets: proto
 demo: demo-assets
 	$(VENV)/bin/arealctl run examples/demo.yaml --fresh
 
+# the real SGLang (the version the chart pins) for this CPU, in an env of its own (tests/sglang_server.py runs it)
+SGLANG_CPU := scripts/sglang-cpu
+sglang-env: .cache/sglang-env/.built
+.cache/sglang-env/.built: $(addprefix $(SGLANG_CPU)/,build.py check_env.py requirements.txt constraints.txt)
+	$(PYTHON) $(SGLANG_CPU)/build.py
+
+# a failed SGLang build does not stop the tests: those on the real server skip, with its reason
+# (.ci/run sets AREAL_REQUIRE_SGLANG=1, under which they fail instead)
 test: proto
+	-$(MAKE) --no-print-directory sglang-env
 	$(VENV)/bin/pytest
+
+# the real-SGLang tests on NVIDIA GPUs with NCCL (needs a GPU and PyPI; not run in CI, which has no GPU)
+gpu-sglang:
+	bash scripts/gpu-sglang.sh
 
 # the container images of images/ (needs a Docker engine; IMAGES="cpu operator" for a subset, PUSH=1 to push)
 images:
@@ -53,6 +66,10 @@ e2e-kind:
 # not a test: timings, reported as ratios measured side by side in one run (results in bench/results/)
 bench: demo-assets
 	$(PY) bench/sync_vs_async.py
+
+# the demo job's samples/s on the real SGLang (CPU) against our CPU engine (bench/results/sglang_vs_cpu.json)
+bench-sglang: demo-assets sglang-env
+	$(PY) bench/sglang_vs_cpu.py
 
 clean:
 	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)

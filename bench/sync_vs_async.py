@@ -67,13 +67,13 @@ class RunResult:
 
 
 def engine_load(urls: list[str], wait: float = 300.0) -> list[dict]:
-    """Each engine's /get_load (waiting for an engine that is still loading its model)."""
+    """Each CPU engine's /areal/load (waiting for an engine that is still loading its model)."""
     loads, deadline = [], time.monotonic() + wait
     for url in urls:
         while True:
             try:
-                with urllib.request.urlopen(f"{url}/get_load", timeout=30) as reply:
-                    loads += json.load(reply)
+                with urllib.request.urlopen(f"{url}/areal/load", timeout=30) as reply:
+                    loads.append(json.load(reply))
                 break
             except OSError:
                 if time.monotonic() > deadline:

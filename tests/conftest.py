@@ -4,6 +4,7 @@ import pytest
 import redis
 
 from areal_k8s.common.redis_server import EmbeddedRedis
+from sglang_server import sglang_model, sglang_server  # noqa: F401  (fixtures: one real SGLang server per session)
 
 # Tests and the processes they start share two cores: one torch thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

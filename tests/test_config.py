@@ -35,7 +35,10 @@ def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
         ("sampling:\n  temperature: hot\n", "sampling.temperature: Input should be a valid number"),
         ("rollout:\n  engine: vllm\n", "rollout.engine: Input should be 'cpu' or 'sglang'"),
         ("rollout:\n  engine: sglang\n  workers: 2\n  engine_urls: [http://a:30000]\n", "needs one entry in engine_urls per worker"),
-        ("rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\n  interrupt: retract\n", "interrupt: retract needs engine: cpu"),
+        (
+            "rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\ntrainer:\n  verify_weight_sync: true\n",
+            "trainer.verify_weight_sync needs rollout.engine: cpu",
+        ),
     ],
 )
 def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):
@@ -45,6 +48,12 @@ def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):
     assert "\n" not in message
     assert message.startswith(str(tmp_path / "job.yaml"))
     assert expected in message
+
+
+def test_sglang_engines_may_retract(tmp_path):
+    """SGLang 0.5.20 names each token's weight version (`weight_versions` spans), so a retract pause is fine."""
+    job = load_job_file(write(tmp_path, MINIMAL + "rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\n  interrupt: retract\n"))
+    assert job.rollout.interrupt == "retract"
 
 
 def test_missing_required_field_and_bad_name(tmp_path):

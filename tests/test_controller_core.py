@@ -1,6 +1,7 @@
 """The controller's admission, leases and recovery, as plain Python (no network)."""
 
 import random
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -123,9 +124,20 @@ def test_snapshot_restores_cursor_counters_and_leases():
     assert revived.snapshot() == core.snapshot()
     with pytest.raises(UnknownWorker):  # a restarted controller knows lease holders, but not their addresses
         revived.acquire("w", 1, engine_version=1)
-    revived.register("w", "127.0.0.1:1", 1)
+    assert revived.register("w", "127.0.0.1:1", 1) == []  # the worker lives on: its groups are still generating
     assert [a.item.id for a in revived.acquire("w", 1, engine_version=1)] == ["p3"]
     assert revived.expired_leases() == []  # lease holders get a grace period after a restart
+
+
+def test_a_worker_that_registers_again_restarted_and_its_old_groups_are_orphaned():
+    core = make_core(max_staleness=3)
+    held = {a.lease.group_id for a in core.acquire("w", 2, engine_version=0)}
+    assert len(held) == 2
+    assert core.register("v", "127.0.0.1:2", 0) == []  # a new worker
+    assert set(core.register("w", "127.0.0.1:1", 0)) == held
+    for group_id in sorted(held, key=lambda g: int(g[1:])):  # the shell revokes them: failed, served again first
+        core.complete(group_id, "failed", "its worker restarted")
+    assert [a.item.id for a in core.acquire("w", 2, engine_version=0)] == ["p0", "p1"]
 
 
 def test_finished_job_admits_nothing_and_total_work_is_capped():
@@ -246,3 +258,118 @@ def test_refusal_names_what_holds_a_request_back_without_counting_it():
     assert tail.refusal("w", 1, engine_version=0) == "no_work_left"
     assert tail.acquire("w", 1, engine_version=0) == []  # the end of the run is not counted as a block
     assert sum(tail.metrics.value("areal_controller_admission_blocks_total", reason=r) for r in ("staleness", "concurrency")) == 0
+
+
+# -- prompts that keep failing: dead letters ----------------------------------------------------------------
+
+
+def dead_letter_core(max_group_failures: int, items: int = 5, clock=None, **algorithm) -> ControllerCore:
+    algorithm = {"batch_size": 2, "group_size": 1, "max_staleness": 4, "total_steps": 50, **algorithm}
+    job = parse_job({"name": "t", "model": "m", "dataset": {"train": "x.jsonl", "shuffle": False}, "algorithm": algorithm,
+                     "rollout": {"max_group_failures": max_group_failures}})
+    dataset = [DatasetItem(id=f"p{i}", prompt=f"q{i}", reference=str(i), verifier="exact") for i in range(items)]
+    core = ControllerCore(job, dataset, lease_seconds=30, clock=clock or Clock())
+    core.register("w", "127.0.0.1:1", 0)
+    return core
+
+
+def fail_next(core: ControllerCore, reason: str = "engine error") -> str:
+    [admitted] = core.acquire("w", 1, engine_version=core.version)
+    core.complete(admitted.lease.group_id, "failed", reason)
+    return admitted.item.id
+
+
+def test_a_prompt_failing_max_group_failures_times_in_a_row_is_dead_lettered_and_never_admitted_again():
+    core = dead_letter_core(max_group_failures=3, items=2)
+    assert [fail_next(core, f"boom {i}") for i in range(3)] == ["p0", "p0", "p0"]  # retried first, then given up on
+    [letter] = core.unwritten_dead_letters
+    assert (letter.prompt_id, letter.item_index, letter.attempts, letter.reason, letter.worker_id) == ("p0", 0, 3, "boom 2", "w")
+    assert letter.group_id == "g2"  # the last attempt
+    assert core.metrics.value("areal_controller_dead_lettered_items_total") == 1
+    status = core.status()
+    assert (status["dead_lettered"], status["failed"], status["failure_reason"]) == (1, 3, "")
+    # another prompt takes its place, in this epoch and the next ones
+    assert [a.item.id for a in core.acquire("w", 4, engine_version=0)] == ["p1", "p1", "p1", "p1"]
+
+
+def test_a_success_ends_a_prompts_run_of_failures():
+    core = dead_letter_core(max_group_failures=2, items=1)
+    assert fail_next(core) == "p0"
+    [retried] = core.acquire("w", 1, engine_version=0)
+    assert retried.lease.failures == 1
+    core.complete(retried.lease.group_id, "accepted")
+    assert fail_next(core) == "p0"  # the next epoch's first failure of p0: one in a row, not two
+    assert core.unwritten_dead_letters == [] and core.retry == deque([(0, 1)])
+
+
+def test_a_run_with_a_prompt_that_always_fails_still_trains_every_step():
+    """Dead-lettered prompts leave the admission counts: the cursor supplies others until the run is done."""
+    core = dead_letter_core(max_group_failures=2, items=3, batch_size=2, max_staleness=0, total_steps=4)
+    accepted_this_version, version = 0, 0
+    for _ in range(1000):
+        if core.progress.finished:
+            break
+        for admitted in core.acquire("w", 8, engine_version=version):
+            poison = admitted.item.id == "p1"
+            core.complete(admitted.lease.group_id, "failed" if poison else "accepted", "prompt too long" if poison else "")
+            accepted_this_version += not poison
+        if accepted_this_version == 2:  # the trainer takes the batch
+            version, accepted_this_version = version + 1, 0
+            core.announce_version(version, restored=False)
+            core.record_step(version=version, groups=2, samples=2, tokens=2, max_staleness=0, mean_staleness=0,
+                             reward_mean=0, eval_accuracy=-1, base_evaluation=False, finished=version == 4)
+    assert version == 4 and core.accepted == 8, "the run stalled"
+    assert core.status()["dead_lettered"] == 1 and core.failed == 2 and core.failure is None
+    assert core.refusal("w", 1, engine_version=4) is None  # over, nothing left to wait for
+
+
+def test_the_job_fails_once_every_prompt_is_dead_lettered():
+    core = dead_letter_core(max_group_failures=1, items=2)
+    fail_next(core, "no engine")
+    assert core.failure is None and not core.over
+    fail_next(core, "still no engine")
+    assert core.failure.reason == "AllItemsDeadLettered"
+    assert "every one of the 2 dataset items failed 1 times in a row" in core.failure.message
+    assert core.failure.message.endswith("the last failure: still no engine")
+    assert core.over and core.acquire("w", 5, engine_version=0) == [] and core.refusal("w", 5, engine_version=0) is None
+    assert core.status()["failure_reason"] == "AllItemsDeadLettered"
+
+
+def test_failures_in_a_row_and_dead_letters_survive_a_restart():
+    clock = Clock()
+    core = dead_letter_core(max_group_failures=3, items=3, clock=clock)
+    fail_next(core)  # p0 failed once, waiting to be retried
+    fail_next(core)
+    fail_next(core)  # p0 dead-lettered
+    fail_next(core)  # p1 failed once
+    [held] = core.acquire("w", 1, engine_version=0)  # p1's second attempt, in flight
+    revived = dead_letter_core(max_group_failures=3, items=3, clock=clock)
+    revived.restore(core.snapshot())
+    assert revived.snapshot() == core.snapshot() and revived.unwritten_dead_letters == []
+    revived.register("w", "127.0.0.1:1", 0)
+    assert revived.leases[held.lease.group_id].failures == 1
+    revived.complete(held.lease.group_id, "failed", "again")
+    assert fail_next(revived, "third time") == "p1"
+    assert [(d.prompt_id, d.attempts) for d in revived.unwritten_dead_letters] == [("p1", 3)]
+    assert revived.status()["dead_lettered"] == 2
+    assert [a.item.id for a in revived.acquire("w", 3, engine_version=0)] == ["p2", "p2", "p2"]
+
+
+def test_a_snapshot_from_before_dead_letters_restores_with_no_failures_counted():
+    core = dead_letter_core(max_group_failures=2)
+    old = {**core.snapshot(), "retry": [3, 1]}  # bare item indices
+    del old["dead_items"]
+    core.restore(old)
+    assert core.retry == deque([(3, 0), (1, 0)]) and core.dead_items == set()
+
+
+def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits():
+    core = dead_letter_core(max_group_failures=3)
+    core.waiting_for = "waiting for the reward service"
+    assert core.refusal("w", 1, engine_version=0) == "starting"
+    assert core.acquire("w", 5, engine_version=0) == []
+    assert sum(core.metrics.value("areal_controller_admission_blocks_total", reason=r) for r in ("staleness", "concurrency")) == 0
+    status = core.status()
+    assert (status["ready"], status["message"]) == (False, "waiting for the reward service")
+    core.waiting_for = None
+    assert len(core.acquire("w", 5, engine_version=0)) == 5 and core.status()["ready"] is True

@@ -6,13 +6,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel
-from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.common.store import JobKeys, TrajectoryStore, connect
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import serve
 from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.reward.server import serve as serve_reward
 
 ITEMS = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
 JOB = parse_job({
@@ -27,14 +28,15 @@ JOB = parse_job({
 class Controller:
     """A controller service plus a client, restartable against the same Redis."""
 
-    def __init__(self, redis_url):
-        self.redis_url = redis_url
+    def __init__(self, redis_url, job=JOB, items=ITEMS):
+        self.redis_url, self.job, self.items = redis_url, job, items
 
-    async def start(self, lease_seconds=60.0):
+    async def start(self, lease_seconds=60.0, reward=None):
         self.redis = connect(self.redis_url)
-        self.store = TrajectoryStore(self.redis, JOB.name)
-        core = ControllerCore(JOB, ITEMS, lease_seconds=lease_seconds)
-        self.server, port, self.servicer, self.reaper = await serve(core, self.store, "127.0.0.1:0", reap_interval=3600)
+        self.store = TrajectoryStore(self.redis, self.job.name)
+        core = ControllerCore(self.job, self.items, lease_seconds=lease_seconds)
+        self.server, port, self.servicer, self.reaper = await serve(
+            core, self.store, "127.0.0.1:0", reap_interval=3600, reward=reward)
         self.channel = channel(f"127.0.0.1:{port}")
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -231,3 +233,118 @@ async def test_workers_waiting_on_the_bound_split_what_a_step_opens(controller):
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))  # (η + v + 1)·B − 4 = 2 groups may start
     replies = await asyncio.wait_for(asyncio.gather(*polls), timeout=30)
     assert [len(r.groups) for r in replies] == [1, 1]  # not both to whichever poll woke first
+
+
+# -- prompts that keep failing, and verifiers the reward service cannot load ---------------------------------
+
+
+async def fail_groups(stub, groups, reason, worker="w0"):
+    outcomes = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED, reason=reason)
+                for g in groups]
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id=worker, outcomes=outcomes))
+
+
+async def test_a_prompt_that_keeps_failing_goes_to_the_dead_letter_stream_across_a_restart(redis_url):
+    first = await Controller(redis_url).start()  # rollout.max_group_failures: 3 (the default)
+    await first.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    for attempt in range(2):
+        [group] = (await acquire(first.stub, 1)).groups
+        assert group.prompt_id == "p0"
+        await fail_groups(first.stub, [group], f"RuntimeError: attempt {attempt}")
+    await first.stop()
+
+    second = await Controller(redis_url).start()  # the two failures in a row were persisted
+    try:
+        stub = second.stub
+        await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+        [third] = (await acquire(stub, 1)).groups
+        assert third.prompt_id == "p0"
+        assert await second.store.read_dead_letters() == []
+        await fail_groups(stub, [third], "RuntimeError: attempt 2")
+        [letter] = await second.store.read_dead_letters()
+        assert {k: v for k, v in letter.items() if k != "id"} == {
+            "group_id": third.group_id, "prompt_id": "p0", "item_index": "0", "attempts": "3",
+            "reason": "RuntimeError: attempt 2", "worker_id": "w0"}
+        status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.phase, status.dead_lettered, status.failed, status.failure_reason) == (
+            controller_pb2.JobStatus.RUNNING, 1, 3, "")
+        assert second.servicer.core.metrics.value("areal_controller_dead_lettered_items_total") == 1
+        # the next prompts take its place, and the snapshot no longer re-queues it
+        assert [g.prompt_id for g in (await acquire(stub, 2)).groups] == ["p1", "p2"]
+        assert JobKeys(JOB.name).dead_letters == "areal:{svc}:dead-letters"
+    finally:
+        await second.stop()
+
+
+async def test_a_job_whose_every_prompt_is_dead_lettered_fails_and_releases_its_workers(redis_url):
+    job = JOB.model_copy(update={"rollout": JOB.rollout.model_copy(update={"max_group_failures": 1})})
+    c = await Controller(redis_url, job=job, items=ITEMS[:2]).start()
+    try:
+        await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+        await fail_groups(c.stub, (await acquire(c.stub, 2)).groups, "EngineError: HTTP 400: prompt too long")
+        status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.phase, status.failure_reason, status.dead_lettered) == (
+            controller_pb2.JobStatus.FAILED, "AllItemsDeadLettered", 2)
+        assert status.message.endswith("the last failure: EngineError: HTTP 400: prompt too long")
+        assert len(await c.store.read_dead_letters()) == 2
+        reply = await acquire(c.stub, 1)
+        assert reply.finished and list(reply.groups) == []  # the workers stop pulling
+    finally:
+        await c.stop()
+
+
+@pytest.fixture
+async def reward_service():
+    service = await serve_reward("127.0.0.1:0", workers=1)
+    yield service
+    await service.stop(grace=1)
+
+
+async def test_work_is_admitted_once_the_reward_service_loads_every_verifier(redis_url, reward_service):
+    async with channel(f"127.0.0.1:{reward_service.port}") as chan:
+        c = await Controller(redis_url).start(reward=reward_pb2_grpc.RewardStub(chan))
+        try:
+            await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+            reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+            assert len(reply.groups) == 2  # held until the check passed, then answered
+            status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+            assert status.ready and status.message == ""
+        finally:
+            await c.stop()
+
+
+async def test_a_verifier_the_reward_service_cannot_load_fails_the_job_at_start(redis_url, reward_service):
+    items = [*ITEMS[:3], DatasetItem(id="odd", prompt="?", reference="", verifier="nosuch.module:fn")]
+    async with channel(f"127.0.0.1:{reward_service.port}") as chan:
+        c = await Controller(redis_url, items=items).start(reward=reward_pb2_grpc.RewardStub(chan))
+        try:
+            await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+            reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+            assert reply.finished and list(reply.groups) == []  # no group was ever handed out
+            status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+            assert (status.phase, status.failure_reason) == (controller_pb2.JobStatus.FAILED, "VerifierUnavailable")
+            assert status.message == (
+                "the reward service cannot load the job's verifiers: verifier 'nosuch.module:fn': cannot import verifier "
+                "module 'nosuch.module': ModuleNotFoundError: No module named 'nosuch'")
+        finally:
+            await c.stop()
+
+
+async def test_admission_waits_for_a_reward_service_that_is_not_up_yet(redis_url, tmp_path):
+    address = f"unix:{tmp_path / 'reward.sock'}"  # a socket file, where a free TCP port could be taken meanwhile
+    async with channel(address) as chan:
+        c = await Controller(redis_url).start(reward=reward_pb2_grpc.RewardStub(chan))
+        try:
+            await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+            assert list((await acquire(c.stub, 2)).groups) == []
+            status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+            assert (status.phase, status.ready) == (controller_pb2.JobStatus.RUNNING, False)
+            assert status.message.startswith("waiting for the reward service to check the job's verifiers")
+            reward = await serve_reward(address, workers=1)
+            try:
+                reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+                assert len(reply.groups) == 2
+            finally:
+                await reward.stop(grace=1)
+        finally:
+            await c.stop()

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.rollout.cpu_engine import server
 from areal_k8s.rollout.cpu_engine.engine import (
     CpuEngine,
     DecodeBatch,
@@ -25,9 +24,9 @@ from areal_k8s.rollout.cpu_engine.engine import (
     context_length,
     generate_batch,
 )
-from areal_k8s.rollout.cpu_engine.server import ENGINE_KEY, create_app
-from areal_k8s.rollout.engine_client import EngineError, SGLangClient
-from areal_k8s.trainer.weight_sync import weights_checksum
+from areal_k8s.rollout.cpu_engine.server import create_app
+from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
+from areal_k8s.common.weights import weights_checksum
 from tiny_models import build_tiny_qwen2, tiny_llama
 
 torch.set_num_threads(1)
@@ -248,7 +247,8 @@ async def test_http_greedy_batch_and_staggered_requests_match_hf(server_url, hf_
         assert answer["output_ids"] == expected
         assert [token for _, token, _ in meta["output_token_logprobs"]] == expected
         assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(expected)
-        assert meta["weight_version"] == "0"
+        assert meta["weight_version"] == "default"  # SGLang's label for the weights it loaded
+        assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": len(expected)}]
         assert meta["finish_reason"]["type"] == ("stop" if expected[-1] == EOS else "length")
 
 
@@ -348,6 +348,25 @@ async def test_in_place_pause_resumes_with_the_same_greedy_output(engine):
     assert await engine.flush_cache()
 
 
+async def test_requests_arriving_while_paused_are_held_apart_so_the_cache_can_be_flushed(engine, hf_model):
+    """As SGLang holds requests before its scheduler while paused: after an abort pause the engine is idle (a flush
+    succeeds, as the weight push needs) even though a resubmitted request already waits; it runs on continue."""
+    long = {"temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}
+    (running,) = await started(engine, (PROMPTS[0], long))
+    await engine.pause_generation("abort")
+    try:
+        aborted = await running
+        assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+        resubmitted = asyncio.create_task(engine.generate(PROMPTS[0] + aborted["output_ids"], {"temperature": 0.0, "max_new_tokens": 4}))
+        await asyncio.sleep(0.1)
+        assert not resubmitted.done() and engine.load()["num_waiting_reqs"] == 1
+        assert await engine.flush_cache()
+    finally:
+        await engine.continue_generation()
+    answer = await resubmitted
+    assert answer["output_ids"] == hf_greedy(hf_model, PROMPTS[0] + aborted["output_ids"], 4)
+
+
 async def test_retract_pause_requeues_running_requests_and_names_the_version_of_every_token(engine):
     """Retracted requests wait in the queue without their cache, are prefilled again after the update and go on;
     the answer names the version that sampled each token (here the weights stay, so greedy output is unchanged)."""
@@ -370,9 +389,10 @@ async def test_retract_pause_requeues_running_requests_and_names_the_version_of_
     meta = answer["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 200} and meta["num_retractions"] == 1
     assert answer["output_ids"] == uninterrupted["output_ids"]  # nothing lost or repeated across the retraction
-    versions = meta["output_token_weight_versions"]
-    switch = versions.index("7")
-    assert switch >= 2 and versions == [before] * switch + ["7"] * (200 - switch)
+    (first, second) = meta["weight_versions"]  # SGLang's spans: which weight version sampled which tokens
+    switch = second["start"]
+    assert first == {"version": before, "start": 0, "end": switch} and second == {"version": "7", "start": switch, "end": 200}
+    assert switch >= 2 and meta["weight_version"] == "7"
     assert uninterrupted["meta_info"]["num_retractions"] == 0
 
 
@@ -404,7 +424,6 @@ BAD_REQUESTS = [
      b'"world_size": 2}', "master_port"),
     ("/update_weights_from_distributed", b'{"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}', "no weight"),
     ("/update_weights_from_distributed", b'{"names": ["x"], "dtypes": ["int7"], "shapes": [[1]]}', "dtype"),
-    ("/get_weights_by_name", b'{"name": "no.such.weight"}', "unknown"),
     ("/areal/weights_checksum", b'{"names": "model.norm.weight"}', "list"),
 ]
 
@@ -425,49 +444,34 @@ async def test_http_server_rejects_bad_requests_with_400_and_keeps_serving(serve
         assert failure.value.status == 400 and "top_p" in failure.value.message
         answer = await client.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 4})
         assert answer["output_ids"] == hf_greedy(hf_model, PROMPTS[0], 4)
-        assert await client.get_weight_version() == "0"
-        assert (await client.get_model_info())["is_generation"] is True
-        norm = await client.get_weights_by_name("model.norm.weight", truncate_size=5)
-        assert norm == hf_model.model.norm.weight[:5].tolist()
+        assert (await client.model_info())["weight_version"] == "default"
+        info = await client.model_info()
+        assert info["is_generation"] is True and info["architectures"] == ["Qwen2ForCausalLM"]
+        assert weight_group_ranks(await client.server_info(), "retract") == 1  # one rank, no prefix cache
         await client.flush_cache()
         assert await client.health()
     finally:
         await client.close()
-    legacy = SGLangClient(server_url, legacy_pause=True)  # SGLang <= 0.5.5: /pause_generation without a body
-    try:
-        with pytest.raises(ValueError, match="in_place"):
-            await legacy.pause_generation("in_place")
-        await legacy.pause_generation()
-        paused = asyncio.create_task(legacy.generate(PROMPTS[1], {"temperature": 0, "max_new_tokens": 3}))
-        await asyncio.sleep(0.1)
-        assert not paused.done()
-        await legacy.continue_generation()
-        assert (await paused)["output_ids"] == hf_greedy(hf_model, PROMPTS[1], 3)
-    finally:
-        await legacy.close()
 
 
-async def test_client_checksum_falls_back_to_get_weights_by_name_on_a_plain_sglang_api(engine, hf_model):
-    """A server with SGLang's routes only (no /areal/weights_checksum), as a real SGLang server is."""
-    app = web.Application()
-    app[ENGINE_KEY] = engine
-    app.router.add_get("/get_weight_version", server.get_weight_version)
-    app.router.add_post("/get_weights_by_name", server.get_weights_by_name)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    client = SGLangClient("http://%s:%d" % runner.addresses[0][:2])
+async def test_cpu_engine_client_checksums_by_name(server_url, hf_model):
+    client = CpuEngineClient(server_url)
     try:
         names = ["model.norm.weight", "model.layers.1.mlp.down_proj.weight"]
         checksum = await client.weights_checksum(names)
-        assert checksum["combined"] == (await engine.weights_checksum(names))["combined"]
         assert checksum["combined"] == weights_checksum([(n, hf_model.get_parameter(n)) for n in names])[1]
-        with pytest.raises(ValueError, match="names"):
-            await client.weights_checksum()
+        assert checksum["weight_version"] == "default"
     finally:
         await client.close()
-        await runner.cleanup()
+
+
+async def test_routes_that_sglang_0_5_20_no_longer_serves_are_not_found(server_url):
+    """/get_weight_version is gone in the pinned SGLang (the version is in /model_info): a client that called it
+    crash-looped against the real server while passing against ours."""
+    async with aiohttp.ClientSession() as session:
+        for path in ("/get_weight_version", "/weight_version", "/get_weights_by_name", "/get_load"):
+            async with session.get(server_url + path) as response:
+                assert response.status == 404, path
 
 
 JSON_VALUES = st.one_of(
@@ -499,11 +503,10 @@ def test_generate_answers_any_json_with_200_or_400(server_url, body):
     assert status in (200, 400), body
 
 
-async def test_get_load_reports_queue_and_busy_time(server_url):
+async def test_load_reports_queue_and_busy_time(server_url):
     def load() -> dict:
-        with urllib.request.urlopen(f"{server_url}/get_load", timeout=10) as reply:
-            (rank,) = json.load(reply)
-        return rank
+        with urllib.request.urlopen(f"{server_url}/areal/load", timeout=10) as reply:
+            return json.load(reply)
 
     before = load()
     client = SGLangClient(server_url)
@@ -521,13 +524,13 @@ async def test_get_load_reports_queue_and_busy_time(server_url):
 async def test_control_calls_reach_a_paused_engine_holding_many_generation_requests(server_url):
     """A paused engine holds every generation request open; pause/continue must not queue behind them (a client
     connection pool shared with generation deadlocked the weight push once more than its limit were in flight)."""
-    client = SGLangClient(server_url, timeout=120)
+    client = SGLangClient(server_url, control_timeout=120)
     try:
         await client.pause_generation("abort")
         held = [asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0.0})) for _ in range(150)]
         await asyncio.sleep(1.0)
         assert not any(task.done() for task in held)
-        await asyncio.wait_for(client.get_weight_version(), timeout=30)
+        await asyncio.wait_for(client.model_info(), timeout=30)
         await asyncio.wait_for(client.continue_generation(), timeout=30)
         answers = await asyncio.wait_for(asyncio.gather(*held), timeout=120)
     finally:

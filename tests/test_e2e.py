@@ -15,7 +15,7 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun, child_env
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
-from areal_k8s.trainer.weight_sync import weights_checksum
+from areal_k8s.common.weights import weights_checksum
 from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.e2e
@@ -45,10 +45,8 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         staleness = [x for s in steps for x in s["staleness"]]
         assert len(staleness) == len(entries) and max(staleness) <= job.algorithm.max_staleness
 
-        # after each push, every registered engine held exactly the trainer's weights (a worker that registers
-        # late joins the weight-update group at the next push); by the end both were in it
+        # after each push, every engine in the group held exactly the trainer's weights
         assert all(s["weights_verified"] and all(s["weights_verified"].values()) for s in steps)
-        assert steps[-1]["weights_verified"] == {"rollout-0": True, "rollout-1": True}
         assert all(s["weight_push"]["buckets"] >= 1 for s in steps)
         # dynamic sampling: groups without a reward signal never reached the trainer
         assert all(s["groups_without_signal"] == 0 for s in steps)
@@ -67,7 +65,10 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         _, expected = weights_checksum(list(saved.named_parameters()))
         initial = AutoModelForCausalLM.from_pretrained(job.model, dtype=torch.float32)
         assert weights_checksum(list(initial.named_parameters()))[1] != expected  # training moved the weights
-        for url in endpoints.engines:
+        # (each engine that took part in the last push: one that registers late joins at the next push, or at once
+        # when it is behind the current version, see the restart test below)
+        for worker_id in steps[-1]["weights_verified"]:
+            url = endpoints.engines[int(worker_id.rsplit("-", 1)[1])]
             with urllib.request.urlopen(f"{url}/areal/weights_checksum", timeout=30) as reply:
                 engine = json.load(reply)
             assert engine["combined"] == expected and engine["weight_version"] == "5"
@@ -114,5 +115,48 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
         assert "reclaimed" in trainer.log_path.read_text()
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 8
         client.close()
+    finally:
+        run.stop()
+
+
+def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_completes(assets, tmp_path, reward_importable):
+    """A rollout worker and its engine die mid-run and come back (a pod restart): the new engine serves the initial
+    weights, so the controller gives it no work until it serves the current version. The trainer, waiting for data
+    that only this worker can produce, pushes the current weights to it at once (it used to wait for a step that could
+    never come), the dead incarnation's groups are re-queued, and the run completes with every trajectory's tokens
+    no older than the version it was admitted at."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6}, trainer={"checkpoint_interval": 1})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        deadline = time.monotonic() + 300
+        while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
+            assert time.monotonic() < deadline and run.failed_service() is None
+            time.sleep(0.05)
+        worker, engine = run.service("rollout-0"), run.service("engine-0")
+        for service in (worker, engine):
+            service.process.send_signal(signal.SIGKILL)
+            service.process.wait()
+        restarted_at = read_steps(run.run_dir)[-1]["version"]
+        engine.start(child_env(1))
+        worker.start(child_env(1))
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
+        assert "pushing it" in run.service("trainer").log_path.read_text()  # while waiting, not at a later step
+
+        steps = read_steps(run.run_dir)
+        assert [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        entries = client.xrange(JobKeys(job.name).stream)
+        client.close()
+        trained = {e for s in steps for e in s["entries"]}
+        after_restart = [f for entry_id, f in entries if entry_id.decode() in trained and int(f[b"admitted_version"]) > restarted_at]
+        assert after_restart  # the restarted worker produced the rest of the run
+        assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in entries)
+
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 6), dtype=torch.float32)
+        with urllib.request.urlopen(f"{endpoints.engines[0]}/areal/weights_checksum", timeout=30) as reply:
+            assert json.load(reply)["combined"] == weights_checksum(list(saved.named_parameters()))[1]
     finally:
         run.stop()

@@ -4,6 +4,7 @@ and create-or-patch against kmock (real HTTP) without kopf."""
 import asyncio
 import copy
 from datetime import datetime, timedelta, timezone
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -78,6 +79,31 @@ def test_the_service_arguments_are_ones_the_services_accept(monkeypatch):
     monkeypatch.setattr("sys.argv", ["reward", *reward["args"]])
     assert (reward_args().workers, reward_args().port) == (1, names.REWARD_PORT)
     assert reward_args().job_name == validate(rljob()).config.name  # the `rljob` label of its metrics
+
+
+@pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
+def test_engine_probes_run_beside_the_engine_which_listens_on_loopback_only(example):
+    # The engine's API (weight updates, pausing generation) is for the agent in its pod: it listens on 127.0.0.1,
+    # where an httpGet probe (which the kubelet sends to the pod IP) cannot reach it. SGLang's /health runs a
+    # generation and gives up after 20 s itself; loading a large model takes minutes.
+    made = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text()))
+    engine = next(container(c, "engine") for (kind, _), c in made.items() if kind == "Deployment" and c["metadata"]["name"].endswith("-rollout"))
+    host = engine["args"][engine["args"].index("--host") + 1]
+    for kind in ("startupProbe", "readinessProbe"):
+        probe = engine[kind]
+        command = probe["exec"]["command"]
+        assert command[:2] == ["python", "-c"] and "httpGet" not in probe, kind
+        url = urlsplit(command[3])
+        assert (url.hostname, url.port, url.path) == (host, names.ENGINE_PORT, "/health") and host == "127.0.0.1", kind
+        assert probe["timeoutSeconds"] > float(command[4]) > 20, kind
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+
+
+def test_the_controller_checks_the_verifiers_with_the_reward_service():
+    controller = container(children(rljob())[("Deployment", "demo-controller")], "controller")
+    args = dict(zip(controller["args"][::2], controller["args"][1::2]))
+    assert args["--reward"] == "demo-reward:50053"
 
 
 def test_the_staleness_target_band_reaches_the_job_file_the_controller_exports_it_from():

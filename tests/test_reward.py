@@ -177,6 +177,22 @@ async def test_list_verifiers_names_the_builtins(stub):
     assert list(response.verifiers) == ["addition", "exact", "math"]
 
 
+async def test_check_verifiers_accepts_loadable_ones_and_names_each_that_is_not_and_why(stub, service):
+    await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["math", fixture("weighted_length")]))
+    # a checked custom verifier's failure rate starts at 0 rather than missing
+    assert service.pool.metrics.registry.get_sample_value(
+        "areal_reward_scored_items_total", {"rljob": "", "role": "reward", "verifier": fixture("weighted_length"), "status": "ok"}) == 0
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["exact", "nosuch.module:fn", fixture("missing")]))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details() == (
+        "verifier 'nosuch.module:fn': cannot import verifier module 'nosuch.module': ModuleNotFoundError: No module named "
+        "'nosuch'; verifier 'reward_fixtures:missing': verifier module 'reward_fixtures' has no 'missing'")
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest())
+    assert raised.value.details() == "verifiers must not be empty"
+
+
 @pytest.mark.parametrize(
     ("name", "message"),
     [

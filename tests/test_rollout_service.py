@@ -8,7 +8,7 @@ from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.store import TrajectoryStore, connect
-from areal_k8s.rollout.engine_client import SGLangClient
+from areal_k8s.common.sglang import SGLangClient, UnfitEngine, token_versions, weight_group_ranks
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 from tiny_models import build_tokenizer
@@ -19,7 +19,7 @@ JOB = parse_job({"name": "rollout-svc", "model": "m", "dataset": {"train": "t.js
 @pytest.fixture
 async def rollout(redis_url, unused_tcp_port):
     # Nothing listens on the engine's port: only requests that pass validation can notice.
-    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", timeout=5)
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)
     worker = RolloutWorker(
         job=JOB, worker_id="w0", address="127.0.0.1:0", controller=None, reward=None, engine=engine,
         store=TrajectoryStore(connect(redis_url), JOB.name), tokenizer=build_tokenizer(),
@@ -84,9 +84,13 @@ async def test_an_unreachable_engine_is_unavailable_and_the_service_keeps_servin
     assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def engine_answer(tokens: list[int], finish: str, weight_version: str, **extra) -> dict:
+def engine_answer(tokens: list[int], finish: str, weight_version: str, spans: list[tuple[str, int]] | None = None, **extra) -> dict:
+    """A /generate answer as SGLang 0.5.20 gives it; `spans` as (version, end) runs of the output tokens."""
     meta = {"id": "r", "finish_reason": {"type": finish}, "weight_version": weight_version,
-            "output_token_logprobs": [[-0.5, t, None] for t in tokens], **extra}
+            "output_token_logprobs": [[-0.5, t, None] for t in tokens], "num_retractions": 0, **extra}
+    if spans is not None:
+        starts = [0] + [end for _, end in spans[:-1]]
+        meta["weight_versions"] = [{"version": v, "start": s, "end": e} for (v, e), s in zip(spans, starts)]
     return {"output_ids": tokens, "meta_info": meta}
 
 
@@ -94,11 +98,40 @@ def test_answers_are_recorded_with_the_version_of_every_token():
     from areal_k8s.rollout.worker import Sample, record_answer
 
     sample = Sample()
-    assert not record_answer(sample, engine_answer([4, 5], "abort", "3"), budget=8)  # aborted: resubmit
-    retracted = engine_answer([6, 7, 8], "stop", "5", num_retractions=1, output_token_weight_versions=["4", "4", "5"])
+    assert not record_answer(sample, engine_answer([4, 5], "abort", "3", [("3", 2)]), budget=8)  # aborted: resubmit
+    retracted = engine_answer([6, 7, 8], "stop", "5", [("4", 2), ("5", 3)], num_retractions=1)
     assert record_answer(sample, retracted, budget=8)
     assert sample.output_ids == [4, 5, 6, 7, 8] and sample.versions == [3, 3, 4, 4, 5]
     assert sample.interruptions == 2 and sample.finish_reason == "stop"
-    # An engine that switched weights mid-request without naming each token's version cannot be labelled.
-    with pytest.raises(RuntimeError, match="does not report per-token versions"):
-        record_answer(Sample(), engine_answer([1], "stop", "5", num_retractions=1), budget=8)
+
+
+def test_a_retraction_under_memory_pressure_with_unchanged_weights_is_not_a_failure():
+    """SGLang retracts requests on its own when the KV cache runs full; the weights did not change, the spans say
+    so, and the request is simply recorded (it used to fail the whole group, again and again)."""
+    from areal_k8s.rollout.worker import Sample, record_answer
+
+    sample = Sample()
+    assert record_answer(sample, engine_answer([1, 2, 3], "length", "7", [("7", 3)], num_retractions=2), budget=3)
+    assert sample.versions == [7, 7, 7] and sample.finish_reason == "length"
+    # A server that sends no spans had one version for the whole request.
+    assert record_answer(plain := Sample(), engine_answer([9], "stop", "2", num_retractions=1), budget=3)
+    assert plain.versions == [2]
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[{"version": "1", "start": 1, "end": 3}], [{"version": "1", "start": 0, "end": 2}], [{"version": "1", "start": 0, "end": 4}]],
+)
+def test_spans_that_do_not_cover_the_output_are_refused(spans):
+    meta = {"weight_version": "1", "weight_versions": spans, "output_token_logprobs": [[-1.0, 5, None]] * 3}
+    with pytest.raises(ValueError, match="spans"):
+        token_versions(meta)
+
+
+def test_an_engine_is_checked_for_what_the_job_needs_and_takes_its_tensor_parallel_ranks():
+    assert weight_group_ranks({"tp_size": 2, "pp_size": 1, "disable_radix_cache": False}, "abort") == 2
+    assert weight_group_ranks({"tp_size": 4, "pp_size": 1, "disable_radix_cache": True}, "retract") == 4
+    with pytest.raises(UnfitEngine, match="--disable-radix-cache"):
+        weight_group_ranks({"tp_size": 1, "pp_size": 1, "disable_radix_cache": False}, "retract")
+    with pytest.raises(UnfitEngine, match="pipeline-parallel"):
+        weight_group_ranks({"tp_size": 1, "pp_size": 2, "disable_radix_cache": True}, "abort")

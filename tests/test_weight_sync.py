@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.rollout.engine_client import SGLangClient
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError, plan_buckets, weights_checksum
+from areal_k8s.common.sglang import CpuEngineClient
+from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
+from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
 from tiny_models import build_tiny_qwen2
 
 torch.set_num_threads(1)
@@ -64,6 +66,20 @@ def test_plan_buckets_properties(specs, budget):
     for before, after in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit, or changed dtype
         first = after[0][1]
         assert first.dtype != before[0][1].dtype or sizes_in_bytes(before) + sizes_in_bytes(after[:1]) > budget
+
+
+def test_a_flattened_bucket_is_the_tensors_bytes_in_order_and_reads_back_exactly():
+    """SGLang 0.5.20 receives a flattened bucket as one uint8 tensor of every tensor's bytes (FlattenedTensorBucket);
+    sending the values in their own dtype (what we did before) broadcasts a quarter of the bytes it waits for."""
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors = [torch.randn(3, 4).to(dtype), torch.randn(5).to(dtype), torch.randn(2, 2, 2).to(dtype)]
+        flat = flatten_bucket(tensors)
+        assert flat.dtype == torch.uint8 and flat.numel() == sum(t.numel() * t.element_size() for t in tensors)
+        assert bytes(flat[: 12 * dtype.itemsize].numpy()) == tensors[0].view(torch.uint8).numpy().tobytes()
+        back = unflatten_bucket(flat, [dtype] * 3, [list(t.shape) for t in tensors])
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, tensors))
+    with pytest.raises(ValueError, match="announced"):
+        unflatten_bucket(flat[:-1], [dtype] * 3, [list(t.shape) for t in tensors])
 
 
 def test_weights_checksum_hashes_float32_values_and_ignores_order():
@@ -118,7 +134,7 @@ def wait_for_ready_line(process: subprocess.Popen, log_path: Path, timeout: floa
 
 @pytest.fixture
 async def client(engine_url):
-    client = SGLangClient(engine_url, timeout=120)
+    client = CpuEngineClient(engine_url, control_timeout=120)
     await client.wait_until_healthy(60)
     yield client
     await client.close()
@@ -163,7 +179,7 @@ async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client,
     checksum = await client.weights_checksum()
     assert checksum["per_tensor"] == expected_per_tensor
     assert checksum["combined"] == expected
-    assert checksum["weight_version"] == "7" == await client.get_weight_version()
+    assert checksum["weight_version"] == "7" == (await client.model_info())["weight_version"]
     answers = await client.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 20})
     for prompt, answer in zip(PROMPTS, answers):
         assert answer["output_ids"] == hf_greedy(trainer_model, prompt, 20)
@@ -171,7 +187,7 @@ async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client,
 
 
 async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, trainer_model):
-    version_before = await client.get_weight_version()
+    version_before = (await client.model_info())["weight_version"]
     weights = sender()
     await weights.connect([client])
     try:
@@ -183,7 +199,7 @@ async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, 
             await weights.push(trainer_model.named_parameters(), version="bad")
     finally:
         await weights.close()
-    assert await client.get_weight_version() == version_before
+    assert (await client.model_info())["weight_version"] == version_before
     # Generation was continued after the failed push.
     assert (await client.generate([1, 2], {"max_new_tokens": 2}))["meta_info"]["finish_reason"]["type"] != "abort"
     await weights.connect([client])
@@ -220,11 +236,12 @@ TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
     """
     import asyncio, sys, torch, torch.distributed as dist
     from areal_k8s.common.distributed import create_rendezvous_store
-    from areal_k8s.rollout.engine_client import SGLangClient
-    from areal_k8s.trainer.weight_sync import WeightSender, weights_checksum
+    from areal_k8s.common.sglang import CpuEngineClient
+    from areal_k8s.common.weights import weights_checksum
+    from areal_k8s.trainer.weight_sync import WeightSender
 
     async def main(url, group_name):
-        client = SGLangClient(url)
+        client = CpuEngineClient(url)
         weights = WeightSender("gloo", bucket_bytes=1 << 20, timeout=60.0, group_name=group_name)
         await weights.connect([client])
         named = [("model.norm.weight", torch.full((64,), 0.5))]
@@ -252,7 +269,7 @@ async def test_a_trainer_that_already_has_a_default_process_group(engine_url, cl
     )
     output, _ = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode == 0 and b"MATCH" in output, output.decode()
-    assert await client.get_weight_version() == "with-default-group"
+    assert (await client.model_info())["weight_version"] == "with-default-group"
 
 
 def teacher_forced_logprobs(model, token_ids: list[int], start: int, temperature: float) -> list[float]:
@@ -298,3 +315,109 @@ async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_lo
         recomputed = teacher_forced_logprobs(model, tokens, len(prompt), sampling["temperature"])
         expected = torch.tensor([recomputed[i] for i in positions])
         assert torch.allclose(torch.tensor([sample.logprobs[i] for i in positions]), expected, atol=1e-4)
+
+
+# --- group layout and deadlines ------------------------------------------------------------------------------------
+
+
+def test_engines_with_tensor_parallelism_get_room_for_every_rank():
+    """SGLang joins each TP rank at rank_offset + tp_rank: offsets 1 + i collided as soon as an engine had TP 2."""
+    from areal_k8s.trainer.weight_sync import group_layout
+
+    assert group_layout([1]) == (2, [1])
+    assert group_layout([1, 1, 1]) == (4, [1, 2, 3])
+    assert group_layout([2, 1]) == (4, [1, 3])
+    assert group_layout([4, 2, 1]) == (8, [1, 5, 7])
+
+
+BROADCAST_PEER = textwrap.dedent(
+    """
+    import sys, time
+    from areal_k8s.common.distributed import init_side_group
+    init_side_group("gloo", "127.0.0.1", int(sys.argv[1]), 2, 1, "deadline", 30)
+    print("joined", flush=True)
+    time.sleep(60)  # a peer that never takes part in the broadcast
+    """
+)
+
+
+async def test_a_broadcast_nobody_receives_fails_at_its_deadline_and_the_group_can_be_aborted():
+    from areal_k8s.common.distributed import broadcast_within, create_rendezvous_store, destroy_side_group, init_side_group
+
+    store = create_rendezvous_store("127.0.0.1", 0, 2, 30)
+    peer = subprocess.Popen([sys.executable, "-c", BROADCAST_PEER, str(store.port)], env=SUBPROCESS_ENV, stdout=subprocess.PIPE)
+    try:
+        group = await asyncio.to_thread(init_side_group, "gloo", "127.0.0.1", store.port, 2, 0, "deadline", 30, store=store)
+        with pytest.raises(RuntimeError, match="timed out"):
+            await asyncio.to_thread(broadcast_within, torch.zeros(8, dtype=torch.uint8), group, 1.0)
+        destroy_side_group(group, abort=True)
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+@pytest.fixture
+def frozen_engine(model_path, tmp_path):
+    """An engine process of its own, which the test may stop (SIGSTOP) as a hung engine; always resumed and ended."""
+    log_path = tmp_path / "engine.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model_path), "--port", "0"],
+            stdout=log_file, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV,
+        )
+    try:
+        yield process, wait_for_ready_line(process, log_path)
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.kill()
+        process.wait()
+
+
+async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_group_works(frozen_engine, trainer_model, redis_url):
+    """Trainer -> rollout worker (gRPC) -> engine (HTTP), as in a run. Every call has a deadline: an engine that stops
+    answering fails the push after `timeout` (it used to block the trainer for an hour), and once it answers again
+    the group is rebuilt and the full weights land."""
+    from areal_k8s.api.v1 import rollout_pb2_grpc
+    from areal_k8s.common.config import parse_job
+    from areal_k8s.common.grpcutil import start_server
+    from areal_k8s.common.store import TrajectoryStore, connect
+    from areal_k8s.rollout.server import RolloutServicer
+    from areal_k8s.rollout.worker import RolloutWorker
+    from areal_k8s.trainer.targets import RolloutTarget
+    from tiny_models import build_tokenizer
+
+    process, url = frozen_engine
+    engine = CpuEngineClient(url, control_timeout=2)
+    job = parse_job({"name": "deadline", "model": "m", "dataset": {"train": "t.jsonl"}})
+    worker = RolloutWorker(job=job, worker_id="w0", address="", controller=None, reward=None, engine=engine,
+                           store=TrajectoryStore(connect(redis_url), job.name), tokenizer=build_tokenizer())
+    servicer = RolloutServicer(worker)
+    server, port, _ = await start_server(
+        [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")], "127.0.0.1:0"
+    )
+    target = RolloutTarget("w0", f"127.0.0.1:{port}", timeout=3)
+    weights = sender(timeout=3)
+    try:
+        await engine.wait_until_healthy(60)
+        await weights.connect([target])
+        stats = await weights.push(trainer_model.named_parameters(), version=1)
+        assert stats.buckets > 10  # a push long enough to stop the engine in the middle of it
+        push = asyncio.create_task(weights.push(trainer_model.named_parameters(), version=2))
+        while servicer.paused_at is None:  # generation paused: the buckets are next
+            await asyncio.sleep(0.001)
+        process.send_signal(signal.SIGSTOP)
+        with pytest.raises(WeightSyncError) as failure:
+            await push
+        assert "update_weights_from_distributed failed" in str(failure.value)
+        process.send_signal(signal.SIGCONT)
+        await weights.close()
+        await weights.connect([target])
+        await weights.push(trainer_model.named_parameters(), version=3)
+        checksum = await engine.weights_checksum()
+        assert checksum["weight_version"] == "3" and checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
+    finally:
+        process.send_signal(signal.SIGCONT)
+        await weights.close()
+        await target.close()
+        await server.stop(None)
+        await engine.close()

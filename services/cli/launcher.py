@@ -24,6 +24,7 @@ from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
+from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
 from areal_k8s.common.redis_server import EmbeddedRedis, free_port
 
 
@@ -84,6 +85,10 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def job_failure(status: controller_pb2.JobStatus) -> str:
+    return f"job {status.job} failed ({status.failure_reason}): {status.message}"
+
+
 def wait_serving(service: Service, address: str, deadline: float) -> None:
     """Block until the standard gRPC health service at `address` reports SERVING."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
@@ -98,6 +103,29 @@ def wait_serving(service: Service, address: str, deadline: float) -> None:
                 pass
             if time.monotonic() > deadline:
                 raise LaunchError(f"{service.name} did not become healthy in time (log: {service.log_path})")
+            time.sleep(0.2)
+
+
+def wait_ready(controller: Service, address: str, deadline: float) -> None:
+    """Block until the controller's start-up checks pass (the reward service loads the job's verifiers); a job
+    they fail is reported before anything else starts."""
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        stub = controller_pb2_grpc.ControllerStub(ch)
+        while True:
+            if controller.exit_code is not None:
+                raise LaunchError(f"controller exited while starting: {controller.last_error()} (log: {controller.log_path})")
+            try:
+                status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
+            except grpc.RpcError as exc:  # e.g. Redis busy for a moment; a dead controller is caught above
+                waiting = f"answering GetJobStatus ({exc.code().name})"
+            else:
+                if status.phase == controller_pb2.JobStatus.FAILED:
+                    raise LaunchError(job_failure(status))
+                if status.ready:
+                    return
+                waiting = status.message
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the controller is not ready in time: {waiting} (log: {controller.log_path})")
             time.sleep(0.2)
 
 
@@ -126,7 +154,10 @@ class LocalRun:
         (self.run_dir / "summary.json").unlink(missing_ok=True)
 
     def start(self, mode: str = "new", timeout: float = 300.0, prometheus: str | None = None) -> Endpoints:
-        """Start every service; with `prometheus` (a scrape interval such as "5s") a Prometheus server first."""
+        """Start every service; with `prometheus` (a scrape interval such as "5s") a Prometheus server first.
+        Raises ModelDirectoryError before anything starts if the model or tokenizer directory cannot be opened."""
+        check_model_dir(self.job.model)
+        check_tokenizer_dir(self.job.tokenizer_path)
         self.prepare_run_dir(mode)
         job_file = self.run_dir / "job.yaml"
         job_file.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
@@ -160,7 +191,8 @@ class LocalRun:
 
         controller = self.spawn(
             "controller",
-            ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url, *metrics("controller")],
+            ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url, "--reward", ends.reward,
+             *metrics("controller")],
             logs, 1,
         )
         reward = self.spawn(
@@ -171,6 +203,7 @@ class LocalRun:
         )
         wait_serving(controller, ends.controller, deadline)
         wait_serving(reward, ends.reward, deadline)
+        wait_ready(controller, ends.controller, deadline)
         if self.job.rollout.engine == "cpu":
             for i, url in enumerate(ends.engines):
                 self.spawn(
@@ -250,6 +283,8 @@ class LocalRun:
                     pass  # the controller is busy or restarting; a dead one is caught below
                 if trainer_done and status.phase == controller_pb2.JobStatus.COMPLETED:
                     return status
+                if status.phase == controller_pb2.JobStatus.FAILED:
+                    raise LaunchError(job_failure(status))
                 failed = self.failed_service()
                 if failed:
                     raise LaunchError(f"{failed.name} exited with code {failed.exit_code}: {failed.last_error()} (log: {failed.log_path})")
@@ -287,6 +322,7 @@ class LocalRun:
             "mean_staleness": round(status.mean_staleness, 3),
             "trajectories_produced": status.accepted * status.group_size,
             "trajectories_consumed": status.consumed * status.group_size,
+            "dead_lettered_items": status.dead_lettered,
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),
             "rollout_workers": self.job.rollout.workers,

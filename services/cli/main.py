@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from google.protobuf.json_format import MessageToDict
@@ -26,12 +27,15 @@ def cmd_validate(args) -> int:
 
 def cmd_run(args) -> int:
     from areal_k8s.cli.launcher import LaunchError, LocalRun
-    from areal_k8s.cli.progress import ProgressView
-
     from areal_k8s.cli.monitor import PrometheusError
+    from areal_k8s.cli.progress import ProgressView
+    from areal_k8s.common.prompts import ModelDirectoryError
 
     job = load_job_file(args.job)
     run = LocalRun(job)
+    # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
+    # would otherwise outlive arealctl.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     mode = "fresh" if args.fresh else "resume" if args.resume else "new"
     view = ProgressView(job.name, job.algorithm.total_steps)
     status = None
@@ -49,6 +53,8 @@ def cmd_run(args) -> int:
             run.write_summary(status, interrupted=True)
             report_quietly(run.run_dir)
         return fail("interrupted; services stopped (continue with --resume)", EXIT_INTERRUPTED)
+    except ModelDirectoryError as exc:  # found before anything started
+        return fail(str(exc), EXIT_INVALID)
     except (LaunchError, PrometheusError) as exc:
         run.stop()
         return fail(str(exc), EXIT_FAILED)

@@ -24,7 +24,7 @@ def status_line(s: controller_pb2.JobStatus) -> str:
         f"step {s.version}/{s.total_steps} | reward {s.reward_mean:.3f} | held-out {_accuracy(s.base_accuracy)} → "
         f"{_accuracy(s.eval_accuracy)} | staleness {s.last_max_staleness} (max {s.max_staleness_seen}, η={s.eta}) | "
         f"{s.samples_per_second:.2f} samples/s {s.tokens_per_second:.0f} tokens/s | queue {s.queue_depth} | "
-        f"running {s.running} workers {s.workers}"
+        f"running {s.running} workers {s.workers}" + (f" | dead-lettered {s.dead_lettered}" if s.dead_lettered else "")
     )
 
 
@@ -64,7 +64,8 @@ def status_table(s: controller_pb2.JobStatus, recorder: MetricsRecorder | None =
     table.add_row("held-out accuracy", f"{_accuracy(s.base_accuracy)} → {_accuracy(s.eval_accuracy)}", "throughput",
                   f"{s.samples_per_second:.2f} samples/s, {s.tokens_per_second:.0f} tokens/s")
     table.add_row("staleness", f"last ≤ {s.last_max_staleness}, max {s.max_staleness_seen}, mean {s.mean_staleness:.2f} (η = {s.eta})",
-                  "admission", f"running {s.running}, capacity {s.capacity}, accepted {s.accepted}")
+                  "admission", f"running {s.running}, capacity {s.capacity}, accepted {s.accepted}, failed {s.failed}, "
+                  f"dead-lettered {s.dead_lettered}")
     table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
     if recorder and recorder.snapshots:
         rows = metric_rows(recorder)

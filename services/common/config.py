@@ -163,13 +163,20 @@ class RolloutConfig(_Section):
     groups_per_worker: Annotated[int, Field(ge=1)] = Field(
         8, description="Prompt groups a worker keeps in flight (its share of the admission capacity)."
     )
+    max_group_failures: Annotated[int, Field(ge=1)] = Field(
+        3,
+        description="A prompt whose group fails this many times in a row (any cause, a lost worker too) is "
+        "dead-lettered: never admitted again, recorded with its last reason in the job's dead-letter stream in Redis "
+        "(areal:{job}:dead-letters) and counted in the status; another prompt takes its place. The job fails once "
+        "every prompt is dead-lettered.",
+    )
     prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
     interrupt: Literal["abort", "retract"] = Field(
         "abort",
-        description="How a weight push interrupts in-flight requests. `abort` (SGLang, AReaL): they come back with "
-        "their tokens so far and the worker resubmits prompt + prefix. `retract` (CPU engine only): the engine "
-        "re-queues them itself and reports each token's version; same trajectories, no round trip per request. "
-        "Either way the prefix's KV cache is recomputed under the new weights.",
+        description="How a weight push interrupts in-flight requests. `abort` (AReaL's choice): they come back with "
+        "their tokens so far and the worker resubmits prompt + prefix. `retract`: the engine re-queues them itself "
+        "and reports each token's version (SGLang's `weight_versions` spans); same trajectories, no round trip per "
+        "request. Either way the prefix's KV cache is recomputed under the new weights.",
     )
 
     @model_validator(mode="after")
@@ -178,8 +185,6 @@ class RolloutConfig(_Section):
             raise ValueError(f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}")
         if self.engine == "cpu" and self.engine_urls:
             raise ValueError("engine_urls is only used with engine: sglang")
-        if self.engine == "sglang" and self.interrupt == "retract":
-            raise ValueError("interrupt: retract needs engine: cpu (SGLang does not report which tokens each weight version sampled)")
         return self
 
 
@@ -192,7 +197,9 @@ class TrainerConfig(_Section):
         300.0, description="How long joining the weight-update group or one bucket's broadcast may take before the push fails."
     )
     verify_weight_sync: bool = Field(
-        False, description="After every push, compare the engines' weight checksums with the trainer's (costly on big models)."
+        False,
+        description="After every push, compare the engines' weight checksums with the trainer's (costly on big models; "
+        "CPU engine only: SGLang has no route that returns its weights by Hugging Face name).",
     )
     micro_batch_tokens: Annotated[int, Field(ge=1)] = Field(
         16384, description="Padded tokens per forward/backward micro-batch; gradients accumulate to the full-batch loss."
@@ -224,6 +231,15 @@ class JobConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
+
+    @model_validator(mode="after")
+    def _verify_needs_the_cpu_engine(self) -> JobConfig:
+        if self.trainer.verify_weight_sync and self.rollout.engine != "cpu":
+            raise ValueError(
+                "trainer.verify_weight_sync needs rollout.engine: cpu (SGLang's /weights_checker hashes its own fused, "
+                "sharded tensors, which cannot be compared with the trainer's Hugging Face weights)"
+            )
+        return self
 
     @property
     def tokenizer_path(self) -> str:

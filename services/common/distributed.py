@@ -8,9 +8,14 @@ makes it independent of any default group (Megatron's, say) the process may alre
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import Backend, PrefixStore, Store, TCPStore
 from torch.distributed.distributed_c10d import _new_process_group_helper, _world
@@ -68,13 +73,49 @@ def init_side_group(
         Backend(backend),
         PrefixStore(group_name, store),
         group_name=group_name,
-        timeout=wait,
+        # Callers wait on each collective with `timeout` and abort the group when it passes; the group's own
+        # timeout (NCCL's watchdog, which would take the process down) only backs that up.
+        timeout=2 * wait,
     )
     # `destroy_process_group` and rank translation look the group up here; the helper leaves it to its callers.
     _world.pg_group_ranks[group] = {index: index for index in range(world_size)}
     return group
 
 
-def destroy_side_group(group: dist.ProcessGroup) -> None:
-    """Tear down a group made by `init_side_group`; the default group, if any, is untouched."""
+def destroy_side_group(group: dist.ProcessGroup, *, abort: bool = False) -> None:
+    """Tear down a group made by `init_side_group`; the default group, if any, is untouched. `abort` first when a
+    collective may still be pending on it (a failed or timed-out broadcast), so the teardown cannot wait on it."""
+    if abort:
+        group.abort()
     dist.destroy_process_group(group)
+
+
+def broadcast_within(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: float) -> None:
+    """Broadcast from group rank 0 (sending or receiving) and wait until it is done, at most `timeout` seconds
+    (raises otherwise). With NCCL a plain broadcast returns once queued on the stream; waiting on the work with a
+    timeout blocks the host until the transfer is over."""
+    work = dist.broadcast(tensor, group_src=0, group=group, async_op=True)
+    work.wait(timedelta(seconds=timeout))
+
+
+async def in_daemon_thread(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`call(*args, **kwargs)` in a thread of its own: for blocking group operations (joining, broadcasting), which may wait on
+    a peer that is gone until their own timeout. Unlike `asyncio.to_thread`, the thread is a daemon outside the loop's
+    executor, so a caller that gave up on it (a failed push) is not held up by it when the process shuts down."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any = None, error: BaseException | None = None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result = call(*args, **kwargs)
+        except BaseException as exc:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name=f"collective-{getattr(call, '__name__', 'call')}", daemon=True).start()
+    return await future

@@ -116,6 +116,10 @@ class ControllerMetrics(ServiceMetrics):
         self.groups = self.counter(
             "areal_controller_groups_total", "Prompt groups settled, by result (accepted, filtered, failed).",
             extra=("result",))
+        self.dead_lettered = self.counter(
+            "areal_controller_dead_lettered_items_total",
+            "Dataset items dead-lettered: their group failed rollout.max_group_failures times in a row; they are never "
+            "admitted again (each has an entry with its last reason in the job's dead-letter stream).")
         self.workers = self.gauge("areal_controller_workers", "Rollout workers registered.")
         self.staleness_bound = self.gauge("areal_controller_staleness_bound", "η: the most versions a sample may lag.")
         self.staleness_target = self.gauge(
@@ -209,6 +213,9 @@ class TrainerMetrics(ServiceMetrics):
             "areal_weight_sync_duration_seconds", "One weight push, from pausing generation to resuming it.")
         self.weight_sync_bytes = self.counter("areal_weight_sync_bytes_total", "Bytes of weights broadcast.")
         self.weight_sync_buckets = self.counter("areal_weight_sync_buckets_total", "Weight buckets broadcast.")
+        self.weight_sync_failures = self.counter(
+            "areal_weight_sync_failures_total",
+            "Weight pushes that failed twice (a worker gone or hung); its engines get the weights at the next push.")
         self.reward_mean = self.gauge("areal_task_reward_mean", "Mean reward of the last trained batch.")
         self.heldout_accuracy = self.gauge("areal_task_heldout_accuracy", "Greedy held-out accuracy, as last measured.")
         for phase in TRAINER_PHASES:

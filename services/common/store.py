@@ -3,11 +3,13 @@
 One stream per job. Rollout workers append a whole group atomically (a Lua script that refuses groups the
 controller has revoked, so a re-issued group is never trained twice). The trainer reads through a consumer
 group, acknowledges entries only after the step that used them is checkpointed, reclaims the pending entries
-of a dead consumer with XAUTOCLAIM, and trims what nobody needs any more (bounded retention).
+of a dead consumer with XAUTOCLAIM, and trims what nobody needs any more (bounded retention). Prompts whose
+groups keep failing go to a second, capped stream, the job's dead letters, written with the controller's snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -16,6 +18,8 @@ from redis.exceptions import ResponseError
 from areal_k8s.api.v1 import common_pb2
 
 CONSUMER_GROUP = "trainer"
+# Entries kept in a job's dead-letter stream; the oldest go first. Nothing consumes it: it is there to be read.
+DEAD_LETTER_RETENTION = 10_000
 
 # KEYS: stream, written, revoked. ARGV: group_id, then per trajectory: trajectory_id, min_version, max_version,
 # admitted_version, ticket, payload.
@@ -50,6 +54,7 @@ class JobKeys:
         self.written = f"{self.prefix}:written-groups"
         self.revoked = f"{self.prefix}:revoked-groups"
         self.controller_state = f"{self.prefix}:controller"
+        self.dead_letters = f"{self.prefix}:dead-letters"
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,27 @@ class TrajectoryStore:
     async def revoke_group(self, group_id: str) -> bool:
         """Stop a group from being written later. True if it had already been written (nothing to redo)."""
         return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
+
+    async def load_controller_state(self) -> str | None:
+        state = await self.client.get(self.keys.controller_state)
+        return None if state is None else state.decode()
+
+    async def save_controller_state(self, state: str, dead_letters: Sequence[Mapping[str, str | int]] = ()) -> None:
+        """The controller's snapshot and the dead letters settled since the previous one, in one transaction: a
+        snapshot that no longer re-queues an item always comes with that item's dead letter."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            for entry in dead_letters:
+                pipe.xadd(self.keys.dead_letters, entry, maxlen=DEAD_LETTER_RETENTION, approximate=False)
+            pipe.set(self.keys.controller_state, state)
+            await pipe.execute()
+
+    async def read_dead_letters(self, count: int = 100) -> list[dict[str, str]]:
+        """The newest `count` dead letters, oldest first, each with its stream entry id under `id`."""
+        entries = await self.client.xrevrange(self.keys.dead_letters, count=count)
+        return [
+            {"id": entry_id.decode(), **{k.decode(): v.decode() for k, v in fields.items()}}
+            for entry_id, fields in reversed(entries)
+        ]
 
     # -- consumer (trainer) --------------------------------------------------------------------------------
 

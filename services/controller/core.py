@@ -3,6 +3,10 @@
 It owns the dataset cursor, the admission counters, the leases of prompt groups handed to rollout workers,
 the worker registry and the job's progress figures. The gRPC shell (server.py) persists `snapshot()` to
 Redis after every change and restores it on start, so a restarted controller carries on where it stopped.
+
+A failed group's prompt is admitted again before new ones, until it has failed `rollout.max_group_failures` times
+in a row; then it is dead-lettered (never admitted again; the shell writes its dead letter with the next snapshot)
+and the cursor supplies another prompt in its place, so the run still trains `total_steps` batches.
 """
 
 from __future__ import annotations
@@ -29,6 +33,25 @@ class Lease:
     admitted_version: int
     worker_id: str
     admitted_at: float
+    failures: int = 0  # failed attempts at this prompt in a row before this one
+
+
+@dataclass
+class DeadLetter:
+    """A prompt given up on: what the dead-letter stream records about it."""
+
+    group_id: str  # its last attempt
+    prompt_id: str
+    item_index: int
+    attempts: int
+    reason: str  # why the last attempt failed
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    reason: str  # CamelCase, as a Kubernetes condition's reason
+    message: str  # one line
 
 
 @dataclass
@@ -37,6 +60,8 @@ class Worker:
     address: str
     engine_version: int
     last_seen: float
+    engine_ranks: int = 1  # ranks its engine takes in the weight-update group (the engine's tensor-parallel size)
+    registered_at: float = 0.0
 
 
 @dataclass
@@ -115,7 +140,11 @@ class ControllerCore:
         self.accepted = 0
         self.filtered = 0
         self.failed = 0
-        self.retry: deque[int] = deque()  # item indices of failed groups, served before new ones
+        self.retry: deque[tuple[int, int]] = deque()  # (item index, failures in a row) of failed groups, served first
+        self.dead_items: set[int] = set()  # item indices dead-lettered: never admitted again
+        self.unwritten_dead_letters: list[DeadLetter] = []  # the shell writes them with the next snapshot
+        self.waiting_for: str | None = None  # a start-up check that must pass before anything is admitted
+        self.failure: JobFailure | None = None
         self.leases: dict[str, Lease] = {}
         self.workers: dict[str, Worker] = {}
         self.progress = Progress()
@@ -145,6 +174,14 @@ class ControllerCore:
     def total_groups(self) -> int:
         return self.job.algorithm.total_steps * self.job.algorithm.batch_size
 
+    @property
+    def over(self) -> bool:
+        """Finished or failed: workers stop pulling."""
+        return self.progress.finished or self.failure is not None
+
+    def fail(self, reason: str, message: str) -> None:
+        self.failure = JobFailure(reason, " ".join(message.split()))
+
     def admission_state(self) -> dict[str, int]:
         algorithm = self.job.algorithm
         return dict(
@@ -160,13 +197,24 @@ class ControllerCore:
     def capacity(self) -> int:
         return admission_capacity(**self.admission_state())
 
-    def register(self, worker_id: str, address: str, engine_version: int) -> None:
-        self.workers[worker_id] = Worker(worker_id, address, engine_version, self.clock())
+    def register(self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1) -> list[str]:
+        """Record a worker; returns the groups an earlier incarnation of it still holds, which the shell revokes.
+
+        A worker the controller knows as live registers again only when it restarted (one the controller forgot
+        in its own restart re-registers with its groups still running, and keeps them): what its previous process
+        was generating is gone.
+        """
+        previous = self.workers.get(worker_id)
+        orphaned = [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id] if previous and previous.address else []
+        now = self.clock()
+        self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now)
+        return orphaned
 
     def refusal(self, worker_id: str, max_groups: int, engine_version: int) -> str | None:
         """Why a request for `max_groups` would get nothing now: `stale_engine`, the bound that admits nothing
         (`staleness`, `concurrency`), or `no_work_left` (every group the run needs has started; a failed one
-        reopens it); None when groups can start, or when nothing was asked for or the job is finished.
+        reopens it), `starting` while a start-up check has not passed; None when groups can start, or when
+        nothing was asked for or the job is over.
 
         A worker whose engine does not yet serve the current version gets nothing: its tokens would be
         older than the version the admission is charged to.
@@ -174,8 +222,10 @@ class ControllerCore:
         worker = self.workers.get(worker_id)
         if worker is None or not worker.address:  # no address: a lease holder restored from a snapshot
             raise UnknownWorker(f"worker {worker_id!r} is not registered")
-        if self.progress.finished or max_groups <= 0:
+        if self.over or max_groups <= 0:
             return None
+        if self.waiting_for is not None:
+            return "starting"
         if engine_version < self.version:
             return "stale_engine"
         state = self.admission_state()
@@ -190,14 +240,16 @@ class ControllerCore:
         worker.last_seen = self.clock()
         worker.engine_version = engine_version
         if reason is not None:
-            if reason != "no_work_left":  # the end of the run, not a bound holding it back
+            if reason not in ("no_work_left", "starting"):  # not a bound holding the run back
                 self.metrics.admission_blocks.labels(reason=reason).inc()
             return []
-        if self.progress.finished:
+        if self.over:
             return []
         admitted = []
         for _ in range(min(max_groups, self.capacity())):
-            item_index = self.retry.popleft() if self.retry else self.cursor.next()
+            if (next_item := self.next_item()) is None:
+                break
+            item_index, failures = next_item
             lease = Lease(
                 group_id=f"g{self.next_ticket}",
                 item_index=item_index,
@@ -205,14 +257,29 @@ class ControllerCore:
                 admitted_version=self.version,
                 worker_id=worker_id,
                 admitted_at=self.clock(),
+                failures=failures,
             )
             self.next_ticket += 1
             self.leases[lease.group_id] = lease
             admitted.append(Admitted(lease, self.items[item_index]))
         return admitted
 
-    def complete(self, group_id: str, result: str) -> bool:
-        """Settle a lease: `accepted`, `filtered` or `failed` (re-queued). False if the lease is unknown."""
+    def next_item(self) -> tuple[int, int] | None:
+        """(item index, its failures in a row) to admit next: a failed prompt first, else the cursor's next one
+        that is not dead-lettered; None when every prompt is."""
+        while self.retry:
+            item_index, failures = self.retry.popleft()
+            if item_index not in self.dead_items:  # the same prompt, leased twice across epochs, died meanwhile
+                return item_index, failures
+        if len(self.dead_items) == len(self.items):
+            return None
+        while (item_index := self.cursor.next()) in self.dead_items:
+            pass
+        return item_index, 0
+
+    def complete(self, group_id: str, result: str, reason: str = "") -> bool:
+        """Settle a lease: `accepted`, `filtered` or `failed` (re-queued or dead-lettered; `reason` says why it
+        failed). False if the lease is unknown."""
         lease = self.leases.pop(group_id, None)
         if lease is None:
             return False
@@ -222,11 +289,33 @@ class ControllerCore:
             self.filtered += 1
         elif result == "failed":
             self.failed += 1
-            self.retry.append(lease.item_index)
+            self.requeue_or_dead_letter(lease, reason)
         else:
             raise ValueError(f"unknown group result {result!r}")
         self.metrics.groups.labels(result=result).inc()
         return True
+
+    def requeue_or_dead_letter(self, lease: Lease, reason: str) -> None:
+        attempts = lease.failures + 1
+        if lease.item_index in self.dead_items:
+            return
+        if attempts < self.job.rollout.max_group_failures:
+            self.retry.append((lease.item_index, attempts))
+            return
+        self.dead_items.add(lease.item_index)
+        item = self.items[lease.item_index]
+        self.unwritten_dead_letters.append(
+            DeadLetter(lease.group_id, item.id, lease.item_index, attempts, reason or "no reason given", lease.worker_id))
+        self.metrics.dead_lettered.inc()
+        self.fail_if_every_item_is_dead(reason)
+
+    def fail_if_every_item_is_dead(self, last_reason: str = "") -> None:
+        if len(self.dead_items) < len(self.items):
+            return
+        last = f"; the last failure: {last_reason}" if last_reason else ""
+        self.fail("AllItemsDeadLettered",
+                  f"every one of the {len(self.items)} dataset items failed {self.job.rollout.max_group_failures} times in "
+                  f"a row and was dead-lettered (the job's dead-letter stream has each one's reason){last}")
 
     def expired_leases(self) -> list[str]:
         """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
@@ -299,6 +388,10 @@ class ControllerCore:
             "started_at": self.started_at,
             "updated_at": now,
             "finished": p.finished,
+            "dead_lettered": len(self.dead_items),
+            "ready": self.waiting_for is None,
+            "failure_reason": self.failure.reason if self.failure else "",
+            "message": self.failure.message if self.failure else self.waiting_for or "",
         }
 
     # -- persistence ---------------------------------------------------------------------------------------
@@ -312,7 +405,8 @@ class ControllerCore:
             "accepted": self.accepted,
             "filtered": self.filtered,
             "failed": self.failed,
-            "retry": list(self.retry),
+            "retry": [list(entry) for entry in self.retry],
+            "dead_items": sorted(self.dead_items),
             "leases": [asdict(lease) for lease in self.leases.values()],
             "progress": asdict(self.progress),
             "started_at": self.started_at,
@@ -327,7 +421,10 @@ class ControllerCore:
         )
         self.next_ticket = snapshot["next_ticket"]
         self.accepted, self.filtered, self.failed = snapshot["accepted"], snapshot["filtered"], snapshot["failed"]
-        self.retry = deque(snapshot["retry"])
+        # A snapshot from before dead-lettering holds bare item indices: their failures in a row are unknown, so 0.
+        self.retry = deque((entry, 0) if isinstance(entry, int) else tuple(entry) for entry in snapshot["retry"])
+        self.dead_items = set(snapshot.get("dead_items", []))
+        self.fail_if_every_item_is_dead()
         self.leases = {lease["group_id"]: Lease(**lease) for lease in snapshot["leases"]}
         self.progress = Progress(**snapshot["progress"])
         self.started_at = snapshot["started_at"]

@@ -1,29 +1,50 @@
-"""Controller gRPC shell: validates requests, calls the core, persists its snapshot to Redis, reaps dead workers."""
+"""Controller gRPC shell: validates requests, calls the core, persists its snapshot to Redis, reaps dead workers.
+
+At start it asks the reward service whether it can load every verifier the job uses (the job's own, or each
+dataset item's): the controller is the one service that reads the dataset, and the reward pods hold no job file.
+Nothing is admitted until the reward service answers; a verifier it cannot load fails the job at once (status
+FAILED, one line naming the verifier and the import error) rather than failing its groups one by one.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+import grpc
+
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import FailedPrecondition, InvalidArgument, require, rpc, start_server
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
+from areal_k8s.data.dataset import DatasetItem
 
 log = logging.getLogger(__name__)
 
 MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
-WAITABLE_REFUSALS = {"staleness", "concurrency", "no_work_left"}  # lifted by a trainer step or a settled group
+# lifted by a trainer step, a settled group, or the start-up check passing
+WAITABLE_REFUSALS = {"staleness", "concurrency", "no_work_left", "starting"}
+CHECK_RETRY_SECONDS = 1.0  # between attempts to reach a reward service that is not up yet
+CHECK_TIMEOUT_SECONDS = 60.0  # one check: the reward service imports each custom verifier's module
 
 _RESULTS = {
     controller_pb2.GroupOutcome.ACCEPTED: "accepted",
     controller_pb2.GroupOutcome.FILTERED: "filtered",
     controller_pb2.GroupOutcome.FAILED: "failed",
 }
+
+
+def job_verifiers(job: JobConfig, *item_lists: Sequence[DatasetItem]) -> list[str]:
+    """Every verifier the job can ask the reward service for: the job's own, else each dataset item's."""
+    if job.reward.verifier:
+        return [job.reward.verifier]
+    return sorted({item.verifier for items in item_lists for item in items})
 
 
 def prompt_group(job: JobConfig, admitted: Admitted) -> common_pb2.PromptGroup:
@@ -67,7 +88,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self._wakeup = Wakeup()
 
     async def restore(self) -> None:
-        snapshot = await self.store.client.get(self.store.keys.controller_state)
+        snapshot = await self.store.load_controller_state()
         if snapshot:
             self.core.restore(json.loads(snapshot))
             log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
@@ -78,19 +99,55 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def persist(self) -> None:
         # The snapshot is taken inside the lock, so whichever write lands last carries the newest state.
         async with self._persist_lock:
-            await self.store.client.set(self.store.keys.controller_state, json.dumps(self.core.snapshot()))
+            letters, self.core.unwritten_dead_letters = self.core.unwritten_dead_letters, []
+            try:
+                await self.store.save_controller_state(json.dumps(self.core.snapshot()), [asdict(d) for d in letters])
+            except BaseException:
+                self.core.unwritten_dead_letters[:0] = letters  # they go with the next snapshot
+                raise
+        for letter in letters:
+            log.warning("prompt %s (item %d) dead-lettered after %d failed groups in a row; the last, %s on %s: %s",
+                        letter.prompt_id, letter.item_index, letter.attempts, letter.group_id, letter.worker_id, letter.reason)
+
+    async def check_verifiers(self, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]) -> None:
+        """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
+        self.core.waiting_for = f"waiting for the reward service to check the job's verifiers ({', '.join(verifiers)})"
+        request = reward_pb2.CheckVerifiersRequest(verifiers=verifiers)
+        for attempt in itertools.count():
+            try:
+                await reward.CheckVerifiers(request, timeout=CHECK_TIMEOUT_SECONDS)
+                log.info("the reward service loads every verifier of the job: %s", ", ".join(verifiers))
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    self.core.fail("VerifierUnavailable", f"the reward service cannot load the job's verifiers: {exc.details()}")
+                    log.error("job failed: %s", self.core.failure.message)
+                    break
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older reward service: it checks on each Score
+                    log.warning("the reward service cannot check verifiers in advance; admitting without the check")
+                    break
+                if attempt == 0:
+                    log.info("the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name)
+            await asyncio.sleep(CHECK_RETRY_SECONDS)
+        self.core.waiting_for = None
+        self.admission_may_have_opened()
 
     async def reap_dead_workers(self) -> int:
-        """Revoke the groups of workers that went silent; a group already written counts as accepted."""
+        """Revoke the groups of workers that went silent."""
         expired = self.core.expired_leases()
-        for group_id in expired:
+        await self.revoke(expired, "its worker went silent")
+        return len(expired)
+
+    async def revoke(self, group_ids: list[str], why: str) -> None:
+        """Settle groups whose worker is gone: a group already written counts as accepted, the others fail (and
+        are re-queued); a late write by the old worker is refused."""
+        for group_id in group_ids:
             already_written = await self.store.revoke_group(group_id)
-            self.core.complete(group_id, "accepted" if already_written else "failed")
-            log.warning("group %s: worker went silent, %s", group_id, "already written" if already_written else "re-queued")
-        if expired:
+            self.core.complete(group_id, "accepted" if already_written else "failed", why)
+            log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
+        if group_ids:
             self.admission_may_have_opened()
             await self.persist()
-        return len(expired)
 
     async def observe_stream(self) -> None:
         stream, m = await self.store.stream_stats(), self.core.metrics
@@ -103,8 +160,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def RegisterWorker(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(bool(request.address), "address (host:port of the worker's Rollout service) is required")
-        self.core.register(request.worker_id, request.address, request.engine_version)
-        log.info("worker %s registered at %s (engine version %d)", request.worker_id, request.address, request.engine_version)
+        require(request.engine_ranks >= 0, f"engine_ranks must be >= 0, got {request.engine_ranks}")
+        orphaned = self.core.register(request.worker_id, request.address, request.engine_version, max(request.engine_ranks, 1))
+        log.info("worker %s registered at %s (engine version %d, %d weight-group ranks)", request.worker_id,
+                 request.address, request.engine_version, max(request.engine_ranks, 1))
+        await self.revoke(orphaned, "its worker restarted")
         return controller_pb2.RegisterWorkerResponse(version=self.core.version, job=self.core.job.name)
 
     @rpc
@@ -139,7 +199,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.AcquireGroupsResponse(
             groups=[prompt_group(self.core.job, a) for a in admitted],
             version=self.core.version,
-            finished=self.core.progress.finished,
+            finished=self.core.over,
             capacity=capacity,
         )
 
@@ -154,7 +214,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             result = _RESULTS[outcome.result]
             if result == "failed" and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
-            unknown += not self.core.complete(outcome.group_id, result)
+            unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
         self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
@@ -172,6 +232,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     engine_version=w.engine_version,
                     last_seen=w.last_seen,
                     running_groups=running.get(w.worker_id, 0),
+                    engine_ranks=w.engine_ranks,
+                    registered_at=w.registered_at,
                 )
                 for w in sorted(self.core.workers.values(), key=lambda w: w.worker_id)
                 if w.address  # placeholders for lease holders that have not re-registered since a restart
@@ -223,6 +285,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         stream = await self.store.stream_stats()
         if status["finished"]:
             phase = controller_pb2.JobStatus.COMPLETED
+        elif status["failure_reason"]:
+            phase = controller_pb2.JobStatus.FAILED
         elif status["workers"] or status["consumed"]:
             phase = controller_pb2.JobStatus.RUNNING
         else:
@@ -237,9 +301,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         )
 
 
-async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, reap_interval: float = 2.0):
-    """Start the controller on `address`. Returns (server, port, servicer, reaper task)."""
+async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, reap_interval: float = 2.0,
+                reward: reward_pb2_grpc.RewardStub | None = None, verifiers: list[str] | None = None):
+    """Start the controller on `address`; with `reward`, check `verifiers` (default: the training items') with it
+    before admitting anything. Returns (server, port, servicer, background task: the check and the reaper)."""
     servicer = ControllerServicer(core, store)
+    if reward is not None:
+        core.waiting_for = "waiting for the reward service to check the job's verifiers"  # from the first status on
     await servicer.restore()
     await store.ensure_consumer_group()
     server, port, _health = await start_server(
@@ -255,5 +323,9 @@ async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, r
             except Exception:  # Redis blip: try again next round
                 log.exception("reaping dead workers or reading the stream failed")
 
-    return server, port, servicer, asyncio.create_task(reaper())
+    async def background() -> None:
+        checks = [servicer.check_verifiers(reward, verifiers or job_verifiers(core.job, core.items))] if reward else []
+        await asyncio.gather(reaper(), *checks)
+
+    return server, port, servicer, asyncio.create_task(background())
 

@@ -111,11 +111,13 @@ def field_env(name: str, field_path: str) -> dict:
 
 
 def process_env(threads: int) -> list[dict]:
-    """As the launcher's child_env: unbuffered logs and one thread pool size for torch and the BLAS. HOME (and so
-    every cache below it: Hugging Face, Triton, FlashInfer) is on the writable scratch volume, and USER is set
-    because the pod's user may have no passwd entry in an image the spec names (getpass needs one or the other)."""
+    """As the launcher's child_env: unbuffered logs without progress bars and one thread pool size for torch and the
+    BLAS. HOME (and so every cache below it: Hugging Face, Triton, FlashInfer) is on the writable scratch volume, and
+    USER is set because the pod's user may have no passwd entry in an image the spec names (getpass needs one or the
+    other)."""
     return plain_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                      "TOKENIZERS_PARALLELISM": "false", "HOME": names.HOME_DIR, "USER": "areal"})
+                      "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HOME": names.HOME_DIR,
+                      "USER": "areal"})
 
 
 def redis_env(job: ValidJob) -> dict:
@@ -164,7 +166,7 @@ def scratch_mounts(gpus: int) -> list[dict]:
 
 def container(name: str, image: str, module: str, args: list[str], *, block: dict, env: list[dict],
               port: tuple[str, int], readiness: dict, mounts: list[dict], resource_block: dict, gpus: int = 0,
-              metrics: bool = True) -> dict:
+              metrics: bool = True, startup: dict | None = None) -> dict:
     """One service container. With `metrics` it serves Prometheus metrics on names.METRICS_PORT (the port named
     `metrics`, which the chart's PodMonitor scrapes)."""
     port_name, port_number = port
@@ -180,6 +182,7 @@ def container(name: str, image: str, module: str, args: list[str], *, block: dic
         "env": env,
         "ports": ports,
         "readinessProbe": {**readiness, "periodSeconds": 5},
+        **({"startupProbe": startup} if startup else {}),
         "volumeMounts": [*mounts, *scratch_mounts(gpus)],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
@@ -193,6 +196,21 @@ def container(name: str, image: str, module: str, args: list[str], *, block: dic
 
 def grpc_readiness(port: int, service_name: str) -> dict:
     return {"grpc": {"port": port, "service": service_name}}
+
+
+# SGLang's /health runs a one-token generation and answers 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT (20 s):
+# the probe waits longer than that, so a busy engine is not taken for a dead one.
+ENGINE_HEALTH_TIMEOUT_SECONDS = 30
+ENGINE_STARTUP_SECONDS = 1800  # loading a large model from a network volume takes minutes
+ENGINE_HEALTH_CHECK = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2]))"
+
+
+def engine_health_probe() -> dict:
+    """GET the engine's /health from inside its container. The engine listens on 127.0.0.1 only: its API (weight
+    updates, pausing generation) is for the rollout agent beside it, and an httpGet probe, which the kubelet sends
+    to the pod IP, would never reach it."""
+    return {"exec": {"command": ["python", "-c", ENGINE_HEALTH_CHECK, f"{ENGINE_URL}/health", str(ENGINE_HEALTH_TIMEOUT_SECONDS - 5)]},
+            "timeoutSeconds": ENGINE_HEALTH_TIMEOUT_SECONDS}
 
 
 def user_mounts(job: ValidJob) -> tuple[list[dict], list[dict]]:
@@ -267,7 +285,9 @@ def controller_deployment(job: ValidJob, running: bool) -> dict:
     volumes, mounts = user_mounts(job)  # the controller reads the training prompts
     main = container(
         "controller", image_of(job, "controller"), "areal_k8s.controller",
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.CONTROLLER_PORT)],
+        # with the reward service it checks that every verifier of the job loads before it admits any work
+        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.CONTROLLER_PORT),
+         "--reward", address(job, "reward", names.REWARD_PORT)],
         block=block, env=[*process_env(1), redis_env(job)], port=("grpc", names.CONTROLLER_PORT),
         readiness=grpc_readiness(names.CONTROLLER_PORT, "areal.v1.Controller"),
         mounts=[config_mount, *mounts], resource_block=block.get("resources", {}),
@@ -304,11 +324,14 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
         args = ["--model-path", config.model, "--tokenizer-path", config.tokenizer_path,
                 "--host", "127.0.0.1", "--port", str(names.ENGINE_PORT), "--tp-size", str(gpus),
                 "--random-seed", str(config.seed)]
+        if rollout.interrupt == "retract":  # retracted requests wait in the queue, where the cache cannot be flushed
+            args.append("--disable-radix-cache")
     # The engine is not one of the services: its metrics, if any, are the engine's own business.
     return container(
         "engine", image, module, args, block=block, env=process_env(rollout.threads), port=("http", names.ENGINE_PORT),
-        readiness={"httpGet": {"path": "/health", "port": names.ENGINE_PORT}},
-        mounts=mounts, resource_block=engine_block.get("resources", {}), gpus=gpus, metrics=False,
+        readiness=engine_health_probe(), mounts=mounts, resource_block=engine_block.get("resources", {}), gpus=gpus, metrics=False,
+        # readiness waits for the model to load; an engine that has not answered by then is restarted
+        startup={**engine_health_probe(), "periodSeconds": 5, "failureThreshold": ENGINE_STARTUP_SECONDS // 5},
     )
 
 
@@ -318,7 +341,7 @@ def rollout_deployment(job: ValidJob, running: bool) -> dict:
     volumes, mounts = user_mounts(job)
     agent = container(
         "rollout", image_of(job, "rollout"), "areal_k8s.rollout",
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.ROLLOUT_PORT),
+        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.ROLLOUT_PORT), "--when-done", "wait",
          "--engine-url", ENGINE_URL, "--controller", address(job, "controller", names.CONTROLLER_PORT),
          "--reward", address(job, "reward", names.REWARD_PORT)],
         block=block,
@@ -360,7 +383,7 @@ def trainer_statefulset(job: ValidJob, running: bool) -> dict:
     ]
     main = container(
         "trainer", image_of(job, "trainer"), "areal_k8s.trainer",
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.TRAINER_PORT),
+        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.TRAINER_PORT), "--when-done", "wait",
          "--controller", address(job, "controller", names.CONTROLLER_PORT),
          "--reward", address(job, "reward", names.REWARD_PORT)],
         block=block, env=env, port=("grpc", names.TRAINER_PORT), readiness=grpc_readiness(names.TRAINER_PORT, "areal.v1.Trainer"),

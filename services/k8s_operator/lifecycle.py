@@ -73,7 +73,7 @@ def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) 
     if report is not None and report.phase == controller_pb2.JobStatus.COMPLETED:
         return Phase(COMPLETE, "TrainingFinished", f"trained {report.version} of {report.total_steps} steps")
     if report is not None and report.phase == controller_pb2.JobStatus.FAILED:
-        return Phase(FAILED, "JobFailed", report.message or "the controller reports the job failed")
+        return Phase(FAILED, report.failure_reason or "JobFailed", report.message or "the controller reports the job failed")
     limit = spec["failurePolicy"]["maxRestarts"]
     if observed.restarts > limit:
         return Phase(FAILED, "RestartLimitExceeded",
@@ -184,6 +184,7 @@ def job_status(*, job_name: str, job_key: str, generation: int | None, previous:
             totalSteps=report.total_steps,
             staleness={"mean": round(report.mean_staleness, 4), "max": report.max_staleness_seen, "last": report.last_max_staleness},
             throughput={"samplesPerSecond": round(report.samples_per_second, 4), "tokensPerSecond": round(report.tokens_per_second, 2)},
+            deadLetteredItems=report.dead_lettered,
         )
     if phase.running:
         status["startTime"] = previous.get("startTime") or rfc3339(now)

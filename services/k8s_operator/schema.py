@@ -347,6 +347,8 @@ def status_schema() -> dict:
                 "samplesPerSecond": {"type": "number", "description": "Trained samples per second."},
                 "tokensPerSecond": {"type": "number", "description": "Trained tokens per second."},
             }),
+            "deadLetteredItems": integer("Dataset items given up on after rollout.max_group_failures failed groups in a row "
+                                         "(each has an entry with its last reason in the job's dead-letter stream in Redis)."),
             "restarts": integer("Container restarts in the job's current pods, counted against failurePolicy.maxRestarts."),
             "lastRebalanceTime": string("When the staleness rebalancer last changed the rollout/trainer split "
                                         "(the rebalancer is not part of this operator version).", format="date-time"),

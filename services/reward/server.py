@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,26 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
     async def ListVerifiers(self, request, context) -> reward_pb2.ListVerifiersResponse:
         # Custom "package.module:function" verifiers are not listed: any importable one is accepted.
         return reward_pb2.ListVerifiersResponse(verifiers=sorted(BUILTIN_VERIFIERS))
+
+    @rpc
+    async def CheckVerifiers(self, request: reward_pb2.CheckVerifiersRequest, context) -> reward_pb2.CheckVerifiersResponse:
+        require(len(request.verifiers) > 0, "verifiers must not be empty")
+        problems = await asyncio.to_thread(verifier_problems, request.verifiers)  # an import may take a while
+        require(not problems, "; ".join(problems))
+        for name in request.verifiers:  # their failure rates start at 0 rather than missing
+            self.pool.metrics.declare_verifier(name)
+        return reward_pb2.CheckVerifiersResponse()
+
+
+def verifier_problems(names: Sequence[str]) -> list[str]:
+    """Why each name that does not resolve here does not (importing a custom verifier's module to find out)."""
+    problems = []
+    for name in dict.fromkeys(names):
+        try:
+            resolve(name)
+        except UnknownVerifier as exc:
+            problems.append(f"verifier {name!r}: {exc}")
+    return problems
 
 
 def validated_timeout(timeout_seconds: float) -> float:

@@ -7,13 +7,13 @@ import socket
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel, start_server
-from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import RolloutMetrics
-from areal_k8s.common.service import base_parser, load_job, run_service, setup_logging
+from areal_k8s.common.service import add_when_done, base_parser, exit_invalid, load_job, run_service, setup_logging, wait_if_asked
 from areal_k8s.common.store import TrajectoryStore, connect
-from areal_k8s.rollout.engine_client import SGLangClient
+from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, weight_group_ranks
 from areal_k8s.rollout.server import RolloutServicer
-from areal_k8s.rollout.worker import RolloutWorker, parse_weight_version
+from areal_k8s.rollout.worker import RolloutWorker
 
 log = logging.getLogger("areal.rollout")
 
@@ -21,6 +21,7 @@ log = logging.getLogger("areal.rollout")
 def main() -> None:
     env = os.environ.get
     parser = base_parser("rollout", default_port=50052)
+    add_when_done(parser)
     parser.add_argument("--worker-id", default=env("AREAL_WORKER_ID", socket.gethostname()))
     parser.add_argument("--advertise", default=env("AREAL_ADVERTISE_ADDRESS"), help="host:port the trainer reaches this worker at")
     parser.add_argument("--engine-url", default=env("AREAL_ENGINE_URL", "http://127.0.0.1:30000"))
@@ -31,9 +32,10 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging(f"rollout[{args.worker_id}]", args.log_level)
     job = load_job(args.job)
+    require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
 
     async def run(stop: asyncio.Event) -> None:
-        engine = SGLangClient(args.engine_url)
+        engine = (CpuEngineClient if job.rollout.engine == "cpu" else SGLangClient)(args.engine_url)
         await engine.wait_until_healthy(args.engine_timeout)
         redis_client = connect(args.redis_url)
         controller_channel, reward_channel = channel(args.controller), channel(args.reward)
@@ -49,7 +51,10 @@ def main() -> None:
             metrics=RolloutMetrics(job.name),
         )
         worker.metrics.serve(args.host, args.metrics_port)
-        worker.engine_version = parse_weight_version(await engine.get_weight_version())
+        try:
+            worker.engine_ranks = weight_group_ranks(await engine.server_info(), job.rollout.interrupt)
+        except UnfitEngine as exc:
+            exit_invalid(f"engine {args.engine_url}: {exc}")
         server, port, _health = await start_server(
             [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], f"{args.host}:{args.port}"
         )
@@ -57,6 +62,7 @@ def main() -> None:
         log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)
         try:
             await worker.run(stop)
+            await wait_if_asked(args.when_done, stop)
         finally:
             await server.stop(grace=2)
             await asyncio.gather(controller_channel.close(), reward_channel.close())

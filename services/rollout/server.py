@@ -8,12 +8,13 @@ import time
 
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
-from areal_k8s.rollout.engine_client import EngineError
+from areal_k8s.common.sglang import CpuEngineClient, EngineError
 from areal_k8s.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = {"", "abort", "retract", "in_place"}
+# Not in_place: its paused requests would go on with KV computed under the old weights.
+PAUSE_MODES = {"", "abort", "retract"}
 
 
 def validate_group(group: common_pb2.PromptGroup) -> None:
@@ -70,6 +71,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             world_size=request.world_size,
             group_name=request.group_name,
             backend=request.backend,
+            timeout=context.time_remaining(),  # the engine call ends before the trainer gives up on this one
         )
         return _ok()
 
@@ -98,7 +100,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
             group_name=request.group_name,
             weight_version=None if new_version is None else str(new_version),
             load_format=request.load_format or None,
-            flush_cache=request.flush_cache,
+            timeout=context.time_remaining(),
         )
         if new_version is not None:
             self.worker.engine_version = new_version
@@ -107,9 +109,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @rpc
     @engine_errors
     async def PauseGeneration(self, request, context):
-        require(request.mode in PAUSE_MODES, f"mode must be abort, retract or in_place, got {request.mode!r}")
-        log.info("pause generation (%s) for %s", request.mode or "abort", context.peer())
-        await self.engine.pause_generation(request.mode or "abort")
+        require(request.mode in PAUSE_MODES, f"mode must be abort or retract, got {request.mode!r}")
+        mode = request.mode or "abort"
+        log.info("pause generation (%s) for %s", mode, context.peer())
+        await self.engine.pause_generation(mode, context.time_remaining())
         if self.paused_at is None:
             self.paused_at = time.monotonic()
         return _ok()
@@ -131,6 +134,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @rpc
     @engine_errors
     async def GetWeightsChecksum(self, request, context):
+        if not isinstance(self.engine, CpuEngineClient):
+            raise FailedPrecondition("weight checksums need the CPU engine (SGLang has no route that returns its weights by Hugging Face name)")
         checksum = await self.engine.weights_checksum(list(request.names) or None)
         return rollout_pb2.WeightsChecksum(
             per_tensor=checksum["per_tensor"], combined=checksum["combined"], version=self.worker.engine_version

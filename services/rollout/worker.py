@@ -3,9 +3,10 @@
 Generation is interruptible: when the trainer pauses the engine to push weights, in-flight requests come back
 with finish_reason "abort" and the tokens so far; the worker resubmits prompt + generated prefix, the engine
 recomputes the KV cache under the new weights, and every token keeps the policy version that produced it
-(AReaL's partial rollout, areal-design-notes §3). With `rollout.interrupt: retract` (our CPU engine) the engine
-does the same inside: it re-queues the request, recomputes its cache after the update and answers once, naming
-each token's version.
+(AReaL's partial rollout, areal-design-notes §3). With `rollout.interrupt: retract` the engine does the same inside:
+it re-queues the request, recomputes its cache after the update and answers once, its `weight_versions` spans
+naming each token's version. An engine also retracts on its own under KV-cache pressure, with unchanged weights:
+the spans show that too, and the request simply goes on.
 """
 
 from __future__ import annotations
@@ -21,18 +22,15 @@ from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, re
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
+from areal_k8s.common.sglang import parse_weight_version, sampling_params, token_versions
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.trainer.algorithm import is_informative
 
 log = logging.getLogger(__name__)
 
+SCORE_DEADLINE_SECONDS = 600.0
+UNKNOWN_VERSION = -1
 MAX_INTERRUPTIONS = 64  # a request aborted this often is not being interrupted by weight pushes: give up on it
-
-
-def parse_weight_version(value: object) -> int:
-    """SGLang reports the version as a string ("default" before the first update, i.e. the initial weights)."""
-    text = str(value)
-    return int(text) if text.lstrip("-").isdigit() else 0
 
 
 @dataclass
@@ -93,12 +91,7 @@ def record_answer(sample: Sample, result: dict, budget: int) -> bool:
     """Append an engine answer's tokens, logprobs and versions to `sample`; False if it must be resubmitted."""
     meta = result["meta_info"]
     tokens = meta["output_token_logprobs"]
-    versions = meta.get("output_token_weight_versions")
-    if versions is None:
-        if meta.get("num_retractions"):  # the engine switched weights mid-request without saying where
-            raise RuntimeError(f"request {meta.get('id')} was retracted but its engine does not report per-token versions")
-        versions = [meta["weight_version"]] * len(tokens)
-    for (logprob, token_id, _text), version in zip(tokens, versions, strict=True):
+    for (logprob, token_id, _text), version in zip(tokens, token_versions(meta), strict=True):
         sample.output_ids.append(token_id)
         sample.logprobs.append(logprob)
         sample.versions.append(parse_weight_version(version))
@@ -143,7 +136,11 @@ class RolloutWorker:
         self.poll_interval = poll_interval
         self.hold_seconds = hold_seconds
         self.stop_ids = stop_token_ids(tokenizer)
-        self.engine_version = 0
+        # The version the engine serves, as the trainer's pushes set it. Until the first push it is unknown, whatever
+        # the engine's own label says (an engine reused from another run, a checkpoint the trainer resumed from): the
+        # controller gives an engine behind the current version no work, and the trainer pushes to it at once.
+        self.engine_version = UNKNOWN_VERSION
+        self.engine_ranks = 1  # ranks the engine takes in the weight-update group (its tensor-parallel size)
         self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
         self.metrics = metrics or RolloutMetrics(job.name)
         self.requests = IdleClock(self.metrics.idle_seconds)
@@ -157,13 +154,13 @@ class RolloutWorker:
         """Generate and score group.n_samples responses; the trajectories are returned, not written."""
         started = time.time()
         prompt_ids = encode_prompt(self.tokenizer, group.prompt, self.job.rollout.prompt_template)
-        sampling = {
-            "temperature": group.sampling.temperature,
-            "top_p": group.sampling.top_p or 1.0,
-            "top_k": group.sampling.top_k if group.sampling.top_k > 0 else -1,
-            "max_new_tokens": group.sampling.max_new_tokens,
-            "stop_token_ids": self.stop_ids,
-        }
+        sampling = sampling_params(
+            temperature=group.sampling.temperature,
+            top_p=group.sampling.top_p or 1.0,
+            top_k=group.sampling.top_k if group.sampling.top_k > 0 else -1,
+            max_new_tokens=group.sampling.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+        )
         rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
         samples = await self.generate_samples(prompt_ids, sampling, rids)
         generated = time.time()
@@ -174,7 +171,11 @@ class RolloutWorker:
                     reward_pb2.ScoreItem(item_id=rid, verifier=group.verifier, prompt=group.prompt, response=text, reference=group.reference)
                     for rid, text in zip(rids, texts)
                 ]
-            )
+            ),
+            # A reward pod restarting is waited for (failing the group would spend one of its retries), up to a
+            # deadline that a healthy service meets with time to spare.
+            wait_for_ready=True,
+            timeout=SCORE_DEADLINE_SECONDS,
         )
         rewarded = time.time()
         by_id = {r.item_id: r for r in scores.results}
@@ -254,7 +255,9 @@ class RolloutWorker:
 
     async def register(self) -> None:
         await self.controller.RegisterWorker(
-            controller_pb2.RegisterWorkerRequest(worker_id=self.worker_id, address=self.address, engine_version=self.engine_version)
+            controller_pb2.RegisterWorkerRequest(
+                worker_id=self.worker_id, address=self.address, engine_version=self.engine_version, engine_ranks=self.engine_ranks
+            )
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -8,9 +8,9 @@ import torch
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import channel, start_server
-from areal_k8s.common.prompts import load_tokenizer
+from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import TrainerMetrics
-from areal_k8s.common.service import base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging
+from areal_k8s.common.service import add_when_done, base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging, wait_if_asked
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.trainer.server import TrainerServicer
 from areal_k8s.trainer.trainer import Trainer
@@ -21,6 +21,7 @@ log = logging.getLogger("areal.trainer")
 def main() -> None:
     env = os.environ.get
     parser = base_parser("trainer", default_port=50054)
+    add_when_done(parser)
     parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
     parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
     parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
@@ -30,6 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("trainer", args.log_level)
     job = load_job(args.job)
+    require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
     torch.set_num_threads(job.trainer.threads)
     eval_items = load_items(job.dataset.eval, job.dataset.format)[: job.dataset.eval_limit] if job.dataset.eval else []
 
@@ -53,7 +55,8 @@ def main() -> None:
         )
         log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
         try:
-            await run_until_stopped(trainer.run(), stop)
+            if await run_until_stopped(trainer.run(), stop):
+                await wait_if_asked(args.when_done, stop)
         finally:
             await trainer.close_targets()
             await server.stop(grace=2)

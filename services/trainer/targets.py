@@ -1,7 +1,9 @@
-"""The trainer's view of a rollout worker as a weight-sync target, over the Rollout gRPC service.
+"""The trainer's view of a rollout worker as a weight-sync target (`common.sglang.WeightTarget`), over the Rollout
+gRPC service.
 
 The worker passes each call to its engine (SGLang or ours), so the trainer never needs to know which engine
-runs behind it; the tensors themselves travel engine-side over the torch.distributed group.
+runs behind it; the tensors themselves travel engine-side over the torch.distributed group. Every call has a
+deadline; the worker gives its engine call what is left of it.
 """
 
 from __future__ import annotations
@@ -10,14 +12,20 @@ from areal_k8s.api.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 
 
+GRPC_MARGIN = 5.0  # on top of a weight operation's own deadline, so the worker's engine call times out first
+
+
 class WeightTargetError(RuntimeError):
     pass
 
 
 class RolloutTarget:
-    def __init__(self, worker_id: str, address: str):
+    """`timeout` bounds the control calls (pause, continue, destroy, checksum); weight operations bring their own."""
+
+    def __init__(self, worker_id: str, address: str, timeout: float = 60.0):
         self.worker_id = worker_id
         self.address = address
+        self.timeout = timeout
         self._channel = channel(address)
         self.stub = rollout_pb2_grpc.RolloutStub(self._channel)
 
@@ -25,12 +33,12 @@ class RolloutTarget:
         return f"rollout worker {self.worker_id} at {self.address}"
 
     async def _call(self, method, request, timeout: float | None = None):
-        reply = await method(request, timeout=timeout)
+        reply = await method(request, timeout=timeout or self.timeout)
         if hasattr(reply, "success") and not reply.success:
             raise WeightTargetError(f"{self!r}: {reply.message}")
         return reply
 
-    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, *, timeout):
         await self._call(
             self.stub.InitWeightUpdateGroup,
             rollout_pb2.InitWeightUpdateGroupRequest(
@@ -41,35 +49,34 @@ class RolloutTarget:
                 group_name=group_name,
                 backend=backend,
             ),
+            timeout=timeout + GRPC_MARGIN,
         )
 
     async def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name, *, weight_version=None, load_format=None, flush_cache=True, abort_all_requests=False
+        self, names, dtypes, shapes, group_name, *, timeout, weight_version=None, load_format=None
     ):
-        # abort_all_requests is moot: the trainer pauses generation (abort or retract) before the first bucket.
         request = rollout_pb2.UpdateWeightsRequest(
             names=names,
             dtypes=dtypes,
             shapes=[rollout_pb2.TensorShape(dims=list(shape)) for shape in shapes],
             group_name=group_name,
             load_format=load_format or "",
-            flush_cache=flush_cache,
         )
         if weight_version is not None:
             request.weight_version = int(weight_version)
-        await self._call(self.stub.UpdateWeights, request)
+        await self._call(self.stub.UpdateWeights, request, timeout=timeout + GRPC_MARGIN)
 
     async def pause_generation(self, mode: str = "abort"):
-        await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode), timeout=60)
+        await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode))
 
     async def continue_generation(self):
-        await self._call(self.stub.ContinueGeneration, rollout_pb2.ContinueGenerationRequest(), timeout=60)
+        await self._call(self.stub.ContinueGeneration, rollout_pb2.ContinueGenerationRequest())
 
     async def destroy_weights_update_group(self, group_name: str):
-        await self._call(self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name), timeout=60)
+        await self._call(self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name))
 
     async def weights_checksum(self) -> str:
-        reply = await self._call(self.stub.GetWeightsChecksum, rollout_pb2.GetWeightsChecksumRequest(), timeout=120)
+        reply = await self._call(self.stub.GetWeightsChecksum, rollout_pb2.GetWeightsChecksumRequest())
         return reply.combined
 
     async def close(self) -> None:

@@ -21,6 +21,7 @@ from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.common.weights import weights_checksum
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.rollout.cpu_engine.engine import generate_batch
 from areal_k8s.trainer.algorithm import (
@@ -38,9 +39,18 @@ from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
 from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.checkpoint import TrainerState, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError, weights_checksum
+from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
 
 log = logging.getLogger(__name__)
+
+MEMBERSHIP_POLL_SECONDS = 1.0  # while waiting for data, how often to look for engines that joined since the last push
+FAILED_PUSH_BACKOFF = (2.0, 60.0)  # after a failed push, wait this long (doubling up to the second figure) to retry
+
+
+def membership(worker: controller_pb2.WorkerInfo) -> tuple[str, int, float]:
+    """What identifies a worker's place in the weight-update group: a new address, engine size or registration (a
+    restarted worker) needs the group formed again."""
+    return worker.address, max(worker.engine_ranks, 1), worker.registered_at
 
 
 @dataclass
@@ -121,6 +131,9 @@ class Trainer:
         )
         self.sender: WeightSender | None = None
         self.targets: dict[str, RolloutTarget] = {}
+        self.members: dict[str, tuple] = {}  # the workers the weight-update group was formed with, as registered
+        self.push_backoff = 0.0  # seconds to wait before pushing again after failed pushes (0: no failure)
+        self.push_retry_at = 0.0
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"
         self.lock = asyncio.Lock()  # a checkpoint never interleaves with a step
@@ -145,7 +158,7 @@ class Trainer:
         while self.version < total:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
-            groups = await self.assembler.next_batch(self.version)
+            groups = await self.next_batch()
             async with self.lock:
                 self.phase = "training"
                 record = await asyncio.to_thread(self.train_step, groups)
@@ -169,6 +182,21 @@ class Trainer:
             await self.report(record, finished=self.version == total)
             self.last = record
         self.phase = "finished"
+
+    async def next_batch(self) -> list[Group]:
+        """The next batch. While it is not there, engines that registered since the last push (new or restarted
+        workers, which the controller gives no work until they serve the current version) get the current weights:
+        left for the next step's push, they would wait forever when no other engine can produce that step."""
+        batch = asyncio.ensure_future(self.assembler.next_batch(self.version))
+        try:
+            while not batch.done():
+                await asyncio.wait({batch}, timeout=MEMBERSHIP_POLL_SECONDS)
+                if not batch.done() and time.monotonic() >= self.push_retry_at and await self.engines_behind():
+                    log.info("rollout engines outside the weight-update group are behind version %d: pushing it", self.version)
+                    await self.push_weights()
+        finally:
+            batch.cancel()
+        return batch.result()
 
     # -- start and recovery --------------------------------------------------------------------------------
 
@@ -347,28 +375,41 @@ class Trainer:
 
     # -- weights -------------------------------------------------------------------------------------------
 
+    async def list_workers(self) -> list[controller_pb2.WorkerInfo]:
+        return list((await self.controller.ListWorkers(controller_pb2.ListWorkersRequest())).workers)
+
+    async def engines_behind(self) -> bool:
+        """Is a worker outside the current group (registered since it was formed, or the group is gone after a
+        failed push) behind the current version?"""
+        return any(w.engine_version < self.version and self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
+
     async def refresh_targets(self) -> None:
-        """Rebuild the weight-update group when rollout workers came or went."""
-        reply = await self.controller.ListWorkers(controller_pb2.ListWorkersRequest())
-        wanted = {w.worker_id: w.address for w in reply.workers}
-        if self.sender and wanted == {wid: t.address for wid, t in self.targets.items()}:
+        """Rebuild the weight-update group when rollout workers came, went or registered again (a restart)."""
+        wanted = {w.worker_id: membership(w) for w in await self.list_workers()}
+        if self.sender and wanted == self.members:
             return
         await self.close_targets()
         if not wanted:
             return
-        self.targets = {wid: RolloutTarget(wid, address) for wid, address in sorted(wanted.items())}
+        timeout = self.job.trainer.weight_sync_timeout_seconds
+        self.targets = {wid: RolloutTarget(wid, address, timeout) for wid, (address, _, _) in sorted(wanted.items())}
         self.sender = WeightSender(
             backend=self.job.trainer.weight_sync_backend,
             master_address=self.master_address,
             bucket_bytes=int(self.job.trainer.weight_bucket_mb * 2**20),
-            timeout=self.job.trainer.weight_sync_timeout_seconds,
+            timeout=timeout,
             pause_mode=self.job.rollout.interrupt,
         )
-        await self.sender.connect(list(self.targets.values()))
+        await self.sender.connect(list(self.targets.values()), [wanted[wid][1] for wid in self.targets])
+        self.members = wanted
         log.info("weight-update group: %s", ", ".join(self.targets))
 
     async def push_weights(self) -> tuple[dict, dict[str, bool]]:
-        """Push the current weights to every rollout engine (generation paused around it); verify if asked."""
+        """Push the current weights to every rollout engine (generation paused around it); verify if asked.
+
+        A push that fails twice (a worker died and its replacement is not up yet, or an engine hangs) does not stop
+        the training: the group is dropped, the controller gives engines behind the current version no work, and
+        they get the weights as soon as the trainer waits for data (`next_batch`) or at the next step."""
         for attempt in (1, 2):
             try:
                 await self.refresh_targets()
@@ -385,8 +426,13 @@ class Trainer:
                 log.warning("weight push failed (%s); rebuilding the group (attempt %d)", exc, attempt)
                 await self.close_targets()
                 if attempt == 2:
-                    raise
+                    self.metrics.weight_sync_failures.inc()
+                    low, high = FAILED_PUSH_BACKOFF
+                    self.push_backoff = min(2 * self.push_backoff, high) if self.push_backoff else low
+                    self.push_retry_at = time.monotonic() + self.push_backoff
+                    return {}, {}
                 await asyncio.sleep(1.0)
+        self.push_backoff = 0.0
         verified = await self.verify_weights() if self.job.trainer.verify_weight_sync else {}
         return asdict(stats), verified
 
@@ -402,7 +448,7 @@ class Trainer:
             await self.sender.close()
         for target in self.targets.values():
             await target.close()
-        self.sender, self.targets = None, {}
+        self.sender, self.targets, self.members = None, {}, {}
 
     async def announce(self, restored: bool) -> None:
         await self.controller.AnnounceVersion(common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored))

@@ -12,6 +12,7 @@ import socket
 
 from aiohttp import web
 
+from areal_k8s.common.prompts import require_model_dirs
 from areal_k8s.common.service import exit_now
 from areal_k8s.rollout.cpu_engine.engine import CpuEngine
 from areal_k8s.rollout.cpu_engine.server import create_app
@@ -35,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    require_model_dirs(model=args.model_path, tokenizer=args.model_path)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = CpuEngine(
         args.model_path,

@@ -44,8 +44,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
-from areal_k8s.common.distributed import destroy_side_group, init_side_group
-from areal_k8s.trainer.weight_sync import weights_checksum
+from areal_k8s.common.distributed import broadcast_within, destroy_side_group, in_daemon_thread, init_side_group
+from areal_k8s.common.weights import bucket_nbytes, unflatten_bucket, weights_checksum
+from areal_k8s.common.weights import parse_dtype as parse_weight_dtype
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,19 @@ class Sequence:
         return next((s for s in self.params.stop if s in tail), None)
 
 
+def weight_version_spans(token_versions: list[str], current: str) -> dict[str, Any]:
+    """SGLang's `weight_versions` (runs of output tokens sampled by one version, `{version, start, end}`) and its
+    `weight_version` (the last run's; the current one when nothing was generated)."""
+    spans: list[dict[str, Any]] = []
+    for index, version in enumerate(token_versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = index + 1
+        else:
+            spans.append({"version": version, "start": index, "end": index + 1})
+    spans = spans or [{"version": current, "start": 0, "end": 0}]
+    return {"weight_version": spans[-1]["version"], "weight_versions": spans}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling and the decode step, shared by the engine and `generate_batch`
 
@@ -422,7 +436,7 @@ class DecodeBatch:
         self._mask: torch.Tensor | None = None  # [rows, cached positions], 1 = real token, 0 = left padding
         self._next_tokens: torch.Tensor | None = None  # [rows]
         self.tokens_generated = 0
-        # Where the time goes (for /get_load and benchmarks): prefill passes with the joins they feed, decode steps.
+        # Where the time goes (for /areal/load and benchmarks): prefill passes with the joins they feed, decode steps.
         self.prefill_seconds = 0.0
         self.prefill_passes = 0
         self.prefill_rows = 0
@@ -690,9 +704,9 @@ class CpuEngine:
     with finish_reason abort and its tokens so far; "retract" puts running requests back at the head of the queue,
     dropping their KV cache, so that after `continue_generation` they are prefilled again (prompt and tokens so far)
     under whatever weights are loaded by then and go on generating; "in_place" freezes running requests with their
-    KV cache. Every output token carries the weight version that sampled it (`output_token_weight_versions`, beyond
-    SGLang's single `weight_version`), so a retracted request reports where the policy changed. In every mode,
-    requests arriving while paused wait for `continue_generation`. `flush_cache` is a no-op when idle (there is
+    KV cache. Every answer carries SGLang's `weight_versions`: spans of output tokens sampled by one weight version,
+    so a retracted request reports where the policy changed. In every mode, requests arriving while paused are held
+    apart (as SGLang holds them before its scheduler) until `continue_generation`. `flush_cache` is a no-op when idle (there is
     no cross-request prefix cache) and fails while requests are queued or running, like SGLang's.
     """
 
@@ -704,7 +718,7 @@ class CpuEngine:
         max_batch_size: int = 64,
         num_threads: int = 1,
         seed: int = 0,
-        weight_version: str = "0",
+        weight_version: str = "default",
         weight_update_timeout: float = 600.0,
     ):
         if max_batch_size < 1:
@@ -727,10 +741,13 @@ class CpuEngine:
         # Shared with the callers' threads, guarded by `_wakeup`:
         self._wakeup = threading.Condition()
         self._waiting: deque[Sequence] = deque()
+        # Requests that arrive while paused: SGLang holds them before its scheduler (so a flush finds it idle and a
+        # weight update sees no new request), and they join the queue on continue.
+        self._held: deque[Sequence] = deque()
         self._replies: dict[str, concurrent.futures.Future] = {}  # rid -> answered when the request finishes
         self._commands: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._stopping = False
-        # Written by the scheduler thread only: what the engine did, for /get_load and benchmarks.
+        # Written by the scheduler thread only: what the engine did, for /areal/load and benchmarks.
         self.started_at = time.monotonic()
         self.busy_seconds = 0.0  # inside prefill/decode steps
         self.generated_tokens = 0
@@ -778,7 +795,8 @@ class CpuEngine:
             raise InvalidRequest(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
 
         def pause() -> None:
-            self._pause_mode = mode
+            with self._wakeup:
+                self._pause_mode = mode
             if mode == "abort":
                 log.info("generation paused: %d requests aborted", self._abort(lambda s: True, "Abort by pause_generation"))
             elif mode == "retract":
@@ -794,7 +812,10 @@ class CpuEngine:
 
     async def continue_generation(self) -> None:
         def resume() -> None:
-            self._pause_mode = None
+            with self._wakeup:
+                self._pause_mode = None
+                self._waiting.extend(self._held)
+                self._held.clear()
             log.info("generation continued")
 
         await self._in_scheduler(resume)
@@ -843,7 +864,7 @@ class CpuEngine:
                     self.weight_update_timeout,
                 )
 
-        await asyncio.to_thread(_as_weight_update_error, join)
+        await in_daemon_thread(_as_weight_update_error, join)
         return f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size}"
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> str:
@@ -854,7 +875,7 @@ class CpuEngine:
                     raise WeightUpdateError(f"no weight update group named {group_name!r}")
                 destroy_side_group(group)
 
-        await asyncio.to_thread(_as_weight_update_error, destroy)
+        await in_daemon_thread(_as_weight_update_error, destroy)
         return f"destroyed weight update group {group_name!r}"
 
     async def update_weights_from_distributed(
@@ -897,21 +918,14 @@ class CpuEngine:
                 group = self._groups.get(group_name)
                 if group is None:
                     raise WeightUpdateError(f"no weight update group named {group_name!r}")
-                tensors = _receive_broadcast(group, torch_dtypes, shapes, flattened=load_format is not None)
+                tensors = _receive_broadcast(
+                    group, torch_dtypes, shapes, flattened=load_format is not None, timeout=self.weight_update_timeout
+                )
                 load = functools.partial(self._load_weights, list(zip(names, tensors)), weight_version)
                 self._submit_command(load).result()
 
-        await asyncio.to_thread(_as_weight_update_error, receive_and_load)
+        await in_daemon_thread(_as_weight_update_error, receive_and_load)
         return f"updated {len(names)} tensors, weight version {self.weight_version}"
-
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
-        """The first `truncate_size` rows (first dimension) of a parameter, as nested float lists (as SGLang)."""
-        _require_int("truncate_size", truncate_size, low=1)
-
-        def read() -> list:
-            return self._parameters([name])[0][1].detach()[:truncate_size].float().tolist()
-
-        return await self._in_scheduler(read)
 
     async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
         """Our extension: `weights_checksum` over the named parameters (all of them by default)."""
@@ -924,24 +938,31 @@ class CpuEngine:
 
         return await self._in_scheduler(checksum)
 
-    def get_weight_version(self) -> str:
-        return self.weight_version
-
-    def get_model_info(self) -> dict[str, Any]:
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's /model_info (the fields that apply to a text-only engine)."""
+        config = self.model.config
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
+            "model_type": config.model_type,
+            "architectures": config.architectures,
         }
+
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's /server_info, as far as it describes this engine: one process, no parallelism."""
+        return {"model_path": self.model_path, "tp_size": 1, "pp_size": 1, "dp_size": 1, "device": "cpu",
+                "max_running_requests": self.max_batch_size, "weight_version": self.weight_version,
+                "disable_radix_cache": True}  # no KV outlives its request
 
     # --- health and lifecycle ---------------------------------------------------------------------------------
 
     def load(self) -> dict[str, Any]:
-        """SGLang's /get_load fields for one data-parallel rank, plus how busy the engine has been since it started."""
+        """Our /areal/load: requests queued and running, and how busy the engine has been since it started."""
         with self._wakeup:
-            waiting = len(self._waiting)
+            waiting = len(self._waiting) + len(self._held)
         running = len(self._batch)
         return {
             "dp_rank": 0,
@@ -1008,7 +1029,7 @@ class CpuEngine:
                 if sequence.rid in self._replies:
                     raise InvalidRequest(f"a request with rid {sequence.rid!r} is already running")
                 self._replies[sequence.rid] = reply
-                self._waiting.append(sequence)
+                (self._waiting if self._pause_mode is None else self._held).append(sequence)
                 self._wakeup.notify()
             try:
                 # Shielded: a cancelled caller must not cancel the future the scheduler is about to answer.
@@ -1033,9 +1054,8 @@ class CpuEngine:
             "prompt_tokens": len(sequence.prompt_ids),
             "completion_tokens": len(sequence.output_ids),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
             "num_retractions": sequence.retractions,
-            "output_token_weight_versions": list(sequence.output_versions),
+            **weight_version_spans(sequence.output_versions, self.weight_version),
         }
         if return_logprob:
             meta_info["output_token_logprobs"] = [
@@ -1112,8 +1132,9 @@ class CpuEngine:
 
     def _abort(self, selected: Callable[[Sequence], bool], message: str) -> int:
         with self._wakeup:
-            queued = [s for s in self._waiting if selected(s)]
+            queued = [s for s in (*self._waiting, *self._held) if selected(s)]
             self._waiting = deque(s for s in self._waiting if not selected(s))
+            self._held = deque(s for s in self._held if not selected(s))
         running = [s for s in self._batch.sequences if selected(s)]
         for sequence in queued:  # a retracted request in the queue has tokens already
             sequence.abort(message if sequence.output_ids else ABORT_BEFORE_PREFILL)
@@ -1162,20 +1183,18 @@ class CpuEngine:
 
 
 def _receive_broadcast(
-    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool
+    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool, timeout: float
 ) -> list[torch.Tensor]:
-    """Receive what group rank 0 broadcasts: one tensor per name, or one flattened bucket in `names` order."""
+    """Receive what group rank 0 broadcasts: one tensor per name, or one flattened bucket of bytes in `names` order
+    (common/weights.py, SGLang's layout)."""
     if not flattened:
         tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
         for tensor in tensors:
-            dist.broadcast(tensor, group_src=0, group=group)
+            broadcast_within(tensor, group, timeout)
         return tensors
-    # The sender's torch.cat promotes mixed dtypes; receive in the promoted dtype and cast each piece back.
-    bucket_dtype = functools.reduce(torch.promote_types, dtypes)
-    sizes = [math.prod(shape) for shape in shapes]
-    bucket = torch.empty(sum(sizes), dtype=bucket_dtype)
-    dist.broadcast(bucket, group_src=0, group=group)
-    return [piece.view(shape).to(dtype) for piece, shape, dtype in zip(bucket.split(sizes), shapes, dtypes)]
+    bucket = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8)
+    broadcast_within(bucket, group, timeout)
+    return unflatten_bucket(bucket, dtypes, shapes)
 
 
 def _as_weight_update_error(action: Callable[[], None]) -> None:
@@ -1195,11 +1214,10 @@ def _require_shape(shape: Any) -> list[int]:
 
 
 def parse_dtype(name: Any) -> torch.dtype:
-    """"bfloat16" or "torch.bfloat16" -> torch.bfloat16; only floating dtypes are weights."""
-    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InvalidRequest(f"unsupported dtype {name!r}")
-    return dtype
+    try:
+        return parse_weight_dtype(name)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:

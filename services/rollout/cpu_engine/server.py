@@ -1,4 +1,6 @@
-"""HTTP face of the CPU engine: SGLang's RL routes with SGLang's JSON shapes, so clients cannot tell it from SGLang.
+"""HTTP face of the CPU engine: the routes of SGLang (v0.5.20, images/sglang) that we use, with its JSON shapes, so
+clients cannot tell it from SGLang (tests/test_sglang_contract.py checks the routes against SGLang's source). Our
+own additions live under /areal/.
 
 Errors: a malformed body or a bad field is 400 with `{"error": {"message": ...}}`; weight-group operations answer
 `{"success": bool, "message": str}` with 200 or 400 as SGLang does. Anything unexpected is logged and answered 500;
@@ -20,7 +22,7 @@ from areal_k8s.rollout.cpu_engine.engine import CpuEngine, InvalidRequest, Weigh
 log = logging.getLogger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", CpuEngine)
-HEALTH_GENERATE_TIMEOUT_S = 30.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang 0.5.20: SGLANG_HEALTH_CHECK_TIMEOUT
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -37,16 +39,15 @@ def create_app(engine: CpuEngine) -> web.Application:
     app.router.add_post("/init_weights_update_group", init_weights_update_group)
     app.router.add_post("/destroy_weights_update_group", destroy_weights_update_group)
     app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_weight_version", get_weight_version)
-    app.router.add_route("GET", "/get_weights_by_name", get_weights_by_name)
-    app.router.add_route("POST", "/get_weights_by_name", get_weights_by_name)
-    app.router.add_get("/get_load", get_load)
-    app.router.add_get("/health", health)
+    app.router.add_get("/model_info", model_info)
+    app.router.add_get("/get_model_info", model_info)  # deprecated in SGLang, still served
+    app.router.add_get("/server_info", server_info)
+    app.router.add_get("/health", health_generate)  # in SGLang 0.5.20 both run a generation
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/ping", ping)
     app.router.add_route("GET", "/areal/weights_checksum", weights_checksum)
     app.router.add_route("POST", "/areal/weights_checksum", weights_checksum)
+    app.router.add_get("/areal/load", load)
     return app
 
 
@@ -127,13 +128,13 @@ async def generate(request: web.Request) -> web.Response:
 async def pause_generation(request: web.Request) -> web.Response:
     body = await _body(request)
     await _engine(request).pause_generation(body.get("mode", "abort"))
-    return web.json_response({"success": True, "message": "Generation paused."})
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     await _body(request)
     await _engine(request).continue_generation()
-    return web.json_response({"success": True, "message": "Generation continued."})
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -174,20 +175,12 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     return await _success_or_failure(_engine(request).update_weights_from_distributed(**fields))
 
 
-async def get_model_info(request: web.Request) -> web.Response:
-    return web.json_response(_engine(request).get_model_info())
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).model_info())
 
 
-async def get_weight_version(request: web.Request) -> web.Response:
-    return web.json_response({"weight_version": _engine(request).get_weight_version()})
-
-
-async def get_weights_by_name(request: web.Request) -> web.Response:
-    body = await _body(request) if request.method == "POST" else dict(request.query)
-    if "truncate_size" in body and isinstance(body["truncate_size"], str):
-        body["truncate_size"] = _query_int("truncate_size", body["truncate_size"])
-    fields = _fields(body, ("name",), ("truncate_size",))
-    return web.json_response(await _engine(request).get_weights_by_name(**fields))
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).server_info())
 
 
 async def weights_checksum(request: web.Request) -> web.Response:
@@ -195,23 +188,11 @@ async def weights_checksum(request: web.Request) -> web.Response:
     return web.json_response(await _engine(request).weights_checksum(body.get("names")))
 
 
-async def get_load(request: web.Request) -> web.Response:
-    return web.json_response([_engine(request).load()])
-
-
-def _query_int(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}") from None
+async def load(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).load())
 
 
 # --- health --------------------------------------------------------------------------------------------------
-
-
-async def health(request: web.Request) -> web.Response:
-    """Cheap liveness: the scheduler thread runs (SGLang probes with a generate here; see /health_generate)."""
-    return web.Response(status=200 if _engine(request).is_alive() else 503)
 
 
 async def health_generate(request: web.Request) -> web.Response:

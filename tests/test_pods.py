@@ -1,0 +1,232 @@
+"""The CPU RLJob example as pods: the children the operator renders, run by a kubelet (tests/kubelet.py) with
+network namespaces, probes and Service DNS, to the end of training; the operator's status read from those pods."""
+
+import asyncio
+import base64
+import json
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+from kubelet import Cluster, sweep_namespaces
+
+from areal_k8s.demo.build import build_demo_assets
+from areal_k8s.k8s_operator import lifecycle, names
+from areal_k8s.k8s_operator.children import desired_children
+from areal_k8s.k8s_operator.handlers import controller_service_address
+from areal_k8s.k8s_operator.validation import ValidJob, validate
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-demo-cpu.yaml"
+NAMESPACE = "areal"  # what `make e2e-kind` installs into
+REDIS_PASSWORD = "s3cret-for-tests"
+# The demo's assets at the size of tests/test_demo_task.py's build: a 1-layer model after a 3-step warm-up.
+TINY_ASSETS = dict(train_size=64, eval_size=8, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                   sft_target_accuracy=1.0, sft_first_check=2, sft_check_every=1, sft_max_steps=3, sft_probe_size=8,
+                   sft_batch_size=8, sft_warmup_steps=1, eval_max_new_tokens=12, eval_batch_size=8)
+
+
+def the_example() -> dict:
+    """The example as written (its shape, sizes and 150 steps: long enough to see every pod ready while it trains),
+    created in the namespace `make e2e-kind` uses; only its assets are smaller."""
+    rljob = yaml.safe_load(EXAMPLE.read_text())
+    rljob["metadata"].update(namespace=NAMESPACE, uid="4c7e-demo", generation=1)
+    return rljob
+
+
+def chart_redis() -> list[dict]:
+    """What the chart provides in a job namespace: Secret `areal-redis` with the in-chart Redis's URL (and
+    password) under `url`, and that Redis behind Service `areal-redis`, probed as the chart probes it."""
+    url = f"redis://:{REDIS_PASSWORD}@areal-redis.{NAMESPACE}.svc:6379/0"  # the chart's areal.redis.url
+    labels = {"app.kubernetes.io/name": "areal", "app.kubernetes.io/component": "redis"}
+    ping = {"exec": {"command": ["sh", "-c", "redis-cli -h 127.0.0.1 ping | grep -q PONG"]}, "periodSeconds": 2, "timeoutSeconds": 3}
+    meta = {"name": "areal-redis", "namespace": NAMESPACE}
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
+         "data": {key: base64.b64encode(value.encode()).decode() for key, value in (("url", url), ("password", REDIS_PASSWORD))}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"selector": labels, "ports": [{"name": "redis", "port": 6379}]}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": {
+            "replicas": 1, "serviceName": "areal-redis", "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "fsGroup": 999},
+                "containers": [{
+                    "name": "redis", "command": ["redis-server"], "workingDir": "/data",
+                    "args": ["--port", "6379", "--requirepass", "$(REDIS_PASSWORD)", "--save", "", "--appendonly", "no"],
+                    "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "areal-redis", "key": "password"}}},
+                            {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"}],
+                    "startupProbe": {**ping, "failureThreshold": 30}, "readinessProbe": ping,
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                    "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }],
+                "volumes": [{"name": "data", "emptyDir": {}}],
+            }},
+        }},
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_namespaces():
+    """However the test ends (a timeout included), none of its namespaces or processes outlive it."""
+    yield
+    sweep_namespaces(own=True)
+
+
+async def reconcile(cluster: Cluster, job: ValidJob, previous: dict) -> dict:
+    """handlers.reconcile with the harness in place of the apiserver: the controller's status read through its
+    Service from the node, restarts counted over the job's pods, the children applied, the status computed, all
+    by the operator's own functions."""
+    observed = lifecycle.Observed()
+    if not any(lifecycle.is_true(previous, terminal) for terminal in lifecycle.TERMINAL):
+        try:
+            observed.controller = await cluster.read_job_status(controller_service_address(job.namespace, job.name))
+        except ConnectionError as exc:
+            observed.controller_error = str(exc)
+        selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
+        observed.restarts = lifecycle.count_restarts(cluster.pods_of(job.namespace, selector), job.name)
+    now = datetime.now(timezone.utc)
+    phase = lifecycle.decide_phase(job.spec, previous, observed, now)
+    for child in desired_children(job, running=phase.running):
+        live = cluster.apply(child)
+        if child["kind"] in ("Deployment", "StatefulSet"):
+            observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
+    return {**previous, **lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
+                                               previous=previous, phase=phase, observed=observed, now=now)}
+
+
+def condition(status: dict, kind: str) -> tuple[str, str]:
+    found = lifecycle.condition_of(status, kind) or {}
+    return found.get("status"), found.get("reason")
+
+
+@pytest.mark.timeout(300)
+async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
+    assets = tmp_path / "assets"
+    build_demo_assets(assets, seed=0, **TINY_ASSETS)
+    for path in [assets, *assets.rglob("*")]:  # as the e2e script's build Job leaves the claim: readable by the pods
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    rljob = the_example()
+    job = validate(rljob)
+    selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
+
+    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets}) as cluster:
+        for obj in chart_redis():
+            cluster.apply(obj)
+        await cluster.wait_for(lambda: all(p["status"]["conditions"][0]["status"] == "True"
+                                           for p in cluster.pods_of(NAMESPACE, {"app.kubernetes.io/component": "redis"})),
+                               "the chart's Redis to be ready", timeout=30)
+
+        statuses, status = [], {}
+        deadline = asyncio.get_running_loop().time() + 180
+        while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
+            if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
+                pytest.fail(f"the job did not complete: {condition(status, 'Failed')} {status.get('conditions')}\n{cluster.describe()}")
+            status = await reconcile(cluster, job, status)
+            statuses.append(status)
+            if not lifecycle.is_true(status, lifecycle.COMPLETE):
+                described = cluster.describe()  # the pods while the job ran, for a failure's message
+            await asyncio.sleep(1)
+
+    # while it trained, every role had its pods ready: the operator said so (Ready) and the job progressed
+    running = [s for s in statuses if condition(s, "Ready") == ("True", "AllReplicasReady")]
+    assert running, f"no status read Ready; the last one before completion: {statuses[-3]['conditions']}\n{described}"
+    assert any(condition(s, "Progressing") == ("True", "Training") for s in running)
+    assert all(condition(s, kind)[0] == "False" for s in running for kind in ("Complete", "Failed", "Degraded"))
+    assert all(r["ready"] == r["desired"] == 1 for r in running[0]["replicas"].values())
+    assert all(s["restarts"] == 0 for s in running), f"containers restarted while the job ran\n{described}"
+    # nor after it finished: the trainer and rollout workers wait to be stopped (`--when-done wait`), where a
+    # container that exited would be restarted and could push a succeeded job over its restart budget
+    assert all(s.get("restarts", 0) == 0 for s in statuses), [s.get("restarts") for s in statuses]
+
+    # then it succeeded, and the operator took every pod away
+    final = statuses[-1]
+    assert condition(final, "Complete") == ("True", "TrainingFinished")
+    assert condition(final, "Failed")[0] == "False"
+    assert final["policyVersion"] == final["totalSteps"] == job.config.algorithm.total_steps
+    assert {r["desired"] for r in final["replicas"].values()} == {0}
+    assert final["staleness"]["max"] <= job.config.algorithm.max_staleness  # as the controller reported it
+
+    # the trainer's log on its checkpoint claim: every trajectory trained once, none staler than η
+    run_dir = cluster.claims[f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"] / job.config.name
+    steps = [json.loads(line) for line in (run_dir / "trainer" / "steps.jsonl").read_text().splitlines()]
+    algorithm = job.config.algorithm
+    assert [s["version"] for s in steps] == list(range(1, algorithm.total_steps + 1))
+    entries = [e for s in steps for e in s["entries"]]
+    assert len(entries) == algorithm.total_steps * algorithm.batch_size * algorithm.group_size == len(set(entries))
+    staleness = [x for s in steps for x in s["staleness"]]
+    assert len(staleness) == len(entries) and max(staleness) <= algorithm.max_staleness
+
+
+def probe_file(path: str, period: int = 1, **thresholds) -> dict:
+    """An httpGet probe that passes while the file `path` exists in the web server's directory."""
+    return {"httpGet": {"path": f"/{path}", "port": "http"}, "periodSeconds": period, **thresholds}
+
+
+def web_objects() -> list[dict]:
+    """A StatefulSet of one web server (python's http.server over an emptyDir), with a Service for its ready pods
+    and a headless one for all of them; its start-up script records what the pod sees."""
+    labels = {"app": "web"}
+    seen = "echo $(GREETING) $TOKEN $POD_IP $ROLE $(hostname) $(cat /etc/web/motd) $$HOME > /data/seen"
+    container = {
+        "name": "web", "command": ["sh", "-c"],
+        "args": [f"{seen} && touch /data/alive && exec python -m http.server 8080 --bind 0.0.0.0 --directory /data"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "GREETING", "value": "hi-from-$(POD_NAME)"},
+                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "web", "key": "token"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "ROLE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}}],
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "startupProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1, "failureThreshold": 30},
+        "readinessProbe": probe_file("ready", failureThreshold=1),
+        "livenessProbe": probe_file("alive", failureThreshold=2),
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}, {"name": "motd", "mountPath": "/etc/web", "readOnly": True}],
+        "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    meta = {"name": "web", "namespace": "default"}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"motd": "hello"}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": {"token": base64.b64encode(b"t0k").decode()}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"selector": labels, "ports": [{"port": 8080}]}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": "web-pods"},
+         "spec": {"selector": labels, "clusterIP": "None", "publishNotReadyAddresses": True, "ports": [{"port": 8080}]}},
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": {
+            "replicas": 1, "serviceName": "web-pods", "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+                "terminationGracePeriodSeconds": 2, "containers": [container],
+                "volumes": [{"name": "data", "emptyDir": {}}, {"name": "motd", "configMap": {"name": "web"}}]}}}},
+    ]
+
+
+async def test_the_kubelet_runs_probes_restarts_and_service_names_as_kubernetes_does(tmp_path):
+    async with Cluster(tmp_path / "cluster") as cluster:
+        for obj in web_objects():
+            cluster.apply(obj)
+        pod = cluster.pods["default", "web-0"]
+        container = pod.containers[0]
+        seen = await cluster.wait_for(lambda: "data" in pod.volumes and (pod.volumes["data"] / "seen").is_file(), "the web server", 30)
+        data = pod.volumes["data"]
+        # env in order with $(VAR) expanded, Secret keys, fieldRefs, the ConfigMap's files, the pod's hostname
+        assert seen and (data / "seen").read_text().split() == ["hi-from-web-0", "t0k", pod.ip, "web", "web-0", "hello", "/tmp/home"]
+
+        # not ready: only the headless Service with publishNotReadyAddresses has it, by its name and the pod's
+        # (looked up from the node, whose search path has no namespace)
+        assert await cluster.resolve("web-0.web-pods.default") == await cluster.resolve("web-pods.default") == [pod.ip]
+        assert await cluster.resolve("web.default") == [] and not container.ready
+        (data / "ready").touch()
+        await cluster.wait_for(lambda: container.ready, "the readiness probe to pass", 10)
+        assert await cluster.resolve("web.default.svc.cluster.local") == [pod.ip]
+        (data / "ready").unlink()
+        await cluster.wait_for(lambda: not container.ready, "the readiness probe to fail", 10)
+        assert await cluster.resolve("web.default") == []
+
+        # a liveness probe failing twice in a row restarts the container (its emptyDir stays); the first restart
+        # is immediate, as the kubelet's back-off starts after it; the startup probe holds the others back again
+        (data / "alive").unlink()
+        await cluster.wait_for(lambda: container.restarts == 1 and "running" in container.state, "a restart", 20)
+        assert "killed: liveness probe failed 2 times" in container.events
+        assert pod.object()["status"]["containerStatuses"][0]["restartCount"] == 1
+    # nothing is left: pods, processes (each in a pod's namespace), namespaces
+    assert not cluster.pods and cluster.prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
