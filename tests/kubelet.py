@@ -57,6 +57,7 @@ IMAGE_ENV = {
     "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp/home", "HF_HUB_OFFLINE": "1",
 }
 IMAGE_USER, IMAGE_WORKDIR = 10001, "/tmp"
+REPOSITORY = Path(__file__).resolve().parents[1]  # the editable install's source: part of the "image"
 ENV_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 
@@ -405,6 +406,11 @@ class Cluster:
             lines += [f"mkdir -p {target}", f"mount --bind {q(str(source))} {target}"]
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {target}")
+        # The image's own files stay visible whatever the volumes cover: in an image they live in /opt/areal, here a
+        # checkout under /tmp (CI's, say) would be hidden by the /tmp emptyDir.
+        for path in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPOSITORY)}):
+            lines += [f"mkdir -p {root}{q(path)}", f"mount --bind {q(path)} {root}{q(path)}",
+                      f"mount -o remount,bind,ro {root}{q(path)}"]
         if spec.get("securityContext", {}).get("readOnlyRootFilesystem"):
             lines.append(f"mount -o remount,bind,ro {root}")
         return [*lines, f"hostname {q(pod.hostname)}"]

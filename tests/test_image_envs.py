@@ -386,10 +386,12 @@ def runtime_environment(plan: Plan, venv: Path, scratch: Path) -> dict[str, str]
     """The final stage's ENV over a clean environment, /opt/areal and /tmp (the operator's emptyDir) mapped here."""
     out = {"PATH": BASE_PATH, "HOME": str(scratch), "TMPDIR": str(scratch)}
     out |= {k: os.environ[k] for k in PASSED_THROUGH if k in os.environ}
+    mapped = {ENV_PATH: str(venv), "/tmp": str(scratch)}
+    # One pass: a mapped path may itself start with /tmp (a checkout under /tmp), and must not be mapped again.
+    image_paths = re.compile(rf"(?<![\w/])({'|'.join(map(re.escape, mapped))})(?=/|:|$)")
     for key, value in plan.runtime_env.items():
         value = value.replace("$PATH", BASE_PATH).replace("${PATH}", BASE_PATH)
-        value = re.sub(rf"(?<![\w/]){re.escape(ENV_PATH)}(?=/|:|$)", str(venv), value)
-        out[key] = re.sub(r"(?<![\w/])/tmp(?=/|:|$)", str(scratch), value)
+        out[key] = image_paths.sub(lambda match: mapped[match[1]], value)
     return out
 
 

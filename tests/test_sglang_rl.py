@@ -25,6 +25,7 @@ from areal_k8s.trainer.checkpoint import checkpoint_dir
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
 from e2e_jobs import make_job, read_steps, reward_importable  # noqa: F401 - fixture
 from sglang_server import GPU, SGLangServer, skip_or_fail_without_env
+from tiny_models import perturbed
 
 pytestmark = pytest.mark.e2e
 
@@ -56,12 +57,7 @@ def checkpoint(sglang_model):
 @pytest.fixture(scope="module")
 def trained(sglang_model):
     """What a trainer would push: the checkpoint, perturbed so that its outputs differ."""
-    model = AutoModelForCausalLM.from_pretrained(sglang_model, dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return model
+    return perturbed(AutoModelForCausalLM.from_pretrained(sglang_model, dtype=torch.float32).eval())
 
 
 def sender(**overrides) -> WeightSender:

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
-from tiny_models import build_tiny_qwen2
+from tiny_models import build_tiny_qwen2, perturbed
 
 torch.set_num_threads(1)
 
@@ -143,12 +143,7 @@ async def client(engine_url):
 @pytest.fixture(scope="module")
 def trainer_model(model_path):
     """The trainer's copy of the weights, perturbed so the engine's original weights no longer match."""
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
-    return model
+    return perturbed(AutoModelForCausalLM.from_pretrained(model_path).eval())
 
 
 def sender(**overrides) -> WeightSender:

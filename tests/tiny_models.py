@@ -79,3 +79,13 @@ def tiny_llama(*, seed: int = 0, vocab_size: int = 300) -> LlamaForCausalLM:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def perturbed(model, scale: float = 0.05, seed: int = 7):
+    """`model` with seeded noise added to every parameter, in place: weights a trainer could push, whose outputs
+    differ from the checkpoint's."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    return model

@@ -89,21 +89,32 @@ def job_failure(status: controller_pb2.JobStatus) -> str:
     return f"job {status.job} failed ({status.failure_reason}): {status.message}"
 
 
+def poll_until(service: Service, deadline: float, pending: Callable[[], str | None]) -> None:
+    """Call `pending` every 0.2 s until it returns None; it names what is still awaited otherwise. Raise LaunchError
+    if `service` exits first or `deadline` passes."""
+    while True:
+        if service.exit_code is not None:
+            raise LaunchError(f"{service.name} exited while starting: {service.last_error()} (log: {service.log_path})")
+        if (waiting := pending()) is None:
+            return
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{service.name} is not ready in time: {waiting} (log: {service.log_path})")
+        time.sleep(0.2)
+
+
 def wait_serving(service: Service, address: str, deadline: float) -> None:
     """Block until the standard gRPC health service at `address` reports SERVING."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            if service.exit_code is not None:
-                raise LaunchError(f"{service.name} exited while starting: {service.last_error()} (log: {service.log_path})")
+
+        def pending() -> str | None:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise LaunchError(f"{service.name} did not become healthy in time (log: {service.log_path})")
-            time.sleep(0.2)
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            except grpc.RpcError as exc:
+                return f"gRPC health {exc.code().name}"
+            return None if status == health_pb2.HealthCheckResponse.SERVING else f"gRPC health {status}"
+
+        poll_until(service, deadline, pending)
 
 
 def wait_ready(controller: Service, address: str, deadline: float) -> None:
@@ -111,22 +122,17 @@ def wait_ready(controller: Service, address: str, deadline: float) -> None:
     they fail is reported before anything else starts."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = controller_pb2_grpc.ControllerStub(ch)
-        while True:
-            if controller.exit_code is not None:
-                raise LaunchError(f"controller exited while starting: {controller.last_error()} (log: {controller.log_path})")
+
+        def pending() -> str | None:
             try:
                 status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
-            except grpc.RpcError as exc:  # e.g. Redis busy for a moment; a dead controller is caught above
-                waiting = f"answering GetJobStatus ({exc.code().name})"
-            else:
-                if status.phase == controller_pb2.JobStatus.FAILED:
-                    raise LaunchError(job_failure(status))
-                if status.ready:
-                    return
-                waiting = status.message
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the controller is not ready in time: {waiting} (log: {controller.log_path})")
-            time.sleep(0.2)
+            except grpc.RpcError as exc:  # e.g. Redis busy for a moment; a dead controller is caught by poll_until
+                return f"answering GetJobStatus ({exc.code().name})"
+            if status.phase == controller_pb2.JobStatus.FAILED:
+                raise LaunchError(job_failure(status))
+            return None if status.ready else status.message
+
+        poll_until(controller, deadline, pending)
 
 
 class LocalRun:

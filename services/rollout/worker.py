@@ -69,21 +69,21 @@ class IdleClock:
 
 async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
     """Generate one response per rid to the same prompt, in one batched request; after every abort, the aborted
-    ones are resubmitted together from their generated prefixes."""
+    ones are resubmitted together from their generated prefixes.
+
+    A resubmission is a new request with a rid of its own: SGLang 0.5.20 answers 500 (its request state lost) when
+    a rid comes back while the aborted request of that name is still being cleaned up."""
     samples = {rid: Sample() for rid in rids}
     budget = sampling["max_new_tokens"]
-    pending = list(rids)
+    pending, attempt = list(rids), 0
     while pending:
         results = await engine.generate(
             [prompt_ids + samples[rid].output_ids for rid in pending],
             [dict(sampling, max_new_tokens=budget - len(samples[rid].output_ids)) for rid in pending],
-            rid=pending,
+            rid=[rid if attempt == 0 else f"{rid}@{attempt}" for rid in pending],
         )
-        aborted = []
-        for rid, result in zip(pending, results, strict=True):
-            if not record_answer(samples[rid], result, budget):
-                aborted.append(rid)
-        pending = aborted
+        pending = [rid for rid, result in zip(pending, results, strict=True) if not record_answer(samples[rid], result, budget)]
+        attempt += 1
     return [samples[rid] for rid in rids]
 
 
