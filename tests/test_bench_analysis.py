@@ -34,3 +34,17 @@ def test_averaged_curves_compare_where_each_reaches_syncs_averaged_final():
     # An async average that never gets there has no ratio.
     never = bench.compare_averaged([result(0, [(0, 0.1), (20, 0.45)])], synchronous, smooth=1)
     assert never["seconds_to_target"]["async"] is None and never["speedup"] is None
+
+
+def test_the_readme_carries_the_sglang_benchmark_as_measured():
+    """README's SGLang-vs-CPU-engine lines are the ones bench/sglang_vs_cpu.py writes from its committed results."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("sglang_vs_cpu", root / "bench" / "sglang_vs_cpu.py")
+    sglang_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sglang_bench)
+    report = json.loads(sglang_bench.RESULTS.read_text())
+    assert sglang_bench.readme_block(report) in (root / "README.md").read_text(), "run `python bench/sglang_vs_cpu.py --readme`"
+    assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"]["median"] \
+        == pytest.approx(report["samples_per_second_ratio"], abs=1e-3)

@@ -90,13 +90,24 @@ async def test_ack_trims_the_stream_to_what_is_still_needed(store):
     assert 0 <= stats["oldest_unacked_age"] <= seconds + micros / 1e6 - written + 0.01
 
 
-async def test_trainer_acks_drop_written_markers_and_delete_job_removes_every_key(store):
+async def test_a_written_group_stays_written_until_settled_even_once_trained(store):
+    """A worker may die after writing a group and before reporting it; the trainer may train it meanwhile. The
+    revocation that follows must still find it written (the trainer's ack used to forget it, and the prompt was
+    generated and trained a second time, breaking the staleness accounting)."""
+    await store.ensure_consumer_group()
+    await store.write_group([trajectory("orphan", 0, [0])])
+    await store.ack(await store.read_new("t", count=1, block_ms=100))
+    assert await store.revoke_group("orphan") is True
+    await store.write_group([trajectory("reported", 0, [0])])
+    await store.settle_written(["reported"])  # its worker reported it accepted
+    assert await store.client.smembers(store.keys.written) == set()
+
+
+async def test_delete_job_removes_every_key(store):
     await store.ensure_consumer_group()
     await store.write_group([trajectory("g", 0, [0])])
     await store.set_version(5)
-    entries = await store.read_new("t", count=1, block_ms=100)
-    await store.ack(entries)
-    assert await store.client.smembers(store.keys.written) == set()
+    await store.ack(await store.read_new("t", count=1, block_ms=100))
     assert await store.get_version() == 5
     other = TrajectoryStore(store.client, "job-b")
     await other.set_version(1)

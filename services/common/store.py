@@ -35,10 +35,10 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return ids
 """
 
-# KEYS: written, revoked. ARGV: group_id. Returns 1 if the group was already written (it counts as accepted),
-# else marks it revoked so a late write by its old worker is refused.
+# KEYS: written, revoked. ARGV: group_id. Returns 1 if the group was already written (it counts as accepted, and is
+# settled), else marks it revoked so a late write by its old worker is refused.
 _REVOKE_GROUP = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SREM', KEYS[1], ARGV[1]) == 1 then return 1 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 0
 """
@@ -120,6 +120,15 @@ class TrajectoryStore:
         """Stop a group from being written later. True if it had already been written (nothing to redo)."""
         return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
 
+    async def settle_written(self, group_ids: list[str]) -> None:
+        """Groups whose worker reported them accepted: no revocation will ask about them any more.
+
+        A group stays in the written set until then, whether or not it was trained already: a worker that dies after
+        writing a group and before reporting it leaves a lease the controller later revokes, and the revocation must
+        still see it written (else its prompt is generated and trained a second time)."""
+        if group_ids:
+            await self.client.srem(self.keys.written, *group_ids)
+
     async def load_controller_state(self) -> str | None:
         state = await self.client.get(self.keys.controller_state)
         return None if state is None else state.decode()
@@ -186,10 +195,7 @@ class TrajectoryStore:
         """Acknowledge trained entries and trim the stream below the oldest entry still needed."""
         if not entries:
             return
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xack(self.keys.stream, CONSUMER_GROUP, *[e.entry_id for e in entries])
-            pipe.srem(self.keys.written, *{e.group_id for e in entries})
-            await pipe.execute()
+        await self.client.xack(self.keys.stream, CONSUMER_GROUP, *[e.entry_id for e in entries])
         await self.trim()
 
     async def trim(self) -> None:

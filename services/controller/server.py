@@ -215,6 +215,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if result == "failed" and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
             unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
+        await self.store.settle_written([o.group_id for o in request.outcomes if _RESULTS[o.result] == "accepted"])
         self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
