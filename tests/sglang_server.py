@@ -8,7 +8,6 @@ Where the env is not built they skip, with the reason the build left; with AREAL
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import os
@@ -21,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from areal_k8s.common.processes import terminate_with_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_ENV = ROOT / ".cache" / "sglang-env"
@@ -148,7 +149,7 @@ class SGLangServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.environment(), cwd=self.log_path.parent,  # SGLang writes its scratch files to its cwd
                 start_new_session=True,  # its own process group: stop() ends the scheduler and detokenizer too
-                preexec_fn=_terminate_with_parent,
+                preexec_fn=terminate_with_parent,
             )  # fmt: skip
 
     def _wait_ready(self, deadline: float) -> None:
@@ -223,13 +224,6 @@ class SGLangServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def _terminate_with_parent() -> None:
-    """Run in the server's process before exec: SIGTERM when the test process dies, even killed, so that the server
-    does not outlive it (SGLang then ends its own children)."""
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _signal_group(group: int, signum: int) -> bool:

@@ -129,6 +129,29 @@ def test_snapshot_restores_cursor_counters_and_leases():
     assert revived.expired_leases() == []  # lease holders get a grace period after a restart
 
 
+def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after_a_restore_is_recorded():
+    """A retried ReportTrainStep (the controller recorded the first attempt, then died before answering) must not
+    count its groups twice; after the trainer restores a checkpoint, the steps it trains again are new reports."""
+    core = make_core(max_staleness=3)
+
+    def report(version: int) -> bool:
+        return core.record_step(version=version, groups=2, samples=8, tokens=40, max_staleness=0, mean_staleness=0,
+                                reward_mean=0.5, eval_accuracy=-1, base_evaluation=False, finished=False)
+
+    for version in (1, 2):
+        core.announce_version(version, restored=False)
+        assert report(version)
+    assert not report(2) and not report(1)
+    assert (core.progress.consumed, core.progress.trained_samples) == (4, 16)
+    core.announce_version(1, restored=True)  # the trainer restarted from its checkpoint at 1
+    assert report(2) and not report(2)
+    assert core.progress.last_step == 2
+    revived = make_core()
+    revived.restore(core.snapshot())
+    assert not revived.record_step(version=2, groups=2, samples=8, tokens=40, max_staleness=0, mean_staleness=0,
+                                   reward_mean=0.5, eval_accuracy=-1, base_evaluation=False, finished=False)
+
+
 def test_a_worker_that_registers_again_restarted_and_its_old_groups_are_orphaned():
     core = make_core(max_staleness=3)
     held = {a.lease.group_id for a in core.acquire("w", 2, engine_version=0)}

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import controller_pb2
-from areal_k8s.cli.launcher import LocalRun, child_env
+from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
 from areal_k8s.common.weights import weights_checksum
@@ -106,8 +106,8 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
         pending = {p["message_id"].decode() for p in client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10_000)}
         assert uncheckpointed and uncheckpointed <= pending  # trained, but never acknowledged
 
-        trainer.start(child_env(1))  # a new trainer process, same flags
-        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)  # restarts it, same flags
+        assert run.supervisor.restarts == {"trainer": 1}
         after = read_steps(run.run_dir)[len(before):]
         assert [s["version"] for s in after] == list(range(checkpointed + 1, 9))  # resumed from the checkpoint
         retrained = {e for s in after for e in s["entries"]}
@@ -120,7 +120,8 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
 
 
 def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_completes(assets, tmp_path, reward_importable):
-    """A rollout worker and its engine die mid-run and come back (a pod restart): the new engine serves the initial
+    """A rollout worker and its engine die mid-run and the launcher restarts them (as a kubelet restarts a pod's
+    containers, same name and address): the new engine serves the initial
     weights, so the controller gives it no work until it serves the current version. The trainer, waiting for data
     that only this worker can produce, pushes the current weights to it at once (it used to wait for a step that could
     never come), the dead incarnation's groups are re-queued, and the run completes with every trajectory's tokens
@@ -131,16 +132,15 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         endpoints = run.start("new")
         deadline = time.monotonic() + 300
         while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
-            assert time.monotonic() < deadline and run.failed_service() is None
+            assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
             time.sleep(0.05)
         worker, engine = run.service("rollout-0"), run.service("engine-0")
         for service in (worker, engine):
             service.process.send_signal(signal.SIGKILL)
             service.process.wait()
         restarted_at = read_steps(run.run_dir)[-1]["version"]
-        engine.start(child_env(1))
-        worker.start(child_env(1))
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert run.supervisor.restarts == {"engine-0": 1, "rollout-0": 1}
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
         assert "pushing it" in run.service("trainer").log_path.read_text()  # while waiting, not at a later step
 
@@ -158,5 +158,34 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 6), dtype=torch.float32)
         with urllib.request.urlopen(f"{endpoints.engines[0]}/areal/weights_checksum", timeout=30) as reply:
             assert json.load(reply)["combined"] == weights_checksum(list(saved.named_parameters()))[1]
+    finally:
+        run.stop()
+
+
+@pytest.mark.parametrize("victim", ["controller", "reward"])
+def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable, victim):
+    """The controller or the reward service is SIGKILLed mid-run. The launcher restarts it (same address); the
+    trainer and the rollout worker wait for it instead of dying (their calls wait for the channel to be ready, and
+    idempotent ones are sent again), the controller restores its state from Redis, and the run completes with every
+    trained sample within η and no trajectory trained twice."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6}, trainer={"checkpoint_interval": 2})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        deadline = time.monotonic() + 300
+        while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
+            assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
+            time.sleep(0.05)
+        killed = run.service(victim).process
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
+        assert run.supervisor.restarts == {victim: 1}  # nothing else died with it
+        steps = read_steps(run.run_dir)
+        assert [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
+        entries = [e for s in steps for e in s["entries"]]
+        assert len(entries) == len(set(entries))
     finally:
         run.stop()

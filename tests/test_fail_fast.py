@@ -133,32 +133,3 @@ def test_model_and_tokenizer_directories_are_checked_for_what_hugging_face_needs
         with pytest.raises(ModelDirectoryError) as raised:
             check(path)
         assert str(raised.value) == message.format(path)
-
-
-@pytest.mark.e2e
-def test_sigterm_stops_arealctl_and_every_service_it_started(assets, tmp_path, reward_importable):
-    """The services run in sessions of their own: a SIGTERM to arealctl (`timeout`, a process manager) used to
-    leave all of them running. It now stops them as Ctrl-C does."""
-    import os
-    import signal
-    import time
-
-    run_dir = tmp_path / "run"
-    job = make_job(assets, run_dir, algorithm={"total_steps": 10_000})
-    process = subprocess.Popen([*AREALCTL, "run", str(write_job(tmp_path, job))], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + HANG_GUARD_SECONDS
-    while not (run_dir / "trainer" / "steps.jsonl").exists():  # every service is up and training
-        assert process.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=HANG_GUARD_SECONDS)
-    assert process.returncode == 130, stderr
-    assert "interrupted; services stopped" in stderr
-
-    def ours(pid: str) -> bool:
-        try:
-            return str(run_dir) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            return False
-
-    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and ours(pid)]

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
+from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, describe_exit, last_words
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
@@ -30,42 +29,6 @@ from areal_k8s.common.redis_server import EmbeddedRedis, free_port
 
 class LaunchError(RuntimeError):
     """A run that could not start or did not finish; the message is one readable line."""
-
-
-@dataclass
-class Service:
-    name: str
-    args: list[str]
-    log_path: Path
-    process: subprocess.Popen | None = None
-
-    def start(self, env: dict[str, str]) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        log.close()
-
-    @property
-    def exit_code(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def last_error(self) -> str:
-        """The service's own last words, for a one-line failure message."""
-        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()] if self.log_path.exists() else []
-        errors = [line for line in lines if line.startswith("error:")]
-        return (errors or lines or ["(no output)"])[-1].strip()
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 @dataclass
@@ -93,8 +56,9 @@ def poll_until(service: Service, deadline: float, pending: Callable[[], str | No
     """Call `pending` every 0.2 s until it returns None; it names what is still awaited otherwise. Raise LaunchError
     if `service` exits first or `deadline` passes."""
     while True:
-        if service.exit_code is not None:
-            raise LaunchError(f"{service.name} exited while starting: {service.last_error()} (log: {service.log_path})")
+        if (code := service.exit_code) is not None:
+            words = last_words(service.log_path, or_last_line=code > 0) or "(no error in its log)"
+            raise LaunchError(f"{service.name} {describe_exit(code)} while starting: {words} (log: {service.log_path})")
         if (waiting := pending()) is None:
             return
         if time.monotonic() > deadline:
@@ -136,8 +100,12 @@ def wait_ready(controller: Service, address: str, deadline: float) -> None:
 
 
 class LocalRun:
-    def __init__(self, job: JobConfig, *, host: str = "127.0.0.1"):
+    def __init__(self, job: JobConfig, *, host: str = "127.0.0.1", restarts: RestartPolicy | None = None,
+                 on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True)):
         self.job = job
+        self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart)
+        self.last_status: controller_pb2.JobStatus | None = None
+        self.started_controller: str | None = None  # its address once its process is started
         self.host = host
         self.run_dir = Path(job.run_dir)
         self.redis: EmbeddedRedis | None = None
@@ -170,6 +138,7 @@ class LocalRun:
         redis_url = self.job.redis.url
         if redis_url is None:
             self.redis = EmbeddedRedis(self.run_dir / "redis").start()
+            self.supervisor.watch(RedisService(self.redis))
             redis_url = self.redis.url
 
         if self.redis:
@@ -201,6 +170,7 @@ class LocalRun:
              *metrics("controller")],
             logs, 1,
         )
+        self.started_controller = ends.controller
         reward = self.spawn(
             "reward",
             ["areal_k8s.reward", "--host", self.host, "--port", port_of(ends.reward), "--workers", str(self.job.reward.workers),
@@ -246,25 +216,16 @@ class LocalRun:
         return self.prometheus.start()
 
     def spawn(self, name: str, args: list[str], logs: Path, threads: int) -> Service:
-        service = Service(name, args, logs / f"{name}.log")
-        service.start(child_env(threads))
+        service = Service(name, args, logs / f"{name}.log", child_env(threads))
+        service.start()
         self.services.append(service)
+        self.supervisor.watch(service)
         return service
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
 
     # -- watch ---------------------------------------------------------------------------------------------
-
-    def failed_service(self) -> Service | None:
-        """A service that died. Rollout workers and engines end normally once the job is over, the trainer too."""
-        for s in self.services:
-            code = s.exit_code
-            if code not in (None, 0):
-                return s
-            if code == 0 and s.name in ("controller", "reward"):
-                return s
-        return None
 
     def wait(
         self,
@@ -273,7 +234,8 @@ class LocalRun:
         poll: float = 1.0,
         timeout: float | None = None,
     ) -> controller_pb2.JobStatus:
-        """Poll the job status until the trainer finishes; raise LaunchError if a service dies or time runs out."""
+        """Poll the job status until the trainer finishes, restarting processes that die; raise LaunchError when
+        the job fails, the restart budget is spent or time runs out."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with grpc.insecure_channel(controller, options=CHANNEL_OPTIONS) as ch:
             stub = controller_pb2_grpc.ControllerStub(ch)
@@ -284,6 +246,7 @@ class LocalRun:
                     self.recorder.tick()
                 try:
                     status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
+                    self.last_status = status
                     on_status(status)
                 except grpc.RpcError:
                     pass  # the controller is busy or restarting; a dead one is caught below
@@ -291,14 +254,25 @@ class LocalRun:
                     return status
                 if status.phase == controller_pb2.JobStatus.FAILED:
                     raise LaunchError(job_failure(status))
-                failed = self.failed_service()
-                if failed:
-                    raise LaunchError(f"{failed.name} exited with code {failed.exit_code}: {failed.last_error()} (log: {failed.log_path})")
+                try:
+                    self.supervisor.tick()
+                except RestartBudgetSpent as exc:
+                    raise LaunchError(str(exc)) from None
                 if trainer_done:
                     raise LaunchError(f"the trainer exited before the job completed (log: {self.service('trainer').log_path})")
                 if deadline is not None and time.monotonic() > deadline:
                     raise LaunchError(f"the job did not complete within {timeout:.0f}s (step {status.version}/{status.total_steps})")
                 time.sleep(poll)
+
+    def current_status(self) -> controller_pb2.JobStatus | None:
+        """The job's status now if the controller answers, else the last one `wait` saw."""
+        if self.started_controller is None:
+            return self.last_status
+        with grpc.insecure_channel(self.started_controller, options=CHANNEL_OPTIONS) as ch:
+            try:
+                return controller_pb2_grpc.ControllerStub(ch).GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
+            except grpc.RpcError:
+                return self.last_status
 
     # -- stop ----------------------------------------------------------------------------------------------
 
@@ -311,7 +285,9 @@ class LocalRun:
         if self.prometheus:
             self.prometheus.stop()
 
-    def write_summary(self, status: controller_pb2.JobStatus, interrupted: bool) -> dict:
+    def write_summary(self, status: controller_pb2.JobStatus | None, interrupted: bool) -> dict:
+        """summary.json from the job's status (None: the controller never answered; the counts are then zero)."""
+        status = status or controller_pb2.JobStatus(job=self.job.name)
         summary = {
             "job": self.job.name,
             "completed": status.phase == controller_pb2.JobStatus.COMPLETED and not interrupted,
@@ -332,6 +308,7 @@ class LocalRun:
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),
             "rollout_workers": self.job.rollout.workers,
+            "restarts": dict(self.supervisor.restarts),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary

@@ -31,14 +31,15 @@ def cmd_run(args) -> int:
     from areal_k8s.cli.progress import ProgressView
     from areal_k8s.common.prompts import ModelDirectoryError
 
+    from areal_k8s.cli.supervisor import RestartPolicy
+
     job = load_job_file(args.job)
-    run = LocalRun(job)
+    run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
     # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
     # would otherwise outlive arealctl.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     mode = "fresh" if args.fresh else "resume" if args.resume else "new"
     view = ProgressView(job.name, job.algorithm.total_steps)
-    status = None
     try:
         endpoints = run.start(mode, prometheus=args.scrape_interval if args.prometheus else None)
         view.recorder = run.recorder
@@ -48,11 +49,12 @@ def cmd_run(args) -> int:
         with view:
             status = run.wait(endpoints.controller, view.update)
     except KeyboardInterrupt:
+        status = run.current_status()
         run.stop()
-        if status is not None:
+        if run.run_dir.is_dir():  # absent only when interrupted before the run directory was made
             run.write_summary(status, interrupted=True)
             report_quietly(run.run_dir)
-        return fail("interrupted; services stopped (continue with --resume)", EXIT_INTERRUPTED)
+        return fail("interrupted; services stopped, summary written (continue with --resume)", EXIT_INTERRUPTED)
     except ModelDirectoryError as exc:  # found before anything started
         return fail(str(exc), EXIT_INVALID)
     except (LaunchError, PrometheusError) as exc:
@@ -164,6 +166,9 @@ def parser() -> argparse.ArgumentParser:
     again.add_argument("--resume", action="store_true", help="continue the run in the job's run directory")
     run.add_argument("--prometheus", action="store_true",
                      help="also start a Prometheus server (Debian's prometheus package) scraping every service")
+    run.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                     help="restart processes that die (with back-off, as a kubelet does) up to N times in all, then "
+                          "fail the run (default 10; an RLJob's failurePolicy.maxRestarts)")
     run.add_argument("--scrape-interval", default="5s", help="Prometheus scrape interval with --prometheus (default 5s)")
     run.set_defaults(func=cmd_run)
 

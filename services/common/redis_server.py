@@ -14,6 +14,8 @@ from pathlib import Path
 
 import redis
 
+from areal_k8s.common.processes import terminate_with_parent
+
 
 class RedisServerError(RuntimeError):
     pass
@@ -62,13 +64,15 @@ class EmbeddedRedis:
             "--protected-mode", "no",
             "--daemonize", "no",
         ]
-        log = open(self.data_dir / "server.log", "ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=terminate_with_parent)
+        log.close()
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
-                raise RedisServerError(f"Redis server exited with {self.process.returncode}; see {self.data_dir / 'server.log'}")
+                raise RedisServerError(f"Redis server exited with {self.process.returncode}; see {self.log_path}")
             try:
                 client.ping()
                 return self
@@ -79,6 +83,15 @@ class EmbeddedRedis:
                 time.sleep(0.05)
             finally:
                 client.close()
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while the server runs (or was never started), else how it ended."""
+        return None if self.process is None else self.process.poll()
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "server.log"
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process and self.process.poll() is None:

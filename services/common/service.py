@@ -89,9 +89,17 @@ def run_service(service: str, main: Callable[[asyncio.Event], Awaitable[None]]) 
         asyncio.run(runner())
     except Exception as exc:  # the last line a user (or kubectl logs) sees: make it say what went wrong
         log.exception("%s failed", service)
-        print(f"error: {service}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {service}: {one_line(exc)}", file=sys.stderr)
         exit_now(1)
     exit_now(0)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: a failed gRPC call by its status code and details (its str() spans five lines)."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{type(exc).__name__}: {code().name}: {details()}"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def exit_now(code: int) -> NoReturn:

@@ -4,7 +4,7 @@ import logging
 import os
 
 from areal_k8s.api.v1 import reward_pb2_grpc
-from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.grpcutil import dependency_channel
 from areal_k8s.common.metrics import ControllerMetrics
 from areal_k8s.common.service import base_parser, load_items, load_job, run_service, setup_logging
 from areal_k8s.common.store import TrajectoryStore, connect
@@ -33,7 +33,7 @@ def main() -> None:
         metrics = ControllerMetrics(job.name)
         metrics.serve(args.host, args.metrics_port)
         core = ControllerCore(job, items, lease_seconds=args.lease_seconds, metrics=metrics)
-        reward_channel = channel(args.reward) if args.reward else None
+        reward_channel = dependency_channel(args.reward) if args.reward else None
         if reward_channel is None:
             log.warning("no --reward: the job's verifiers are not checked before work is admitted")
         reward = reward_pb2_grpc.RewardStub(reward_channel) if reward_channel else None

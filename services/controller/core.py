@@ -89,6 +89,7 @@ class Progress:
     first_step_at: float = 0.0
     last_step_at: float = 0.0
     finished: bool = False
+    last_step: int = 0  # the newest training step recorded since the trainer last restored a checkpoint
 
 
 class UnknownWorker(LookupError):
@@ -337,11 +338,17 @@ class ControllerCore:
         if version < self.version and not restored:
             raise ValueError(f"version {version} is older than the current version {self.version}")
         self.version = version
+        if restored:  # the steps after the checkpoint are trained again and reported again
+            self.progress.last_step = min(self.progress.last_step, version)
 
     def record_step(self, *, version: int, groups: int, samples: int, tokens: int, max_staleness: int,
                     mean_staleness: float, reward_mean: float, eval_accuracy: float, base_evaluation: bool,
-                    finished: bool) -> None:
+                    finished: bool) -> bool:
+        """Record a step report; False for a report of a step already recorded (a retry whose first attempt was
+        recorded before the answer was lost), which changes nothing."""
         p, now = self.progress, self.clock()
+        if groups and version <= p.last_step:
+            return False
         if base_evaluation:
             p.base_accuracy = eval_accuracy
         elif eval_accuracy >= 0:
@@ -349,6 +356,7 @@ class ControllerCore:
         if groups:
             p.first_step_at = p.first_step_at or now
             p.last_step_at = now
+            p.last_step = version
             p.consumed += groups
             p.trained_samples += samples
             p.trained_tokens += tokens
@@ -358,6 +366,7 @@ class ControllerCore:
             p.staleness_samples += samples
             p.reward_mean = reward_mean
         p.finished = p.finished or finished
+        return True
 
     def status(self) -> dict:
         p, now = self.progress, self.clock()

@@ -263,7 +263,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(request.version >= 0, f"version must be >= 0, got {request.version}")
         require(request.samples >= 0 and request.tokens >= 0, "samples and tokens must be >= 0")
         require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
-        self.core.record_step(
+        recorded = self.core.record_step(
             version=request.version,
             groups=len(request.group_ids),
             samples=request.samples,
@@ -275,6 +275,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             base_evaluation=request.base_evaluation,
             finished=request.finished,
         )
+        if not recorded:
+            log.info("step %d was already recorded (a retried report); nothing changes", request.version)
+            return controller_pb2.ReportTrainStepResponse()
         if request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
             self.admission_may_have_opened()
         await self.persist()

@@ -6,7 +6,7 @@ import os
 import socket
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
-from areal_k8s.common.grpcutil import channel, start_server
+from areal_k8s.common.grpcutil import dependency_channel, start_server
 from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.service import add_when_done, base_parser, exit_invalid, load_job, run_service, setup_logging, wait_if_asked
@@ -38,7 +38,7 @@ def main() -> None:
         engine = (CpuEngineClient if job.rollout.engine == "cpu" else SGLangClient)(args.engine_url)
         await engine.wait_until_healthy(args.engine_timeout)
         redis_client = connect(args.redis_url)
-        controller_channel, reward_channel = channel(args.controller), channel(args.reward)
+        controller_channel, reward_channel = dependency_channel(args.controller), dependency_channel(args.reward)
         worker = RolloutWorker(
             job=job,
             worker_id=args.worker_id,

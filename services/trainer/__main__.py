@@ -7,7 +7,7 @@ import os
 import torch
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, trainer_pb2_grpc
-from areal_k8s.common.grpcutil import channel, start_server
+from areal_k8s.common.grpcutil import dependency_channel, start_server
 from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.service import add_when_done, base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging, wait_if_asked
@@ -37,7 +37,7 @@ def main() -> None:
 
     async def run(stop: asyncio.Event) -> None:
         redis_client = connect(args.redis_url)
-        controller_channel, reward_channel = channel(args.controller), channel(args.reward)
+        controller_channel, reward_channel = dependency_channel(args.controller), dependency_channel(args.reward)
         trainer = Trainer(
             job=job,
             store=TrajectoryStore(redis_client, job.name),

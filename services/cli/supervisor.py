@@ -1,0 +1,184 @@
+"""`arealctl run` keeps its processes up as a kubelet keeps containers up (`restartPolicy: Always`).
+
+A process that dies is started again with the same identity (name, ports, worker id, data directory) after an
+exponential back-off, until the run's restart budget is spent: the budget counts restarts over the whole run, as an
+RLJob's `failurePolicy.maxRestarts` counts container restarts over its pods.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from areal_k8s.common.processes import terminate_with_parent
+from areal_k8s.common.redis_server import EmbeddedRedis
+
+LOG_TAIL_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Back-off doubling from `initial_backoff` to `max_backoff` seconds per process; `budget` restarts per run."""
+
+    budget: int = 10
+    initial_backoff: float = 1.0
+    max_backoff: float = 30.0
+
+    def backoff(self, restarts: int) -> float:
+        """Seconds to wait before a process's restart number `restarts + 1`."""
+        return min(self.initial_backoff * 2**restarts, self.max_backoff)
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def last_words(log_path: Path, or_last_line: bool = False) -> str:
+    """What a log says went wrong: the service's own `error:` line, else the exception a traceback ends with, else
+    its last ERROR/CRITICAL line. When it says nothing of the kind: its last line with `or_last_line` (a process
+    that exited by itself said why last, e.g. Python's "No module named"), else "" (one killed from outside did
+    not: its last line would name the wrong thing)."""
+    try:
+        with log_path.open("rb") as log:
+            log.seek(0, 2)
+            log.seek(max(0, log.tell() - LOG_TAIL_BYTES))
+            lines = [line.rstrip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except FileNotFoundError:
+        return ""
+    errors = [line for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[-1]
+    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if tracebacks:
+        ending = next((line for line in lines[tracebacks[-1] + 1:] if not line[0].isspace()), None)  # after the frames
+        if ending:
+            return ending
+    logged = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
+    if logged:
+        return logged[-1]
+    return lines[-1] if or_last_line and lines else ""
+
+
+class Supervised(Protocol):
+    name: str
+    log_path: Path
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def start(self) -> None: ...
+
+
+@dataclass
+class Service:
+    """One service process: `python -m <args>`, its output appended to `log_path`."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    env: dict[str, str]
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True, preexec_fn=terminate_with_parent,
+            )
+
+    @property
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@dataclass
+class RedisService:
+    """The embedded Redis server under the same supervision; a restart replays its append-only file."""
+
+    server: EmbeddedRedis
+    name: str = "redis"
+
+    @property
+    def log_path(self) -> Path:
+        return self.server.log_path
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.server.exit_code
+
+    def start(self) -> None:
+        self.server.start()
+
+
+class RestartBudgetSpent(RuntimeError):
+    """A process died once more than the run's restart budget allows; the message is one readable line."""
+
+
+@dataclass
+class Supervisor:
+    """Watches processes; `tick()` restarts the dead ones when their back-off has passed."""
+
+    policy: RestartPolicy
+    on_restart: Callable[[str], None] = print
+    processes: list[Supervised] = field(default_factory=list)
+    restarts: Counter = field(default_factory=Counter)  # process name -> restarts so far
+    _due: dict[str, float] = field(default_factory=dict)  # process name -> when it is started again
+
+    def watch(self, process: Supervised) -> None:
+        self.processes.append(process)
+
+    def finished(self, process: Supervised, code: int) -> bool:
+        """Whether an exit is the end of the process's work rather than a failure. Only the controller and reward
+        service (and Redis) serve until stopped; the others end with 0 once the job is over."""
+        return code == 0 and process.name not in ("controller", "reward", "redis")
+
+    def tick(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for process in self.processes:
+            due = self._due.get(process.name)
+            if due is not None:
+                if now >= due:
+                    del self._due[process.name]
+                    self.restarts[process.name] += 1
+                    process.start()
+                continue
+            code = process.exit_code
+            if code is None or self.finished(process, code):
+                continue
+            how = f"{process.name} {describe_exit(code)}"
+            words = last_words(process.log_path, or_last_line=code > 0)
+            cause = f"{how}: {words}" if words else how
+            if self.restarts.total() + len(self._due) >= self.policy.budget:
+                raise RestartBudgetSpent(
+                    f"{cause} (log: {process.log_path}); not restarted: the run's restart budget of "
+                    f"{self.policy.budget} is spent ({self.summary()})"
+                )
+            delay = self.policy.backoff(self.restarts[process.name])
+            self._due[process.name] = now + delay
+            self.on_restart(f"{cause}; restarting it in {delay:.0f} s (log: {process.log_path})")
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {count}" for name, count in sorted(self.restarts.items())) or "no restarts"
