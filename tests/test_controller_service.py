@@ -159,6 +159,26 @@ async def test_restarted_controller_continues_where_it_stopped(redis_url):
         await second.stop()
 
 
+async def test_a_lease_whose_answer_never_reached_the_worker_is_revoked_when_the_worker_says_what_it_holds(controller):
+    """A controller that dies after leasing groups and saving its snapshot, before its answer is sent, leaves
+    leases the worker never heard of; its heartbeats would keep them alive forever. The worker's next poll names
+    the groups it holds: the others are revoked and their prompts re-queued, a written one counted once."""
+    stub = controller.stub
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    held, lost_written, lost = (await acquire(stub, 3)).groups
+    await controller.store.write_group([trajectory(lost_written, 0)])  # written, its report lost with the answer
+    still = await acquire(stub, 0)  # a caller that does not report what it holds keeps every lease
+    assert (await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).running == 3 and not still.groups
+    request = controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, engine_version=0,
+                                                  holding=[held.group_id], reports_holding=True)
+    again = (await stub.AcquireGroups(request)).groups
+    assert [g.prompt for g in again] == [lost.prompt]  # re-queued first
+    status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    assert (status.running, status.accepted, status.failed) == (2, 1, 1)
+    outcome = controller_pb2.GroupOutcome(group_id=held.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+    assert (await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))).unknown == 0
+
+
 async def test_a_second_service_cannot_bind_a_port_in_use():
     # gRPC servers share a port by default (SO_REUSEPORT), which routed calls to the wrong service when two were
     # given the same port; ours must refuse instead.

@@ -162,12 +162,12 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         run.stop()
 
 
-@pytest.mark.parametrize("victim", ["controller", "reward"])
+@pytest.mark.parametrize("victim", ["controller", "reward", "redis"])
 def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable, victim):
-    """The controller or the reward service is SIGKILLed mid-run. The launcher restarts it (same address); the
-    trainer and the rollout worker wait for it instead of dying (their calls wait for the channel to be ready, and
-    idempotent ones are sent again), the controller restores its state from Redis, and the run completes with every
-    trained sample within η and no trajectory trained twice."""
+    """The controller, the reward service or Redis is SIGKILLed mid-run. The launcher restarts it (same address,
+    Redis on its append-only file); the others wait for it instead of dying (gRPC calls wait for the channel to be
+    ready and idempotent ones are sent again; Redis commands are sent again), the controller restores its state
+    from Redis, and the run completes with every trained sample within η and no trajectory trained twice."""
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6}, trainer={"checkpoint_interval": 2})
     run = LocalRun(job)
     try:
@@ -176,7 +176,7 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
             assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
             time.sleep(0.05)
-        killed = run.service(victim).process
+        killed = run.redis.process if victim == "redis" else run.service(victim).process
         killed.send_signal(signal.SIGKILL)
         killed.wait()
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)

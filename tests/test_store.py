@@ -114,3 +114,41 @@ async def test_delete_job_removes_every_key(store):
     assert await store.delete_job() >= 2
     assert await store.client.keys("areal:{job-a}:*") == []
     assert await other.get_version() == 1
+
+
+async def test_a_group_written_twice_is_stored_once(store):
+    """A write sent again because its answer was lost (Redis restarting) adds nothing the second time."""
+    first = await store.write_group([trajectory("twice", i, [1]) for i in range(2)])
+    assert len(first) == 2
+    assert await store.write_group([trajectory("twice", i, [1]) for i in range(2)]) == []
+    assert (await store.stream_stats())["length"] == 2
+
+
+async def test_commands_wait_for_a_restarting_redis_and_nothing_written_is_lost(tmp_path):
+    """The server is SIGKILLed and started again on its append-only file a second later: the next command waits for
+    it (sent again with back-off) and finds every write acknowledged before the kill."""
+    import asyncio
+    import signal
+
+    from areal_k8s.common.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client = connect(server.url)
+    store = TrajectoryStore(client, "job-k")
+    try:
+        await store.write_group([trajectory("before", i, [1]) for i in range(3)])
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+
+        async def restart_later() -> None:
+            await asyncio.sleep(1.0)
+            server.start()  # from the main thread: the server dies with the thread that started it
+
+        restarting = asyncio.create_task(restart_later())
+        written = await store.write_group([trajectory("after", 0, [2])])  # sent while the server is down
+        await restarting
+        assert len(written) == 1
+        assert (await store.stream_stats())["length"] == 4
+    finally:
+        await client.aclose()
+        server.stop()

@@ -61,6 +61,7 @@ class EmbeddedRedis:
             "--dir", str(self.data_dir),
             "--save", "",
             "--appendonly", "yes",
+            "--appendfsync", "everysec",  # written before each answer, synced each second (see the README)
             "--protected-mode", "no",
             "--daemonize", "no",
         ]

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
 from areal_k8s.api.v1 import common_pb2
@@ -22,9 +24,11 @@ CONSUMER_GROUP = "trainer"
 DEAD_LETTER_RETENTION = 10_000
 
 # KEYS: stream, written, revoked. ARGV: group_id, then per trajectory: trajectory_id, min_version, max_version,
-# admitted_version, ticket, payload.
+# admitted_version, ticket, payload. Returns the entry ids; none for a group written already (a write sent again after
+# a lost answer adds nothing); false for a revoked group.
 _WRITE_GROUP = """
 if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return false end
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {} end
 local ids = {}
 for i = 2, #ARGV, 6 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*',
@@ -89,8 +93,13 @@ def _decode(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
     )
 
 
+# A restarting Redis server (it replays its append-only file) is waited for: each command is sent again on a
+# connection error, with back-off, for about two minutes before the error reaches the service.
+REDIS_RETRY = Retry(ExponentialWithJitterBackoff(base=0.2, cap=5.0), retries=30)
+
+
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30, retry=REDIS_RETRY)
 
 
 class TrajectoryStore:
@@ -103,7 +112,8 @@ class TrajectoryStore:
     # -- producers (rollout) -------------------------------------------------------------------------------
 
     async def write_group(self, trajectories: list[common_pb2.Trajectory]) -> list[str] | None:
-        """Append one group's trajectories atomically. None: the controller revoked the group (not written)."""
+        """Append one group's trajectories atomically and at most once. None: the controller revoked the group (not
+        written); an empty list: it was written already."""
         group_ids = {t.group_id for t in trajectories}
         if len(group_ids) != 1:
             raise ValueError(f"write_group needs trajectories of exactly one group, got {sorted(group_ids)}")

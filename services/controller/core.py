@@ -211,6 +211,10 @@ class ControllerCore:
         self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now)
         return orphaned
 
+    def unheld_leases(self, worker_id: str, holding: set[str]) -> list[str]:
+        """The groups leased to `worker_id` that it says it is not working on: their answer never reached it."""
+        return [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id and gid not in holding]
+
     def refusal(self, worker_id: str, max_groups: int, engine_version: int) -> str | None:
         """Why a request for `max_groups` would get nothing now: `stale_engine`, the bound that admits nothing
         (`staleness`, `concurrency`), or `no_work_left` (every group the run needs has started; a failed one

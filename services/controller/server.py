@@ -171,6 +171,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
+        if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
+            await self.revoke(self.core.unheld_leases(request.worker_id, set(request.holding)), "its answer never reached the worker")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
         max_groups = request.max_groups

@@ -278,6 +278,8 @@ class RolloutWorker:
                             max_groups=free,
                             engine_version=self.engine_version,
                             wait_ms=int(self.hold_seconds * 1000) if free > 0 else 0,
+                            holding=[g.group_id for g in self.in_flight.values()],
+                            reports_holding=True,
                         )
                     )
                 except grpc.aio.AioRpcError as exc:
