@@ -142,10 +142,13 @@ def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after
         core.announce_version(version, restored=False)
         assert report(version)
     assert not report(2) and not report(1)
-    assert (core.progress.consumed, core.progress.trained_samples) == (4, 16)
+    assert (core.status()["consumed"], core.progress.trained_samples) == (4, 16)
     core.announce_version(1, restored=True)  # the trainer restarted from its checkpoint at 1
+    assert core.status()["consumed"] == 2  # step 2 left the history
     assert report(2) and not report(2)
     assert core.progress.last_step == 2
+    # step 2 is in the history once, and counted as re-done work (its samples were trained twice)
+    assert (core.status()["consumed"], core.status()["steps_redone"], core.progress.trained_samples) == (4, 1, 24)
     revived = make_core()
     revived.restore(core.snapshot())
     assert not revived.record_step(version=2, groups=2, samples=8, tokens=40, max_staleness=0, mean_staleness=0,

@@ -114,6 +114,9 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
         assert uncheckpointed <= retrained
         assert "reclaimed" in trainer.log_path.read_text()
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 8
+        # the history holds each step once; the steps trained again are counted as such, not as consumption
+        redone = [s for s in after if s["version"] <= before[-1]["version"]]
+        assert final.consumed == 8 * job.algorithm.batch_size and final.steps_redone == len(redone) > 0
         client.close()
     finally:
         run.stop()

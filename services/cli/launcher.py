@@ -304,6 +304,7 @@ class LocalRun:
             "mean_staleness": round(status.mean_staleness, 3),
             "trajectories_produced": status.accepted * status.group_size,
             "trajectories_consumed": status.consumed * status.group_size,
+            "steps_redone": status.steps_redone,
             "dead_lettered_items": status.dead_lettered,
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),

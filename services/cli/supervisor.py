@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from areal_k8s.common.processes import terminate_with_parent
+from areal_k8s.common.processes import kill_with_parent
 from areal_k8s.common.redis_server import EmbeddedRedis
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -96,7 +96,7 @@ class Service:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True, preexec_fn=terminate_with_parent,
+                start_new_session=True, preexec_fn=kill_with_parent,
             )
 
     @property

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from areal_k8s.common.processes import terminate_with_parent
+from areal_k8s.common.processes import kill_with_parent
 
 
 class RedisServerError(RuntimeError):
@@ -67,7 +67,7 @@ class EmbeddedRedis:
         ]
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=terminate_with_parent)
+                                        preexec_fn=kill_with_parent)
         log.close()
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
@@ -76,7 +76,9 @@ class Admitted:
 class Progress:
     """Figures reported by the trainer, kept for the job status."""
 
-    consumed: int = 0
+    groups_by_step: list[int] = field(default_factory=list)  # groups trained at each version of the history
+    steps_redone: int = 0  # steps trained again after a restore: work done, but not in the history twice
+    highest_step: int = 0
     trained_samples: int = 0
     trained_tokens: int = 0
     last_max_staleness: int = 0
@@ -342,8 +344,9 @@ class ControllerCore:
         if version < self.version and not restored:
             raise ValueError(f"version {version} is older than the current version {self.version}")
         self.version = version
-        if restored:  # the steps after the checkpoint are trained again and reported again
+        if restored:  # the steps after the checkpoint leave the history: they are trained and reported again
             self.progress.last_step = min(self.progress.last_step, version)
+            del self.progress.groups_by_step[version:]
 
     def record_step(self, *, version: int, groups: int, samples: int, tokens: int, max_staleness: int,
                     mean_staleness: float, reward_mean: float, eval_accuracy: float, base_evaluation: bool,
@@ -361,7 +364,10 @@ class ControllerCore:
             p.first_step_at = p.first_step_at or now
             p.last_step_at = now
             p.last_step = version
-            p.consumed += groups
+            p.groups_by_step[version - 1:] = []
+            p.groups_by_step += [0] * (version - 1 - len(p.groups_by_step)) + [groups]
+            p.steps_redone += version <= p.highest_step
+            p.highest_step = max(p.highest_step, version)
             p.trained_samples += samples
             p.trained_tokens += tokens
             p.last_max_staleness = max_staleness
@@ -388,7 +394,8 @@ class ControllerCore:
             "accepted": self.accepted,
             "filtered": self.filtered,
             "failed": self.failed,
-            "consumed": p.consumed,
+            "consumed": sum(p.groups_by_step),
+            "steps_redone": p.steps_redone,
             "last_max_staleness": p.last_max_staleness,
             "max_staleness_seen": p.max_staleness_seen,
             "mean_staleness": p.staleness_sum / p.staleness_samples if p.staleness_samples else 0.0,
@@ -439,7 +446,8 @@ class ControllerCore:
         self.dead_items = set(snapshot.get("dead_items", []))
         self.fail_if_every_item_is_dead()
         self.leases = {lease["group_id"]: Lease(**lease) for lease in snapshot["leases"]}
-        self.progress = Progress(**snapshot["progress"])
+        known = {f.name for f in fields(Progress)}  # a snapshot of an older controller may carry retired figures
+        self.progress = Progress(**{k: v for k, v in snapshot["progress"].items() if k in known})
         self.started_at = snapshot["started_at"]
         now = self.clock()
         for lease in self.leases.values():
