@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_k8s.common.processes import terminate_with_parent
+from areal_k8s.common.processes import with_parent_death_signal
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_ENV = ROOT / ".cache" / "sglang-env"
@@ -146,10 +146,10 @@ class SGLangServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("w") as log:
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.environment(), cwd=self.log_path.parent,  # SGLang writes its scratch files to its cwd
+                # SIGTERM when the test process dies, even killed: SGLang then ends its own children
+                with_parent_death_signal(self.command(), "TERM"), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=self.environment(), cwd=self.log_path.parent,  # its scratch files
                 start_new_session=True,  # its own process group: stop() ends the scheduler and detokenizer too
-                preexec_fn=terminate_with_parent,
             )  # fmt: skip
 
     def _wait_ready(self, deadline: float) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from areal_k8s.common.processes import kill_with_parent
+from areal_k8s.common.processes import with_parent_death_signal
 from areal_k8s.common.redis_server import EmbeddedRedis
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -94,9 +94,10 @@ class Service:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
+            # SIGKILL: a service blocked in a weight-group rendezvous does not act on SIGTERM until it times out
             self.process = subprocess.Popen(
-                [sys.executable, "-m", *self.args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True, preexec_fn=kill_with_parent,
+                with_parent_death_signal([sys.executable, "-m", *self.args], "KILL"), stdout=log,
+                stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
             )
 
     @property

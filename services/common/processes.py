@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
-import signal
-
-_PR_SET_PDEATHSIG = 1
+import shutil
 
 
-def _signal_on_parent_death(signum: int) -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
-
-
-def terminate_with_parent() -> None:
-    """Run in a child before exec (`preexec_fn`): the kernel sends it SIGTERM when its parent dies, even by SIGKILL,
-    for a child that ends its own children on SIGTERM (SGLang). Linux ties this to the thread that forked: start
-    children from a thread that lives as long as they should."""
-    _signal_on_parent_death(signal.SIGTERM)
-
-
-def kill_with_parent() -> None:
-    """As `terminate_with_parent`, with SIGKILL: a service blocked in a weight-group rendezvous does not act on
-    SIGTERM until the rendezvous times out, and nothing is left to stop it gracefully for once its launcher is
-    gone (Redis has written every acknowledged command before answering)."""
-    _signal_on_parent_death(signal.SIGKILL)
+def with_parent_death_signal(argv: list[str], signal_name: str = "KILL") -> list[str]:
+    """`argv` run so that the kernel sends it SIG`signal_name` when its parent dies, even by SIGKILL
+    (`PR_SET_PDEATHSIG`, which survives the exec). util-linux's `setpriv` sets it and execs the command: no Python may
+    run in the child between fork and exec (a `preexec_fn` there runs gRPC's fork handlers, whose poller thread then
+    dies on the descriptors the fork closes, aborting the child). Linux ties the signal to the thread that forked:
+    start children from one that lives as long as they should. Without setpriv the command runs as it is."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, f"--pdeathsig={signal_name}", "--", *argv] if setpriv else list(argv)

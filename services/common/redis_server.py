@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from areal_k8s.common.processes import kill_with_parent
+from areal_k8s.common.processes import with_parent_death_signal
 
 
 class RedisServerError(RuntimeError):
@@ -66,8 +66,9 @@ class EmbeddedRedis:
             "--daemonize", "no",
         ]
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=kill_with_parent)
+        # SIGKILL loses nothing acknowledged: Redis writes each command to its append-only file before answering
+        self.process = subprocess.Popen(with_parent_death_signal(args, "KILL"), stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
         log.close()
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
