@@ -2,6 +2,8 @@
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,15 @@ def make_job(assets: Path, run_dir: Path, **overrides):
 def read_steps(run_dir: Path) -> list[dict]:
     path = run_dir / "trainer" / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def kill_after_step(run, step: int, *processes, timeout: float = 300) -> None:
+    """SIGKILL `processes` (subprocess.Popen objects) once the trainer has recorded a step ≥ `step`; fail if any
+    supervised process dies on its own first or the step never comes."""
+    deadline = time.monotonic() + timeout
+    while not any(s["version"] >= step for s in read_steps(run.run_dir)):
+        assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
+        time.sleep(0.02)
+    for process in processes:
+        process.send_signal(signal.SIGKILL)
+        process.wait()

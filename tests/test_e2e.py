@@ -2,8 +2,6 @@
 with a real Redis server, real gRPC, real gloo weight pushes and real torch training."""
 
 import json
-import signal
-import time
 import urllib.request
 
 import pytest
@@ -16,7 +14,7 @@ from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
 from areal_k8s.common.weights import weights_checksum
-from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
+from e2e_jobs import assets, kill_after_step, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.e2e
 
@@ -91,13 +89,8 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
     try:
         endpoints = run.start("new")
         trainer = run.service("trainer")
-        deadline = time.monotonic() + 300
-        # Kill as soon as a step after the checkpoint at 3 is recorded: its entries are trained but not acknowledged.
-        while not any(s["version"] > 3 for s in read_steps(run.run_dir)):
-            assert time.monotonic() < deadline and trainer.exit_code is None
-            time.sleep(0.02)
-        trainer.process.send_signal(signal.SIGKILL)
-        trainer.process.wait()
+        # Killed as soon as a step after the checkpoint at 3 is recorded: its entries are trained but not acknowledged.
+        kill_after_step(run, 4, trainer.process)
         before = read_steps(run.run_dir)
         checkpointed = load_state(latest_checkpoint(run.run_dir / "checkpoints")).version
         uncheckpointed = {e for s in before if s["version"] > checkpointed for e in s["entries"]}
@@ -133,14 +126,7 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
-        deadline = time.monotonic() + 300
-        while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
-            assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
-            time.sleep(0.05)
-        worker, engine = run.service("rollout-0"), run.service("engine-0")
-        for service in (worker, engine):
-            service.process.send_signal(signal.SIGKILL)
-            service.process.wait()
+        kill_after_step(run, 2, run.service("rollout-0").process, run.service("engine-0").process)
         restarted_at = read_steps(run.run_dir)[-1]["version"]
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
         assert run.supervisor.restarts == {"engine-0": 1, "rollout-0": 1}
@@ -175,13 +161,7 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
-        deadline = time.monotonic() + 300
-        while not any(s["version"] >= 2 for s in read_steps(run.run_dir)):
-            assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
-            time.sleep(0.05)
-        killed = run.redis.process if victim == "redis" else run.service(victim).process
-        killed.send_signal(signal.SIGKILL)
-        killed.wait()
+        kill_after_step(run, 2, run.redis.process if victim == "redis" else run.service(victim).process)
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
         assert run.supervisor.restarts == {victim: 1}  # nothing else died with it

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
-from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, describe_exit, last_words
+from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
@@ -57,8 +57,8 @@ def poll_until(service: Service, deadline: float, pending: Callable[[], str | No
     if `service` exits first or `deadline` passes."""
     while True:
         if (code := service.exit_code) is not None:
-            words = last_words(service.log_path, or_last_line=code > 0) or "(no error in its log)"
-            raise LaunchError(f"{service.name} {describe_exit(code)} while starting: {words} (log: {service.log_path})")
+            ended = how_it_ended(service.name, code, service.log_path)
+            raise LaunchError(f"{ended} (while starting; log: {service.log_path})")
         if (waiting := pending()) is None:
             return
         if time.monotonic() > deadline:

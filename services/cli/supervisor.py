@@ -71,6 +71,13 @@ def last_words(log_path: Path, or_last_line: bool = False) -> str:
     return lines[-1] if or_last_line and lines else ""
 
 
+def how_it_ended(name: str, code: int, log_path: Path) -> str:
+    """One line on a process's exit: its name, the exit code or signal and, when its log says, the cause."""
+    how = f"{name} {describe_exit(code)}"
+    words = last_words(log_path, or_last_line=code > 0)
+    return f"{how}: {words}" if words else how
+
+
 class Supervised(Protocol):
     name: str
     log_path: Path
@@ -169,9 +176,7 @@ class Supervisor:
             code = process.exit_code
             if code is None or self.finished(process, code):
                 continue
-            how = f"{process.name} {describe_exit(code)}"
-            words = last_words(process.log_path, or_last_line=code > 0)
-            cause = f"{how}: {words}" if words else how
+            cause = how_it_ended(process.name, code, process.log_path)
             if self.restarts.total() + len(self._due) >= self.policy.budget:
                 raise RestartBudgetSpent(
                     f"{cause} (log: {process.log_path}); not restarted: the run's restart budget of "
