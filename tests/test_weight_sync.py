@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -203,6 +204,29 @@ async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, 
     finally:
         await weights.close()
     assert (await client.weights_checksum())["weight_version"] == "rebuilt"
+
+
+async def test_a_group_that_cannot_form_ends_its_rendezvous_for_every_engine_at_once(client, trainer_model):
+    """One engine of two is dead when the group is formed. The live one was already waiting in the rendezvous, as
+    long as its own timeout (600 s) allows; the trainer ends the rendezvous for it, so the next attempt (which
+    gives up after 20 s) finds it free. Without that, the next attempt would time out behind the old wait, and each
+    after it behind the one before."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = CpuEngineClient(f"http://127.0.0.1:{probe.getsockname()[1]}", control_timeout=5)
+    weights = sender(timeout=20.0)
+    try:
+        with pytest.raises(WeightSyncError, match="init_weights_update_group failed on") as failure:
+            await weights.connect([client, dead])
+        assert repr(dead) in str(failure.value)
+        await weights.connect([client])
+        await weights.push(trainer_model.named_parameters(), version="after-a-failed-group")
+    finally:
+        await weights.close()
+        await dead.close()
+    checksum = await client.weights_checksum()
+    assert checksum["weight_version"] == "after-a-failed-group"
+    assert checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
 
 
 async def test_requests_in_flight_are_aborted_by_a_push_and_resubmitted_under_the_new_version(client, trainer_model):

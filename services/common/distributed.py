@@ -37,6 +37,12 @@ def create_rendezvous_store(master_address: str, master_port: int, world_size: i
     )
 
 
+def connect_to_rendezvous(master_address: str, master_port: int, world_size: int, timeout: float) -> TCPStore:
+    """A client of the rendezvous server at `master_address:master_port`. Rank 0 joins through one, not through the
+    server object itself, so that dropping the server ends every wait in the rendezvous, rank 0's included."""
+    return TCPStore(master_address, master_port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+
+
 def init_side_group(
     backend: str,
     master_address: str,
@@ -50,8 +56,9 @@ def init_side_group(
 ) -> dist.ProcessGroup:
     """Join the group `group_name`; blocks until all `world_size` ranks have joined (or `timeout` seconds pass).
 
-    `store` is rank 0's own rendezvous store from `create_rendezvous_store`; without it the TCP rendezvous at
-    `master_address:master_port` is done here (rank 0 then hosts the store). Collectives on the returned group
+    `store` is a store already open on the rendezvous (rank 0's server from `create_rendezvous_store`, or a client
+    from `connect_to_rendezvous`); without it the TCP rendezvous at `master_address:master_port` is done here
+    (rank 0 then hosts the server). Collectives on the returned group
     use group ranks (`group_src=0`).
     """
     if not dist.is_backend_available(backend):

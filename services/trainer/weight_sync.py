@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from areal_k8s.common.distributed import (
     broadcast_within,
+    connect_to_rendezvous,
     create_rendezvous_store,
     destroy_side_group,
     in_daemon_thread,
@@ -41,6 +42,9 @@ from areal_k8s.common.sglang import DEFAULT_GROUP, WeightTarget
 from areal_k8s.common.weights import NamedTensors, dtype_name, flatten_bucket, plan_buckets
 
 log = logging.getLogger(__name__)
+
+
+RENDEZVOUS_GRACE_SECONDS = 5.0  # for the parties of a failed rendezvous to connect before it is ended
 
 
 class WeightSyncError(RuntimeError):
@@ -89,6 +93,7 @@ class WeightSender:
         self.group_name = group_name
         self._targets: list[WeightTarget] = []
         self._group: dist.ProcessGroup | None = None
+        self._rendezvous: dist.TCPStore | None = None  # the server of the group's rendezvous, while it lives
         self._failed = False
 
     async def connect(self, targets: Sequence[WeightTarget], ranks: Sequence[int] | None = None) -> None:
@@ -106,26 +111,31 @@ class WeightSender:
         # A trainer that died left its group behind on the engines: clear it, or the new init is refused.
         await asyncio.gather(*(t.destroy_weights_update_group(self.group_name) for t in targets), return_exceptions=True)
         world_size, offsets = group_layout(ranks)
-        store = create_rendezvous_store(self.master_address, self.master_port, world_size, self.timeout)
+        rendezvous = create_rendezvous_store(self.master_address, self.master_port, world_size, self.timeout)
+        port = rendezvous.port
         joins = [
-            target.init_weights_update_group(
-                self.master_address, store.port, offset, world_size, self.group_name, self.backend, timeout=self.timeout
-            )
+            asyncio.ensure_future(target.init_weights_update_group(
+                self.master_address, port, offset, world_size, self.group_name, self.backend, timeout=self.timeout
+            ))
             for target, offset in zip(targets, offsets)
         ]
-        own_join = in_daemon_thread(
-            init_side_group,
-            self.backend,
-            self.master_address,
-            store.port,
-            world_size,
-            0,
-            self.group_name,
-            self.timeout,
-            store=store,
-        )
-        # A target that fails fast (bad backend, say) is reported at once; our own join then times out on its own.
-        results = await _first_failure_or_all([own_join, *joins], ["trainer", *targets], "init_weights_update_group")
+        own_join = asyncio.ensure_future(in_daemon_thread(
+            _join_as_rank0, self.backend, self.master_address, port, world_size, self.group_name, self.timeout
+        ))
+        try:
+            # A target that fails fast (bad backend, a dead engine) is reported at once.
+            results = await _first_failure_or_all([own_join, *joins], ["trainer", *targets], "init_weights_update_group")
+        except BaseException:
+            # The others wait in the rendezvous for a party that will not come, each as long as its own timeout
+            # allows: the next attempt would time out behind those waits, and each after it behind the one before.
+            # Ending the rendezvous server ends them all at once, once the stragglers among them have had time to
+            # connect (one that connects after the end retries until its timeout). A group we formed all the same
+            # is torn down as soon as it exists.
+            await asyncio.wait([own_join, *joins], timeout=RENDEZVOUS_GRACE_SECONDS)
+            rendezvous = None
+            own_join.add_done_callback(_abort_formed_group)
+            raise
+        self._rendezvous = rendezvous  # kept while the group lives: NCCL exchanges its id at the first broadcast
         self._group, self._targets, self._failed = results[0], list(targets), False
         log.info("weight update group %r connected: %d engines, %d ranks via %s", self.group_name, len(targets), world_size, self.backend)
 
@@ -160,7 +170,7 @@ class WeightSender:
         if self._group is None:
             return
         group, targets, failed = self._group, self._targets, self._failed
-        self._group, self._targets = None, []
+        self._group, self._targets, self._rendezvous = None, [], None
         answers = await asyncio.gather(
             *(target.destroy_weights_update_group(self.group_name) for target in targets), return_exceptions=True
         )
@@ -202,6 +212,16 @@ class WeightSender:
         for target, answer in zip(self._targets, answers):
             if isinstance(answer, Exception):
                 log.error("continue_generation on %s failed after a failed push: %s", _describe(target), answer)
+
+
+def _join_as_rank0(backend: str, address: str, port: int, world_size: int, group_name: str, timeout: float) -> dist.ProcessGroup:
+    store = connect_to_rendezvous(address, port, world_size, timeout)
+    return init_side_group(backend, address, port, world_size, 0, group_name, timeout, store=store)
+
+
+def _abort_formed_group(join: asyncio.Future) -> None:
+    if not join.cancelled() and join.exception() is None:
+        destroy_side_group(join.result(), abort=True)
 
 
 async def _first_failure_or_all(
