@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -70,6 +70,10 @@ bench: demo-assets
 # the demo job's samples/s on the real SGLang (CPU) against our CPU engine (bench/results/sglang_vs_cpu.json)
 bench-sglang: demo-assets sglang-env
 	$(PY) bench/sglang_vs_cpu.py
+
+# the chaos test several times with random seeds: its figures (bench/results/chaos.json) and the README's lines
+chaos: venv
+	$(PY) bench/chaos.py --runs 5
 
 clean:
 	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)

@@ -51,13 +51,35 @@ def read_steps(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def kill_after_step(run, step: int, *processes, timeout: float = 300) -> None:
-    """SIGKILL `processes` (subprocess.Popen objects) once the trainer has recorded a step ≥ `step`; fail if any
-    supervised process dies on its own first or the step never comes."""
-    deadline = time.monotonic() + timeout
-    while not any(s["version"] >= step for s in read_steps(run.run_dir)):
-        assert time.monotonic() < deadline and all(s.exit_code is None for s in run.services)
+def kill_after_step(run, step: int, *processes, deadline: float | None = None) -> None:
+    """SIGKILL `processes` (subprocess.Popen objects) once the trainer has recorded a step >= `step`, supervising
+    the run meanwhile (a process that died is restarted, as in `run.wait`). `deadline` (time.monotonic()) is a
+    liveness bound: 300 s from now by default."""
+    deadline = deadline or time.monotonic() + 300
+    while max((s["version"] for s in read_steps(run.run_dir)), default=0) < step:
+        assert time.monotonic() < deadline, f"no step {step} in time"
+        run.supervisor.tick()
         time.sleep(0.02)
     for process in processes:
         process.send_signal(signal.SIGKILL)
         process.wait()
+
+
+def final_history(records: list[dict], *, total_steps: int, batch_size: int, group_size: int, max_staleness: int,
+                  checkpoint_interval: int, context: str = "") -> tuple[dict[int, dict], int]:
+    """Check the trainer's step records of a run that lost processes on the way, and return its final history
+    (each version's last record: a step trained again after a restore replaces the earlier one) and the number of
+    steps trained again. Holds: every version once in the history, versions going back only to just after a
+    checkpoint, every trained sample within η (re-done steps included), each group and stream entry trained once
+    in the history, B groups per step."""
+    history = {record["version"]: record for record in records}
+    assert sorted(history) == list(range(1, total_steps + 1)), context
+    rollbacks = [r["version"] for i, r in enumerate(records) if i and r["version"] <= records[i - 1]["version"]]
+    assert all((v - 1) % checkpoint_interval == 0 for v in rollbacks), (rollbacks, context)
+    redone = sum(1 for i, r in enumerate(records) if r["version"] <= max((p["version"] for p in records[:i]), default=0))
+    assert max(x for r in records for x in r["staleness"]) <= max_staleness, context
+    groups = [g for r in history.values() for g in r["groups"]]
+    assert len(groups) == len(set(groups)) == total_steps * batch_size, context
+    entries = [e for r in history.values() for e in r["entries"]]
+    assert len(entries) == len(set(entries)) == total_steps * batch_size * group_size, context
+    return history, redone

@@ -48,3 +48,18 @@ def test_the_readme_carries_the_sglang_benchmark_as_measured():
     assert sglang_bench.readme_block(report) in (root / "README.md").read_text(), "run `python bench/sglang_vs_cpu.py --readme`"
     assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"]["median"] \
         == pytest.approx(report["samples_per_second_ratio"], abs=1e-3)
+
+
+def test_the_readme_carries_the_chaos_figures_as_measured():
+    """README's "What survives what" figures are the ones bench/chaos.py writes from its committed results, and
+    those are the medians and ranges of the runs the file holds."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("chaos_bench", root / "bench" / "chaos.py")
+    chaos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chaos)
+    report = json.loads(chaos.RESULTS.read_text())
+    assert chaos.readme_block(report) in (root / "README.md").read_text(), "run `python bench/chaos.py --readme`"
+    assert report["summary"] == chaos.summarize(report["runs"], len(report["runs"]) + len(report["failed_seeds"]))
+    assert all(run["max_staleness_seen"] <= run["eta"] and run["dead_lettered"] == 0 for run in report["runs"])

@@ -11,7 +11,7 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.controller.admission import admission_capacity
 from areal_k8s.controller.core import ControllerCore, UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.batching import Group, select_batch, staleness
+from areal_k8s.trainer.batching import Group, past_the_bound, select_batch, staleness
 
 
 class Clock:
@@ -243,10 +243,14 @@ def test_batch_waits_when_too_many_groups_would_be_due_next_step():
     assert select_batch([group(1, 9)], [0, 0], version=0, batch_size=1, max_staleness=1) is None
 
 
-def test_batch_is_taken_anyway_when_no_wait_can_help():
-    # after a rollback, more groups are overdue than one batch holds: waiting would never end
-    complete = [group(0, 0), group(0, 1), group(0, 2)]
-    assert len(select_batch(complete, [], version=5, batch_size=2, max_staleness=1)) == 2
+def test_after_a_rollback_nothing_past_the_bound_is_trained():
+    """A trainer restored to version 5 holds three groups admitted at 4 (due at 5, η = 1): waiting cannot help, so
+    the oldest two are trained; at 6 the third is past the bound, and is dropped rather than trained."""
+    complete = [group(4, 0), group(4, 1), group(4, 2)]
+    assert past_the_bound(complete, version=5, max_staleness=1) == []
+    batch = select_batch(complete, [], version=5, batch_size=2, max_staleness=1)
+    assert [g.ticket for g in batch] == [0, 1]
+    assert [g.ticket for g in past_the_bound([group(4, 2), group(5, 3)], version=6, max_staleness=1)] == [2]
 
 
 def test_core_exports_admission_blocks_and_settled_groups():
@@ -326,6 +330,41 @@ def test_a_success_ends_a_prompts_run_of_failures():
     core.complete(retried.lease.group_id, "accepted")
     assert fail_next(core) == "p0"  # the next epoch's first failure of p0: one in a row, not two
     assert core.unwritten_dead_letters == [] and core.retry == deque([(0, 1)])
+
+
+def test_a_group_handed_back_for_a_cause_outside_its_prompt_is_requeued_without_counting_against_it():
+    """A worker whose engine died hands its groups back as REQUEUED, as often as it happens: the prompt comes back
+    first, with its own failures in a row unchanged, and is never dead-lettered for it."""
+    core = dead_letter_core(max_group_failures=2, items=2)
+    assert fail_next(core) == "p0"  # one failure of its own
+    for _ in range(5):
+        [admitted] = core.acquire("w", 1, engine_version=core.version)
+        assert (admitted.item.id, admitted.lease.failures) == ("p0", 1)
+        core.complete(admitted.lease.group_id, "requeued", "its engine went away")
+    status = core.status()
+    assert (status["requeued"], status["failed"], status["dead_lettered"]) == (5, 1, 0)
+    assert core.metrics.value("areal_controller_groups_total", result="requeued") == 5
+    restored = dead_letter_core(max_group_failures=2, items=2)
+    restored.restore(core.snapshot())
+    assert restored.status()["requeued"] == 5 and restored.retry == deque([(0, 1)])
+
+
+def test_a_written_group_the_trainer_drops_is_admitted_again_once_and_leaves_the_admission_counts():
+    core = dead_letter_core(max_group_failures=2, items=3, batch_size=1, max_staleness=0, total_steps=2)
+    [first] = core.acquire("w", 1, engine_version=0)
+    core.complete(first.lease.group_id, "accepted")
+    assert core.capacity() == 0  # (η + v + 1)·B = 1 admitted, nothing more until version 1
+    assert core.drop(first.lease.group_id, first.item.id)
+    assert not core.drop(first.lease.group_id, first.item.id)  # sent again by a trainer that died: counted once
+    assert not core.drop("g9", "no-such-prompt")
+    [again] = core.acquire("w", 1, engine_version=0)  # its place is free again, and its prompt comes first
+    assert again.item.id == first.item.id and again.lease.failures == 0
+    status = core.status()
+    assert (status["dropped"], status["accepted"], status["admitted"]) == (1, 1, 2)
+    assert core.metrics.value("areal_controller_groups_total", result="dropped") == 1
+    restored = dead_letter_core(max_group_failures=2, items=3)
+    restored.restore(core.snapshot())
+    assert not restored.drop(first.lease.group_id, first.item.id) and restored.status()["dropped"] == 1
 
 
 def test_a_run_with_a_prompt_that_always_fails_still_trains_every_step():

@@ -95,7 +95,7 @@ async def test_health_registration_and_admission(controller):
         ("AcquireGroups", controller_pb2.AcquireGroupsRequest(max_groups=1), "worker_id is required"),
         ("RegisterWorker", controller_pb2.RegisterWorkerRequest(worker_id="w"), "address"),
         ("CompleteGroups", controller_pb2.CompleteGroupsRequest(worker_id="w", outcomes=[controller_pb2.GroupOutcome(group_id="g0")]),
-         "result must be ACCEPTED, FILTERED or FAILED"),
+         "result must be ACCEPTED, FILTERED, FAILED or REQUEUED"),
         ("AnnounceVersion", common_pb2.WeightVersion(version=-2), "version must be >= 0"),
         ("ReportTrainStep", controller_pb2.TrainStepReport(version=1, samples=-1), "samples and tokens must be >= 0"),
     ],
@@ -132,7 +132,7 @@ async def test_dead_worker_groups_are_revoked_and_requeued(redis_url):
         await c.store.write_group([trajectory(done, i) for i in range(2)])
         assert await c.servicer.reap_dead_workers() == 2
         status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
-        assert (status.accepted, status.failed, status.running, status.workers) == (1, 1, 0, 0)
+        assert (status.accepted, status.requeued, status.failed, status.running, status.workers) == (1, 1, 0, 0, 0)
         assert await c.store.write_group([trajectory(stuck, 0)]) is None
     finally:
         await c.stop()
@@ -159,6 +159,38 @@ async def test_restarted_controller_continues_where_it_stopped(redis_url):
         await second.stop()
 
 
+async def test_each_registration_is_a_new_incarnation_and_a_superseded_one_is_aborted(redis_url):
+    """A worker's leases are its current incarnation's: registering again revokes the earlier one's at once, and
+    that process's later calls (a process its replacement superseded) are refused with ABORTED, naming both. The
+    numbers go on across a controller restart."""
+    register = controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9")
+    first = await Controller(redis_url).start()
+    try:
+        old = await first.stub.RegisterWorker(register)
+        [held] = (await first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
+            worker_id="w0", max_groups=1, incarnation=old.incarnation))).groups
+        new = await first.stub.RegisterWorker(register)
+        assert new.incarnation > old.incarnation > 0
+        outcome = controller_pb2.GroupOutcome(group_id=held.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+        for call in (first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, incarnation=old.incarnation)),
+                     first.stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome], incarnation=old.incarnation))):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.ABORTED
+            assert f"incarnation {old.incarnation} was superseded by incarnation {new.incarnation}" in info.value.details()
+        assert (await first.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).requeued == 1
+        [again] = (await first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
+            worker_id="w0", max_groups=1, incarnation=new.incarnation))).groups
+        assert again.prompt == held.prompt and again.group_id != held.group_id
+    finally:
+        await first.stop()
+    second = await Controller(redis_url).start()
+    try:
+        assert (await second.stub.RegisterWorker(register)).incarnation > new.incarnation
+    finally:
+        await second.stop()
+
+
 async def test_a_lease_whose_answer_never_reached_the_worker_is_revoked_when_the_worker_says_what_it_holds(controller):
     """A controller that dies after leasing groups and saving its snapshot, before its answer is sent, leaves
     leases the worker never heard of; its heartbeats would keep them alive forever. The worker's next poll names
@@ -174,7 +206,7 @@ async def test_a_lease_whose_answer_never_reached_the_worker_is_revoked_when_the
     again = (await stub.AcquireGroups(request)).groups
     assert [g.prompt for g in again] == [lost.prompt]  # re-queued first
     status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
-    assert (status.running, status.accepted, status.failed) == (2, 1, 1)
+    assert (status.running, status.accepted, status.requeued, status.failed) == (2, 1, 1, 0)
     outcome = controller_pb2.GroupOutcome(group_id=held.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
     assert (await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))).unknown == 0
 
@@ -368,3 +400,31 @@ async def test_admission_waits_for_a_reward_service_that_is_not_up_yet(redis_url
                 await reward.stop(grace=1)
         finally:
             await c.stop()
+
+
+async def test_a_group_the_trainer_drops_as_past_the_bound_comes_back_once_and_survives_a_restart(redis_url):
+    first = await Controller(redis_url).start()
+    try:
+        stub = first.stub
+        await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+        [group] = (await acquire(stub, 1)).groups
+        outcome = controller_pb2.GroupOutcome(group_id=group.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+        await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
+        drop = controller_pb2.DropGroupsRequest(groups=[controller_pb2.DroppedGroup(
+            group_id=group.group_id, prompt_id=group.prompt_id, reason="past η = 1 at version 5")])
+        assert (await stub.DropGroups(drop)).dropped == 1
+        assert (await stub.DropGroups(drop)).dropped == 0  # sent again: nothing more
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.DropGroups(controller_pb2.DropGroupsRequest(groups=[controller_pb2.DroppedGroup(group_id="g1")]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_id" in info.value.details()
+    finally:
+        await first.stop()
+    second = await Controller(redis_url).start()
+    try:
+        assert (await second.stub.DropGroups(drop)).dropped == 0  # remembered across the restart
+        status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.dropped, status.accepted) == (1, 1)
+        await second.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+        assert (await acquire(second.stub, 1)).groups[0].prompt_id == group.prompt_id  # admitted again, first
+    finally:
+        await second.stop()

@@ -151,12 +151,14 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         run.stop()
 
 
-@pytest.mark.parametrize("victim", ["controller", "reward", "redis"])
+@pytest.mark.parametrize("victim", ["controller", "reward", "redis", "engine-0"])
 def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable, victim):
-    """The controller, the reward service or Redis is SIGKILLed mid-run. The launcher restarts it (same address,
-    Redis on its append-only file); the others wait for it instead of dying (gRPC calls wait for the channel to be
-    ready and idempotent ones are sent again; Redis commands are sent again), the controller restores its state
-    from Redis, and the run completes with every trained sample within η and no trajectory trained twice."""
+    """The controller, the reward service, Redis or an engine (its rollout worker alive) is SIGKILLed mid-run. The
+    launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
+    (gRPC calls wait for the channel to be ready and idempotent ones are sent again; Redis commands are sent
+    again), the controller restores its state from Redis, a worker whose engine came back with its initial weights
+    writes nothing sampled with them and registers again for the current ones, and the run completes with every
+    trained sample within η and no trajectory trained twice."""
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6}, trainer={"checkpoint_interval": 2})
     run = LocalRun(job)
     try:
@@ -170,5 +172,9 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
         entries = [e for s in steps for e in s["entries"]]
         assert len(entries) == len(set(entries))
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        written = client.xrange(JobKeys(job.name).stream)
+        client.close()
+        assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in written)
     finally:
         run.stop()

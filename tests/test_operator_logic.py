@@ -253,9 +253,9 @@ def test_phase_decisions():
     assert running.name == lifecycle.RUNNING
     done = decide(spec_of(), {}, lifecycle.Observed(controller=report(controller_pb2.JobStatus.COMPLETED, version=3, total_steps=3)), NOW)
     assert (done.name, done.reason, done.message) == ("Complete", "TrainingFinished", "trained 3 of 3 steps")
-    crashed = decide(spec_of(failurePolicy={"maxRestarts": 1}), {}, lifecycle.Observed(restarts=2), NOW)
+    crashed = decide(spec_of(failurePolicy={"maxRestarts": 1}), {}, lifecycle.Observed(restarts={"rollout": 2}), NOW)
     assert (crashed.name, crashed.reason) == ("Failed", "RestartLimitExceeded")
-    assert decide(spec_of(suspend=True), {}, lifecycle.Observed(restarts=0), NOW).name == "Suspended"
+    assert decide(spec_of(suspend=True), {}, lifecycle.Observed(), NOW).name == "Suspended"
     started = {"startTime": lifecycle.rfc3339(NOW - timedelta(seconds=61))}
     late = decide(spec_of(activeDeadlineSeconds=60), started, lifecycle.Observed(), NOW)
     assert (late.name, late.reason) == ("Failed", "DeadlineExceeded")
@@ -310,6 +310,24 @@ def test_status_carries_the_controller_metrics():
     assert status["rolloutSelector"] == names.role_selector("demo", "rollout")
 
 
+def test_status_counts_restarts_per_role_and_groups_by_outcome_and_dead_letters_degrade_past_the_threshold():
+    running = lifecycle.Phase("Running", "Running", "up")
+    groups = dict(admitted=40, running=3, accepted=30, filtered=2, failed=1, requeued=4, dropped=1)
+    for dead, threshold, degraded in ((0, 0, "False"), (2, 2, "False"), (3, 2, "True")):
+        observed = lifecycle.Observed(replicas=ready_replicas(1), restarts={"rollout": 2, "trainer": 1},
+                                      controller=report(dead_lettered=dead, **groups))
+        status = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous={}, phase=running,
+                                      observed=observed, now=NOW, max_dead_lettered=threshold)
+        assert status["groups"] == groups and status["restarts"] == 3
+        assert status["replicas"]["rollout"]["restarts"] == 2 and status["replicas"]["controller"]["restarts"] == 0
+        condition = lifecycle.condition_of(status, "Degraded")
+        assert condition["status"] == degraded
+        if degraded == "True":
+            assert condition["reason"] == "ItemsDeadLettered" and "3 dataset items" in condition["message"]
+    crashed = lifecycle.decide_phase(spec_of(failurePolicy={"maxRestarts": 2}), {}, lifecycle.Observed(restarts={"rollout": 2, "trainer": 1}), NOW)
+    assert crashed.reason == "RestartLimitExceeded" and "(rollout 2, trainer 1)" in crashed.message
+
+
 def test_suspension_clears_the_start_time_and_finishing_sets_the_completion_time():
     previous = {"startTime": "2026-01-01T00:00:00Z"}
     suspended = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous=previous,
@@ -337,7 +355,7 @@ def test_restarts_count_only_the_jobs_pods():
         return {"metadata": {"labels": names.labels(job, "rollout")},
                 "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}
 
-    assert lifecycle.count_restarts([pod("demo", 2, 1), pod("other", 5), {"metadata": {}}], "demo") == 3
+    assert lifecycle.count_restarts([pod("demo", 2, 1), pod("other", 5), {"metadata": {}}], "demo") == {"rollout": 3}
 
 
 # -- patch math --------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ network namespaces, probes and Service DNS, to the end of training; the operator
 
 import asyncio
 import base64
+import contextlib
 import json
 import subprocess
 from datetime import datetime, timezone
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e_jobs import final_history
 from kubelet import Cluster, sweep_namespaces
 
 from areal_k8s.demo.build import build_demo_assets
@@ -39,7 +41,8 @@ def the_example() -> dict:
 
 def chart_redis() -> list[dict]:
     """What the chart provides in a job namespace: Secret `areal-redis` with the in-chart Redis's URL (and
-    password) under `url`, and that Redis behind Service `areal-redis`, probed as the chart probes it."""
+    password) under `url`, and that Redis behind Service `areal-redis`, probed as the chart probes it, with the
+    chart's durability (an append-only file on its data volume, fsync every second)."""
     url = f"redis://:{REDIS_PASSWORD}@areal-redis.{NAMESPACE}.svc:6379/0"  # the chart's areal.redis.url
     labels = {"app.kubernetes.io/name": "areal", "app.kubernetes.io/component": "redis"}
     ping = {"exec": {"command": ["sh", "-c", "redis-cli -h 127.0.0.1 ping | grep -q PONG"]}, "periodSeconds": 2, "timeoutSeconds": 3}
@@ -54,7 +57,7 @@ def chart_redis() -> list[dict]:
                 "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "fsGroup": 999},
                 "containers": [{
                     "name": "redis", "command": ["redis-server"], "workingDir": "/data",
-                    "args": ["--port", "6379", "--requirepass", "$(REDIS_PASSWORD)", "--save", "", "--appendonly", "no"],
+                    "args": ["--port", "6379", "--requirepass", "$(REDIS_PASSWORD)", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"],
                     "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "areal-redis", "key": "password"}}},
                             {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"}],
                     "startupProbe": {**ping, "failureThreshold": 30}, "readinessProbe": ping,
@@ -101,33 +104,55 @@ def condition(status: dict, kind: str) -> tuple[str, str]:
     return found.get("status"), found.get("reason")
 
 
-@pytest.mark.timeout(300)
-async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
+@contextlib.asynccontextmanager
+async def example_cluster(tmp_path: Path):
+    """A node with the demo's assets on their claim and the chart's Redis ready."""
     assets = tmp_path / "assets"
     build_demo_assets(assets, seed=0, **TINY_ASSETS)
     for path in [assets, *assets.rglob("*")]:  # as the e2e script's build Job leaves the claim: readable by the pods
         path.chmod(0o755 if path.is_dir() else 0o644)
-    rljob = the_example()
-    job = validate(rljob)
-    selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
-
     async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets}) as cluster:
         for obj in chart_redis():
             cluster.apply(obj)
         await cluster.wait_for(lambda: all(p["status"]["conditions"][0]["status"] == "True"
                                            for p in cluster.pods_of(NAMESPACE, {"app.kubernetes.io/component": "redis"})),
                                "the chart's Redis to be ready", timeout=30)
+        yield cluster
 
-        statuses, status = [], {}
-        deadline = asyncio.get_running_loop().time() + 180
-        while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
-            if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
-                pytest.fail(f"the job did not complete: {condition(status, 'Failed')} {status.get('conditions')}\n{cluster.describe()}")
-            status = await reconcile(cluster, job, status)
-            statuses.append(status)
-            if not lifecycle.is_true(status, lifecycle.COMPLETE):
-                described = cluster.describe()  # the pods while the job ran, for a failure's message
-            await asyncio.sleep(1)
+
+async def run_to_the_end(cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None) -> tuple[list[dict], str]:
+    """Reconcile every second until the job is Complete and its pods are gone; the statuses seen, and the pods as
+    described while it ran (for a failure's message). `each` sees every status."""
+    selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
+    statuses, status, described = [], {}, ""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
+        if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
+            pytest.fail(f"the job did not complete: {condition(status, 'Failed')} {status.get('conditions')}\n{cluster.describe()}")
+        status = await reconcile(cluster, job, status)
+        statuses.append(status)
+        if not lifecycle.is_true(status, lifecycle.COMPLETE):
+            described = cluster.describe()
+        each(status)
+        await asyncio.sleep(1)
+    return statuses, described
+
+
+def trained_steps(cluster: Cluster, job: ValidJob) -> list[dict]:
+    """The trainer's steps.jsonl, on its checkpoint claim (none before the trainer wrote its first step)."""
+    claim = cluster.claims.get(f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0")
+    log = claim / job.config.name / "trainer" / "steps.jsonl" if claim else None
+    return [json.loads(line) for line in log.read_text().splitlines()] if log and log.is_file() else []
+
+
+@pytest.mark.timeout(300)
+async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
+    rljob = the_example()
+    job = validate(rljob)
+
+    async with example_cluster(tmp_path) as cluster:
+        statuses, described = await run_to_the_end(cluster, job, timeout=180)
+        steps = trained_steps(cluster, job)
 
     # while it trained, every role had its pods ready: the operator said so (Ready) and the job progressed
     running = [s for s in statuses if condition(s, "Ready") == ("True", "AllReplicasReady")]
@@ -149,14 +174,57 @@ async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
     assert final["staleness"]["max"] <= job.config.algorithm.max_staleness  # as the controller reported it
 
     # the trainer's log on its checkpoint claim: every trajectory trained once, none staler than η
-    run_dir = cluster.claims[f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"] / job.config.name
-    steps = [json.loads(line) for line in (run_dir / "trainer" / "steps.jsonl").read_text().splitlines()]
     algorithm = job.config.algorithm
     assert [s["version"] for s in steps] == list(range(1, algorithm.total_steps + 1))
     entries = [e for s in steps for e in s["entries"]]
     assert len(entries) == algorithm.total_steps * algorithm.batch_size * algorithm.group_size == len(set(entries))
     staleness = [x for s in steps for x in s["staleness"]]
     assert len(staleness) == len(entries) and max(staleness) <= algorithm.max_staleness
+
+
+# (role, container) of each container the chaos test kills; the rollout pod's engine dies under a live agent
+CHAOS_VICTIMS = [("controller", "controller"), ("reward", "reward"), ("trainer", "trainer"), ("rollout", "rollout"),
+                 ("rollout", "engine"), ("redis", "redis")]
+
+
+def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
+    labels = {names.LABEL_COMPONENT: role} if role == "redis" else {names.LABEL_COMPONENT: role, names.LABEL_INSTANCE: job.name}
+    [pod] = [p for p in cluster.pods.values() if p.namespace == NAMESPACE and labels.items() <= p.labels.items() and not p.deleted]
+    return next(c for c in pod.containers if c.spec["name"] == name)
+
+
+@pytest.mark.timeout(420)
+async def test_every_container_killed_once_the_job_completes_on_container_restarts_alone(tmp_path):
+    """The example, shorter, with each of its containers and the chart's Redis SIGKILLed once while it trains: the
+    kubelet restarts each in place (same pod, name and address, its emptyDir kept: Redis reads its append-only
+    file), and the job completes with nothing lost, nothing trained twice and every sample within η; the operator
+    counts the restarts per role."""
+    rljob = the_example()
+    rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * len(CHAOS_VICTIMS)
+    rljob["spec"]["trainer"].update(checkpoint_interval=2, eval_interval=0)
+    job = validate(rljob)
+    algorithm = job.config.algorithm
+    pending = [(3 * (i + 1), victim) for i, victim in enumerate(CHAOS_VICTIMS)]  # after steps 3, 6, ...
+
+    async with example_cluster(tmp_path) as cluster:
+        def kill_when_due(status: dict) -> None:
+            trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
+            while pending and trained >= pending[0][0]:
+                _, (role, name) = pending.pop(0)
+                Cluster.kill_group(container_of(cluster, job, role, name))
+
+        statuses, described = await run_to_the_end(cluster, job, timeout=360, each=kill_when_due)
+        steps = trained_steps(cluster, job)
+    assert not pending, f"not killed: {pending}"
+    final = statuses[-1]
+    assert condition(final, "Complete") == ("True", "TrainingFinished")
+    assert final["policyVersion"] == algorithm.total_steps
+    # the operator saw each role's container restarts (the counts are the kubelet's, per pod, until the pods go)
+    seen = {role: max((s["replicas"].get(role, {}).get("restarts", 0) for s in statuses), default=0) for role in names.ROLES}
+    assert seen == {"controller": 1, "reward": 1, "trainer": 1, "rollout": 2}, f"{seen}\n{described}"
+    final_history(steps, total_steps=algorithm.total_steps, batch_size=algorithm.batch_size, group_size=algorithm.group_size,
+                  max_staleness=algorithm.max_staleness, checkpoint_interval=2, context=described)
+    assert final["groups"]["admitted"] == sum(final["groups"][k] for k in ("running", "accepted", "filtered", "failed", "requeued"))
 
 
 def probe_file(path: str, period: int = 1, **thresholds) -> dict:

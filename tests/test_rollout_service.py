@@ -135,3 +135,17 @@ def test_an_engine_is_checked_for_what_the_job_needs_and_takes_its_tensor_parall
         weight_group_ranks({"tp_size": 1, "pp_size": 1, "disable_radix_cache": False}, "retract")
     with pytest.raises(UnfitEngine, match="pipeline-parallel"):
         weight_group_ranks({"tp_size": 1, "pp_size": 2, "disable_radix_cache": True}, "abort")
+
+
+def test_a_group_lost_with_its_engine_is_told_apart_from_a_failed_one():
+    """Unreachable, or sampled with weights older than the group's admission (a restarted engine): the engine's
+    doing, and the group goes back unfailed. An engine that answered with an error: the group failed."""
+    from areal_k8s.common.sglang import EngineError
+    from areal_k8s.rollout.worker import EngineWentBack, Sample, engine_went_away, oldest_token_version
+
+    assert engine_went_away(EngineError("http://e/generate", None, "ClientConnectorError: refused"))
+    assert engine_went_away(EngineWentBack("sampled with version 0"))
+    assert not engine_went_away(EngineError("http://e/generate", 400, "bad sampling params"))
+    assert not engine_went_away(ValueError("spans do not cover the output"))
+    assert oldest_token_version([Sample(versions=[3, 4]), Sample(versions=[2, 5])]) == 2
+    assert oldest_token_version([Sample()]) is None

@@ -61,7 +61,7 @@ async def test_restarted_consumer_reclaims_pending_entries_of_a_dead_one(store):
         await store.write_group([trajectory(f"g{g}", i, [g]) for i in range(2)])
     delivered = await store.read_new("trainer-old", count=100, block_ms=100)
     assert len(delivered) == 6
-    await store.ack(delivered[:2])  # one group trained and checkpointed before the crash
+    await store.ack([e.entry_id for e in delivered[:2]])  # one group trained and checkpointed before the crash
 
     assert await store.read_pending("trainer-new") == []
     assert await store.claim_pending("trainer-new") == 4
@@ -75,13 +75,13 @@ async def test_ack_trims_the_stream_to_what_is_still_needed(store):
     for g in range(4):
         await store.write_group([trajectory(f"g{g}", 0, [0])])
     first_two = await store.read_new("t", count=2, block_ms=100)
-    await store.ack(first_two)
+    await store.ack([e.entry_id for e in first_two])
     stats = await store.stream_stats()
     # the last delivered entry is kept as the trim mark; the two undelivered ones are untouched
     assert stats == {"length": 3, "pending": 0, "lag": 2, "oldest_unacked_age": 0.0}
     rest = await store.read_new("t", count=10, block_ms=100)
     assert [e.group_id for e in rest] == ["g2", "g3"]
-    await store.ack(rest[:1])
+    await store.ack([e.entry_id for e in rest[:1]])
     stats = await store.stream_stats()
     assert stats["length"] == 1 and stats["pending"] == 1  # only the pending g3 is left
     # its age comes from its id (the server's clock when it was written), not from when it was delivered
@@ -96,7 +96,7 @@ async def test_a_written_group_stays_written_until_settled_even_once_trained(sto
     generated and trained a second time, breaking the staleness accounting)."""
     await store.ensure_consumer_group()
     await store.write_group([trajectory("orphan", 0, [0])])
-    await store.ack(await store.read_new("t", count=1, block_ms=100))
+    await store.ack([e.entry_id for e in await store.read_new("t", count=1, block_ms=100)])
     assert await store.revoke_group("orphan") is True
     await store.write_group([trajectory("reported", 0, [0])])
     await store.settle_written(["reported"])  # its worker reported it accepted
@@ -107,7 +107,7 @@ async def test_delete_job_removes_every_key(store):
     await store.ensure_consumer_group()
     await store.write_group([trajectory("g", 0, [0])])
     await store.set_version(5)
-    await store.ack(await store.read_new("t", count=1, block_ms=100))
+    await store.ack([e.entry_id for e in await store.read_new("t", count=1, block_ms=100)])
     assert await store.get_version() == 5
     other = TrajectoryStore(store.client, "job-b")
     await other.set_version(1)
@@ -152,3 +152,21 @@ async def test_commands_wait_for_a_restarting_redis_and_nothing_written_is_lost(
     finally:
         await client.aclose()
         server.stop()
+
+
+async def test_a_trainer_restored_from_a_checkpoint_trains_again_only_what_the_checkpoint_does_not_cover(store):
+    """A trainer died after writing its checkpoint and before acknowledging the entries it covers: they are still
+    pending. Restored from it, the next trainer acknowledges them (the checkpoint names them) and trains again only
+    the entries read after it, none twice."""
+    from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again
+
+    await store.ensure_consumer_group()
+    for g in range(3):
+        await store.write_group([trajectory(f"g{g}", i, [g]) for i in range(2)])
+    delivered = await store.read_new("trainer-0", count=100, block_ms=100)
+    covered = TrainerState(version=2, unacked_entries=[e.entry_id for e in delivered[:4]])  # g0 and g1 trained
+    again = await entries_to_train_again(store, "trainer-0", covered)
+    assert [e.group_id for e in again] == ["g2", "g2"]
+    assert (await store.stream_stats())["pending"] == 2
+    # restored once more (it died again before its next checkpoint): the same answer
+    assert [e.entry_id for e in await entries_to_train_again(store, "trainer-0", covered)] == [e.entry_id for e in again]

@@ -305,6 +305,9 @@ class LocalRun:
             "trajectories_produced": status.accepted * status.group_size,
             "trajectories_consumed": status.consumed * status.group_size,
             "steps_redone": status.steps_redone,
+            # every group admitted, by how it was settled (those still running at the end are in none)
+            "groups": {"admitted": status.admitted, "accepted": status.accepted, "filtered": status.filtered, "failed": status.failed,
+                       "requeued": status.requeued, "running": status.running, "dropped": status.dropped},
             "dead_lettered_items": status.dead_lettered,
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),

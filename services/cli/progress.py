@@ -64,8 +64,9 @@ def status_table(s: controller_pb2.JobStatus, recorder: MetricsRecorder | None =
     table.add_row("held-out accuracy", f"{_accuracy(s.base_accuracy)} → {_accuracy(s.eval_accuracy)}", "throughput",
                   f"{s.samples_per_second:.2f} samples/s, {s.tokens_per_second:.0f} tokens/s")
     table.add_row("staleness", f"last ≤ {s.last_max_staleness}, max {s.max_staleness_seen}, mean {s.mean_staleness:.2f} (η = {s.eta})",
-                  "admission", f"running {s.running}, capacity {s.capacity}, accepted {s.accepted}, failed {s.failed}, "
-                  f"dead-lettered {s.dead_lettered}")
+                  "groups", f"admitted {s.admitted}: running {s.running}, accepted {s.accepted}, filtered {s.filtered}, "
+                  f"failed {s.failed}, re-queued {s.requeued} (capacity {s.capacity}, dropped past η {s.dropped}, dead-lettered "
+                  f"{s.dead_lettered})")
     table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
     if recorder and recorder.snapshots:
         rows = metric_rows(recorder)

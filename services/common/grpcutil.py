@@ -29,6 +29,10 @@ class FailedPrecondition(RuntimeError):
     """A request that is valid but cannot be served in the current state; answered with FAILED_PRECONDITION."""
 
 
+class Aborted(RuntimeError):
+    """A request from a caller whose part was taken over (a superseded incarnation); answered with ABORTED."""
+
+
 class Unavailable(RuntimeError):
     """A dependency of the service cannot be reached; answered with UNAVAILABLE (callers may retry)."""
 
@@ -49,6 +53,8 @@ def rpc(method: Callable) -> Callable:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Aborted as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except grpc.aio.AbortError:
@@ -97,7 +103,7 @@ def channel(target: str) -> grpc.aio.Channel:
 # lease whose answer was lost stays with its worker.
 _RETRIED = {
     "areal.v1.Controller": ["RegisterWorker", "CompleteGroups", "ListWorkers", "AnnounceVersion", "GetOutstanding",
-                            "ReportTrainStep", "GetJobStatus"],
+                            "ReportTrainStep", "DropGroups", "GetJobStatus"],
     "areal.v1.Reward": ["Score", "ListVerifiers", "CheckVerifiers"],
 }
 DEPENDENCY_DEADLINE_SECONDS = 900

@@ -30,7 +30,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
 
 TRAINER_PHASES = ("wait", "prepare", "recompute", "forward_backward", "optimizer", "weight_push", "checkpoint", "eval")
 REWARD_STATUSES = ("ok", "timeout", "error")
-GROUP_RESULTS = ("accepted", "filtered", "failed")
+GROUP_RESULTS = ("accepted", "filtered", "failed", "requeued", "dropped")
 ADMISSION_BLOCKS = ("staleness", "concurrency", "stale_engine")
 
 

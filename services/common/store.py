@@ -201,11 +201,12 @@ class TrajectoryStore:
         )
         return [_decode(entry_id, fields) for entry_id, fields in (reply[0][1] if reply else [])]
 
-    async def ack(self, entries: list[StreamEntry]) -> None:
-        """Acknowledge trained entries and trim the stream below the oldest entry still needed."""
-        if not entries:
+    async def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge trained entries and trim the stream below the oldest entry still needed. Acknowledging an
+        entry twice changes nothing."""
+        if not entry_ids:
             return
-        await self.client.xack(self.keys.stream, CONSUMER_GROUP, *[e.entry_id for e in entries])
+        await self.client.xack(self.keys.stream, CONSUMER_GROUP, *entry_ids)
         await self.trim()
 
     async def trim(self) -> None:

@@ -62,6 +62,7 @@ class Worker:
     last_seen: float
     engine_ranks: int = 1  # ranks its engine takes in the weight-update group (the engine's tensor-parallel size)
     registered_at: float = 0.0
+    incarnation: int = 0  # this registration's; 0 for a placeholder restored from a snapshot
 
 
 @dataclass
@@ -140,9 +141,13 @@ class ControllerCore:
         self.cursor = DataCursor(len(items), seed=job.seed, shuffle=job.dataset.shuffle)
         self.version = 0
         self.next_ticket = 0
+        self.next_incarnation = 0  # numbers every worker registration; kept across restarts, never reused
         self.accepted = 0
         self.filtered = 0
         self.failed = 0
+        self.requeued = 0
+        self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
+        self.item_indices = {item.id: index for index, item in enumerate(items)}
         self.retry: deque[tuple[int, int]] = deque()  # (item index, failures in a row) of failed groups, served first
         self.dead_items: set[int] = set()  # item indices dead-lettered: never admitted again
         self.unwritten_dead_letters: list[DeadLetter] = []  # the shell writes them with the next snapshot
@@ -190,7 +195,7 @@ class ControllerCore:
         return dict(
             version=self.version,
             running=self.running,
-            accepted=self.accepted,
+            accepted=self.accepted - len(self.dropped_groups),  # dropped: out of the pipeline, admitted again
             batch_size=algorithm.batch_size,
             max_staleness=algorithm.max_staleness,
             max_concurrent=algorithm.concurrency,
@@ -210,8 +215,19 @@ class ControllerCore:
         previous = self.workers.get(worker_id)
         orphaned = [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id] if previous and previous.address else []
         now = self.clock()
-        self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now)
+        self.next_incarnation += 1
+        self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now,
+                                         incarnation=self.next_incarnation)
         return orphaned
+
+    def superseded(self, worker_id: str, incarnation: int) -> str | None:
+        """Why a call from `incarnation` of a worker is refused: the worker registered again since (None: it is
+        the current one, or the call names none)."""
+        worker = self.workers.get(worker_id)
+        if incarnation and worker is not None and worker.incarnation and worker.incarnation != incarnation:
+            return (f"worker {worker_id!r} incarnation {incarnation} was superseded by incarnation {worker.incarnation}, "
+                    f"registered since: its leases went with it")
+        return None
 
     def unheld_leases(self, worker_id: str, holding: set[str]) -> list[str]:
         """The groups leased to `worker_id` that it says it is not working on: their answer never reached it."""
@@ -285,8 +301,8 @@ class ControllerCore:
         return item_index, 0
 
     def complete(self, group_id: str, result: str, reason: str = "") -> bool:
-        """Settle a lease: `accepted`, `filtered` or `failed` (re-queued or dead-lettered; `reason` says why it
-        failed). False if the lease is unknown."""
+        """Settle a lease: `accepted`, `filtered`, `failed` (re-queued or dead-lettered; `reason` says why it
+        failed) or `requeued` (re-queued, not counted against the prompt). False if the lease is unknown."""
         lease = self.leases.pop(group_id, None)
         if lease is None:
             return False
@@ -297,9 +313,24 @@ class ControllerCore:
         elif result == "failed":
             self.failed += 1
             self.requeue_or_dead_letter(lease, reason)
+        elif result == "requeued":
+            self.requeued += 1
+            if lease.item_index not in self.dead_items:
+                self.retry.append((lease.item_index, lease.failures))
         else:
             raise ValueError(f"unknown group result {result!r}")
         self.metrics.groups.labels(result=result).inc()
+        return True
+
+    def drop(self, group_id: str, prompt_id: str) -> bool:
+        """A written group the trainer will never train (past η after a rollback): its prompt is admitted again,
+        first. False when it was dropped before, or names no dataset item."""
+        if group_id in self.dropped_groups or prompt_id not in self.item_indices:
+            return False
+        self.dropped_groups.add(group_id)
+        if (index := self.item_indices[prompt_id]) not in self.dead_items:
+            self.retry.appendleft((index, 0))
+        self.metrics.groups.labels(result="dropped").inc()
         return True
 
     def requeue_or_dead_letter(self, lease: Lease, reason: str) -> None:
@@ -394,6 +425,9 @@ class ControllerCore:
             "accepted": self.accepted,
             "filtered": self.filtered,
             "failed": self.failed,
+            "requeued": self.requeued,
+            "dropped": len(self.dropped_groups),
+            "admitted": self.next_ticket,  # each admission takes the next ticket
             "consumed": sum(p.groups_by_step),
             "steps_redone": p.steps_redone,
             "last_max_staleness": p.last_max_staleness,
@@ -422,9 +456,12 @@ class ControllerCore:
             "epoch": self.cursor.epoch,
             "position": self.cursor.position,
             "next_ticket": self.next_ticket,
+            "next_incarnation": self.next_incarnation,
             "accepted": self.accepted,
             "filtered": self.filtered,
             "failed": self.failed,
+            "requeued": self.requeued,
+            "dropped_groups": sorted(self.dropped_groups),
             "retry": [list(entry) for entry in self.retry],
             "dead_items": sorted(self.dead_items),
             "leases": [asdict(lease) for lease in self.leases.values()],
@@ -440,7 +477,10 @@ class ControllerCore:
             epoch=snapshot["epoch"], position=snapshot["position"],
         )
         self.next_ticket = snapshot["next_ticket"]
+        self.next_incarnation = snapshot.get("next_incarnation", 0)  # absent from snapshots of older controllers
         self.accepted, self.filtered, self.failed = snapshot["accepted"], snapshot["filtered"], snapshot["failed"]
+        self.requeued = snapshot.get("requeued", 0)  # absent from snapshots of older controllers
+        self.dropped_groups = set(snapshot.get("dropped_groups", []))
         # A snapshot from before dead-lettering holds bare item indices: their failures in a row are unknown, so 0.
         self.retry = deque((entry, 0) if isinstance(entry, int) else tuple(entry) for entry in snapshot["retry"])
         self.dead_items = set(snapshot.get("dead_items", []))

@@ -20,7 +20,7 @@ import grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
-from areal_k8s.common.grpcutil import FailedPrecondition, InvalidArgument, require, rpc, start_server
+from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgument, require, rpc, start_server
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
@@ -37,6 +37,7 @@ _RESULTS = {
     controller_pb2.GroupOutcome.ACCEPTED: "accepted",
     controller_pb2.GroupOutcome.FILTERED: "filtered",
     controller_pb2.GroupOutcome.FAILED: "failed",
+    controller_pb2.GroupOutcome.REQUEUED: "requeued",
 }
 
 
@@ -139,11 +140,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return len(expired)
 
     async def revoke(self, group_ids: list[str], why: str) -> None:
-        """Settle groups whose worker is gone: a group already written counts as accepted, the others fail (and
-        are re-queued); a late write by the old worker is refused."""
+        """Settle groups whose worker is gone: a group already written counts as accepted, the others are
+        re-queued (not counted against their prompt: it was not at fault); a late write by the old worker is
+        refused."""
         for group_id in group_ids:
             already_written = await self.store.revoke_group(group_id)
-            self.core.complete(group_id, "accepted" if already_written else "failed", why)
+            self.core.complete(group_id, "accepted" if already_written else "requeued", why)
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
         if group_ids:
             self.admission_may_have_opened()
@@ -165,12 +167,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         log.info("worker %s registered at %s (engine version %d, %d weight-group ranks)", request.worker_id,
                  request.address, request.engine_version, max(request.engine_ranks, 1))
         await self.revoke(orphaned, "its worker restarted")
-        return controller_pb2.RegisterWorkerResponse(version=self.core.version, job=self.core.job.name)
+        return controller_pb2.RegisterWorkerResponse(version=self.core.version, job=self.core.job.name,
+                                                     incarnation=self.core.workers[request.worker_id].incarnation)
 
     @rpc
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
+        if why := self.core.superseded(request.worker_id, request.incarnation):
+            raise Aborted(why)
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
             await self.revoke(self.core.unheld_leases(request.worker_id, set(request.holding)), "its answer never reached the worker")
         loop = asyncio.get_running_loop()
@@ -208,19 +213,33 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @rpc
     async def CompleteGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
+        if why := self.core.superseded(request.worker_id, request.incarnation):
+            raise Aborted(why)
         for outcome in request.outcomes:
             require(bool(outcome.group_id), "every outcome needs a group_id")
-            require(outcome.result in _RESULTS, f"group {outcome.group_id}: result must be ACCEPTED, FILTERED or FAILED")
+            require(outcome.result in _RESULTS, f"group {outcome.group_id}: result must be ACCEPTED, FILTERED, FAILED or REQUEUED")
         unknown = 0
         for outcome in request.outcomes:
             result = _RESULTS[outcome.result]
-            if result == "failed" and await self.store.revoke_group(outcome.group_id):
+            if result in ("failed", "requeued") and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
             unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
         await self.store.settle_written([o.group_id for o in request.outcomes if _RESULTS[o.result] == "accepted"])
         self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
+
+    @rpc
+    async def DropGroups(self, request, context):
+        for group in request.groups:
+            require(bool(group.group_id) and bool(group.prompt_id), "every dropped group needs a group_id and a prompt_id")
+        dropped = [g for g in request.groups if self.core.drop(g.group_id, g.prompt_id)]
+        for group in dropped:
+            log.warning("group %s dropped by the trainer (%s); prompt %s admitted again", group.group_id, group.reason, group.prompt_id)
+        if dropped:
+            self.admission_may_have_opened()
+            await self.persist()
+        return controller_pb2.DropGroupsResponse(dropped=len(dropped))
 
     @rpc
     async def ListWorkers(self, request, context):

@@ -108,7 +108,8 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
             observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
 
     status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
-                                  previous=previous, phase=phase, observed=observed, now=now)
+                                  previous=previous, phase=phase, observed=observed, now=now,
+                                  max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"])
     if lifecycle.ttl_expired(job.spec, {**previous, **status}, now):
         log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
         ctx.kube.delete(rljob_path(job.namespace, job.name))

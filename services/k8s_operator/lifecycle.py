@@ -42,8 +42,12 @@ class Observed:
     replicas: dict[str, RoleReplicas] = field(default_factory=dict)
     controller: controller_pb2.JobStatus | None = None
     controller_error: str | None = None
-    restarts: int = 0
+    restarts: dict[str, int] = field(default_factory=dict)  # container restarts per role
     apply_errors: list[str] = field(default_factory=list)
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts.values())
 
 
 def rfc3339(moment: datetime) -> str:
@@ -75,9 +79,11 @@ def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) 
     if report is not None and report.phase == controller_pb2.JobStatus.FAILED:
         return Phase(FAILED, report.failure_reason or "JobFailed", report.message or "the controller reports the job failed")
     limit = spec["failurePolicy"]["maxRestarts"]
-    if observed.restarts > limit:
+    if observed.total_restarts > limit:
+        by_role = ", ".join(f"{role} {count}" for role, count in sorted(observed.restarts.items()) if count)
         return Phase(FAILED, "RestartLimitExceeded",
-                     f"containers restarted {observed.restarts} times, more than failurePolicy.maxRestarts ({limit})")
+                     f"containers restarted {observed.total_restarts} times ({by_role}), more than "
+                     f"failurePolicy.maxRestarts ({limit})")
     if spec["suspend"]:
         return Phase(SUSPENDED, "SuspendedByUser", "spec.suspend is true: every service is scaled to zero")
     deadline = spec.get("activeDeadlineSeconds")
@@ -93,15 +99,18 @@ def workload_replicas(live: dict) -> RoleReplicas:
                         ready=status.get("readyReplicas", 0))
 
 
-def count_restarts(pods: list[dict], job: str) -> int:
-    """Container restarts over the job's current pods (the list may hold other pods: the labels decide)."""
+def count_restarts(pods: list[dict], job: str) -> dict[str, int]:
+    """Container restarts over the job's current pods, per role (the list may hold other pods: the labels decide)."""
     wanted = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job}
-    return sum(
-        container.get("restartCount", 0)
-        for pod in pods
-        if wanted.items() <= (pod.get("metadata", {}).get("labels") or {}).items()
-        for container in (pod.get("status") or {}).get("containerStatuses") or []
-    )
+    counts: dict[str, int] = {}
+    for pod in pods:
+        labels = pod.get("metadata", {}).get("labels") or {}
+        if not wanted.items() <= labels.items():
+            continue
+        role = labels.get(names.LABEL_COMPONENT, "")
+        restarts = sum(c.get("restartCount", 0) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+        counts[role] = counts.get(role, 0) + restarts
+    return counts
 
 
 def merge_conditions(previous: dict, wanted: dict[str, tuple[bool, str, str]], generation: int | None, now: datetime) -> list[dict]:
@@ -136,7 +145,7 @@ def not_ready(replicas: dict[str, RoleReplicas]) -> list[str]:
     return short
 
 
-def job_conditions(phase: Phase, observed: Observed) -> dict[str, tuple[bool, str, str]]:
+def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0) -> dict[str, tuple[bool, str, str]]:
     lagging = not_ready(observed.replicas)
     if not phase.running:
         ready = (False, phase.reason, phase.message)
@@ -154,6 +163,11 @@ def job_conditions(phase: Phase, observed: Observed) -> dict[str, tuple[bool, st
         degraded = (True, "ApplyFailed", "; ".join(observed.apply_errors))
     elif phase.running and controller_ready and observed.controller_error:
         degraded = (True, "ControllerUnreachable", observed.controller_error)
+    elif phase.running and observed.controller is not None and observed.controller.dead_lettered > max_dead_lettered:
+        degraded = (True, "ItemsDeadLettered",
+                    f"{observed.controller.dead_lettered} dataset items were dead-lettered (each failed "
+                    f"rollout.max_group_failures groups in a row), more than failurePolicy.maxDeadLetteredItems "
+                    f"({max_dead_lettered}); their reasons are in the job's dead-letter stream")
     else:
         degraded = (False, "AsExpected", "nothing wrong observed")
     return {
@@ -167,15 +181,16 @@ def job_conditions(phase: Phase, observed: Observed) -> dict[str, tuple[bool, st
 
 
 def job_status(*, job_name: str, job_key: str, generation: int | None, previous: dict, phase: Phase,
-               observed: Observed, now: datetime) -> dict:
+               observed: Observed, now: datetime, max_dead_lettered: int = 0) -> dict:
     """The status patch for a valid RLJob. Fields the controller did not report this time keep their values."""
     status: dict = {
         "observedGeneration": generation,
         "jobName": job_key,
-        "conditions": merge_conditions(previous, job_conditions(phase, observed), generation, now),
-        "replicas": {role: {"desired": r.desired, "current": r.current, "ready": r.ready} for role, r in observed.replicas.items()},
+        "conditions": merge_conditions(previous, job_conditions(phase, observed, max_dead_lettered), generation, now),
+        "replicas": {role: {"desired": r.desired, "current": r.current, "ready": r.ready,
+                            "restarts": observed.restarts.get(role, 0)} for role, r in observed.replicas.items()},
         "rolloutSelector": names.role_selector(job_name, "rollout"),
-        "restarts": observed.restarts,
+        "restarts": observed.total_restarts,
     }
     report = observed.controller
     if report is not None:
@@ -185,6 +200,9 @@ def job_status(*, job_name: str, job_key: str, generation: int | None, previous:
             staleness={"mean": round(report.mean_staleness, 4), "max": report.max_staleness_seen, "last": report.last_max_staleness},
             throughput={"samplesPerSecond": round(report.samples_per_second, 4), "tokensPerSecond": round(report.tokens_per_second, 2)},
             deadLetteredItems=report.dead_lettered,
+            groups={"admitted": report.admitted, "running": report.running, "accepted": report.accepted,
+                    "filtered": report.filtered, "failed": report.failed, "requeued": report.requeued,
+                    "dropped": report.dropped},
         )
     if phase.running:
         status["startTime"] = previous.get("startTime") or rfc3339(now)

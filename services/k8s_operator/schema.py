@@ -293,7 +293,10 @@ def spec_schema() -> dict:
             "When to give up.",
             {"maxRestarts": integer("Fail the job once the containers of its current pods restarted more often than "
                                     "this, in total.",
-                                    minimum=0, default=10)},
+                                    minimum=0, default=10),
+             "maxDeadLetteredItems": integer("Report Degraded (reason ItemsDeadLettered) once more dataset items than "
+                                             "this were dead-lettered; the job goes on without them.",
+                                             minimum=0, default=0)},
             default={},
         ),
     }
@@ -325,6 +328,7 @@ def status_schema() -> dict:
         "desired": integer("Replicas the operator asks for (0 while suspended or finished)."),
         "current": integer("Pods the workload has."),
         "ready": integer("Pods ready."),
+        "restarts": integer("Container restarts in the role's current pods."),
     })
     return obj(
         "Observed state, written by the operator.",
@@ -349,7 +353,19 @@ def status_schema() -> dict:
             }),
             "deadLetteredItems": integer("Dataset items given up on after rollout.max_group_failures failed groups in a row "
                                          "(each has an entry with its last reason in the job's dead-letter stream in Redis)."),
-            "restarts": integer("Container restarts in the job's current pods, counted against failurePolicy.maxRestarts."),
+            "restarts": integer("Container restarts in the job's current pods, counted against failurePolicy.maxRestarts "
+                                "(per role under replicas)."),
+            "groups": obj("Prompt groups admitted since the job started, by how each was settled: each counted once.", {
+                "admitted": integer("Admitted: the sum of the others."),
+                "running": integer("Being generated and scored."),
+                "accepted": integer("Written to the trajectory stream."),
+                "filtered": integer("Dropped for carrying no reward signal; another group is admitted in its place."),
+                "failed": integer("Failed; re-queued, or dead-lettered after rollout.max_group_failures in a row."),
+                "requeued": integer("Handed back unproduced (their worker or engine died or stopped); re-queued, not "
+                                    "counted against their prompt."),
+                "dropped": integer("Accepted groups the trainer dropped as past the staleness bound after it rolled "
+                                   "back to a checkpoint; their prompts were admitted again."),
+            }),
             "lastRebalanceTime": string("When the staleness rebalancer last changed the rollout/trainer split "
                                         "(the rebalancer is not part of this operator version).", format="date-time"),
             "lastRebalanceReason": string("Why it changed."),

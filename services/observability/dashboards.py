@@ -137,8 +137,17 @@ def staleness() -> dashboard.Dashboard:
             (f"max({q('areal_trainer_policy_version')})", "trainer"),
             (f"max({q('areal_controller_policy_version')})", "live (controller)"),
             (f"min({q('areal_rollout_engine_weight_version')})", "slowest engine")]))
-        .with_panel(panel("Groups settled/s by result", "Accepted, filtered (no reward signal) or failed (re-queued).",
+        .with_panel(panel("Groups settled/s by result", "Accepted, filtered (no reward signal), failed (re-queued, or "
+                          "dead-lettered after repeated failures) or re-queued (their worker or engine died).",
                           "short", [(f"sum by (result) ({rate('areal_controller_groups_total')})", "{{result}}")]))
+        .with_row(dashboard.Row("Faults"))
+        .with_panel(panel("Process restarts by role", "Restarts of the services' processes over the last 30 minutes "
+                          "(a restarted process starts its CPU counter again).", "short", [
+            (f"sum by (role) (resets({q('areal_process_cpu_seconds_total')}[30m]))", "{{role}}")]))
+        .with_panel(panel("Groups lost to faults", "Groups handed back by a dying worker or engine (re-queued) and "
+                          "dataset items given up on (dead-lettered), in total.", "short", [
+            ("sum(" + q("areal_controller_groups_total", 'result="requeued"') + ")", "re-queued"),
+            (f"sum({q('areal_controller_dead_lettered_items_total')})", "dead-lettered")]))
         .with_row(dashboard.Row("Trajectory stream"))
         .with_panel(panel("Stream entries", "Kept in Redis, delivered but unacknowledged, written but undelivered.", "short", [
             (f"sum({q('areal_stream_length')})", "length"),

@@ -22,7 +22,7 @@ from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, re
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
-from areal_k8s.common.sglang import parse_weight_version, sampling_params, token_versions
+from areal_k8s.common.sglang import EngineError, parse_weight_version, sampling_params, token_versions
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.trainer.algorithm import is_informative
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 SCORE_DEADLINE_SECONDS = 600.0
 UNKNOWN_VERSION = -1
+ENGINE_RECHECK_SECONDS = 1.0  # how often a worker whose engine went away asks whether it is back
 MAX_INTERRUPTIONS = 64  # a request aborted this often is not being interrupted by weight pushes: give up on it
 
 
@@ -40,6 +41,25 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     interruptions: int = 0
+
+
+class EngineWentBack(RuntimeError):
+    """The engine answered with weights older than the group was admitted at: it restarted and serves the weights
+    it loaded at start. The group's tokens would break the staleness bound and are not written."""
+
+
+class Superseded(RuntimeError):
+    """Another process registered under this worker's name since this one did: it took the leases over, and this
+    one stops (the controller answers its calls with ABORTED)."""
+
+
+def engine_went_away(exc: Exception) -> bool:
+    """Did a group fail because its engine died (unreachable) or restarted (went back to its initial weights)?"""
+    return isinstance(exc, EngineWentBack) or (isinstance(exc, EngineError) and exc.status is None)
+
+
+def oldest_token_version(samples: list[Sample]) -> int | None:
+    return min((v for sample in samples for v in sample.versions), default=None)
 
 
 class IdleClock:
@@ -141,6 +161,8 @@ class RolloutWorker:
         # controller gives an engine behind the current version no work, and the trainer pushes to it at once.
         self.engine_version = UNKNOWN_VERSION
         self.engine_ranks = 1  # ranks the engine takes in the weight-update group (its tensor-parallel size)
+        self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
+        self.incarnation = 0  # this process's registration, as the controller numbers it: the leases are its
         self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
         self.metrics = metrics or RolloutMetrics(job.name)
         self.requests = IdleClock(self.metrics.idle_seconds)
@@ -163,6 +185,12 @@ class RolloutWorker:
         )
         rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
         samples = await self.generate_samples(prompt_ids, sampling, rids)
+        oldest = oldest_token_version(samples)
+        if oldest is not None and oldest < group.admitted_version:
+            raise EngineWentBack(
+                f"the engine sampled with weight version {oldest}, older than the group's admission at "
+                f"{group.admitted_version}: it restarted, and the worker registers again for the current weights"
+            )
         generated = time.time()
         texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
         scores = await self.reward.Score(
@@ -242,23 +270,31 @@ class RolloutWorker:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("group %s failed", group.group_id)
-            result, reason = controller_pb2.GroupOutcome.FAILED, f"{type(exc).__name__}: {exc}"
+            reason = f"{type(exc).__name__}: {exc}"
+            if engine_went_away(exc):  # not the prompt's fault: handed back, not counted against it
+                log.warning("group %s handed back: %s", group.group_id, exc)
+                self.engine_lost = True
+                result = controller_pb2.GroupOutcome.REQUEUED
+            else:
+                log.exception("group %s failed", group.group_id)
+                result = controller_pb2.GroupOutcome.FAILED
         await self.controller.CompleteGroups(
             controller_pb2.CompleteGroupsRequest(
                 worker_id=self.worker_id,
                 outcomes=[controller_pb2.GroupOutcome(group_id=group.group_id, result=result, reason=reason)],
+                incarnation=self.incarnation,
             )
         )
 
     # -- the pull loop -------------------------------------------------------------------------------------
 
     async def register(self) -> None:
-        await self.controller.RegisterWorker(
+        reply = await self.controller.RegisterWorker(
             controller_pb2.RegisterWorkerRequest(
                 worker_id=self.worker_id, address=self.address, engine_version=self.engine_version, engine_ranks=self.engine_ranks
             )
         )
+        self.incarnation = reply.incarnation
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat.
@@ -269,6 +305,9 @@ class RolloutWorker:
         stopping = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
+                if self.engine_lost:
+                    await self.rejoin_with_new_engine(stopping)
+                    continue
                 self.requests.flush()
                 free = self.job.rollout.groups_per_worker - len(self.in_flight)
                 try:
@@ -280,11 +319,14 @@ class RolloutWorker:
                             wait_ms=int(self.hold_seconds * 1000) if free > 0 else 0,
                             holding=[g.group_id for g in self.in_flight.values()],
                             reports_holding=True,
+                            incarnation=self.incarnation,
                         )
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the controller restarted and forgot us
                         await self.register()
+                    elif exc.code() == grpc.StatusCode.ABORTED:  # another process registered under our name since
+                        raise Superseded(exc.details()) from None
                     else:
                         log.warning("controller unreachable (%s); retrying", exc.code().name)
                         await asyncio.sleep(1.0)
@@ -304,8 +346,22 @@ class RolloutWorker:
             stopping.cancel()
             await self.abandon_in_flight()
 
-    async def abandon_in_flight(self) -> None:
-        """On shutdown, hand unfinished groups back at once rather than waiting for their leases to expire."""
+    async def rejoin_with_new_engine(self, stopping: asyncio.Future) -> None:
+        """The engine died or restarted (as a kubelet restarts a pod's container): it serves its initial weights, if
+        any. Hand back what it was generating, wait until it answers again, and register again with its version
+        unknown, as a new incarnation: the controller gives it no work until the trainer, which forms the weight
+        group again for a new registration, has pushed the current weights to it."""
+        self.engine_lost, self.engine_version = False, UNKNOWN_VERSION
+        await self.abandon_in_flight(f"its engine at {self.engine.base_url} went away")
+        while not (await self.engine.health() or stopping.done()):
+            await asyncio.wait({stopping}, timeout=ENGINE_RECHECK_SECONDS)
+        if not stopping.done():
+            log.warning("engine at %s is back; registering again for the current weights", self.engine.base_url)
+            await self.register()
+
+    async def abandon_in_flight(self, why: str = "worker stopped") -> None:
+        """Hand unfinished groups back at once (on shutdown, or when the engine went away) rather than waiting for
+        their leases to expire."""
         abandoned = list(self.in_flight.values())
         for task in list(self.in_flight):
             task.cancel()
@@ -313,10 +369,13 @@ class RolloutWorker:
         if not abandoned:
             return
         outcomes = [
-            controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED, reason="worker stopped")
+            controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.REQUEUED, reason=why)
             for g in abandoned
         ]
         try:
-            await self.controller.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id=self.worker_id, outcomes=outcomes), timeout=5)
+            await self.controller.CompleteGroups(
+                controller_pb2.CompleteGroupsRequest(worker_id=self.worker_id, outcomes=outcomes, incarnation=self.incarnation),
+                timeout=5,
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("could not hand back %d groups (%s); their leases will expire", len(abandoned), exc.code().name)

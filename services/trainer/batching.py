@@ -7,6 +7,10 @@ trained late when newer groups overtook it. We keep the bound per sample: the tr
 complete groups, but only if the groups left behind (complete or still generating) can all still meet their
 deadlines with B per step; otherwise it waits for the straggler whose place in this batch is needed.
 This is earliest-deadline-first scheduling, and it only ever waits when the bound would otherwise break.
+
+A trainer that rolled back to a checkpoint can hold more groups than it can train in time. It never trains one
+past the bound to get out of that corner: a group whose tokens are more than η versions old is dropped (its
+entries acknowledged at the next checkpoint) and the controller admits its prompt again.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ def select_batch(
     """The batch to train at `version`, or None to wait for more groups.
 
     `running` holds the admitted versions of groups still generating. If no choice can keep every deadline
-    (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway.
+    (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway: the
+    caller drops, before each step, the groups that fell past the bound (`past_the_bound`).
     """
     if len(complete) < batch_size:
         return None
@@ -68,8 +73,14 @@ def select_batch(
     everything = sorted([(g.admitted_version + max_staleness, 0) for g in ordered] + [(d, 1) for d in running_deadlines])
     if deadlines_feasible([d for d, _ in everything[batch_size:]], version=version, batch_size=batch_size):
         return None
-    log.warning("staleness bound cannot hold at version %d for every group; training the oldest", version)
+    log.warning("staleness deadlines cannot all hold at version %d; training the oldest groups (those that fall "
+                "past η are dropped and admitted again)", version)
     return batch
+
+
+def past_the_bound(groups: Iterable[Group], *, version: int, max_staleness: int) -> list[Group]:
+    """Groups that training at `version` or later would take past η: they can only be dropped."""
+    return [g for g in groups if staleness(version, g) > max_staleness]
 
 
 def staleness(version: int, group: Group) -> int:
@@ -97,6 +108,7 @@ class BatchAssembler:
         self.max_staleness = max_staleness
         self.poll_ms = poll_ms
         self.buffer: dict[str, list[StreamEntry]] = {}
+        self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
 
     def add(self, entries: list[StreamEntry]) -> None:
         for entry in entries:
@@ -130,6 +142,9 @@ class BatchAssembler:
             await self.drain()
             # A group written but not yet reported back is in both places: count it once, as complete.
             running = [version for gid, version in outstanding.running.items() if gid not in self.buffer]
+            for group in past_the_bound(self.complete_groups(), version=version, max_staleness=self.max_staleness):
+                del self.buffer[group.group_id]
+                self.dropped.append(group)
             batch = select_batch(
                 self.complete_groups(),
                 running,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from areal_k8s.common.store import StreamEntry, TrajectoryStore
 
 STATE_FILE = "trainer_state.json"
 
@@ -18,6 +20,10 @@ class TrainerState:
     trained_samples: int = 0
     trained_tokens: int = 0
     base_accuracy: float = -1.0
+    # Stream entries this checkpoint trained that were not yet acknowledged when it was written (the trainer
+    # acknowledges them just after): a trainer restored from it acknowledges them first, or a crash between the
+    # two would train them again.
+    unacked_entries: list[str] = field(default_factory=list)
 
 
 def checkpoint_dir(root: Path, version: int) -> Path:
@@ -53,3 +59,12 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 def load_state(path: Path) -> TrainerState:
     return TrainerState(**json.loads((path / STATE_FILE).read_text()))
+
+
+async def entries_to_train_again(store: TrajectoryStore, consumer: str, state: TrainerState) -> list[StreamEntry]:
+    """The stream entries a trainer restored to `state` must train again: those a dead trainer (any consumer) read
+    and never checkpointed, now this consumer's. The checkpoint's own are acknowledged first: a trainer that died
+    between writing the checkpoint and acknowledging them trained them already."""
+    await store.ack(state.unacked_entries)
+    await store.claim_pending(consumer)
+    return await store.read_pending(consumer)

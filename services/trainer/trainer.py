@@ -37,7 +37,7 @@ from areal_k8s.trainer.algorithm import (
 )
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
 from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
-from areal_k8s.trainer.checkpoint import TrainerState, latest_checkpoint, load_state, save_checkpoint
+from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
 
@@ -68,8 +68,9 @@ class StepRecord:
     grad_norm: float
     samples: int
     tokens: int
-    seconds: dict[str, float]  # wait, train, checkpoint, eval: wall time of the step's phases
+    seconds: dict[str, float]  # wait, train, eval: wall time of the step's phases; checkpoint: the previous step's
     train_seconds: dict[str, float] = field(default_factory=dict)  # train split: prepare, recompute, forward_backward, optimizer
+    dropped_groups: list[str] = field(default_factory=list)  # dropped before this step as past η (after a rollback)
     learning_rate: float = 0.0
     weight_push: dict = field(default_factory=dict)
     weights_verified: dict[str, bool] = field(default_factory=dict)
@@ -155,6 +156,7 @@ class Trainer:
     async def run(self) -> None:
         await self.start()
         total = self.job.algorithm.total_steps
+        checkpointed = 0.0  # seconds the last step's checkpoint took: counted in the next step's record
         while self.version < total:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
@@ -162,11 +164,11 @@ class Trainer:
             async with self.lock:
                 self.phase = "training"
                 record = await asyncio.to_thread(self.train_step, groups)
+                record.dropped_groups = await self.drop_past_the_bound()
                 record.seconds["wait"] = time.monotonic() - waited - record.seconds["train"]
+                record.seconds["checkpoint"], checkpointed = checkpointed, 0.0
                 self.state.version += 1
                 self.unacked += [e for g in groups for e in g.entries]
-                if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
-                    record.seconds["checkpoint"] = await self.commit()
             self.phase = "pushing_weights"
             pushed = time.monotonic()
             record.weight_push, record.weights_verified = await self.push_weights()
@@ -181,6 +183,13 @@ class Trainer:
             self.observe(record, step_seconds=time.monotonic() - waited)
             await self.report(record, finished=self.version == total)
             self.last = record
+            # Last: a step is done once its checkpoint is. A trainer killed before it trains the step again from the
+            # previous checkpoint, and its report is counted as a step re-done; one killed after it leaves nothing
+            # unreported (a checkpoint before the report could leave a trained step that no record names).
+            if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
+                async with self.lock:
+                    checkpointed = await self.commit()
+                self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
         self.phase = "finished"
 
     async def next_batch(self) -> list[Group]:
@@ -197,6 +206,20 @@ class Trainer:
         finally:
             batch.cancel()
         return batch.result()
+
+    async def drop_past_the_bound(self) -> list[str]:
+        """Settle the groups the assembler dropped as past η: the controller admits their prompts again, and their
+        entries are acknowledged with the next checkpoint (a trainer restored before it drops them again)."""
+        dropped, self.assembler.dropped = self.assembler.dropped, []
+        if not dropped:
+            return []
+        reason = f"past η = {self.job.algorithm.max_staleness} at version {self.version} (the trainer rolled back)"
+        await self.controller.DropGroups(controller_pb2.DropGroupsRequest(groups=[
+            controller_pb2.DroppedGroup(group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason)
+            for g in dropped]))
+        self.unacked += [e for g in dropped for e in g.entries]
+        log.warning("dropped %d groups %s", len(dropped), reason)
+        return [g.group_id for g in dropped]
 
     # -- start and recovery --------------------------------------------------------------------------------
 
@@ -218,9 +241,8 @@ class Trainer:
             self.state = load_state(checkpoint)
             log.info("resumed from %s at version %d", checkpoint, self.version)
         await self.store.ensure_consumer_group()
-        # Entries a dead trainer read but never checkpointed are trained again: nothing is lost.
-        self.reclaimed = await self.store.claim_pending(self.consumer)
-        pending = await self.store.read_pending(self.consumer)
+        pending = await entries_to_train_again(self.store, self.consumer, self.state)
+        self.reclaimed = len(pending)
         self.assembler.add(pending)
         if pending:
             log.info("reclaimed %d pending stream entries", len(pending))
@@ -363,8 +385,9 @@ class Trainer:
     async def commit(self) -> float:
         """Checkpoint, then acknowledge the entries the checkpoint covers. Returns the seconds it took."""
         started = time.monotonic()
+        self.state.unacked_entries = [e.entry_id for e in self.unacked]
         await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state, self.job.trainer.keep_checkpoints)
-        await self.store.ack(self.unacked)
+        await self.store.ack(self.state.unacked_entries)
         self.unacked = []
         return time.monotonic() - started
 
@@ -495,7 +518,7 @@ class Trainer:
         m.steps.inc()
         m.step_duration.observe(step_seconds)
         for phase, seconds in {**record.train_seconds, **record.seconds}.items():
-            if phase != "train":  # the train phase is exported as its split
+            if phase not in ("train", "checkpoint"):  # train: exported as its split; checkpoint: as it happens
                 m.phase_seconds.labels(phase=phase).inc(seconds)
         m.trained_samples.inc(record.samples)
         m.trained_tokens.inc(record.tokens)
