@@ -135,13 +135,14 @@ def test_no_process_outlives_a_launcher_killed_with_sigkill(assets, tmp_path, re
 
 
 @pytest.mark.e2e
-def test_sigterm_stops_the_run_gracefully_and_writes_the_summary(assets, tmp_path, reward_importable):
-    """SIGTERM (`timeout`, a process manager) stops a run as Ctrl-C does: every service stopped, summary.json
-    written with `interrupted: true`, exit code 130."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_the_run_gracefully_and_writes_the_summary(assets, tmp_path, reward_importable, stop):
+    """Ctrl-C, or SIGTERM (`timeout`, a process manager) as Ctrl-C: every service stopped, summary.json written
+    with `interrupted: true`, exit code 130."""
     run_dir = tmp_path / "run"
     process = start_arealctl(tmp_path, make_job(assets, run_dir, algorithm={"total_steps": 10_000}))
     started = children_of(process.pid)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(stop)
     _, stderr = process.communicate(timeout=HANG_GUARD_SECONDS)
     assert process.returncode == 130, stderr
     assert "interrupted; services stopped, summary written" in stderr
