@@ -36,8 +36,10 @@ def cmd_run(args) -> int:
     job = load_job_file(args.job)
     run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
     # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
-    # would otherwise outlive arealctl.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # would otherwise outlive arealctl. SIGINT is set too: a shell starts a background command with SIGINT ignored,
+    # and `kill -INT` must still stop such a run gracefully.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.default_int_handler)
     mode = "fresh" if args.fresh else "resume" if args.resume else "new"
     view = ProgressView(job.name, job.algorithm.total_steps)
     try:
