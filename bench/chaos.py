@@ -14,11 +14,12 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from figures import spread, write_between
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "chaos.json"
@@ -34,11 +35,7 @@ def run_once(seed: int, results: Path) -> bool:
 
 
 def summarize(runs: list[dict], attempted: int) -> dict:
-    figures = {}
-    for key in FIGURES:
-        values = [run[key] for run in runs]
-        figures[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return {"runs": attempted, "passed": len(runs), "eta": runs[0]["eta"], **figures}
+    return {"runs": attempted, "passed": len(runs), "eta": runs[0]["eta"], **{key: spread(runs, key) for key in FIGURES}}
 
 
 def readme_block(report: dict) -> str:
@@ -62,9 +59,7 @@ def readme_block(report: dict) -> str:
 
 
 def write_readme(report: dict, path: Path = ROOT / "README.md") -> None:
-    text = path.read_text()
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
-    path.write_text(text[:start] + readme_block(report) + text[end:])
+    write_between(path, README_BEGIN, README_END, readme_block(report))
 
 
 def main(argv: list[str] | None = None) -> int:

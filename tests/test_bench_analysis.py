@@ -5,10 +5,20 @@ from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("sync_vs_async", Path(__file__).resolve().parent.parent / "bench" / "sync_vs_async.py")
-bench = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = bench  # dataclasses resolve the module of the classes they build
-spec.loader.exec_module(bench)
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # the scripts import their shared bench/figures.py
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve the module of the classes they build
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench("sync_vs_async")
 
 
 def result(seed: int, curve: list[tuple[float, float]]) -> "bench.RunResult":
@@ -40,12 +50,9 @@ def test_the_readme_carries_the_sglang_benchmark_as_measured():
     """README's SGLang-vs-CPU-engine lines are the ones bench/sglang_vs_cpu.py writes from its committed results."""
     import json
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("sglang_vs_cpu", root / "bench" / "sglang_vs_cpu.py")
-    sglang_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sglang_bench)
+    sglang_bench = load_bench("sglang_vs_cpu")
     report = json.loads(sglang_bench.RESULTS.read_text())
-    assert sglang_bench.readme_block(report) in (root / "README.md").read_text(), "run `python bench/sglang_vs_cpu.py --readme`"
+    assert sglang_bench.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/sglang_vs_cpu.py --readme`"
     assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"]["median"] \
         == pytest.approx(report["samples_per_second_ratio"], abs=1e-3)
 
@@ -55,11 +62,8 @@ def test_the_readme_carries_the_chaos_figures_as_measured():
     those are the medians and ranges of the runs the file holds."""
     import json
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("chaos_bench", root / "bench" / "chaos.py")
-    chaos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chaos)
+    chaos = load_bench("chaos")
     report = json.loads(chaos.RESULTS.read_text())
-    assert chaos.readme_block(report) in (root / "README.md").read_text(), "run `python bench/chaos.py --readme`"
+    assert chaos.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/chaos.py --readme`"
     assert report["summary"] == chaos.summarize(report["runs"], len(report["runs"]) + len(report["failed_seeds"]))
     assert all(run["max_staleness_seen"] <= run["eta"] and run["dead_lettered"] == 0 for run in report["runs"])
