@@ -106,10 +106,13 @@ def rljob(name: str = "demo", *, redis_url: str = "redis://redis.rl.svc:6379/0",
 
 
 def with_changes(body: dict, changes: dict) -> dict:
-    """`body` with `changes` merged in, dict by dict (lists replaced)."""
+    """`body` with `changes` merged in, dict by dict (lists replaced, a None value removes its key)."""
     out = copy.deepcopy(body)
     for key, value in changes.items():
-        out[key] = with_changes(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = with_changes(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 

@@ -438,3 +438,23 @@ def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits(
     assert (status["ready"], status["message"]) == (False, "waiting for the reward service")
     core.waiting_for = None
     assert len(core.acquire("w", 5, engine_version=0)) == 5 and core.status()["ready"] is True
+
+
+def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_restart_keeps_them():
+    core = make_core(max_staleness=3)
+    core.record_step(version=1, groups=2, samples=4, tokens=8, max_staleness=1, mean_staleness=0.25, reward_mean=0,
+                     eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[3, 1], wait_seconds=2.5)
+    core.record_step(version=2, groups=2, samples=4, tokens=8, max_staleness=3, mean_staleness=1.5, reward_mean=0,
+                     eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[1, 1, 0, 2], wait_seconds=0.5)
+    core.record_hold("staleness", 4.0)
+    core.record_hold("concurrency", 9.0)  # the cap, not the bound: more rollout would not be held by it
+    status = core.status()
+    assert status["trained_samples"] == 8
+    assert status["staleness_counts"] == [4, 2, 0, 2]
+    assert status["staleness_sum"] == pytest.approx(0.25 * 4 + 1.5 * 4)
+    assert (status["trainer_wait_seconds"], status["held_by_staleness_seconds"]) == (3.0, 4.0)
+    assert core.metrics.value("areal_controller_held_seconds_total", reason="concurrency") == 9.0
+    revived = make_core(max_staleness=3)
+    revived.restore(core.snapshot())
+    assert {k: revived.status()[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")} == \
+        {k: status[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")}

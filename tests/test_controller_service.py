@@ -261,6 +261,8 @@ async def test_a_held_poll_that_nothing_lifts_ends_empty_and_counts_one_block(co
     reply = await poll
     assert list(reply.groups) == [] and not reply.finished
     assert controller.servicer.core.metrics.value("areal_controller_admission_blocks_total", reason="staleness") == 1
+    status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    assert status.held_by_staleness_seconds > 0  # the time it waited is rollout capacity the bound kept idle
 
 
 async def test_a_finished_job_answers_held_polls(controller):

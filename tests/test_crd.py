@@ -178,6 +178,8 @@ VIOLATIONS = [
     ("rollout.engine sglang needs", {"spec": {"rollout": {"engine": "sglang"}}}),
     ("trainer.device cuda needs", {"spec": {"trainer": {"device": "cuda"}}}),
     ("exceed gpuBudget", {"spec": {"gpuBudget": 0, "trainer": {"device": "cuda"}, "roles": {"trainer": {"gpusPerPod": 1}}}}),
+    ("rebalance.enabled needs staleness.targetBand", {"spec": {"rebalance": {"enabled": True}, "staleness": {"targetBand": None}}}),
+    ("rebalance.enabled needs a ceiling", {"spec": {"rebalance": {"enabled": True}, "roles": {"rollout": {"maxReplicas": None}}}}),
     ("redis: set exactly one", {"spec": {"redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "r", "key": "url"}}}}),
     ("checkpoint: set exactly one", {"spec": {"checkpoint": {"claimName": "ckpt"}}}),
     ("each mount needs exactly one source", {"spec": {"mounts": [{"name": "m", "mountPath": "/m"}]}}),

@@ -74,6 +74,10 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         assert final.phase == controller_pb2.JobStatus.COMPLETED
         assert final.base_accuracy >= 0 and final.eval_accuracy >= 0
         assert final.consumed == 10 and final.max_staleness_seen <= 1
+        # the running totals a rebalancer differences: every trained sample counted once, by its staleness
+        assert sum(final.staleness_counts) == final.trained_samples == sum(s["samples"] for s in steps)
+        assert len(final.staleness_counts) <= 2 and final.trainer_wait_seconds > 0
+        assert final.staleness_sum == pytest.approx(sum(s * n for s, n in enumerate(final.staleness_counts)))
         assert final.filtered > 0  # and the controller admitted others in their place
         assert any(s.phase == controller_pb2.JobStatus.RUNNING for s in statuses)
     finally:

@@ -69,7 +69,8 @@ async def test_every_api_call_of_a_whole_lifecycle_is_allowed_and_every_rule_is_
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis", "namespace": NAMESPACE},
               "data": {"url": base64.b64encode(redis_url.encode()).decode()}}
     assert (await cluster.server.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret)).status < 300
-    body = rljob(redis_url=redis_url, ttlSecondsAfterFinished=0)
+    body = rljob(redis_url=redis_url, ttlSecondsAfterFinished=0, rebalance={"enabled": True},  # it lists autoscalers
+                 staleness={"eta": 1, "targetBand": {"min": 0.5, "max": 1}})
     body["spec"]["redis"] = {"urlSecretRef": {"name": "redis", "key": "url"}}
     job_key = validate(body).config.name
     redis.Redis.from_url(redis_url).set(f"areal:{{{job_key}}}:version", 1)

@@ -32,6 +32,7 @@ TRAINER_PHASES = ("wait", "prepare", "recompute", "forward_backward", "optimizer
 REWARD_STATUSES = ("ok", "timeout", "error")
 GROUP_RESULTS = ("accepted", "filtered", "failed", "requeued", "dropped")
 ADMISSION_BLOCKS = ("staleness", "concurrency", "stale_engine")
+HOLD_REASONS = ("staleness", "concurrency", "no_work_left", "starting")  # what a long poll for work waits out
 
 
 class Family:
@@ -108,6 +109,10 @@ class ControllerMetrics(ServiceMetrics):
         self.policy_version = self.gauge("areal_controller_policy_version", "Policy version live on every rollout engine.")
         self.admission_capacity = self.gauge(
             "areal_controller_admission_capacity", "Prompt groups the staleness bound lets start now.")
+        self.held_seconds = self.counter(
+            "areal_controller_held_seconds_total",
+            "Worker-seconds that requests for work waited, by what held them (staleness bound, concurrency cap, no "
+            "work left, start-up checks): rollout capacity idle for that reason.", extra=("reason",))
         self.running_groups = self.gauge("areal_controller_running_groups", "Prompt groups admitted and not yet settled.")
         self.admission_blocks = self.counter(
             "areal_controller_admission_blocks_total",
@@ -135,6 +140,8 @@ class ControllerMetrics(ServiceMetrics):
             self.groups.labels(result=result)
         for reason in ADMISSION_BLOCKS:
             self.admission_blocks.labels(reason=reason)
+        for reason in HOLD_REASONS:
+            self.held_seconds.labels(reason=reason)
 
 
 class RolloutMetrics(ServiceMetrics):

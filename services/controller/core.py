@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from areal_k8s.common.config import JobConfig
@@ -86,6 +86,8 @@ class Progress:
     max_staleness_seen: int = 0
     staleness_sum: float = 0.0
     staleness_samples: int = 0
+    staleness_counts: list[int] = field(default_factory=list)  # trained samples by staleness (index: versions old)
+    trainer_wait_seconds: float = 0.0  # the trainer's time waiting for data
     reward_mean: float = 0.0
     eval_accuracy: float = -1.0
     base_accuracy: float = -1.0
@@ -146,6 +148,7 @@ class ControllerCore:
         self.filtered = 0
         self.failed = 0
         self.requeued = 0
+        self.held_by_staleness_seconds = 0.0  # worker-seconds requests for work waited on the staleness bound
         self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
         self.item_indices = {item.id: index for index, item in enumerate(items)}
         self.retry: deque[tuple[int, int]] = deque()  # (item index, failures in a row) of failed groups, served first
@@ -255,6 +258,12 @@ class ControllerCore:
         if admission_rooms(**state)["remaining_work"] <= 0:
             return "no_work_left"
         return blocking_bound(**state)
+
+    def record_hold(self, reason: str, seconds: float) -> None:
+        """A worker's request for work waited `seconds` because of `reason` (a refusal the long poll waits out)."""
+        if reason == "staleness":
+            self.held_by_staleness_seconds += seconds
+        self.metrics.held_seconds.labels(reason=reason).inc(seconds)
 
     def acquire(self, worker_id: str, max_groups: int, engine_version: int) -> list[Admitted]:
         """Admit up to `max_groups` groups for `worker_id`, as far as the staleness bound allows (see `refusal`)."""
@@ -381,7 +390,7 @@ class ControllerCore:
 
     def record_step(self, *, version: int, groups: int, samples: int, tokens: int, max_staleness: int,
                     mean_staleness: float, reward_mean: float, eval_accuracy: float, base_evaluation: bool,
-                    finished: bool) -> bool:
+                    finished: bool, staleness_counts: Sequence[int] = (), wait_seconds: float = 0.0) -> bool:
         """Record a step report; False for a report of a step already recorded (a retry whose first attempt was
         recorded before the answer was lost), which changes nothing."""
         p, now = self.progress, self.clock()
@@ -405,6 +414,10 @@ class ControllerCore:
             p.max_staleness_seen = max(p.max_staleness_seen, max_staleness)
             p.staleness_sum += mean_staleness * samples
             p.staleness_samples += samples
+            p.staleness_counts += [0] * (len(staleness_counts) - len(p.staleness_counts))
+            for staleness, count in enumerate(staleness_counts):
+                p.staleness_counts[staleness] += count
+            p.trainer_wait_seconds += wait_seconds
             p.reward_mean = reward_mean
         p.finished = p.finished or finished
         return True
@@ -433,6 +446,11 @@ class ControllerCore:
             "last_max_staleness": p.last_max_staleness,
             "max_staleness_seen": p.max_staleness_seen,
             "mean_staleness": p.staleness_sum / p.staleness_samples if p.staleness_samples else 0.0,
+            "trained_samples": p.trained_samples,
+            "staleness_sum": p.staleness_sum,
+            "staleness_counts": list(p.staleness_counts),
+            "trainer_wait_seconds": p.trainer_wait_seconds,
+            "held_by_staleness_seconds": self.held_by_staleness_seconds,
             "samples_per_second": p.trained_samples / elapsed,
             "tokens_per_second": p.trained_tokens / elapsed,
             "reward_mean": p.reward_mean,
@@ -461,6 +479,7 @@ class ControllerCore:
             "filtered": self.filtered,
             "failed": self.failed,
             "requeued": self.requeued,
+            "held_by_staleness_seconds": self.held_by_staleness_seconds,
             "dropped_groups": sorted(self.dropped_groups),
             "retry": [list(entry) for entry in self.retry],
             "dead_items": sorted(self.dead_items),
@@ -480,6 +499,7 @@ class ControllerCore:
         self.next_incarnation = snapshot.get("next_incarnation", 0)  # absent from snapshots of older controllers
         self.accepted, self.filtered, self.failed = snapshot["accepted"], snapshot["filtered"], snapshot["failed"]
         self.requeued = snapshot.get("requeued", 0)  # absent from snapshots of older controllers
+        self.held_by_staleness_seconds = snapshot.get("held_by_staleness_seconds", 0.0)
         self.dropped_groups = set(snapshot.get("dropped_groups", []))
         # A snapshot from before dead-lettering holds bare item indices: their failures in a row are unknown, so 0.
         self.retry = deque((entry, 0) if isinstance(entry, int) else tuple(entry) for entry in snapshot["retry"])

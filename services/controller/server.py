@@ -21,6 +21,7 @@ import grpc
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgument, require, rpc, start_server
+from areal_k8s.common.metrics import HOLD_REASONS
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
 # lifted by a trainer step, a settled group, or the start-up check passing
-WAITABLE_REFUSALS = {"staleness", "concurrency", "no_work_left", "starting"}
+WAITABLE_REFUSALS = frozenset(HOLD_REASONS)  # refusals a long poll waits out; the others are answered at once
 CHECK_RETRY_SECONDS = 1.0  # between attempts to reach a reward service that is not up yet
 CHECK_TIMEOUT_SECONDS = 60.0  # one check: the reward service imports each custom verifier's module
 
@@ -185,8 +186,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
             while (remaining := deadline - loop.time()) > 0:
                 wakeup = self._wakeup  # taken before looking, so a change from here on wakes us
-                if self.core.refusal(request.worker_id, request.max_groups, request.engine_version) not in WAITABLE_REFUSALS:
+                refusal = self.core.refusal(request.worker_id, request.max_groups, request.engine_version)
+                if refusal not in WAITABLE_REFUSALS:
                     break
+                held_from = loop.time()
                 wakeup.waiting += 1
                 try:
                     await asyncio.wait_for(wakeup.event.wait(), remaining)
@@ -197,6 +200,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     break
                 finally:
                     wakeup.waiting -= 1
+                    self.core.record_hold(refusal, loop.time() - held_from)
             capacity = self.core.capacity()
             admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:
@@ -295,6 +299,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             eval_accuracy=request.eval_accuracy,
             base_evaluation=request.base_evaluation,
             finished=request.finished,
+            staleness_counts=request.staleness_counts,
+            wait_seconds=request.wait_seconds,
         )
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)

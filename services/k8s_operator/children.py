@@ -22,8 +22,9 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
 }
 
 
-def desired_children(job: ValidJob, *, running: bool) -> list[dict]:
-    """Every child of `job`; with `running` false (suspended or finished) the workloads have no pods."""
+def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | None = None) -> list[dict]:
+    """Every child of `job`; with `running` false (suspended or finished) the workloads have no pods.
+    `rollout_replicas` (the staleness rebalancer's) replaces roles.rollout.replicas."""
     return [
         config_map(job),
         service(job, "controller", [("grpc", names.CONTROLLER_PORT)]),
@@ -32,7 +33,7 @@ def desired_children(job: ValidJob, *, running: bool) -> list[dict]:
         service(job, "trainer", [("grpc", names.TRAINER_PORT), ("rendezvous", names.TORCH_RENDEZVOUS_PORT)], headless=True),
         controller_deployment(job, running),
         reward_deployment(job, running),
-        rollout_deployment(job, running),
+        rollout_deployment(job, running, rollout_replicas),
         trainer_statefulset(job, running),
     ]
 
@@ -335,7 +336,7 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
     )
 
 
-def rollout_deployment(job: ValidJob, running: bool) -> dict:
+def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None) -> dict:
     block = job.spec["roles"]["rollout"]
     config_vol, config_mount = config_volume(job)
     volumes, mounts = user_mounts(job)
@@ -353,7 +354,7 @@ def rollout_deployment(job: ValidJob, running: bool) -> dict:
         mounts=[config_mount, *mounts], resource_block=block.get("resources", {}),
     )
     template = pod_template(job, "rollout", [agent, engine_container(job, block, mounts)], [config_vol, *volumes])
-    return deployment(job, "rollout", block["replicas"] if running else 0, template)
+    return deployment(job, "rollout", (block["replicas"] if replicas is None else replicas) if running else 0, template)
 
 
 def trainer_statefulset(job: ValidJob, running: bool) -> dict:

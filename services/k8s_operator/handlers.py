@@ -26,6 +26,7 @@ from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.apply import apply
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
+from areal_k8s.k8s_operator.rebalancing import rebalance
 from areal_k8s.k8s_operator.validation import InvalidSpec, ValidJob, validate
 
 log = logging.getLogger("areal.operator")
@@ -79,6 +80,14 @@ def observe_controller(ctx: Context, job: ValidJob, observed: lifecycle.Observed
         observed.controller_error = f"controller {address}: {exc.code().name}: {exc.details()}"
 
 
+def autoscalers_targeting(ctx: Context, job: ValidJob) -> list[str]:
+    """HorizontalPodAutoscalers (KEDA makes one per ScaledObject) whose target is this RLJob."""
+    found = ctx.kube.list(object_path("autoscaling/v2", "horizontalpodautoscalers", job.namespace), "")
+    return [f"HorizontalPodAutoscaler {hpa['metadata']['name']}" for hpa in found
+            if (target := hpa.get("spec", {}).get("scaleTargetRef") or {}).get("kind") == names.KIND
+            and target.get("name") == job.name and target.get("apiVersion", "").split("/")[0] == names.GROUP]
+
+
 def reconcile(ctx: Context, rljob: dict) -> dict:
     """One level-triggered pass over an RLJob; returns its status patch."""
     meta, previous = rljob["metadata"], dict(rljob.get("status") or {})
@@ -95,8 +104,15 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         pods = ctx.kube.list(object_path("v1", "pods", job.namespace), names.job_selector(job.name))
         observed.restarts = lifecycle.count_restarts(pods, job.name)
     phase = lifecycle.decide_phase(job.spec, previous, observed, now)
+    rebalancing = None
+    if job.spec["rebalance"]["enabled"]:
+        autoscalers = autoscalers_targeting(ctx, job)
+        rebalancing = rebalance(job.spec, previous, observed.controller, autoscalers, phase.running, lifecycle.rfc3339(now))
+        if autoscalers:
+            observed.autoscaler_conflict = rebalancing.condition[2]
 
-    for child in desired_children(job, running=phase.running):
+    rollout_replicas = rebalancing.rollout_replicas if rebalancing else None
+    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas):
         try:
             live = apply(ctx.kube, child)
         except ApiError as exc:
@@ -109,7 +125,12 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
 
     status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
                                   previous=previous, phase=phase, observed=observed, now=now,
-                                  max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"])
+                                  max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"],
+                                  rebalancing=rebalancing.condition if rebalancing else None)
+    if rebalancing:
+        status.update(rebalancing.status)
+    elif previous.get("rebalance"):
+        status["rebalance"] = None  # disabled: the next enabling starts afresh from roles.rollout.replicas
     if lifecycle.ttl_expired(job.spec, {**previous, **status}, now):
         log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
         ctx.kube.delete(rljob_path(job.namespace, job.name))

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.k8s_operator import names
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Rebalancing")
 RUNNING, SUSPENDED, COMPLETE, FAILED = "Running", "Suspended", "Complete", "Failed"
 TERMINAL = (COMPLETE, FAILED)
 
@@ -44,6 +44,7 @@ class Observed:
     controller_error: str | None = None
     restarts: dict[str, int] = field(default_factory=dict)  # container restarts per role
     apply_errors: list[str] = field(default_factory=list)
+    autoscaler_conflict: str | None = None  # an autoscaler targets the RLJob while the rebalancer owns its replicas
 
     @property
     def total_restarts(self) -> int:
@@ -163,6 +164,8 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
         degraded = (True, "ApplyFailed", "; ".join(observed.apply_errors))
     elif phase.running and controller_ready and observed.controller_error:
         degraded = (True, "ControllerUnreachable", observed.controller_error)
+    elif observed.autoscaler_conflict:
+        degraded = (True, "AutoscalerConflict", observed.autoscaler_conflict)
     elif phase.running and observed.controller is not None and observed.controller.dead_lettered > max_dead_lettered:
         degraded = (True, "ItemsDeadLettered",
                     f"{observed.controller.dead_lettered} dataset items were dead-lettered (each failed "
@@ -180,13 +183,23 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
     }
 
 
+REBALANCER_OFF = (False, "Disabled", "spec.rebalance.enabled is false: roles.rollout.replicas sizes the rollout pool")
+
+
 def job_status(*, job_name: str, job_key: str, generation: int | None, previous: dict, phase: Phase,
-               observed: Observed, now: datetime, max_dead_lettered: int = 0) -> dict:
-    """The status patch for a valid RLJob. Fields the controller did not report this time keep their values."""
+               observed: Observed, now: datetime, max_dead_lettered: int = 0,
+               rebalancing: tuple[bool, str, str] | None = None) -> dict:
+    """The status patch for a valid RLJob. Fields the controller did not report this time keep their values.
+    `rebalancing` is the Rebalancing condition while the rebalancer is enabled."""
+    wanted = job_conditions(phase, observed, max_dead_lettered)
+    if rebalancing is not None:
+        wanted["Rebalancing"] = rebalancing
+    elif condition_of(previous, "Rebalancing"):
+        wanted["Rebalancing"] = REBALANCER_OFF
     status: dict = {
         "observedGeneration": generation,
         "jobName": job_key,
-        "conditions": merge_conditions(previous, job_conditions(phase, observed, max_dead_lettered), generation, now),
+        "conditions": merge_conditions(previous, wanted, generation, now),
         "replicas": {role: {"desired": r.desired, "current": r.current, "ready": r.ready,
                             "restarts": observed.restarts.get(role, 0)} for role, r in observed.replicas.items()},
         "rolloutSelector": names.role_selector(job_name, "rollout"),
@@ -226,12 +239,15 @@ EVENT_TYPES = {"Degraded": "Warning", "Failed": "Warning", "Suspended": "Normal"
 
 
 def transitions(previous: dict, status: dict) -> list[tuple[str, str, str]]:
-    """(event type, reason, message) for each noteworthy condition that became True with `status`."""
+    """(event type, reason, message) for each noteworthy condition that became True with `status`, and for a
+    change of the rebalancer's split."""
     out = []
     for kind, event_type in EVENT_TYPES.items():
         now = condition_of(status, kind)
         if now and now["status"] == "True" and not is_true(previous, kind):
             out.append((event_type, now["reason"], now["message"]))
+    if status.get("lastRebalanceTime") and status["lastRebalanceTime"] != previous.get("lastRebalanceTime"):
+        out.append(("Normal", "Rebalanced", status["lastRebalanceReason"]))
     return out
 
 

@@ -86,6 +86,15 @@ RULES: list[Rule] = [
          " + self.roles.trainer.replicas * self.roles.trainer.gpusPerPod <= self.gpuBudget",
          "the GPUs the roles request (replicas × gpusPerPod, summed) exceed gpuBudget",
          lambda s: "gpuBudget" not in s or sum(_role_gpus(s, r) for r in ("rollout", "reward", "trainer")) <= s["gpuBudget"]),
+    Rule(("spec",), "!self.rebalance.enabled || has(self.staleness.targetBand)",
+         "rebalance.enabled needs staleness.targetBand: the band is what the rebalancer holds",
+         lambda s: not s["rebalance"]["enabled"] or "targetBand" in s["staleness"]),
+    Rule(("spec",), "!self.rebalance.enabled || has(self.roles.rollout.maxReplicas) || "
+                    "(has(self.gpuBudget) && self.roles.rollout.gpusPerPod > 0)",
+         "rebalance.enabled needs a ceiling for the rollout pool: roles.rollout.maxReplicas, or gpuBudget with "
+         "GPU rollout pods",
+         lambda s: not s["rebalance"]["enabled"] or "maxReplicas" in s["roles"]["rollout"]
+         or ("gpuBudget" in s and s["roles"]["rollout"]["gpusPerPod"] > 0)),
     Rule(("spec", "redis"), "has(self.url) != has(self.urlSecretRef)",
          "redis: set exactly one of url and urlSecretRef",
          lambda r: ("url" in r) != ("urlSecretRef" in r)),

@@ -257,6 +257,30 @@ def spec_schema() -> dict:
             default={},
         ),
         "gpuBudget": integer("GPUs the job may hold at once, over all roles.", minimum=0),
+        "rebalance": obj(
+            "The staleness rebalancer: it sizes the rollout pool to hold the mean staleness of trained samples in "
+            "staleness.targetBand, within roles.rollout.minReplicas/maxReplicas and gpuBudget. While enabled it owns "
+            "the rollout replicas: roles.rollout.replicas is only its starting point, and no HorizontalPodAutoscaler "
+            "(or KEDA ScaledObject) may target the RLJob (the operator reports one as Degraded, reason "
+            "AutoscalerConflict, and changes nothing while it exists). The trainer's size stays as set.",
+            {
+                "enabled": {"type": "boolean", "default": False, "description": "Run the rebalancer."},
+                "windowSeconds": integer("How long each measurement runs before a decision.", minimum=10, default=300),
+                "cooldownSeconds": integer("After a change, how long measurements are discarded while the pools "
+                                           "settle.", minimum=0, default=600),
+                "trainerIdleThreshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.2,
+                                         "description": "Share of a window the trainer waits for data at which "
+                                                        "it counts as starved: staleness above the band then "
+                                                        "moves nothing."},
+                "rolloutHeldThreshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.2,
+                                         "description": "Share of the workers' time held by the staleness bound at "
+                                                        "which rollout counts as held back: staleness below the "
+                                                        "band then moves nothing."},
+                "minSamples": integer("Fewer trained samples than this in a window give no verdict (the window "
+                                      "stays open).", minimum=1, default=16),
+            },
+            default={},
+        ),
         "roles": roles_schema(),
         "mounts": mounts_schema(),
         "checkpoint": obj(
@@ -323,6 +347,38 @@ def condition_schema() -> dict:
     )
 
 
+def rebalance_status_schema() -> dict:
+    number = {"type": "number"}
+    return obj("The rebalancer's state (spec.rebalance.enabled): the split it holds and what it measures.", {
+        "rollout": integer("Rollout pods the rebalancer holds (the rollout Deployment's replicas)."),
+        "trainer": integer("Trainer data-parallel replicas."),
+        "decision": obj("The last decision.", {
+            "code": string("WithinBand, MovedToRollout, MovedToTraining, SignalsDisagree, AtLimit, "
+                           "BandBetweenSplits, CollectingData or BoundsChanged."),
+            "message": string("What it measured and why it decided so."),
+            "time": string("When.", format="date-time"),
+        }),
+        "window": obj("The last complete window.", {
+            "seconds": number, "samples": integer("Samples trained in it."),
+            "meanStaleness": number, "withinBand": {**number, "description": "Share of its samples inside the band."},
+            "trainerIdle": {**number, "description": "Share of it the trainer waited for data."},
+            "rolloutHeld": {**number, "description": "Share of the workers' time the staleness bound held them."},
+        }),
+        "windowStart": obj("The controller's running totals where the current window began.", {
+            "at": number, "trainedSamples": integer("Samples."), "stalenessSum": number,
+            "stalenessCounts": {"type": "array", "items": {"type": "integer"}},
+            "trainerWaitSeconds": number, "heldByStalenessSeconds": number,
+            "acceptedGroups": integer("Groups."), "workers": integer("Workers."),
+        }),
+        "lastChangeAt": {**number, "description": "The controller's clock at the last change (starts the cooldown)."},
+        "memory": {"type": "array", "description": "How each split measured first, to recognise a band between two "
+                                                   "splits; cleared when the workload drifts.",
+                   "items": obj("A split's verdict.", {
+                       "rollout": integer("Rollout pods."), "trainer": integer("Trainer replicas."),
+                       "side": string("above, inside or below the band."), "meanStaleness": number})},
+    })
+
+
 def status_schema() -> dict:
     role_replicas = obj("Replica counts of one role.", {
         "desired": integer("Replicas the operator asks for (0 while suspended or finished)."),
@@ -366,9 +422,10 @@ def status_schema() -> dict:
                 "dropped": integer("Accepted groups the trainer dropped as past the staleness bound after it rolled "
                                    "back to a checkpoint; their prompts were admitted again."),
             }),
-            "lastRebalanceTime": string("When the staleness rebalancer last changed the rollout/trainer split "
-                                        "(the rebalancer is not part of this operator version).", format="date-time"),
-            "lastRebalanceReason": string("Why it changed."),
+            "lastRebalanceTime": string("When the staleness rebalancer last changed the rollout/trainer split.",
+                                        format="date-time"),
+            "lastRebalanceReason": string("Why it changed: the window it measured and the move."),
+            "rebalance": rebalance_status_schema(),
             "startTime": string("When the job last started running (reset by resume).", format="date-time"),
             "completionTime": string("When the job completed or failed.", format="date-time"),
         },

@@ -133,6 +133,12 @@ def staleness() -> dashboard.Dashboard:
         .with_panel(panel("Admission blocks/s by reason", "Requests for work that got none, by the bound that held "
                           "them back.", "short", [
             (f"sum by (reason) ({rate('areal_controller_admission_blocks_total')})", "{{reason}}")]))
+        .with_panel(panel("Rollout pool and what holds it", "Rollout workers (the pool the staleness rebalancer sizes), "
+                          "and the share of their time their requests for work waited, by what held them: the "
+                          "staleness bound says rollout outruns training.", "short", [
+            (f"sum({q('areal_controller_workers')})", "workers"),
+            (f"sum by (reason) ({rate('areal_controller_held_seconds_total')}) / scalar(sum({q('areal_controller_workers')}))",
+             "held share: {{reason}}")]))
         .with_panel(panel("Policy versions", "Trainer, live on every engine (controller), and the slowest engine.", "short", [
             (f"max({q('areal_trainer_policy_version')})", "trainer"),
             (f"max({q('areal_controller_policy_version')})", "live (controller)"),

@@ -143,7 +143,6 @@ class Trainer:
         self.optimizer = None
         self.state = TrainerState(version=0)
         self.last: StepRecord | None = None
-        self.reclaimed = 0
         self.metrics = metrics or TrainerMetrics(job.name)
         self.metrics.policy_version.set_function(lambda: self.version)
 
@@ -242,7 +241,6 @@ class Trainer:
             log.info("resumed from %s at version %d", checkpoint, self.version)
         await self.store.ensure_consumer_group()
         pending = await entries_to_train_again(self.store, self.consumer, self.state)
-        self.reclaimed = len(pending)
         self.assembler.add(pending)
         if pending:
             log.info("reclaimed %d pending stream entries", len(pending))
@@ -543,6 +541,8 @@ class Trainer:
                 tokens=record.tokens,
                 max_staleness=max(record.staleness),
                 mean_staleness=sum(record.staleness) / len(record.staleness),
+                staleness_counts=[record.staleness.count(s) for s in range(max(record.staleness) + 1)],
+                wait_seconds=record.seconds.get("wait", 0.0),
                 reward_mean=record.reward_mean,
                 loss=record.loss,
                 step_seconds=sum(record.seconds.values()),

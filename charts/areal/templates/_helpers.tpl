@@ -117,6 +117,10 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
+# with spec.rebalance.enabled, an autoscaler targeting the RLJob would fight the rebalancer: it is reported
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list]
 # redis.urlSecretRef: the finalizer reads the URL to delete the job's Redis keys
 - apiGroups: [""]
   resources: [secrets]

@@ -1,0 +1,253 @@
+"""The staleness rebalancer's policy: which rollout/trainer split holds the measured staleness in its band.
+
+Pure functions over plain values, shared by every caller (the operator, the local launcher, the simulator):
+`observe` turns two snapshots of the controller's running totals into a `Window`; `decide` turns a window at a
+split into a `Decision`; `advance` runs both over time with the state a caller keeps between calls (the operator
+keeps it in the RLJob's status).
+
+Why staleness tells the split: with admission bounded by η, a rollout pool faster than the trainer fills the
+window ahead of it, so samples wait and arrive old (and the pool is held by the bound); a slower pool leaves the
+trainer waiting for fresh samples. The mean staleness over a window is therefore a monotone signal of the
+balance, and the band is where the two sides keep pace. The idle figures must agree with it before anything moves.
+
+Rules, in order (each decision names its rule in `code`):
+- too few samples trained in the window: hold (`CollectingData`);
+- mean staleness inside the band: hold (`WithinBand`);
+- above the band, but the trainer waits for data: hold (`SignalsDisagree`), likewise below the band while the
+  rollout pool is held by the bound;
+- above the band: one unit toward training (`MovedToTraining`); below: one toward rollout (`MovedToRollout`);
+- no such split within the bounds and the budget: hold (`AtLimit`);
+- the split a move would reach was last measured on the other side of the band: the band lies between the two
+  splits, so stay (`BandBetweenSplits`). Memory of past splits is dropped when the current split's measurement
+  moves by more than `drift_tolerance`: the workload changed (longer responses, say) and old verdicts no longer hold.
+After a change, `cooldown_seconds` of measurements are discarded while the pools settle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+ABOVE, INSIDE, BELOW = "above", "inside", "below"
+
+
+@dataclass(frozen=True)
+class Split:
+    rollout: int  # rollout units: inference engines (a pod and its GPUs; locally a worker and its engine)
+    trainer: int  # trainer units: data-parallel replicas (tp × pp GPUs each; locally trainer threads)
+
+    def __str__(self) -> str:
+        return f"{self.rollout} rollout / {self.trainer} trainer"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What each side may hold. GPUs in the cluster; cores on one machine."""
+
+    rollout_unit: int = 1  # GPUs one rollout unit holds
+    trainer_unit: int = 1  # GPUs one trainer unit holds
+    min_rollout: int = 1
+    max_rollout: int | None = None
+    min_trainer: int = 1
+    max_trainer: int | None = None
+    budget: int | None = None  # GPUs the two sides may hold together; None: only the bounds apply
+
+    def gpus(self, split: Split) -> int:
+        return split.rollout * self.rollout_unit + split.trainer * self.trainer_unit
+
+    def allows(self, split: Split) -> bool:
+        return (self.min_rollout <= split.rollout and (self.max_rollout is None or split.rollout <= self.max_rollout)
+                and self.min_trainer <= split.trainer and (self.max_trainer is None or split.trainer <= self.max_trainer)
+                and (self.budget is None or self.gpus(split) <= self.budget))
+
+
+@dataclass(frozen=True)
+class Settings:
+    band: tuple[float, float]  # the mean staleness to hold, in versions: [low, high]
+    window_seconds: float = 300.0  # how long each measurement runs
+    cooldown_seconds: float = 600.0  # after a change, how long measurements are discarded while the pools settle
+    trainer_idle_threshold: float = 0.2  # trainer waiting this share of the window or more: it waits for data
+    rollout_held_threshold: float = 0.2  # workers held by the bound this share of their time or more
+    min_samples: int = 1  # fewer trained samples than this in a window: no verdict
+    drift_tolerance: float | None = None  # versions; None: half the band's width (at least 0.25)
+
+    @property
+    def tolerance(self) -> float:
+        if self.drift_tolerance is not None:
+            return self.drift_tolerance
+        return max((self.band[1] - self.band[0]) / 2, 0.25)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The controller's running totals at one moment (JobStatus fields of the same names)."""
+
+    at: float  # seconds, on the controller's clock (JobStatus.updated_at)
+    trained_samples: int
+    staleness_sum: float
+    staleness_counts: tuple[int, ...]
+    trainer_wait_seconds: float
+    held_by_staleness_seconds: float
+    accepted_groups: int
+    workers: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """What happened between two snapshots of the totals."""
+
+    seconds: float
+    samples: int
+    mean_staleness: float
+    within_band: float  # share of the window's samples whose staleness lies in the band
+    trainer_idle: float  # share of the window the trainer waited for data
+    rollout_held: float  # share of the workers' time they were held by the staleness bound
+    trained_per_second: float  # samples
+    accepted_groups_per_second: float
+
+    def describe(self) -> str:
+        return (f"mean staleness {self.mean_staleness:.2f} over {self.samples} samples, trainer idle "
+                f"{self.trainer_idle:.0%}, rollout held by the bound {self.rollout_held:.0%}")
+
+
+def observe(start: Totals, end: Totals, band: tuple[float, float]) -> Window:
+    seconds = max(end.at - start.at, 1e-9)
+    samples = end.trained_samples - start.trained_samples
+    counts = [after - (start.staleness_counts[s] if s < len(start.staleness_counts) else 0)
+              for s, after in enumerate(end.staleness_counts)]
+    in_band = sum(n for s, n in enumerate(counts) if band[0] <= s <= band[1])
+    return Window(
+        seconds=seconds,
+        samples=samples,
+        mean_staleness=(end.staleness_sum - start.staleness_sum) / samples if samples > 0 else 0.0,
+        within_band=in_band / samples if samples > 0 else 0.0,
+        trainer_idle=min(max((end.trainer_wait_seconds - start.trainer_wait_seconds) / seconds, 0.0), 1.0),
+        rollout_held=min(max((end.held_by_staleness_seconds - start.held_by_staleness_seconds)
+                             / (seconds * max(end.workers, 1)), 0.0), 1.0),
+        trained_per_second=samples / seconds,
+        accepted_groups_per_second=(end.accepted_groups - start.accepted_groups) / seconds,
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a split measured, remembered to recognise a band that lies between two splits."""
+
+    split: Split
+    side: str  # above | inside | below
+    mean_staleness: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    split: Split | None  # the split to move to; None: stay
+    code: str  # CamelCase: the rule that decided
+    message: str
+    window: Window | None = None
+
+
+def side_of(mean: float, band: tuple[float, float]) -> str:
+    return ABOVE if mean > band[1] else BELOW if mean < band[0] else INSIDE
+
+
+def toward_training(split: Split, limits: Limits) -> Split | None:
+    """One trainer unit more, with the rollout pool cut to fit the budget; at the trainer's maximum, one engine
+    less (it frees its GPUs). None when neither fits."""
+    if limits.max_trainer is None or split.trainer < limits.max_trainer:
+        rollout = split.rollout
+        if limits.budget is not None:
+            spare = limits.budget - (split.trainer + 1) * limits.trainer_unit
+            rollout = min(rollout, spare // limits.rollout_unit)
+        grown = Split(rollout, split.trainer + 1)
+        if limits.allows(grown):
+            return grown
+    shrunk = Split(split.rollout - 1, split.trainer)
+    return shrunk if limits.allows(shrunk) else None
+
+
+def toward_rollout(split: Split, limits: Limits) -> Split | None:
+    """One engine more when the budget has room for it; otherwise one trainer unit less and as many engines more
+    as its GPUs pay for. None when neither fits or gains an engine."""
+    grown = Split(split.rollout + 1, split.trainer)
+    if limits.allows(grown):
+        return grown
+    if limits.budget is None:
+        return None
+    rollout = (limits.budget - (split.trainer - 1) * limits.trainer_unit) // limits.rollout_unit
+    if limits.max_rollout is not None:
+        rollout = min(rollout, limits.max_rollout)
+    traded = Split(rollout, split.trainer - 1)
+    return traded if rollout > split.rollout and limits.allows(traded) else None
+
+
+def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float) -> tuple[Verdict, ...]:
+    """`memory` with `verdict` in it. A split that measures unlike it first did means the workload drifted: forget
+    the rest. The first measurement stays the reference, so a slow drift adds up until it shows."""
+    before = next((v for v in memory if v.split == verdict.split), None)
+    if before is None:
+        return memory + (verdict,)
+    if before.side != verdict.side or abs(before.mean_staleness - verdict.mean_staleness) > tolerance:
+        return (verdict,)
+    return memory
+
+
+def decide(window: Window, split: Split, limits: Limits, settings: Settings,
+           memory: tuple[Verdict, ...] = ()) -> tuple[Decision, tuple[Verdict, ...]]:
+    """The decision for one window measured at `split`, and the memory to keep for the next."""
+    band = settings.band
+    if window.samples < max(settings.min_samples, 1):
+        return Decision(None, "CollectingData", f"{window.samples} samples trained in the window, fewer than "
+                        f"{max(settings.min_samples, 1)}: no verdict", window), memory
+    side = side_of(window.mean_staleness, band)
+    memory = remember(memory, Verdict(split, side, window.mean_staleness), settings.tolerance)
+    seen = window.describe()
+    band_text = f"[{band[0]:g}, {band[1]:g}]"
+    if side == INSIDE:
+        return Decision(None, "WithinBand", f"{seen}: inside the band {band_text}", window), memory
+    if side == ABOVE and window.trainer_idle >= settings.trainer_idle_threshold:
+        return Decision(None, "SignalsDisagree", f"{seen}: above the band {band_text}, but the trainer waits for "
+                        "data, so more training would not make samples fresher", window), memory
+    if side == BELOW and window.rollout_held >= settings.rollout_held_threshold:
+        return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
+                        "the rollout pool back, so more rollout would not be used", window), memory
+    target = toward_training(split, limits) if side == ABOVE else toward_rollout(split, limits)
+    direction = "training" if side == ABOVE else "rollout"
+    if target is None:
+        return Decision(None, "AtLimit", f"{seen}: {side} the band {band_text}, but no split with more {direction} "
+                        f"fits the bounds and the budget (at {split})", window), memory
+    opposite = BELOW if side == ABOVE else ABOVE
+    if any(v.split == target and v.side == opposite for v in memory):
+        return Decision(None, "BandBetweenSplits", f"{seen}: {side} the band {band_text} at {split}, and {target} "
+                        f"measured {opposite} it: the band lies between the two, staying", window), memory
+    code = "MovedToTraining" if side == ABOVE else "MovedToRollout"
+    return Decision(target, code, f"{seen}: {side} the band {band_text}; {split} -> {target}", window), memory
+
+
+@dataclass(frozen=True)
+class State:
+    """What a caller keeps between calls to `advance`."""
+
+    split: Split
+    window_start: Totals | None = None
+    last_change_at: float | None = None
+    memory: tuple[Verdict, ...] = field(default_factory=tuple)
+
+
+def advance(state: State, totals: Totals, limits: Limits, settings: Settings) -> tuple[State, Decision | None]:
+    """Feed the newest totals. Returns the next state, and a decision once a window is complete (else None).
+
+    A decision that moves the split starts the cooldown; the caller applies `decision.split` and passes it back
+    as `state.split`, which it already is in the returned state."""
+    settled_at = state.last_change_at + settings.cooldown_seconds if state.last_change_at is not None else float("-inf")
+    start = state.window_start
+    # (Re)start the window here: at the first call, while the pools settle, after the controller lost its totals.
+    if start is None or start.at < settled_at or totals.trained_samples < start.trained_samples:
+        return replace(state, window_start=totals), None
+    if totals.at - start.at < settings.window_seconds:
+        return state, None
+    window = observe(start, totals, settings.band)
+    decision, memory = decide(window, state.split, limits, settings, state.memory)
+    if decision.code == "CollectingData":  # keep the window open until it holds enough samples
+        return state, decision
+    if decision.split is None:
+        return replace(state, window_start=totals, memory=memory), decision
+    return State(split=decision.split, window_start=totals, last_change_at=totals.at, memory=memory), decision

@@ -1,0 +1,143 @@
+"""The staleness rebalancer in the operator: the RLJob's spec and status in, the policy's decision out.
+
+The policy itself is `areal_k8s.common.rebalance` (the same code runs locally and in the simulator). Here: its
+limits and settings read from the spec, its running totals from the controller's JobStatus, its state kept in
+`status.rebalance` (so an operator restart loses nothing), and the decision turned into the rollout replicas,
+the status fields, and the Rebalancing condition. The trainer's size stays as set: changing the data-parallel
+size of a running trainer is the distributed trainer's work, so the trainer is one fixed unit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.common.rebalance import Limits, Settings, Split, State, Totals, Verdict, Window, advance
+
+
+@dataclass(frozen=True)
+class Outcome:
+    rollout_replicas: int  # what the rollout Deployment gets
+    status: dict  # status fields to merge (rebalance, lastRebalanceTime, lastRebalanceReason)
+    condition: tuple[bool, str, str]  # the Rebalancing condition: (status, reason, message)
+
+
+def limits_of(spec: dict) -> Limits:
+    roles = spec["roles"]
+    rollout, trainer, reward = roles["rollout"], roles["trainer"], roles["reward"]
+    data_parallel = trainer["parallelism"]["data"]
+    budget = None
+    if "gpuBudget" in spec and rollout["gpusPerPod"] > 0:  # CPU rollout pods cost no GPUs: only the bounds apply
+        budget = spec["gpuBudget"] - reward["replicas"] * reward["gpusPerPod"]
+    return Limits(
+        rollout_unit=max(rollout["gpusPerPod"], 1),
+        trainer_unit=trainer["replicas"] * trainer["gpusPerPod"] // data_parallel,
+        min_rollout=rollout.get("minReplicas", 1),
+        max_rollout=rollout.get("maxReplicas"),
+        min_trainer=data_parallel,
+        max_trainer=data_parallel,
+        budget=budget,
+    )
+
+
+def settings_of(spec: dict) -> Settings:
+    knobs, band = spec["rebalance"], spec["staleness"]["targetBand"]
+    return Settings(band=(float(band["min"]), float(band["max"])), window_seconds=knobs["windowSeconds"],
+                    cooldown_seconds=knobs["cooldownSeconds"], trainer_idle_threshold=knobs["trainerIdleThreshold"],
+                    rollout_held_threshold=knobs["rolloutHeldThreshold"], min_samples=knobs["minSamples"])
+
+
+def totals_of(report: controller_pb2.JobStatus) -> Totals:
+    return Totals(at=report.updated_at, trained_samples=report.trained_samples, staleness_sum=report.staleness_sum,
+                  staleness_counts=tuple(report.staleness_counts), trainer_wait_seconds=report.trainer_wait_seconds,
+                  held_by_staleness_seconds=report.held_by_staleness_seconds, accepted_groups=report.accepted,
+                  workers=report.workers)
+
+
+# -- the state in status.rebalance, and back ---------------------------------------------------------------------
+
+def _totals_to_status(t: Totals) -> dict:
+    return {"at": t.at, "trainedSamples": t.trained_samples, "stalenessSum": t.staleness_sum,
+            "stalenessCounts": list(t.staleness_counts), "trainerWaitSeconds": t.trainer_wait_seconds,
+            "heldByStalenessSeconds": t.held_by_staleness_seconds, "acceptedGroups": t.accepted_groups,
+            "workers": t.workers}
+
+
+def _totals_from_status(d: dict) -> Totals:
+    return Totals(at=d["at"], trained_samples=d["trainedSamples"], staleness_sum=d["stalenessSum"],
+                  staleness_counts=tuple(d.get("stalenessCounts") or ()), trainer_wait_seconds=d["trainerWaitSeconds"],
+                  held_by_staleness_seconds=d["heldByStalenessSeconds"], accepted_groups=d["acceptedGroups"],
+                  workers=d["workers"])
+
+
+def state_from_status(block: dict | None, start: Split) -> State:
+    if not block or "rollout" not in block:
+        return State(start)
+    return State(
+        split=Split(block["rollout"], block["trainer"]),
+        window_start=_totals_from_status(block["windowStart"]) if block.get("windowStart") else None,
+        last_change_at=block.get("lastChangeAt"),
+        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"]) for v in block.get("memory") or []),
+    )
+
+
+def _window_to_status(w: Window) -> dict:
+    return {"seconds": round(w.seconds, 3), "samples": w.samples, "meanStaleness": round(w.mean_staleness, 4),
+            "withinBand": round(w.within_band, 4), "trainerIdle": round(w.trainer_idle, 4),
+            "rolloutHeld": round(w.rollout_held, 4)}
+
+
+def state_to_status(state: State) -> dict:
+    return {
+        "rollout": state.split.rollout,
+        "trainer": state.split.trainer,
+        "windowStart": _totals_to_status(state.window_start) if state.window_start else None,
+        "lastChangeAt": state.last_change_at,
+        "memory": [{"rollout": v.split.rollout, "trainer": v.split.trainer, "side": v.side,
+                    "meanStaleness": round(v.mean_staleness, 4)} for v in state.memory],
+    }
+
+
+def within_limits(split: Split, limits: Limits) -> Split:
+    """The nearest split the (possibly edited) spec allows: the trainer at its set size, the pool in its bounds."""
+    trainer = limits.min_trainer
+    rollout = max(split.rollout, limits.min_rollout)
+    if limits.max_rollout is not None:
+        rollout = min(rollout, limits.max_rollout)
+    if limits.budget is not None:
+        rollout = min(rollout, (limits.budget - trainer * limits.trainer_unit) // limits.rollout_unit)
+    return Split(max(rollout, limits.min_rollout), trainer)
+
+
+def rebalance(spec: dict, previous: dict, report: controller_pb2.JobStatus | None, autoscalers: list[str],
+              running: bool, now: str) -> Outcome:
+    """One reconcile's worth of rebalancing for an RLJob with spec.rebalance.enabled. `now` is RFC 3339."""
+    limits, settings = limits_of(spec), settings_of(spec)
+    start = Split(spec["roles"]["rollout"]["replicas"], spec["roles"]["trainer"]["parallelism"]["data"])
+    state = state_from_status(previous.get("rebalance"), start)
+    held = previous.get("rebalance") or {}
+    status: dict = {}
+    fitted = within_limits(state.split, limits)
+    if fitted != state.split:  # the bounds or the budget were edited under the split
+        message = f"the spec's bounds or budget no longer allow {state.split}: {fitted}"
+        state = State(fitted)
+        status.update(lastRebalanceTime=now, lastRebalanceReason=message)
+        held = {**held, "decision": {"code": "BoundsChanged", "message": message, "time": now}}
+    if autoscalers:
+        message = (f"{', '.join(autoscalers)} scales this RLJob while spec.rebalance.enabled is true: delete it or "
+                   f"disable the rebalancer; the split stays at {state.split}")
+        condition = (False, "AutoscalerConflict", message)
+    elif not running or report is None or report.phase != controller_pb2.JobStatus.RUNNING:
+        condition = (True, "WaitingForTraining", f"holding {state.split} until the job trains")
+    else:
+        state, decision = advance(state, totals_of(report), limits, settings)
+        if decision is not None:
+            held = {**held, "decision": {"code": decision.code, "message": decision.message, "time": now}}
+            if decision.window is not None:
+                held["window"] = _window_to_status(decision.window)
+            if decision.split is not None:
+                status.update(lastRebalanceTime=now, lastRebalanceReason=decision.message)
+        last = held.get("decision")
+        condition = (True, last["code"], last["message"]) if last else (True, "CollectingData", "measuring the first window")
+    status["rebalance"] = {**held, **state_to_status(state)}
+    return Outcome(rollout_replicas=state.split.rollout, status=status, condition=condition)

@@ -1,0 +1,210 @@
+"""The staleness rebalancer's policy: each rule alone, then its behaviour against a toy plant over time."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_k8s.common.rebalance import (
+    Limits, Settings, Split, State, Totals, Verdict, Window, advance, decide, observe, toward_rollout, toward_training,
+)
+
+BAND = (1.0, 2.0)
+SETTINGS = Settings(band=BAND, window_seconds=60, cooldown_seconds=120)
+
+
+def window(mean: float, *, samples: int = 100, trainer_idle: float = 0.0, rollout_held: float = 0.0) -> Window:
+    return Window(seconds=60, samples=samples, mean_staleness=mean, within_band=0.0, trainer_idle=trainer_idle,
+                  rollout_held=rollout_held, trained_per_second=samples / 60, accepted_groups_per_second=1.0)
+
+
+def test_inside_the_band_nothing_moves():
+    decision, _ = decide(window(1.5), Split(4, 2), Limits(), SETTINGS)
+    assert (decision.split, decision.code) == (None, "WithinBand")
+
+
+def test_above_the_band_with_the_trainer_busy_one_unit_moves_to_training_within_the_budget():
+    limits = Limits(rollout_unit=1, trainer_unit=2, budget=10)
+    decision, _ = decide(window(3.0, rollout_held=0.4), Split(6, 2), limits, SETTINGS)
+    assert (decision.split, decision.code) == (Split(4, 3), "MovedToTraining")  # a trainer unit costs two engines
+    assert "3.00" in decision.message and "[1, 2]" in decision.message
+
+
+def test_below_the_band_with_the_trainer_waiting_one_engine_moves_to_rollout():
+    decision, _ = decide(window(0.2, trainer_idle=0.5), Split(4, 2), Limits(budget=7), SETTINGS)
+    assert (decision.split, decision.code) == (Split(5, 2), "MovedToRollout")  # spare budget first
+
+
+def test_with_no_spare_budget_a_trainer_unit_is_traded_for_the_engines_its_gpus_pay_for():
+    limits = Limits(rollout_unit=2, trainer_unit=4, budget=16)
+    assert toward_rollout(Split(4, 2), limits) == Split(6, 1)
+    assert toward_rollout(Split(6, 1), limits) is None  # no spare budget, and the trainer is at its minimum
+    assert toward_rollout(Split(4, 2), replace(limits, max_rollout=4)) is None  # nothing to gain
+
+
+def test_a_trainer_at_its_maximum_gives_way_to_releasing_an_engine():
+    limits = Limits(min_trainer=1, max_trainer=1, min_rollout=2)
+    assert toward_training(Split(3, 1), limits) == Split(2, 1)
+    assert toward_training(Split(2, 1), limits) is None
+
+
+def test_signals_that_disagree_with_the_staleness_hold_the_split():
+    above_but_starved, _ = decide(window(3.0, trainer_idle=0.5), Split(4, 2), Limits(), SETTINGS)
+    below_but_held, _ = decide(window(0.5, trainer_idle=0.5, rollout_held=0.5), Split(4, 2), Limits(), SETTINGS)
+    assert [d.code for d in (above_but_starved, below_but_held)] == ["SignalsDisagree"] * 2
+    assert above_but_starved.split is None and below_but_held.split is None
+
+
+def test_at_the_limits_it_says_so():
+    decision, _ = decide(window(0.2, trainer_idle=0.9), Split(4, 1), Limits(max_rollout=4), SETTINGS)
+    assert (decision.split, decision.code) == (None, "AtLimit")
+    assert "4 rollout / 1 trainer" in decision.message
+
+
+def test_too_few_samples_give_no_verdict_and_leave_the_memory_alone():
+    memory = (Verdict(Split(4, 2), "above", 3.0),)
+    decision, kept = decide(window(0.0, samples=3), Split(4, 2), Limits(), replace(SETTINGS, min_samples=10), memory)
+    assert (decision.split, decision.code, kept) == (None, "CollectingData", memory)
+
+
+def test_a_band_between_two_splits_is_recognised_and_the_split_stays():
+    memory = (Verdict(Split(5, 2), "above", 2.6),)  # one engine more was too stale
+    decision, memory = decide(window(0.7, trainer_idle=0.3), Split(4, 2), Limits(budget=8), SETTINGS, memory)
+    assert (decision.split, decision.code) == (None, "BandBetweenSplits")
+    assert Verdict(Split(4, 2), "below", 0.7) in memory
+
+
+def test_a_split_that_measures_differently_than_before_means_drift_and_clears_the_memory():
+    memory = (Verdict(Split(5, 2), "above", 2.6), Verdict(Split(4, 2), "below", 0.9))
+    decision, memory = decide(window(0.2, trainer_idle=0.6), Split(4, 2), Limits(budget=8), SETTINGS, memory)
+    assert (decision.split, decision.code) == (Split(5, 2), "MovedToRollout")
+    assert memory == (Verdict(Split(4, 2), "below", 0.2),)
+
+
+def totals(at: float, samples: int, staleness: list[int], wait: float = 0.0, held: float = 0.0, accepted: int = 0,
+           workers: int = 2) -> Totals:
+    return Totals(at=at, trained_samples=samples, staleness_sum=float(sum(s * n for s, n in enumerate(staleness))),
+                  staleness_counts=tuple(staleness), trainer_wait_seconds=wait, held_by_staleness_seconds=held,
+                  accepted_groups=accepted, workers=workers)
+
+
+def test_a_window_is_the_difference_of_two_snapshots_of_the_totals():
+    seen = observe(totals(100, 10, [10], wait=5), totals(160, 40, [12, 10, 8], wait=20, held=30, accepted=12), BAND)
+    assert seen.samples == 30
+    assert seen.mean_staleness == pytest.approx((10 + 16) / 30)
+    assert seen.within_band == pytest.approx(18 / 30)
+    assert seen.trainer_idle == pytest.approx(15 / 60)
+    assert seen.rollout_held == pytest.approx(30 / (60 * 2))  # worker-seconds over the workers' time
+    assert (seen.trained_per_second, seen.accepted_groups_per_second) == (0.5, 0.2)
+
+
+def test_advance_waits_out_the_window_then_the_cooldown_after_a_change():
+    state, limits = State(Split(4, 1)), Limits(budget=8)
+    state, decision = advance(state, totals(0, 0, [0]), limits, SETTINGS)
+    assert decision is None and state.window_start.at == 0
+    state, decision = advance(state, totals(30, 25, [25], wait=15), limits, SETTINGS)
+    assert decision is None  # half a window
+    state, decision = advance(state, totals(60, 50, [50], wait=30), limits, SETTINGS)  # fresh, the trainer half idle
+    assert (decision.code, state.split, state.last_change_at) == ("MovedToRollout", Split(5, 1), 60)
+    state, decision = advance(state, totals(170, 150, [150], wait=80), limits, SETTINGS)
+    assert decision is None and state.window_start.at == 170  # settling: the window restarts once the cooldown ends
+    state, decision = advance(state, totals(190, 170, [170], wait=90), limits, SETTINGS)
+    assert decision is None and state.window_start.at == 190
+    state, decision = advance(state, totals(250, 230, [170, 30, 30], wait=90), limits, SETTINGS)
+    assert (decision.code, state.split) == ("WithinBand", Split(5, 1))
+
+
+def test_a_window_without_enough_samples_stays_open():
+    state = State(Split(4, 1), window_start=totals(0, 0, [0]))
+    state, decision = advance(state, totals(60, 2, [2]), Limits(), replace(SETTINGS, min_samples=5))
+    assert decision.code == "CollectingData" and state.window_start.at == 0
+    state, decision = advance(state, totals(90, 8, [2, 3, 3]), Limits(), replace(SETTINGS, min_samples=5))
+    assert decision.code == "WithinBand"
+
+
+# -- against a toy plant -----------------------------------------------------------------------------------------
+
+ETA = 4
+
+
+class Plant:
+    """A job whose balance follows the split: each engine produces `per_engine` samples/s, each trainer unit
+    trains `per_trainer`. The faster side waits; staleness grows with the ratio, from 0 to η."""
+
+    def __init__(self, per_engine: float, per_trainer: float, workers: int = 1):
+        self.per_engine, self.per_trainer = per_engine, per_trainer
+        self.at, self.samples, self.staleness_sum, self.wait, self.held = 0.0, 0, 0.0, 0.0, 0.0
+
+    def run(self, split: Split, seconds: float) -> Totals:
+        produced, consumable = split.rollout * self.per_engine, split.trainer * self.per_trainer
+        ratio = produced / consumable
+        trained = min(produced, consumable) * seconds
+        self.samples += int(trained)
+        self.staleness_sum += int(trained) * ETA * ratio / (1 + ratio)
+        self.wait += max(0.0, 1 - ratio) * seconds
+        self.held += max(0.0, 1 - 1 / ratio) * seconds * split.rollout
+        self.at += seconds
+        return Totals(at=self.at, trained_samples=self.samples, staleness_sum=self.staleness_sum, staleness_counts=(),
+                      trainer_wait_seconds=self.wait, held_by_staleness_seconds=self.held, accepted_groups=0,
+                      workers=split.rollout)
+
+
+def drive(plant: Plant, state: State, limits: Limits, policy: Settings, ticks: int) -> tuple[State, list[Split]]:
+    visited = [state.split]
+    for _ in range(ticks):
+        state, decision = advance(state, plant.run(state.split, 10), limits, policy)
+        if decision is not None and decision.split is not None:
+            assert limits.allows(decision.split)
+            visited.append(decision.split)
+    return state, visited
+
+
+rates = st.floats(min_value=0.05, max_value=5.0)
+POLICY = Settings(band=(1.9, 2.1), window_seconds=30, cooldown_seconds=20)  # narrow: often between two splits
+LIMITS = Limits(rollout_unit=1, trainer_unit=2, min_rollout=1, max_rollout=24, min_trainer=1, max_trainer=8, budget=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(per_engine=rates, per_trainer=rates, rollout=st.integers(1, 12), trainer=st.integers(1, 8))
+def test_on_a_stationary_plant_the_split_never_turns_back(per_engine, per_trainer, rollout, trainer):
+    start = Split(rollout, trainer)
+    if not LIMITS.allows(start):
+        return
+    state, visited = drive(Plant(per_engine, per_trainer), State(start), LIMITS, POLICY, ticks=600)
+    assert len(visited) == len(set(visited)), f"returned to a split it left: {visited}"
+    _, later = drive(Plant(per_engine, per_trainer), state, LIMITS, POLICY, ticks=200)
+    assert len(later) == 1, "still moving after it settled"
+
+
+@settings(max_examples=100, deadline=None)
+@given(per_engine=rates, per_trainer=rates, trainer=st.integers(1, 8))
+def test_with_the_whole_budget_in_use_the_moves_trade_units_and_all_go_one_way(per_engine, per_trainer, trainer):
+    start = Split(LIMITS.budget - trainer * LIMITS.trainer_unit, trainer)
+    _, visited = drive(Plant(per_engine, per_trainer), State(start), LIMITS, POLICY, ticks=600)
+    trainers, engines = [s.trainer for s in visited], [s.rollout for s in visited]
+    more_training = trainers == sorted(trainers) and engines == sorted(engines, reverse=True)
+    more_rollout = trainers == sorted(trainers, reverse=True) and engines == sorted(engines)
+    assert more_training or more_rollout, f"changed direction: {visited}"
+    assert all(LIMITS.gpus(s) == LIMITS.budget for s in visited if s.trainer < LIMITS.max_trainer)  # trades, not growth
+
+
+@settings(max_examples=100, deadline=None)
+@given(per_engine=rates, per_trainer=rates, slowdown=st.floats(min_value=1.5, max_value=4.0))
+def test_after_responses_grow_longer_it_settles_again_in_or_around_the_band(per_engine, per_trainer, slowdown):
+    plant = Plant(per_engine, per_trainer)
+    state, _ = drive(plant, State(Split(8, 4)), LIMITS, POLICY, ticks=600)
+    plant.per_engine /= slowdown  # longer responses: every engine produces fewer samples per second
+    state, _ = drive(plant, state, LIMITS, POLICY, ticks=1200)
+    _, after = drive(plant, state, LIMITS, POLICY, ticks=200)
+    assert len(after) == 1, "still moving long after the change"
+    mean = measured_mean(plant, state.split)
+    if mean > POLICY.band[1]:
+        assert toward_training(state.split, LIMITS) is None or measured_mean(plant, toward_training(state.split, LIMITS)) < POLICY.band[0]
+    elif mean < POLICY.band[0]:
+        assert toward_rollout(state.split, LIMITS) is None or measured_mean(plant, toward_rollout(state.split, LIMITS)) > POLICY.band[1]
+
+
+def measured_mean(plant: Plant, split: Split) -> float:
+    ratio = split.rollout * plant.per_engine / (split.trainer * plant.per_trainer)
+    return ETA * ratio / (1 + ratio)
