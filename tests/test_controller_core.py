@@ -446,8 +446,14 @@ def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_resta
                      eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[3, 1], wait_seconds=2.5)
     core.record_step(version=2, groups=2, samples=4, tokens=8, max_staleness=3, mean_staleness=1.5, reward_mean=0,
                      eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[1, 1, 0, 2], wait_seconds=0.5)
-    core.record_hold("staleness", 4.0)
-    core.record_hold("concurrency", 9.0)  # the cap, not the bound: more rollout would not be held by it
+    clock = core.clock
+    bound, cap = core.begin_hold("staleness"), core.begin_hold("concurrency")
+    clock.now += 3.0
+    assert core.status()["held_by_staleness_seconds"] == 3.0  # a wait shows as it passes
+    clock.now += 1.0
+    core.end_hold(bound)
+    clock.now += 5.0
+    core.end_hold(cap)  # the cap, not the bound: more rollout would not be held by it
     status = core.status()
     assert status["trained_samples"] == 8
     assert status["staleness_counts"] == [4, 2, 0, 2]

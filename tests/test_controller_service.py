@@ -191,6 +191,28 @@ async def test_each_registration_is_a_new_incarnation_and_a_superseded_one_is_ab
         await second.stop()
 
 
+async def test_a_worker_that_leaves_is_no_longer_listed_and_its_groups_are_requeued(controller):
+    """Scale-down: the leaving worker's groups go back to the queue at once, and the trainer's next weight push no
+    longer includes it. An earlier incarnation's farewell (a process its replacement superseded) changes nothing."""
+    stub = controller.stub
+    old = await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    current = await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w1", address="127.0.0.1:8"))
+    held = (await stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
+        worker_id="w0", max_groups=2, incarnation=current.incarnation))).groups
+    stale = await stub.UnregisterWorker(controller_pb2.UnregisterWorkerRequest(worker_id="w0", incarnation=old.incarnation))
+    assert stale.requeued == 0
+    assert [w.worker_id for w in (await stub.ListWorkers(controller_pb2.ListWorkersRequest())).workers] == ["w0", "w1"]
+    left = await stub.UnregisterWorker(controller_pb2.UnregisterWorkerRequest(
+        worker_id="w0", incarnation=current.incarnation, reason="scaled down"))
+    assert left.requeued == 2
+    assert [w.worker_id for w in (await stub.ListWorkers(controller_pb2.ListWorkersRequest())).workers] == ["w1"]
+    status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    assert (status.running, status.requeued, status.failed, status.workers) == (0, 2, 0, 1)
+    again = (await acquire(stub, 2, worker="w1")).groups
+    assert sorted(g.prompt for g in again) == sorted(g.prompt for g in held)  # re-queued first, not charged
+
+
 async def test_a_lease_whose_answer_never_reached_the_worker_is_revoked_when_the_worker_says_what_it_holds(controller):
     """A controller that dies after leasing groups and saving its snapshot, before its answer is sent, leaves
     leases the worker never heard of; its heartbeats would keep them alive forever. The worker's next poll names

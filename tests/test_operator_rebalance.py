@@ -106,7 +106,7 @@ async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_own
     controller = scripted_controller
     controller.script(at=1000)
     await cluster.create(rljob(staleness={"eta": 2, "targetBand": {"min": 0.5, "max": 1.5}},
-                               rebalance={"enabled": True, "windowSeconds": 10, "cooldownSeconds": 0, "minSamples": 10}))
+                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
     await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
     assert (rollout_replicas(cluster), cluster.condition("Rebalancing")["reason"]) == (2, "CollectingData")
 

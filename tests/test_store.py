@@ -170,3 +170,25 @@ async def test_a_trainer_restored_from_a_checkpoint_trains_again_only_what_the_c
     assert (await store.stream_stats())["pending"] == 2
     # restored once more (it died again before its next checkpoint): the same answer
     assert [e.entry_id for e in await entries_to_train_again(store, "trainer-0", covered)] == [e.entry_id for e in again]
+
+
+async def test_entries_whose_read_reply_was_lost_are_recovered_once_by_the_live_trainer(store):
+    """A read that timed out after Redis answered (a trainer stalled longer than the client's socket timeout) is
+    sent again and asks for new entries: the first reply's entries stay in the consumer's pending list, unseen. The
+    assembler finds them there, once, and forgets entries once they are acknowledged."""
+    from areal_k8s.trainer.batching import BatchAssembler
+
+    assembler = BatchAssembler(store, "trainer-0", controller=None, batch_size=1, group_size=2, max_staleness=1)
+    await store.ensure_consumer_group()
+    await store.write_group([trajectory("seen", i, [0]) for i in range(2)])
+    await assembler.drain()
+    await store.write_group([trajectory("lost", i, [0]) for i in range(2)])
+    lost = await store.read_new("trainer-0", count=10, block_ms=100)  # delivered, the reply dropped on the floor
+    assert [e.group_id for e in lost] == ["lost", "lost"]
+    assert await assembler.recover_lost_deliveries() == 2
+    assert sorted(g.group_id for g in assembler.complete_groups()) == ["lost", "seen"]
+    assert await assembler.recover_lost_deliveries() == 0  # known now: never added twice
+    trained = [e.entry_id for g in assembler.complete_groups() for e in g.entries]
+    await store.ack(trained)
+    assembler.forget(trained)
+    assert assembler.known == set() and await assembler.recover_lost_deliveries() == 0

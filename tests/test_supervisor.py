@@ -88,6 +88,29 @@ def test_a_killed_process_comes_back_with_its_identity_and_a_finished_one_stays_
         server.stop()
 
 
+def test_a_process_forgotten_before_it_is_stopped_is_not_restarted(tmp_path):
+    """Scaling down: the launcher forgets a rollout worker, then stops it; its exit is no failure to repair."""
+    supervisor = Supervisor(RestartPolicy(budget=5, initial_backoff=0.0), lambda line: None)
+    kept = Service("engine-0", ["http.server", "--bind", "127.0.0.1", "0"], tmp_path / "kept.log", child_env(1))
+    retired = Service("engine-1", ["http.server", "--bind", "127.0.0.1", "0"], tmp_path / "retired.log", child_env(1))
+    for service in (kept, retired):
+        service.start()
+        supervisor.watch(service)
+    try:
+        supervisor.forget("engine-1")
+        retired.stop()
+        kept.process.send_signal(signal.SIGKILL)
+        kept.process.wait()
+        deadline = time.monotonic() + HANG_GUARD_SECONDS
+        while not supervisor.restarts:
+            assert time.monotonic() < deadline
+            supervisor.tick()
+            time.sleep(0.05)
+        assert supervisor.restarts == {"engine-0": 1} and retired.exit_code is not None
+    finally:
+        kept.stop()
+
+
 def process_state(pid: int) -> tuple[str, int] | None:
     """(state, parent pid) from /proc, None once the process is gone."""
     try:

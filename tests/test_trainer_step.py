@@ -11,7 +11,8 @@ from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.trainer import Trainer, collate, split_minibatches, token_logprobs
+from areal_k8s.trainer.stepping import collate, split_minibatches, token_logprobs
+from areal_k8s.trainer.trainer import Trainer
 from tiny_models import build_tiny_qwen2
 
 GROUPS, SAMPLES = 3, 4

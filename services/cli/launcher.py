@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
+from areal_k8s.cli.rebalancer import LocalRebalancer
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
@@ -104,6 +105,8 @@ class LocalRun:
                  on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True)):
         self.job = job
         self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart)
+        self.notify = on_restart
+        self.rebalancer: LocalRebalancer | None = None
         self.last_status: controller_pb2.JobStatus | None = None
         self.started_controller: str | None = None  # its address once its process is started
         self.host = host
@@ -132,6 +135,9 @@ class LocalRun:
         Raises ModelDirectoryError before anything starts if the model or tokenizer directory cannot be opened."""
         check_model_dir(self.job.model)
         check_tokenizer_dir(self.job.tokenizer_path)
+        if self.job.rebalance.enabled and self.job.rollout.engine != "cpu":
+            raise LaunchError("rebalance.enabled in a local run needs rollout.engine: cpu (it starts and stops the engines; "
+                              "external SGLang engines in rollout.engine_urls are not its to start)")
         self.prepare_run_dir(mode)
         job_file = self.run_dir / "job.yaml"
         job_file.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
@@ -180,21 +186,11 @@ class LocalRun:
         wait_serving(controller, ends.controller, deadline)
         wait_serving(reward, ends.reward, deadline)
         wait_ready(controller, ends.controller, deadline)
-        if self.job.rollout.engine == "cpu":
-            for i, url in enumerate(ends.engines):
-                self.spawn(
-                    f"engine-{i}",
-                    ["areal_k8s.rollout.cpu_engine", "--model-path", self.job.model, "--host", self.host, "--port", url.rsplit(":", 1)[1],
-                     "--max-batch-size", str(self.job.rollout.max_batch_size), "--threads", str(self.job.rollout.threads)],
-                    logs, self.job.rollout.threads,
-                )
-        for i, (rollout, engine) in enumerate(zip(ends.rollouts, ends.engines)):
-            self.spawn(
-                f"rollout-{i}",
-                ["areal_k8s.rollout", *common, "--port", port_of(rollout), "--worker-id", f"rollout-{i}", "--engine-url", engine,
-                 "--controller", ends.controller, "--reward", ends.reward, "--redis-url", redis_url, *metrics(f"rollout-{i}")],
-                logs, 1,
-            )
+        self.endpoints, self.redis_url = ends, redis_url
+        for i in range(workers):
+            self.start_rollout(i)
+        if self.job.rebalance.enabled:
+            self.rebalancer = LocalRebalancer(self.job, self, self.run_dir / "rebalance.jsonl", self.notify)
         self.spawn(
             "trainer",
             ["areal_k8s.trainer", *common, "--port", port_of(ends.trainer), "--controller", ends.controller, "--reward", ends.reward,
@@ -202,6 +198,54 @@ class LocalRun:
             logs, self.job.trainer.threads,
         )
         return ends
+
+    def start_rollout(self, i: int) -> None:
+        """Rollout worker `rollout-<i>` and, with the CPU engine, its engine `engine-<i>`."""
+        ends, logs, job_file = self.endpoints, self.run_dir / "logs", self.run_dir / "job.yaml"
+        if self.job.rollout.engine == "cpu":
+            self.spawn(
+                f"engine-{i}",
+                ["areal_k8s.rollout.cpu_engine", "--model-path", self.job.model, "--host", self.host, "--port", port_of(ends.engines[i]),
+                 "--max-batch-size", str(self.job.rollout.max_batch_size), "--threads", str(self.job.rollout.threads)],
+                logs, self.job.rollout.threads,
+            )
+        self.spawn(
+            f"rollout-{i}",
+            ["areal_k8s.rollout", "--job", str(job_file), "--host", self.host, "--port", port_of(ends.rollouts[i]),
+             "--worker-id", f"rollout-{i}", "--engine-url", ends.engines[i], "--controller", ends.controller,
+             "--reward", ends.reward, "--redis-url", self.redis_url, "--metrics-port", port_of(ends.metrics[f"rollout-{i}"])],
+            logs, 1,
+        )
+
+    # -- the rollout pool, resized while the job runs (the staleness rebalancer) ---------------------------
+
+    def rollout_workers(self) -> list[int]:
+        """Indices of the rollout workers running now, oldest first."""
+        return sorted(int(s.name.split("-")[1]) for s in self.services if s.name.startswith("rollout-"))
+
+    def add_rollout(self) -> str:
+        """Start one more rollout worker and engine, under a name never used in this run. It registers with the
+        controller as any worker does; the controller gives it no work until the trainer has pushed it the current
+        weights (the trainer does so for every engine that joins)."""
+        ends = self.endpoints
+        i = len(ends.rollouts)
+        ends.rollouts.append(self.free_address())
+        ends.engines.append(f"http://{self.free_address()}")
+        ends.metrics[f"rollout-{i}"] = self.free_address()  # the recorder scrapes it from its next tick
+        self.start_rollout(i)
+        return f"rollout-{i}"
+
+    def remove_rollout(self) -> str:
+        """Stop the newest rollout worker, then its engine. The worker hands back the groups it is generating
+        (re-queued, not charged to their prompts) and unregisters, so the next weight push leaves it out."""
+        name = f"rollout-{self.rollout_workers()[-1]}"
+        for process in (name, name.replace("rollout-", "engine-")):
+            if any(s.name == process for s in self.services):
+                service = self.service(process)
+                self.supervisor.forget(process)
+                self.services.remove(service)
+                service.stop()
+        return name
 
     def free_address(self) -> str:
         # The kernel may hand the same free port out twice in a row: every service gets its own.
@@ -248,6 +292,8 @@ class LocalRun:
                     status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
                     self.last_status = status
                     on_status(status)
+                    if self.rebalancer:
+                        self.rebalancer.observe(status)
                 except grpc.RpcError:
                     pass  # the controller is busy or restarting; a dead one is caught below
                 if trainer_done and status.phase == controller_pb2.JobStatus.COMPLETED:
@@ -312,6 +358,7 @@ class LocalRun:
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),
             "rollout_workers": self.job.rollout.workers,
+            "rollout_workers_at_end": len(self.rollout_workers()),
             "restarts": dict(self.supervisor.restarts),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """The end-of-run report: `report.png` (accuracy and reward against wall time, throughput, the staleness
-distribution, where the trainer's time went) and `report.md`, from the run directory alone.
+distribution, where the trainer's time went, and with the rebalancer the rollout pool over time with its decisions)
+and `report.md`, from the run directory alone.
 
 `arealctl run` writes it when a run ends; `arealctl report RUN_DIR` writes it again for any run directory.
 """
@@ -46,6 +47,12 @@ def started_at(step: dict) -> float:
     return step["finished_at"] - sum(phase_seconds(step).values())
 
 
+def read_decisions(run_dir: Path) -> list[dict]:
+    """The staleness rebalancer's decisions (rebalance.jsonl; none when it was off)."""
+    path = run_dir / "rebalance.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def summarise(run_dir: Path) -> dict:
     """The figures the report shows, computed from steps.jsonl (and summary.json, job.yaml when present)."""
     steps = read_steps(run_dir)
@@ -65,6 +72,8 @@ def summarise(run_dir: Path) -> dict:
     for s in steps:
         totals.update(phase_seconds(s))
     staleness = Counter(x for s in steps for x in s["staleness"])
+    decisions = read_decisions(run_dir)
+    band = (job.get("algorithm") or {}).get("staleness_target")
     base = summary.get("base_accuracy", -1.0)
     accuracy = ([(0.0, base)] if base is not None and base >= 0 else []) + [
         (t, s["eval_accuracy"]) for t, s in zip(times, steps) if s.get("eval_accuracy", -1) >= 0]
@@ -80,6 +89,12 @@ def summarise(run_dir: Path) -> dict:
         "throughput": rates,
         "staleness": dict(sorted(staleness.items())),
         "phases": {p: totals.get(p, 0.0) for p in PHASES},
+        # the rebalancer: the pool at the start and after each decision, and each window's mean staleness
+        "band": (band["min"], band["max"]) if band and decisions else None,
+        "split": ([(0.0, job.get("rollout", {}).get("workers", 1), "start")]
+                  + [(d["at"] - origin, d["rollout"], d["code"]) for d in decisions]) if decisions else [],
+        "windows": [(d["at"] - origin, d["window"]["mean_staleness"]) for d in decisions
+                    if d.get("window") and d["window"]["samples"] > 0],
     }
 
 
@@ -89,7 +104,8 @@ def plot(figures: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    rows = 3 if figures["split"] else 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows))
     fig.suptitle(f"{figures['job']}: {figures['steps']} steps in {figures['wall_seconds'] / 60:.1f} min")
 
     ax = axes[0][0]
@@ -126,9 +142,32 @@ def plot(figures: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set(title="Trainer wall time by phase", xlabel="seconds")
 
+    if figures["split"]:
+        plot_rebalancer(figures, axes[2])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_rebalancer(figures: dict, axes) -> None:
+    ax = axes[0]
+    t, workers, codes = zip(*figures["split"])
+    ax.step([x / 60 for x in t], workers, where="post", label="rollout workers")
+    moves = [(x, w) for x, w, code in figures["split"] if code.startswith("Moved")]
+    if moves:
+        ax.plot([x / 60 for x, _ in moves], [w for _, w in moves], "o", color="tab:red", label="rebalancer moves")
+    ax.set(title="Rollout pool (staleness rebalancer)", xlabel="wall time (min)", ylabel="workers")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.legend(loc="lower right")
+
+    ax = axes[1]
+    if figures["windows"]:
+        t, mean = zip(*figures["windows"])
+        ax.plot([x / 60 for x in t], mean, "o-", label="window mean staleness")
+    low, high = figures["band"]
+    ax.axhspan(low, high, color="tab:green", alpha=0.2, label=f"target band [{low:g}, {high:g}]")
+    ax.set(title="Staleness per rebalancer window", xlabel="wall time (min)", ylabel="versions")
+    ax.legend(loc="upper right")
 
 
 def markdown(figures: dict) -> str:
@@ -161,6 +200,14 @@ def markdown(figures: dict) -> str:
         *(f"| {v} | {n} |" for v, n in figures["staleness"].items()),
         "",
     ]
+    if figures["split"]:
+        lines += ["| rebalancer (wall time) | rollout workers | decision |", "| --- | --- | --- |",
+                  *(f"| {t:.0f} s | {w} | {code} |" for t, w, code in figures["split"]
+                    if code == "start" or code.startswith("Moved")), ""]
+        windows = figures["windows"]
+        low, high = figures["band"]
+        inside = sum(1 for _, m in windows if low <= m <= high)
+        lines += [f"Windows with the mean staleness inside the band [{low:g}, {high:g}]: {inside} of {len(windows)}.", ""]
     return "\n".join(lines)
 
 

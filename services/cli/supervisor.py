@@ -158,6 +158,11 @@ class Supervisor:
     def watch(self, process: Supervised) -> None:
         self.processes.append(process)
 
+    def forget(self, name: str) -> None:
+        """Stop watching a process (one being stopped for good, such as a rollout worker scaled down)."""
+        self.processes = [p for p in self.processes if p.name != name]
+        self._due.pop(name, None)
+
     def finished(self, process: Supervised, code: int) -> bool:
         """Whether an exit is the end of the process's work rather than a failure. Only the controller and reward
         service (and Redis) serve until stopped; the others end with 0 once the job is over."""

@@ -218,6 +218,31 @@ class RedisConfig(_Section):
     )
 
 
+class RebalanceConfig(_Section):
+    enabled: bool = Field(
+        False, description="Size the rollout pool to hold the mean staleness of trained samples in "
+        "`algorithm.staleness_target` (the staleness rebalancer; needs the band).")
+    window_seconds: Annotated[float, Field(gt=0)] = Field(300.0, description="How long each measurement runs before a decision.")
+    cooldown_seconds: Annotated[float, Field(ge=0)] = Field(
+        600.0, description="After a change, how long measurements are discarded while the pool settles.")
+    trainer_idle_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.2, description="Share of a window the trainer waits for data above which it counts as starved: staleness "
+        "above the band then moves nothing (1 turns the check off).")
+    rollout_held_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.2, description="Share of the workers' time the staleness bound holds them above which rollout counts as "
+        "held back: staleness below the band then moves nothing (1 turns the check off).")
+    min_samples: Annotated[int, Field(ge=1)] = Field(
+        16, description="Fewer trained samples than this in a window give no verdict (the window stays open).")
+    min_workers: Annotated[int, Field(ge=1)] = Field(
+        1, description="Fewest rollout workers (an RLJob sets it from `roles.rollout.minReplicas`).")
+    max_workers: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Most rollout workers; default: as many as `cores` pay for (an RLJob sets it from "
+        "`roles.rollout.maxReplicas`).")
+    cores: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="`arealctl run`: the cores the rollout engines (`rollout.threads` each) and the trainer "
+        "(`trainer.threads`) may use together; default: the machine's. (An RLJob's budget is `gpuBudget`.)")
+
+
 class JobConfig(_Section):
     name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=48)] = Field(description="Job name; scopes Redis keys and run files.")
     model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
@@ -231,6 +256,19 @@ class JobConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
+
+    @model_validator(mode="after")
+    def _rebalancer_needs_a_band_and_a_pool_within_its_bounds(self) -> JobConfig:
+        r = self.rebalance
+        if not r.enabled:
+            return self
+        if self.algorithm.staleness_target is None:
+            raise ValueError("rebalance.enabled needs algorithm.staleness_target: the band is what the rebalancer holds")
+        if not r.min_workers <= self.rollout.workers <= (r.max_workers or self.rollout.workers):
+            raise ValueError(f"rebalance needs min_workers <= rollout.workers <= max_workers, got {r.min_workers} <= "
+                             f"{self.rollout.workers} <= {r.max_workers}")
+        return self
 
     @model_validator(mode="after")
     def _verify_needs_the_cpu_engine(self) -> JobConfig:

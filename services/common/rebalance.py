@@ -27,6 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.common.config import JobConfig
+
 ABOVE, INSIDE, BELOW = "above", "inside", "below"
 
 
@@ -65,8 +68,8 @@ class Settings:
     band: tuple[float, float]  # the mean staleness to hold, in versions: [low, high]
     window_seconds: float = 300.0  # how long each measurement runs
     cooldown_seconds: float = 600.0  # after a change, how long measurements are discarded while the pools settle
-    trainer_idle_threshold: float = 0.2  # trainer waiting this share of the window or more: it waits for data
-    rollout_held_threshold: float = 0.2  # workers held by the bound this share of their time or more
+    trainer_idle_threshold: float = 0.2  # trainer waiting more than this share of the window: it waits for data
+    rollout_held_threshold: float = 0.2  # workers held by the bound more than this share of their time (1: never)
     min_samples: int = 1  # fewer trained samples than this in a window: no verdict
     drift_tolerance: float | None = None  # versions; None: half the band's width (at least 0.25)
 
@@ -75,6 +78,14 @@ class Settings:
         if self.drift_tolerance is not None:
             return self.drift_tolerance
         return max((self.band[1] - self.band[0]) / 2, 0.25)
+
+
+def settings_for(job: JobConfig) -> Settings:
+    """The policy's settings from a job's `rebalance` section and its staleness band (which it must have)."""
+    r, band = job.rebalance, job.algorithm.staleness_target
+    return Settings(band=(band.min, band.max), window_seconds=r.window_seconds, cooldown_seconds=r.cooldown_seconds,
+                    trainer_idle_threshold=r.trainer_idle_threshold, rollout_held_threshold=r.rollout_held_threshold,
+                    min_samples=r.min_samples)
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,13 @@ class Window:
     def describe(self) -> str:
         return (f"mean staleness {self.mean_staleness:.2f} over {self.samples} samples, trainer idle "
                 f"{self.trainer_idle:.0%}, rollout held by the bound {self.rollout_held:.0%}")
+
+
+def totals_of(report: controller_pb2.JobStatus) -> Totals:
+    return Totals(at=report.updated_at, trained_samples=report.trained_samples, staleness_sum=report.staleness_sum,
+                  staleness_counts=tuple(report.staleness_counts), trainer_wait_seconds=report.trainer_wait_seconds,
+                  held_by_staleness_seconds=report.held_by_staleness_seconds, accepted_groups=report.accepted,
+                  workers=report.workers)
 
 
 def observe(start: Totals, end: Totals, band: tuple[float, float]) -> Window:
@@ -203,10 +221,10 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
     band_text = f"[{band[0]:g}, {band[1]:g}]"
     if side == INSIDE:
         return Decision(None, "WithinBand", f"{seen}: inside the band {band_text}", window), memory
-    if side == ABOVE and window.trainer_idle >= settings.trainer_idle_threshold:
+    if side == ABOVE and window.trainer_idle > settings.trainer_idle_threshold:
         return Decision(None, "SignalsDisagree", f"{seen}: above the band {band_text}, but the trainer waits for "
                         "data, so more training would not make samples fresher", window), memory
-    if side == BELOW and window.rollout_held >= settings.rollout_held_threshold:
+    if side == BELOW and window.rollout_held > settings.rollout_held_threshold:
         return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
                         "the rollout pool back, so more rollout would not be used", window), memory
     target = toward_training(split, limits) if side == ABOVE else toward_rollout(split, limits)

@@ -11,6 +11,7 @@ and the cursor supplies another prompt in its place, so the run still trains `to
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from collections import deque
@@ -149,6 +150,8 @@ class ControllerCore:
         self.failed = 0
         self.requeued = 0
         self.held_by_staleness_seconds = 0.0  # worker-seconds requests for work waited on the staleness bound
+        self.holds: dict[int, tuple[str, float]] = {}  # requests waiting now: hold -> (what holds it, since)
+        self.hold_ids = itertools.count()
         self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
         self.item_indices = {item.id: index for index, item in enumerate(items)}
         self.retry: deque[tuple[int, int]] = deque()  # (item index, failures in a row) of failed groups, served first
@@ -223,6 +226,14 @@ class ControllerCore:
                                          incarnation=self.next_incarnation)
         return orphaned
 
+    def unregister(self, worker_id: str, incarnation: int) -> list[str] | None:
+        """Forget a worker that leaves; returns the groups it still holds, which the shell revokes. None when that
+        incarnation was superseded (or the worker is unknown): the current one stays."""
+        if self.superseded(worker_id, incarnation) or worker_id not in self.workers:
+            return None
+        del self.workers[worker_id]
+        return [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id]
+
     def superseded(self, worker_id: str, incarnation: int) -> str | None:
         """Why a call from `incarnation` of a worker is refused: the worker registered again since (None: it is
         the current one, or the call names none)."""
@@ -259,11 +270,25 @@ class ControllerCore:
             return "no_work_left"
         return blocking_bound(**state)
 
-    def record_hold(self, reason: str, seconds: float) -> None:
-        """A worker's request for work waited `seconds` because of `reason` (a refusal the long poll waits out)."""
+    def begin_hold(self, reason: str) -> int:
+        """A worker's request for work starts waiting because of `reason` (a refusal the long poll waits out)."""
+        hold = next(self.hold_ids)
+        self.holds[hold] = (reason, self.clock())
+        return hold
+
+    def end_hold(self, hold: int) -> None:
+        reason, since = self.holds.pop(hold)
+        seconds = max(self.clock() - since, 0.0)
         if reason == "staleness":
             self.held_by_staleness_seconds += seconds
         self.metrics.held_seconds.labels(reason=reason).inc(seconds)
+
+    def held_by_staleness_now(self) -> float:
+        """Worker-seconds held by the staleness bound so far, the waits still going on included: a long wait shows
+        as it passes, not all at once when it ends."""
+        now = self.clock()
+        return self.held_by_staleness_seconds + sum(max(now - since, 0.0) for reason, since in self.holds.values()
+                                                    if reason == "staleness")
 
     def acquire(self, worker_id: str, max_groups: int, engine_version: int) -> list[Admitted]:
         """Admit up to `max_groups` groups for `worker_id`, as far as the staleness bound allows (see `refusal`)."""
@@ -450,7 +475,7 @@ class ControllerCore:
             "staleness_sum": p.staleness_sum,
             "staleness_counts": list(p.staleness_counts),
             "trainer_wait_seconds": p.trainer_wait_seconds,
-            "held_by_staleness_seconds": self.held_by_staleness_seconds,
+            "held_by_staleness_seconds": self.held_by_staleness_now(),
             "samples_per_second": p.trained_samples / elapsed,
             "tokens_per_second": p.trained_tokens / elapsed,
             "reward_mean": p.reward_mean,

@@ -172,6 +172,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                                                      incarnation=self.core.workers[request.worker_id].incarnation)
 
     @rpc
+    async def UnregisterWorker(self, request, context):
+        require(bool(request.worker_id), "worker_id is required")
+        held = self.core.unregister(request.worker_id, request.incarnation)
+        if held is None:
+            return controller_pb2.UnregisterWorkerResponse()
+        log.info("worker %s left (%s)", request.worker_id, request.reason or "no reason given")
+        await self.revoke(held, f"its worker left ({request.reason or 'no reason given'})")
+        await self.persist()
+        return controller_pb2.UnregisterWorkerResponse(requeued=len(held))
+
+    @rpc
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
@@ -189,7 +200,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 refusal = self.core.refusal(request.worker_id, request.max_groups, request.engine_version)
                 if refusal not in WAITABLE_REFUSALS:
                     break
-                held_from = loop.time()
+                hold = self.core.begin_hold(refusal)
                 wakeup.waiting += 1
                 try:
                     await asyncio.wait_for(wakeup.event.wait(), remaining)
@@ -200,7 +211,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     break
                 finally:
                     wakeup.waiting -= 1
-                    self.core.record_hold(refusal, loop.time() - held_from)
+                    self.core.end_hold(hold)
             capacity = self.core.capacity()
             admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:

@@ -73,8 +73,9 @@ def config_text(job: ValidJob) -> str:
 
 def config_hash(job: ValidJob) -> str:
     """Pods roll when the job configuration changes, but not when only the rollout pool is resized: the pool
-    size in the file is informational (each worker registers with the controller on its own)."""
-    stable = job.config.model_dump(mode="json", exclude={"rollout": {"workers", "engine_urls"}})
+    size in the file is informational (each worker registers with the controller on its own). The rebalancer's
+    settings are the operator's alone: no pod reads them."""
+    stable = job.config.model_dump(mode="json", exclude={"rollout": {"workers", "engine_urls"}, "rebalance": True})
     return hashlib.sha256(yaml.safe_dump(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 

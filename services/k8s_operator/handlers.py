@@ -105,9 +105,9 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         observed.restarts = lifecycle.count_restarts(pods, job.name)
     phase = lifecycle.decide_phase(job.spec, previous, observed, now)
     rebalancing = None
-    if job.spec["rebalance"]["enabled"]:
+    if job.config.rebalance.enabled:
         autoscalers = autoscalers_targeting(ctx, job)
-        rebalancing = rebalance(job.spec, previous, observed.controller, autoscalers, phase.running, lifecycle.rfc3339(now))
+        rebalancing = rebalance(job, previous, observed.controller, autoscalers, phase.running, lifecycle.rfc3339(now))
         if autoscalers:
             observed.autoscaler_conflict = rebalancing.condition[2]
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from areal_k8s.api.v1 import controller_pb2
-from areal_k8s.common.rebalance import Limits, Settings, Split, State, Totals, Verdict, Window, advance
+from areal_k8s.common.rebalance import Limits, Split, State, Totals, Verdict, Window, advance, settings_for, totals_of
+from areal_k8s.k8s_operator.validation import ValidJob
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,6 @@ def limits_of(spec: dict) -> Limits:
         max_trainer=data_parallel,
         budget=budget,
     )
-
-
-def settings_of(spec: dict) -> Settings:
-    knobs, band = spec["rebalance"], spec["staleness"]["targetBand"]
-    return Settings(band=(float(band["min"]), float(band["max"])), window_seconds=knobs["windowSeconds"],
-                    cooldown_seconds=knobs["cooldownSeconds"], trainer_idle_threshold=knobs["trainerIdleThreshold"],
-                    rollout_held_threshold=knobs["rolloutHeldThreshold"], min_samples=knobs["minSamples"])
-
-
-def totals_of(report: controller_pb2.JobStatus) -> Totals:
-    return Totals(at=report.updated_at, trained_samples=report.trained_samples, staleness_sum=report.staleness_sum,
-                  staleness_counts=tuple(report.staleness_counts), trainer_wait_seconds=report.trainer_wait_seconds,
-                  held_by_staleness_seconds=report.held_by_staleness_seconds, accepted_groups=report.accepted,
-                  workers=report.workers)
 
 
 # -- the state in status.rebalance, and back ---------------------------------------------------------------------
@@ -109,10 +96,11 @@ def within_limits(split: Split, limits: Limits) -> Split:
     return Split(max(rollout, limits.min_rollout), trainer)
 
 
-def rebalance(spec: dict, previous: dict, report: controller_pb2.JobStatus | None, autoscalers: list[str],
+def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | None, autoscalers: list[str],
               running: bool, now: str) -> Outcome:
     """One reconcile's worth of rebalancing for an RLJob with spec.rebalance.enabled. `now` is RFC 3339."""
-    limits, settings = limits_of(spec), settings_of(spec)
+    spec = job.spec
+    limits, settings = limits_of(spec), settings_for(job.config)
     start = Split(spec["roles"]["rollout"]["replicas"], spec["roles"]["trainer"]["parallelism"]["data"])
     state = state_from_status(previous.get("rebalance"), start)
     held = previous.get("rebalance") or {}

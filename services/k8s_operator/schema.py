@@ -20,6 +20,7 @@ from areal_k8s.common.config import (
     AlgorithmConfig,
     DatasetConfig,
     JobConfig,
+    RebalanceConfig,
     RewardConfig,
     RolloutConfig,
     SamplingConfig,
@@ -40,6 +41,7 @@ CRD_PATHS = (CRD_PATH, CHART_CRD_PATH)
 OPERATOR_OWNED = {
     "rollout": {"workers", "engine_urls"},  # roles.rollout.replicas; each worker's engine is beside it in its pod
     "algorithm": {"max_staleness", "staleness_target"},  # staleness.eta, staleness.targetBand
+    "rebalance": {"min_workers", "max_workers", "cores"},  # roles.rollout.minReplicas/maxReplicas; gpuBudget
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "dataset": (DatasetConfig, "The job file's `dataset` section."),
@@ -48,6 +50,12 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "algorithm": (AlgorithmConfig, "The job file's `algorithm` section (η is staleness.eta)."),
     "rollout": (RolloutConfig, "The job file's `rollout` section (the worker count is roles.rollout.replicas)."),
     "trainer": (TrainerConfig, "The job file's `trainer` section."),
+    "rebalance": (RebalanceConfig, "The job file's `rebalance` section: the staleness rebalancer. It sizes the rollout "
+                  "pool to hold the mean staleness in staleness.targetBand, within roles.rollout.minReplicas/maxReplicas "
+                  "and gpuBudget. While enabled it owns the rollout replicas: roles.rollout.replicas is only its "
+                  "starting point, and no HorizontalPodAutoscaler (or KEDA ScaledObject) may target the RLJob (the "
+                  "operator reports one as Degraded, reason AutoscalerConflict, and changes nothing while it exists). "
+                  "The trainer's size stays as set."),
 }
 JOB_FIELDS = ("model", "tokenizer", "seed")
 
@@ -257,30 +265,6 @@ def spec_schema() -> dict:
             default={},
         ),
         "gpuBudget": integer("GPUs the job may hold at once, over all roles.", minimum=0),
-        "rebalance": obj(
-            "The staleness rebalancer: it sizes the rollout pool to hold the mean staleness of trained samples in "
-            "staleness.targetBand, within roles.rollout.minReplicas/maxReplicas and gpuBudget. While enabled it owns "
-            "the rollout replicas: roles.rollout.replicas is only its starting point, and no HorizontalPodAutoscaler "
-            "(or KEDA ScaledObject) may target the RLJob (the operator reports one as Degraded, reason "
-            "AutoscalerConflict, and changes nothing while it exists). The trainer's size stays as set.",
-            {
-                "enabled": {"type": "boolean", "default": False, "description": "Run the rebalancer."},
-                "windowSeconds": integer("How long each measurement runs before a decision.", minimum=10, default=300),
-                "cooldownSeconds": integer("After a change, how long measurements are discarded while the pools "
-                                           "settle.", minimum=0, default=600),
-                "trainerIdleThreshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.2,
-                                         "description": "Share of a window the trainer waits for data at which "
-                                                        "it counts as starved: staleness above the band then "
-                                                        "moves nothing."},
-                "rolloutHeldThreshold": {"type": "number", "minimum": 0, "maximum": 1, "default": 0.2,
-                                         "description": "Share of the workers' time held by the staleness bound at "
-                                                        "which rollout counts as held back: staleness below the "
-                                                        "band then moves nothing."},
-                "minSamples": integer("Fewer trained samples than this in a window give no verdict (the window "
-                                      "stays open).", minimum=1, default=16),
-            },
-            default={},
-        ),
         "roles": roles_schema(),
         "mounts": mounts_schema(),
         "checkpoint": obj(

@@ -104,6 +104,8 @@ def compose_job_config(rljob: dict) -> JobConfig:
         **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
         **{section: spec[section] for section in ("dataset", "reward", "sampling", "trainer")},
+        "rebalance": {**spec["rebalance"], "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
+                      **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {})},
         "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"],
                       **({"staleness_target": spec["staleness"]["targetBand"]} if "targetBand" in spec["staleness"] else {})},
         "rollout": {**spec["rollout"], "workers": workers,

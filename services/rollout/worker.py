@@ -345,6 +345,8 @@ class RolloutWorker:
         finally:
             stopping.cancel()
             await self.abandon_in_flight()
+            if stop.is_set():
+                await self.leave()
 
     async def rejoin_with_new_engine(self, stopping: asyncio.Future) -> None:
         """The engine died or restarted (as a kubelet restarts a pod's container): it serves its initial weights, if
@@ -358,6 +360,17 @@ class RolloutWorker:
         if not stopping.done():
             log.warning("engine at %s is back; registering again for the current weights", self.engine.base_url)
             await self.register()
+
+    async def leave(self, why: str = "worker stopped") -> None:
+        """Tell the controller this worker is gone for good (scaled down or stopped), so the trainer's next weight
+        push leaves it out instead of failing on it until its heartbeat times out."""
+        try:
+            await self.controller.UnregisterWorker(
+                controller_pb2.UnregisterWorkerRequest(worker_id=self.worker_id, incarnation=self.incarnation, reason=why),
+                timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not unregister (%s); the controller forgets this worker when its heartbeat times out",
+                        exc.code().name)
 
     async def abandon_in_flight(self, why: str = "worker stopped") -> None:
         """Hand unfinished groups back at once (on shutdown, or when the engine went away) rather than waiting for

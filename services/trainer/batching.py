@@ -16,6 +16,7 @@ entries acknowledged at the next checkpoint) and the controller admits its promp
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 
 log = logging.getLogger(__name__)
+LOOK_FOR_LOST_SECONDS = 5.0  # waiting for a batch this long, the trainer checks its pending list for lost deliveries
 
 
 @dataclass(frozen=True)
@@ -109,10 +111,34 @@ class BatchAssembler:
         self.poll_ms = poll_ms
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
+        self.known: set[str] = set()  # entries this process received and has not acknowledged (buffered or trained)
+        self.looked_for_lost_at = time.monotonic()
 
     def add(self, entries: list[StreamEntry]) -> None:
         for entry in entries:
+            if entry.entry_id in self.known:
+                continue
+            self.known.add(entry.entry_id)
             self.buffer.setdefault(entry.group_id, []).append(entry)
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        """Entries acknowledged: they leave the consumer's pending list, and this record."""
+        self.known.difference_update(entry_ids)
+
+    async def recover_lost_deliveries(self) -> int:
+        """Add the entries Redis delivered to this consumer that never reached this process, and return how many.
+
+        Redis marks entries delivered when it sends its reply to a read. A reply that is lost leaves its entries in
+        the consumer's pending list, where only a restarted trainer would look; the retried read asks for new
+        entries and never sees them again. Replies get lost when a read times out after Redis answered (a process
+        stalled longer than the client's socket timeout) or the connection drops mid-reply. Waiting on a lost
+        group would stall the run for good."""
+        self.looked_for_lost_at = time.monotonic()
+        lost = [e for e in await self.store.read_pending(self.consumer) if e.entry_id not in self.known]
+        if lost:
+            log.warning("recovered %d stream entries delivered to %s whose read reply was lost", len(lost), self.consumer)
+            self.add(lost)
+        return len(lost)
 
     def complete_groups(self) -> list[Group]:
         return [
@@ -156,4 +182,6 @@ class BatchAssembler:
                 for group in batch:
                     del self.buffer[group.group_id]
                 return batch
+            if time.monotonic() - self.looked_for_lost_at >= LOOK_FOR_LOST_SECONDS:
+                await self.recover_lost_deliveries()
             await self.drain(block_ms=self.poll_ms)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -37,6 +36,7 @@ from areal_k8s.trainer.algorithm import (
 )
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
 from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
+from areal_k8s.trainer.stepping import PhaseClock, collate, split_minibatches, token_logprobs
 from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
@@ -79,21 +79,6 @@ class StepRecord:
     capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
     groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
-
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token_t | tokens_<t) for t = 1..L-1, under the engine's convention softmax(logits / T)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def split_minibatches(groups: int, group_size: int, count: int) -> list[list[int]]:
-    """Row indices of `count` minibatches of whole groups, as even as possible, in batch order."""
-    count = min(count, groups)
-    bounds = [round(i * groups / count) for i in range(count + 1)]
-    return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(count)]
 
 
 class Trainer:
@@ -386,6 +371,7 @@ class Trainer:
         self.state.unacked_entries = [e.entry_id for e in self.unacked]
         await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state, self.job.trainer.keep_checkpoints)
         await self.store.ack(self.state.unacked_entries)
+        self.assembler.forget(self.state.unacked_entries)
         self.unacked = []
         return time.monotonic() - started
 
@@ -555,44 +541,3 @@ class Trainer:
             record.version, record.reward_mean, record.loss, max(record.staleness),
             f" eval {record.eval_accuracy:.3f}" if record.eval_accuracy >= 0 else "",
         )
-
-
-class PhaseClock:
-    """Adds up wall time per phase: `with clock("optimizer"): ...`."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
-
-
-def collate(trajectories: list, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad the batch; token-aligned arrays are shifted by one to line up with next-token logprobs."""
-    longest = max(len(t.token_ids) for t in trajectories)
-    n = len(trajectories)
-    input_ids = torch.full((n, longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, longest), dtype=torch.long)
-    behaviour_logprobs = torch.zeros((n, longest - 1))
-    versions = torch.full((n, longest - 1), -1, dtype=torch.long)
-    loss_mask = torch.zeros((n, longest - 1), dtype=torch.bool)
-    for row, t in enumerate(trajectories):
-        length = len(t.token_ids)
-        input_ids[row, :length] = torch.tensor(t.token_ids)
-        attention_mask[row, :length] = 1
-        behaviour_logprobs[row, : length - 1] = torch.tensor(t.logprobs[1:])
-        versions[row, : length - 1] = torch.tensor(t.versions[1:])
-        loss_mask[row, : length - 1] = torch.tensor(t.loss_mask[1:])
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "behaviour_logprobs": behaviour_logprobs,
-        "versions": versions,
-        "loss_mask": loss_mask,
-        "advantages": advantages.unsqueeze(1).expand(n, longest - 1).contiguous(),
-    }
