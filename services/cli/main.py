@@ -157,6 +157,35 @@ def cmd_manifests(args) -> int:
     return 0
 
 
+def cmd_simulate(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.simulator.model import simulate
+    from areal_k8s.simulator.scenario import load_scenario
+
+    result = simulate(load_scenario(Path(args.scenario)))
+    print(json.dumps({**result.figures(), "splits": result.splits,
+                      "decisions": [{"at": round(t, 1), "code": d.code, "message": d.message} for t, d in result.decisions]},
+                     indent=2))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.simulator.plan import plan
+    from areal_k8s.simulator.scenario import load_scenario
+
+    runs = plan(load_scenario(Path(args.scenario)))
+    print("simulated: each static split of the scenario's budget, fastest first")
+    print(f"{'rollout':>8} {'trainer':>8} {'hours':>8} {'samples/s':>10} {'trainer idle':>13} {'GPU busy':>9} {'staleness':>10}")
+    for split, result in runs:
+        f = result.figures()
+        print(f"{split.rollout:>8} {split.trainer:>8} {f['hours']:>8.3f} {f['samples_per_second']:>10.3f} "
+              f"{f['trainer_idle']:>13.1%} {f['gpu_busy']:>9.1%} {f['mean_staleness']:>10.2f}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arealctl", description="areal-k8s: asynchronous RL for reasoning LLMs")
     sub = p.add_subparsers(dest="command", required=True)
@@ -189,6 +218,14 @@ def parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="print a running job's status")
     status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
     status.set_defaults(func=cmd_status)
+
+    simulate = sub.add_parser("simulate", help="simulate a job on a modelled cluster (a scenario file); figures are simulated")
+    simulate.add_argument("scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer")
+    simulate.set_defaults(func=cmd_simulate)
+
+    plan = sub.add_parser("plan", help="simulate every static rollout/trainer split of a scenario's budget, fastest first")
+    plan.add_argument("scenario", help="scenario file (YAML)")
+    plan.set_defaults(func=cmd_plan)
 
     manifests = sub.add_parser("manifests", help="print the Kubernetes objects the operator creates for an RLJob")
     manifests.add_argument("rljob", help="RLJob manifest (YAML)")

@@ -1,0 +1,348 @@
+"""A discrete-event model of one asynchronous RL job, running the system's own decisions on simulated time.
+
+What is real here: the controller's admission, leases and running totals (`ControllerCore`, on the simulated
+clock), the trainer's batch choice (`select_batch`) and the staleness rebalancer (`advance`). What is modelled:
+how long things take (scenario costs) and how long responses are (a drifting log-normal).
+
+Engines batch continuously: an engine generates all its sequences together, a few tokens per event (`CHUNK`
+decode steps: a newly admitted group waits at most that long to join the batch). The trainer takes a batch when
+`select_batch` gives one, trains it in time proportional to its tokens over its units, then pushes the weights:
+every engine pauses for the push and continues its sequences under the new version (interruptible generation).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.common.config import parse_job
+from areal_k8s.common.rebalance import Decision, Limits, Split, State, advance, settings_for, totals_of
+from areal_k8s.common.store import StreamEntry
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.simulator.scenario import Scenario
+from areal_k8s.trainer.batching import Group, select_batch
+
+CHUNK = 32  # decode steps an engine runs between looking for new work
+PROMPTS = 1024  # dataset items the simulated controller cycles through
+
+
+@dataclass
+class Sequence:
+    group_id: str
+    left: int  # tokens still to generate
+    context: int  # tokens it attends to now
+
+
+@dataclass
+class Engine:
+    name: str
+    ready: bool = False
+    version: int = 0
+    sequences: list[Sequence] = field(default_factory=list)
+    groups: dict[str, list[int]] = field(default_factory=dict)  # group -> [sequences left, tokens, min version]
+    hold: int | None = None  # a request for work the staleness bound is holding
+    busy_until: float = 0.0  # when the chunk under way ends
+    chunk_steps: int = 0  # its decode steps
+    generation: int = 0  # bumped to cancel a scheduled chunk (a push delays it, a removal drops it)
+    fresh_prefill: int = 0  # prompt tokens of sequences added since the last chunk
+
+
+@dataclass
+class Result:
+    """Everything simulated. `figures()` is the summary a person reads."""
+
+    scenario: str
+    seconds: float
+    steps: int
+    samples: int
+    tokens: int
+    trainer_wait_seconds: float
+    staleness_counts: list[int]
+    gpu_seconds: float  # GPUs held, integrated over time
+    busy_gpu_seconds: float  # of which generating or training
+    decisions: list[tuple[float, Decision]]
+    splits: list[tuple[float, int, int]]  # (time, rollout units, trainer units) at the start and after each change
+    band: tuple[float, float] | None
+
+    def figures(self) -> dict:
+        windows = [d.window for _, d in self.decisions if d.window is not None and d.window.samples > 0]
+        inside = sum(1 for w in windows if self.band and self.band[0] <= w.mean_staleness <= self.band[1])
+        trained = sum(self.staleness_counts)
+        return {
+            "simulated": True,
+            "scenario": self.scenario,
+            "hours": round(self.seconds / 3600, 3),
+            "steps": self.steps,
+            "samples_per_second": round(self.samples / self.seconds, 3),
+            "tokens_per_second": round(self.tokens / self.seconds, 1),
+            "trainer_idle": round(self.trainer_wait_seconds / self.seconds, 4),
+            "gpu_busy": round(self.busy_gpu_seconds / self.gpu_seconds, 4) if self.gpu_seconds else 0.0,
+            "mean_staleness": round(sum(s * n for s, n in enumerate(self.staleness_counts)) / trained, 3) if trained else 0.0,
+            "staleness_counts": self.staleness_counts,
+            "windows": len(windows),
+            "windows_within_band": round(inside / len(windows), 4) if windows else None,
+            "moves": sum(1 for _, d in self.decisions if d.split is not None),
+            "final_split": {"rollout": self.splits[-1][1], "trainer": self.splits[-1][2]},
+        }
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario):
+        self.s = scenario
+        shape = scenario.job
+        algorithm = {"batch_size": shape.batch_size, "group_size": shape.group_size,
+                     "max_staleness": shape.max_staleness, "total_steps": shape.total_steps}
+        if shape.staleness_target is not None:
+            algorithm["staleness_target"] = shape.staleness_target.model_dump()
+        self.job = parse_job({"name": "sim", "model": "-", "dataset": {"train": "-", "shuffle": False},
+                              "algorithm": algorithm, "rebalance": scenario.rebalance.model_dump(),
+                              "rollout": {"workers": max(scenario.split.rollout, scenario.rebalance.min_workers),
+                                          "groups_per_worker": shape.groups_per_engine}}, source="scenario")
+        self.now = 0.0
+        items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
+        self.core = ControllerCore(self.job, items, lease_seconds=math.inf, clock=lambda: self.now)
+        self.random = random.Random(scenario.seed)
+        self.events: list[tuple[float, int, Callable[[], None]]] = []
+        self.order = itertools.count()
+        self.engines: list[Engine] = []
+        self.names = itertools.count()
+        self.trainer_units = scenario.split.trainer
+        self.stream: list[Group] = []
+        self.training = False
+        self.trainer_free_at = 0.0  # a rescale keeps the trainer busy until then
+        self.waiting_since: float | None = 0.0
+        self.wait_seconds = 0.0
+        self.samples = self.tokens = 0
+        self.staleness_counts: list[int] = []
+        self.gpu_seconds = self.busy_gpu_seconds = 0.0
+        self.accounted_at = 0.0
+        self.decisions: list[tuple[float, Decision]] = []
+        self.tokens_of: dict[str, int] = {}  # tokens of each generated group not yet trained
+        self.reported_wait = 0.0
+        self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
+        r = scenario.resources
+        self.limits = Limits(rollout_unit=r.rollout_unit_gpus, trainer_unit=r.trainer_unit_gpus, min_rollout=r.min_rollout,
+                             max_rollout=r.max_rollout, min_trainer=r.min_trainer, max_trainer=r.max_trainer,
+                             budget=r.budget_gpus)
+        self.policy = State(Split(scenario.split.rollout, scenario.split.trainer)) if scenario.rebalance.enabled else None
+        self.settings = settings_for(self.job) if scenario.rebalance.enabled else None
+
+    # -- the event loop ------------------------------------------------------------------------------------
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self.events, (when, next(self.order), action))
+
+    def run(self, max_seconds: float = 30 * 24 * 3600) -> Result:
+        for _ in range(self.s.split.rollout):
+            self.add_engine(ready=True)
+        if self.policy is not None:
+            self.at(self.s.tick_seconds, self.tick)
+        while self.events and self.core.version < self.s.job.total_steps and self.now < max_seconds:
+            when, _, action = heapq.heappop(self.events)
+            self.account(when)
+            self.now = when
+            action()
+        return Result(self.s.name, self.now, self.core.version, self.samples, self.tokens, self.wait_seconds,
+                      self.staleness_counts, self.gpu_seconds, self.busy_gpu_seconds, self.decisions, self.splits,
+                      self.settings.band if self.settings else None)
+
+    def account(self, until: float) -> None:
+        """GPUs held and GPUs busy between the last event and `until`."""
+        span = until - self.accounted_at
+        if span <= 0:
+            return
+        held = len(self.engines) * self.limits.rollout_unit + self.trainer_units * self.limits.trainer_unit
+        generating = sum(1 for e in self.engines if e.ready and e.sequences) * self.limits.rollout_unit
+        training = self.trainer_units * self.limits.trainer_unit if self.training else 0
+        self.gpu_seconds += held * span
+        self.busy_gpu_seconds += (generating + training) * span
+        self.accounted_at = until
+
+    # -- rollout -------------------------------------------------------------------------------------------
+
+    def add_engine(self, ready: bool) -> None:
+        engine = Engine(f"engine-{next(self.names)}")
+        self.engines.append(engine)
+        self.core.register(engine.name, "sim", -1)
+        if ready:
+            self.engine_ready(engine)
+        else:
+            self.at(self.now + self.s.engine.start_seconds, lambda: self.engine_ready(engine))
+
+    def engine_ready(self, engine: Engine) -> None:
+        if engine not in self.engines:
+            return  # removed while it was starting
+        engine.ready, engine.version = True, self.core.version  # it loads the weights the trainer pushed last
+        self.fill(engine)
+
+    def remove_engine(self) -> None:
+        engine = self.engines.pop()
+        engine.generation += 1
+        self.end_hold(engine)
+        for group_id in engine.groups:
+            self.core.complete(group_id, "requeued", "engine removed")
+        self.core.unregister(engine.name, 0)
+
+    def response_length(self) -> int:
+        r = self.s.workload.response
+        mean = r.mean * (1 + r.growth_per_step) ** self.core.version
+        mu = math.log(mean) - r.sigma**2 / 2  # the log-normal's mean is `mean`
+        return max(1, min(r.max, round(self.random.lognormvariate(mu, r.sigma))))
+
+    def fill(self, engine: Engine) -> None:
+        """The engine's worker asks for as many groups as it has room for (held by the bound if none may start)."""
+        if not engine.ready:
+            return
+        room = self.s.job.groups_per_engine - len(engine.groups)
+        admitted = self.core.acquire(engine.name, room, engine.version) if room > 0 else []
+        for a in admitted:
+            prompt = self.s.workload.prompt_tokens
+            lengths = [self.response_length() for _ in range(self.s.job.group_size)]
+            engine.groups[a.lease.group_id] = [len(lengths), 0, engine.version]
+            engine.sequences += [Sequence(a.lease.group_id, n, prompt) for n in lengths]
+            engine.fresh_prefill += prompt * len(lengths)
+        refused = room > 0 and not admitted and self.core.refusal(engine.name, room, engine.version) == "staleness"
+        if refused and engine.hold is None:
+            engine.hold = self.core.begin_hold("staleness")
+        elif not refused:
+            self.end_hold(engine)
+        if engine.sequences and engine.busy_until <= self.now:
+            self.schedule_chunk(engine)
+
+    def end_hold(self, engine: Engine) -> None:
+        if engine.hold is not None:
+            self.core.end_hold(engine.hold)
+            engine.hold = None
+
+    def schedule_chunk(self, engine: Engine) -> None:
+        c = self.s.engine
+        steps = min(CHUNK, min(q.left for q in engine.sequences))
+        context = sum(q.context for q in engine.sequences) + len(engine.sequences) * steps / 2
+        seconds = steps * (c.step_base_seconds + c.step_per_sequence_seconds * len(engine.sequences)
+                           + c.step_per_context_token_seconds * context) + c.prefill_per_token_seconds * engine.fresh_prefill
+        engine.fresh_prefill = 0
+        engine.busy_until, engine.chunk_steps = self.now + seconds, steps
+        self.schedule_chunk_end(engine)
+
+    def schedule_chunk_end(self, engine: Engine) -> None:
+        engine.generation += 1
+        token, steps = engine.generation, engine.chunk_steps
+        self.at(engine.busy_until, lambda: self.chunk_done(engine, token, steps))
+
+    def chunk_done(self, engine: Engine, token: int, steps: int) -> None:
+        if token != engine.generation:
+            return  # rescheduled (a push paused it) or dropped (the engine was removed)
+        still = []
+        for q in engine.sequences:
+            q.left -= steps
+            q.context += steps
+            group = engine.groups[q.group_id]
+            group[1] += steps
+            if q.left > 0:
+                still.append(q)
+                continue
+            group[0] -= 1
+            if group[0] == 0:
+                self.group_done(engine, q.group_id)
+        engine.sequences = still
+        self.fill(engine)
+
+    def group_done(self, engine: Engine, group_id: str) -> None:
+        _, tokens, min_version = engine.groups.pop(group_id)
+        lease = self.core.leases[group_id]
+        self.core.complete(group_id, "accepted")
+        size = self.s.job.group_size
+        entries = tuple(StreamEntry(f"{group_id}-{i}", group_id, min_version, engine.version, lease.admitted_version,
+                                    lease.ticket, None) for i in range(size))
+        self.stream.append(Group(group_id, lease.admitted_version, lease.ticket, entries))
+        self.tokens_of[group_id] = tokens
+        self.try_train()
+
+    # -- training ------------------------------------------------------------------------------------------
+
+    def try_train(self) -> None:
+        if self.training or self.now < self.trainer_free_at:
+            return
+        held = {g.group_id for g in self.stream}
+        running = [lease.admitted_version for gid, lease in self.core.leases.items() if gid not in held]
+        batch = select_batch(self.stream, running, version=self.core.version, batch_size=self.s.job.batch_size,
+                             max_staleness=self.s.job.max_staleness)
+        if batch is None:
+            if self.waiting_since is None:
+                self.waiting_since = self.now
+            return
+        if self.waiting_since is not None:
+            self.wait_seconds += self.now - self.waiting_since
+            self.waiting_since = None
+        taken = {g.group_id for g in batch}
+        self.stream = [g for g in self.stream if g.group_id not in taken]
+        tokens = sum(self.tokens_of.pop(g.group_id) for g in batch)
+        self.training = True
+        seconds = tokens * self.s.trainer.seconds_per_token / self.trainer_units
+        self.at(self.now + seconds, lambda: self.trained(batch, tokens))
+
+    def trained(self, batch: list[Group], tokens: int) -> None:
+        version = self.core.version
+        staleness = [version - g.min_version for g in batch for _ in g.entries]
+        counts = [staleness.count(s) for s in range(max(staleness) + 1)]
+        self.staleness_counts += [0] * (len(counts) - len(self.staleness_counts))
+        for s, n in enumerate(counts):
+            self.staleness_counts[s] += n
+        self.samples += len(staleness)
+        self.tokens += tokens
+        push = self.s.push.seconds
+        for engine in self.engines:  # generation pauses for the push, then goes on under the new version
+            if engine.ready and engine.busy_until > self.now:
+                engine.busy_until += push
+                self.schedule_chunk_end(engine)
+        self.at(self.now + push, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
+
+    def pushed(self, version: int, groups: int, staleness: list[int], tokens: int) -> None:
+        wait, self.reported_wait = self.wait_seconds - self.reported_wait, self.wait_seconds
+        self.core.record_step(version=version, groups=groups, samples=len(staleness), tokens=tokens,
+                              max_staleness=max(staleness), mean_staleness=sum(staleness) / len(staleness),
+                              reward_mean=0.0, eval_accuracy=-1.0, base_evaluation=False,
+                              finished=version >= self.s.job.total_steps,
+                              staleness_counts=[staleness.count(s) for s in range(max(staleness) + 1)],
+                              wait_seconds=wait)
+        self.core.announce_version(version, restored=False)
+        for engine in self.engines:
+            if engine.ready:
+                engine.version = version
+        self.training = False
+        for engine in list(self.engines):
+            self.fill(engine)
+        self.try_train()
+
+    # -- the rebalancer ------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        status = {k: v for k, v in self.core.status().items() if k != "finished"}
+        report = controller_pb2.JobStatus(phase=controller_pb2.JobStatus.RUNNING, **status)
+        self.policy, decision = advance(self.policy, totals_of(report), self.limits, self.settings)
+        if decision is not None and decision.code != "CollectingData":
+            self.decisions.append((self.now, decision))
+            if decision.split is not None:
+                self.resize(decision.split)
+        self.at(self.now + self.s.tick_seconds, self.tick)
+
+    def resize(self, split: Split) -> None:
+        while len(self.engines) < split.rollout:
+            self.add_engine(ready=False)
+        while len(self.engines) > split.rollout:
+            self.remove_engine()
+        if split.trainer != self.trainer_units:
+            self.trainer_units = split.trainer
+            self.trainer_free_at = max(self.now, self.trainer_free_at) + self.s.trainer.rescale_seconds
+            self.at(self.trainer_free_at, self.try_train)
+        self.splits.append((self.now, split.rollout, split.trainer))
+
+
+def simulate(scenario: Scenario) -> Result:
+    return Simulation(scenario).run()

@@ -1,0 +1,104 @@
+"""What the simulator needs to know about a job and its cluster: one typed scenario file.
+
+Costs are per rollout engine and per trainer unit (a data-parallel replica). Every figure the simulator reports
+from them is simulated, and says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from areal_k8s.common.config import JobFileError, RebalanceConfig, StalenessBand, describe_validation_error
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineCost(_Part):
+    """One decode step of an engine's continuous batch costs step_base + step_per_sequence × sequences +
+    step_per_context_token × the tokens the sequences attend to; a new request first costs its prefill."""
+
+    step_base_seconds: Annotated[float, Field(ge=0)] = 0.02
+    step_per_sequence_seconds: Annotated[float, Field(ge=0)] = 1e-4
+    step_per_context_token_seconds: Annotated[float, Field(ge=0)] = 0.0
+    prefill_per_token_seconds: Annotated[float, Field(ge=0)] = 1e-5
+    start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
+
+
+class TrainerCost(_Part):
+    seconds_per_token: Annotated[float, Field(gt=0)] = 1e-4  # one trainer unit; n units take 1/n of it
+    rescale_seconds: Annotated[float, Field(ge=0)] = 120.0  # checkpoint, rescale, resume on a change of units
+
+
+class PushCost(_Part):
+    seconds: Annotated[float, Field(ge=0)] = 5.0  # a weight push, during which generation is paused
+
+
+class Lengths(_Part):
+    """Response lengths: log-normal around `mean` (tokens), capped at `max`; `growth_per_step` drifts the mean
+    (long-reasoning RL grows its responses as training goes on)."""
+
+    mean: Annotated[float, Field(gt=0)] = 512.0
+    sigma: Annotated[float, Field(ge=0)] = 0.5
+    max: Annotated[int, Field(ge=1)] = 4096
+    growth_per_step: float = 0.0
+
+
+class Workload(_Part):
+    prompt_tokens: Annotated[int, Field(ge=1)] = 128
+    response: Lengths = Field(default_factory=Lengths)
+
+
+class JobShape(_Part):
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    group_size: Annotated[int, Field(ge=1)] = 8
+    max_staleness: Annotated[int, Field(ge=0)] = 4
+    total_steps: Annotated[int, Field(ge=1)] = 100
+    groups_per_engine: Annotated[int, Field(ge=1)] = 8  # groups an engine generates at once
+    staleness_target: StalenessBand | None = None
+
+
+class SplitSpec(_Part):
+    rollout: Annotated[int, Field(ge=1)]
+    trainer: Annotated[int, Field(ge=1)] = 1
+
+
+class Resources(_Part):
+    rollout_unit_gpus: Annotated[int, Field(ge=1)] = 1
+    trainer_unit_gpus: Annotated[int, Field(ge=1)] = 1
+    budget_gpus: Annotated[int, Field(ge=1)] | None = None
+    min_rollout: Annotated[int, Field(ge=1)] = 1
+    max_rollout: Annotated[int, Field(ge=1)] | None = None
+    min_trainer: Annotated[int, Field(ge=1)] = 1
+    max_trainer: Annotated[int, Field(ge=1)] | None = None
+
+
+class Scenario(_Part):
+    name: str = "scenario"
+    seed: int = 0
+    job: JobShape = Field(default_factory=JobShape)
+    split: SplitSpec
+    resources: Resources = Field(default_factory=Resources)
+    engine: EngineCost = Field(default_factory=EngineCost)
+    trainer: TrainerCost = Field(default_factory=TrainerCost)
+    push: PushCost = Field(default_factory=PushCost)
+    workload: Workload = Field(default_factory=Workload)
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
+    tick_seconds: Annotated[float, Field(gt=0)] = 10.0  # how often the rebalancer reads the controller's status
+
+
+def load_scenario(path: Path) -> Scenario:
+    """A scenario file, or JobFileError with one readable line naming the field."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise JobFileError(f"{path}: {exc}") from None
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise JobFileError(describe_validation_error(exc, str(path))) from None
