@@ -150,6 +150,14 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
         assert value(f'max(areal_trainer_sample_staleness_bucket{{rljob="{job.name}", le="1.0"}})') == \
             value(f'max(areal_trainer_sample_staleness_count{{rljob="{job.name}"}})')  # nothing staler than η = 1
         assert value(f'max(areal_controller_staleness_target{{rljob="{job.name}", edge="max"}})') == 1.0
+
+        # a rollout worker the rebalancer starts mid-run becomes a target through the file Prometheus watches
+        run.prometheus.targets["rollout-1"] = run.free_address()
+        run.prometheus.refresh()
+        deadline = time.monotonic() + 120  # a liveness bound
+        while "rollout-1" not in {t["labels"]["service"] for t in prometheus_get(url, "/api/v1/targets")["activeTargets"]}:
+            assert time.monotonic() < deadline, "the new target never showed"
+            time.sleep(0.2)
     finally:
         run.stop()
     assert final.version == 20

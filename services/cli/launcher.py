@@ -233,6 +233,8 @@ class LocalRun:
         ends.engines.append(f"http://{self.free_address()}")
         ends.metrics[f"rollout-{i}"] = self.free_address()  # the recorder scrapes it from its next tick
         self.start_rollout(i)
+        if self.prometheus:
+            self.prometheus.refresh()
         return f"rollout-{i}"
 
     def remove_rollout(self) -> str:

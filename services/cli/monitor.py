@@ -103,14 +103,22 @@ class LocalPrometheus:
     def config(self) -> dict:
         return {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [{
-                "job_name": "areal",
-                # `namespace` stands in for the Kubernetes namespace a PodMonitor adds, so the dashboards'
-                # namespace variable works locally too.
-                "static_configs": [{"targets": [address], "labels": {"namespace": "local", "service": name}}
-                                   for name, address in self.targets.items()],
-            }],
+            # The targets live in a file Prometheus watches: rollout workers the rebalancer starts mid-run join it.
+            "scrape_configs": [{"job_name": "areal", "file_sd_configs": [{"files": [str(self.targets_file)]}]}],
         }
+
+    @property
+    def targets_file(self) -> Path:
+        return self.directory / "targets.json"
+
+    def refresh(self) -> None:
+        """Write the scrape targets (`targets` as it is now). `namespace` stands in for the Kubernetes namespace a
+        PodMonitor adds, so the dashboards' namespace variable works locally too."""
+        groups = [{"targets": [address], "labels": {"namespace": "local", "service": name}}
+                  for name, address in self.targets.items()]
+        staged = self.targets_file.with_suffix(".tmp")
+        staged.write_text(json.dumps(groups))
+        staged.replace(self.targets_file)  # whole, never half-written, when Prometheus reads it
 
     def start(self, timeout: float = 60.0) -> str:
         binary = shutil.which("prometheus")
@@ -119,6 +127,7 @@ class LocalPrometheus:
         self.directory.mkdir(parents=True, exist_ok=True)
         config = self.directory / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        self.refresh()
         log = (self.directory / "prometheus.log").open("ab")
         self.process = subprocess.Popen(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={self.directory / 'data'}",
