@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -74,6 +74,10 @@ bench-sglang: demo-assets sglang-env
 # the chaos test several times with random seeds: its figures (bench/results/chaos.json) and the README's lines
 chaos: venv
 	$(PY) bench/chaos.py --runs 5
+
+# the staleness rebalancer on a simulated 1,024-GPU cluster (every figure simulated; bench/results/simulated.json)
+bench-sim: proto
+	$(PY) bench/simulated.py --seeds 3
 
 clean:
 	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)

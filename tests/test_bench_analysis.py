@@ -1,5 +1,6 @@
 """The benchmark's analysis of stored runs (bench/sync_vs_async.py): pure functions over accuracy curves."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -67,3 +68,15 @@ def test_the_readme_carries_the_chaos_figures_as_measured():
     assert chaos.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/chaos.py --readme`"
     assert report["summary"] == chaos.summarize(report["runs"], len(report["runs"]) + len(report["failed_seeds"]))
     assert all(run["max_staleness_seen"] <= run["eta"] and run["dead_lettered"] == 0 for run in report["runs"])
+
+
+def test_the_readme_carries_the_simulated_figures_as_computed():
+    """README's simulated 1,024-GPU table is the one bench/simulated.py writes from its committed results, and the
+    summary is the median and range of the runs it keeps."""
+    simulated = load_bench("simulated")
+    report = json.loads(simulated.RESULTS.read_text())
+    assert report["simulated"] is True
+    assert simulated.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/simulated.py --readme`"
+    for name, runs in report["runs"].items():
+        assert len(runs) == report["seeds"]
+        assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")

@@ -10,7 +10,8 @@ from areal_k8s.common.config import JobFileError, load_job_file, parse_job
 
 MINIMAL = "name: demo\nmodel: models/tiny\ndataset:\n  train: data/train.jsonl\n"
 # Job files; the RLJob custom resources beside them (rljob-*.yaml) are checked against the CRD by the operator tests.
-EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("*.yaml") if not p.name.startswith("rljob"))
+EXAMPLES = sorted(p for p in (Path(__file__).parent.parent / "examples").glob("*.yaml")
+                  if not p.name.startswith(("rljob", "scenario")))  # RLJobs: test_crd.py; scenarios: test_simulator.py
 
 
 def write(tmp_path, text):

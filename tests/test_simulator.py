@@ -49,6 +49,13 @@ def test_asynchronous_training_beats_synchronous_on_long_tails():
     assert asynchronous.trainer_wait_seconds < sync.trainer_wait_seconds
 
 
+def test_attending_to_longer_contexts_slows_generation_down():
+    """Each decode step reads the batch's whole context: the closed-form advance must charge for it."""
+    plain = simulate(scenario())
+    with_context = simulate(scenario(engine={"step_per_context_token_seconds": 1e-5}))
+    assert with_context.seconds > plain.seconds and with_context.samples == plain.samples
+
+
 def test_the_rebalancer_grows_a_starved_rollout_pool_and_never_turns_back():
     starved = scenario(
         job={"total_steps": 80, "staleness_target": {"min": 0.8, "max": 1.5}}, split={"rollout": 1},

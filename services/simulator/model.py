@@ -4,8 +4,10 @@ What is real here: the controller's admission, leases and running totals (`Contr
 clock), the trainer's batch choice (`select_batch`) and the staleness rebalancer (`advance`). What is modelled:
 how long things take (scenario costs) and how long responses are (a drifting log-normal).
 
-Engines batch continuously: an engine generates all its sequences together, a few tokens per event (`CHUNK`
-decode steps: a newly admitted group waits at most that long to join the batch). The trainer takes a batch when
+Engines batch continuously: every decode step advances each of an engine's sequences by one token, and its cost
+depends on the batch size and on the tokens the batch attends to. The model advances an engine in closed form to
+its next completed sequence (at most `engine.max_steps_per_event` steps, the longest a newly admitted group waits
+to join the batch), so an event costs the same whatever the batch size. The trainer takes a batch when
 `select_batch` gives one, trains it in time proportional to its tokens over its units, then pushes the weights:
 every engine pauses for the push and continues its sequences under the new version (interruptible generation).
 """
@@ -28,15 +30,7 @@ from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.trainer.batching import Group, select_batch
 
-CHUNK = 32  # decode steps an engine runs between looking for new work
 PROMPTS = 1024  # dataset items the simulated controller cycles through
-
-
-@dataclass
-class Sequence:
-    group_id: str
-    left: int  # tokens still to generate
-    context: int  # tokens it attends to now
 
 
 @dataclass
@@ -44,13 +38,15 @@ class Engine:
     name: str
     ready: bool = False
     version: int = 0
-    sequences: list[Sequence] = field(default_factory=list)
+    steps: int = 0  # decode steps run so far: each advanced every sequence then in the batch by one token
+    finishing: list[tuple[int, int, str, int]] = field(default_factory=list)  # heap: (last step, n, group, join step)
+    joined: int = 0  # sum of the join steps of the sequences in the batch (for the context they attend to)
     groups: dict[str, list[int]] = field(default_factory=dict)  # group -> [sequences left, tokens, min version]
     hold: int | None = None  # a request for work the staleness bound is holding
-    busy_until: float = 0.0  # when the chunk under way ends
-    chunk_steps: int = 0  # its decode steps
-    generation: int = 0  # bumped to cancel a scheduled chunk (a push delays it, a removal drops it)
-    fresh_prefill: int = 0  # prompt tokens of sequences added since the last chunk
+    busy_until: float = 0.0  # when the decode steps under way end
+    event_steps: int = 0  # how many they are
+    generation: int = 0  # bumped to cancel a scheduled event (a push delays it, a removal drops it)
+    fresh_prefill: int = 0  # prompt tokens of sequences that joined since the last event
 
 
 @dataclass
@@ -111,6 +107,7 @@ class Simulation:
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.order = itertools.count()
         self.engines: list[Engine] = []
+        self.generating: set[str] = set()  # engines with sequences in their batch
         self.names = itertools.count()
         self.trainer_units = scenario.split.trainer
         self.stream: list[Group] = []
@@ -158,7 +155,7 @@ class Simulation:
         if span <= 0:
             return
         held = len(self.engines) * self.limits.rollout_unit + self.trainer_units * self.limits.trainer_unit
-        generating = sum(1 for e in self.engines if e.ready and e.sequences) * self.limits.rollout_unit
+        generating = len(self.generating) * self.limits.rollout_unit
         training = self.trainer_units * self.limits.trainer_unit if self.training else 0
         self.gpu_seconds += held * span
         self.busy_gpu_seconds += (generating + training) * span
@@ -183,6 +180,7 @@ class Simulation:
 
     def remove_engine(self) -> None:
         engine = self.engines.pop()
+        self.generating.discard(engine.name)
         engine.generation += 1
         self.end_hold(engine)
         for group_id in engine.groups:
@@ -201,56 +199,60 @@ class Simulation:
             return
         room = self.s.job.groups_per_engine - len(engine.groups)
         admitted = self.core.acquire(engine.name, room, engine.version) if room > 0 else []
+        prompt = self.s.workload.prompt_tokens
         for a in admitted:
-            prompt = self.s.workload.prompt_tokens
             lengths = [self.response_length() for _ in range(self.s.job.group_size)]
-            engine.groups[a.lease.group_id] = [len(lengths), 0, engine.version]
-            engine.sequences += [Sequence(a.lease.group_id, n, prompt) for n in lengths]
+            engine.groups[a.lease.group_id] = [len(lengths), sum(lengths), engine.version]
+            for n in lengths:
+                heapq.heappush(engine.finishing, (engine.steps + n, next(self.order), a.lease.group_id, engine.steps))
+            engine.joined += engine.steps * len(lengths)
             engine.fresh_prefill += prompt * len(lengths)
         refused = room > 0 and not admitted and self.core.refusal(engine.name, room, engine.version) == "staleness"
         if refused and engine.hold is None:
             engine.hold = self.core.begin_hold("staleness")
         elif not refused:
             self.end_hold(engine)
-        if engine.sequences and engine.busy_until <= self.now:
-            self.schedule_chunk(engine)
+        if engine.finishing and engine.busy_until <= self.now:
+            self.schedule_steps(engine)
+        if engine.finishing:
+            self.generating.add(engine.name)
+        else:
+            self.generating.discard(engine.name)
 
     def end_hold(self, engine: Engine) -> None:
         if engine.hold is not None:
             self.core.end_hold(engine.hold)
             engine.hold = None
 
-    def schedule_chunk(self, engine: Engine) -> None:
-        c = self.s.engine
-        steps = min(CHUNK, min(q.left for q in engine.sequences))
-        context = sum(q.context for q in engine.sequences) + len(engine.sequences) * steps / 2
-        seconds = steps * (c.step_base_seconds + c.step_per_sequence_seconds * len(engine.sequences)
-                           + c.step_per_context_token_seconds * context) + c.prefill_per_token_seconds * engine.fresh_prefill
+    def schedule_steps(self, engine: Engine) -> None:
+        """Run the batch up to its next completed sequence, in closed form: with n sequences attending to C tokens
+        at the first step, k steps cost k·(base + per_sequence·n) + per_context·(k·C + n·k(k−1)/2)."""
+        c, n = self.s.engine, len(engine.finishing)
+        k = min(c.max_steps_per_event, engine.finishing[0][0] - engine.steps)
+        context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
+        seconds = (k * (c.step_base_seconds + c.step_per_sequence_seconds * n)
+                   + c.step_per_context_token_seconds * (k * context + n * k * (k - 1) / 2)
+                   + c.prefill_per_token_seconds * engine.fresh_prefill)
         engine.fresh_prefill = 0
-        engine.busy_until, engine.chunk_steps = self.now + seconds, steps
-        self.schedule_chunk_end(engine)
+        engine.busy_until, engine.event_steps = self.now + seconds, k
+        self.schedule_steps_end(engine)
 
-    def schedule_chunk_end(self, engine: Engine) -> None:
+    def schedule_steps_end(self, engine: Engine) -> None:
         engine.generation += 1
-        token, steps = engine.generation, engine.chunk_steps
-        self.at(engine.busy_until, lambda: self.chunk_done(engine, token, steps))
+        token, steps = engine.generation, engine.event_steps
+        self.at(engine.busy_until, lambda: self.steps_done(engine, token, steps))
 
-    def chunk_done(self, engine: Engine, token: int, steps: int) -> None:
+    def steps_done(self, engine: Engine, token: int, steps: int) -> None:
         if token != engine.generation:
             return  # rescheduled (a push paused it) or dropped (the engine was removed)
-        still = []
-        for q in engine.sequences:
-            q.left -= steps
-            q.context += steps
-            group = engine.groups[q.group_id]
-            group[1] += steps
-            if q.left > 0:
-                still.append(q)
-                continue
+        engine.steps += steps
+        while engine.finishing and engine.finishing[0][0] <= engine.steps:
+            _, _, group_id, joined = heapq.heappop(engine.finishing)
+            engine.joined -= joined
+            group = engine.groups[group_id]
             group[0] -= 1
             if group[0] == 0:
-                self.group_done(engine, q.group_id)
-        engine.sequences = still
+                self.group_done(engine, group_id)
         self.fill(engine)
 
     def group_done(self, engine: Engine, group_id: str) -> None:
@@ -300,7 +302,7 @@ class Simulation:
         for engine in self.engines:  # generation pauses for the push, then goes on under the new version
             if engine.ready and engine.busy_until > self.now:
                 engine.busy_until += push
-                self.schedule_chunk_end(engine)
+                self.schedule_steps_end(engine)
         self.at(self.now + push, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
 
     def pushed(self, version: int, groups: int, staleness: list[int], tokens: int) -> None:

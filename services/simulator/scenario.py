@@ -28,6 +28,7 @@ class EngineCost(_Part):
     step_per_context_token_seconds: Annotated[float, Field(ge=0)] = 0.0
     prefill_per_token_seconds: Annotated[float, Field(ge=0)] = 1e-5
     start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
+    max_steps_per_event: Annotated[int, Field(ge=1)] = 32  # the longest a newly admitted group waits to join
 
 
 class TrainerCost(_Part):
