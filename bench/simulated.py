@@ -72,7 +72,9 @@ def measure(seeds: int) -> dict:
                       **{key: spread([r for r in rs if r[key] is not None], key)
                          for key in FIGURES if any(r[key] is not None for r in rs)}}
                for name, rs in runs.items()}
+    band = base.job.staleness_target
     return {"simulated": True, "scenario": str(SCENARIO.relative_to(ROOT)), "seeds": seeds, "gpus": base.resources.budget_gpus,
+            "band": [band.min, band.max],
             "steps": base.job.total_steps, "summary": summary, "runs": runs}
 
 
@@ -109,7 +111,10 @@ def readme_block(report: dict) -> str:
         "",
         f"Async at its best static split is {speedup:.2f}× faster than sync at its best. The rebalancer, starting from "
         f"75:25, takes {1 / versus:.2f}× the time of the best static split, which exhaustive search found only "
-        f"with hindsight; it made {median('async_rebalanced', 'moves'):g} moves.",
+        f"with hindsight; it made {median('async_rebalanced', 'moves'):g} moves. The band (mean staleness "
+        f"{report['band'][0]:g} to {report['band'][1]:g}) held in {median('async_rebalanced', 'windows_within_band'):.0%} "
+        f"of its windows: with these tails the mean staleness stays near η at every split simulated here (column 6), "
+        f"so the moves come from the imbalance the windows measured (workers held by the bound, the trainer waiting).",
         README_END,
     ])
 

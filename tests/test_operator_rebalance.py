@@ -41,10 +41,10 @@ def test_the_spec_gives_the_units_the_bounds_and_what_the_budget_leaves_for_roll
 
 
 def test_the_state_survives_a_round_trip_through_the_status():
-    state = State(Split(3, 1), window_start=Totals(at=5.0, trained_samples=10, staleness_sum=4.0, staleness_counts=(6, 4),
+    state = State(Split(3, 1), window_start=Totals(at=5.0, trained_samples=10, trained_tokens=300, staleness_sum=4.0, staleness_counts=(6, 4),
                                                    trainer_wait_seconds=1.5, held_by_staleness_seconds=0.0,
                                                    accepted_groups=5, workers=3),
-                  last_change_at=2.0, memory=(Verdict(Split(2, 1), "below", 0.25),))
+                  last_change_at=2.0, memory=(Verdict(Split(2, 1), "below", 0.25, 30.0),))
     assert state_from_status(state_to_status(state), start=Split(9, 9)) == state
     assert state_from_status(None, start=Split(2, 1)) == State(Split(2, 1))
 
@@ -110,12 +110,12 @@ async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_own
     await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
     assert (rollout_replicas(cluster), cluster.condition("Rebalancing")["reason"]) == (2, "CollectingData")
 
-    # Fresh samples and a trainer idle two thirds of the window: one more rollout pod.
-    controller.script(at=1030, samples=100, mean=0.1, trainer_wait=20)
+    # Fresh samples and a trainer idle a third of the window: half the shortfall (a pod) is one more rollout pod.
+    controller.script(at=1030, samples=100, mean=0.1, trainer_wait=10)
     await eventually(lambda: pool_at(cluster, 3), "a third rollout pod")
     status = cluster.rljob()["status"]
     assert status["rebalance"]["rollout"] == 3 and status["rebalance"]["decision"]["code"] == "MovedToRollout"
-    assert status["rebalance"]["window"]["trainerIdle"] == pytest.approx(20 / 30, abs=1e-3)
+    assert status["rebalance"]["window"]["trainerIdle"] == pytest.approx(10 / 30, abs=1e-3)
     assert "below the band [0.5, 1.5]" in status["lastRebalanceReason"] and status["lastRebalanceTime"]
     assert cluster.condition("Rebalancing")["reason"] == "MovedToRollout"
     event = await eventually(lambda: events(cluster, "Rebalanced"), "a Rebalanced Event")

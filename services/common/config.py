@@ -233,6 +233,9 @@ class RebalanceConfig(_Section):
         "held back: staleness below the band then moves nothing (1 turns the check off).")
     min_samples: Annotated[int, Field(ge=1)] = Field(
         16, description="Fewer trained samples than this in a window give no verdict (the window stays open).")
+    step_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.5, description="The share of the imbalance a window measured that one decision corrects (at least one unit "
+        "moves): the surplus of rollout the staleness bound held back, or the shortfall the trainer waited for.")
     min_workers: Annotated[int, Field(ge=1)] = Field(
         1, description="Fewest rollout workers (an RLJob sets it from `roles.rollout.minReplicas`).")
     max_workers: Annotated[int, Field(ge=1)] | None = Field(

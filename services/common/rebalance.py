@@ -15,11 +15,14 @@ Rules, in order (each decision names its rule in `code`):
 - mean staleness inside the band: hold (`WithinBand`);
 - above the band, but the trainer waits for data: hold (`SignalsDisagree`), likewise below the band while the
   rollout pool is held by the bound;
-- above the band: one unit toward training (`MovedToTraining`); below: one toward rollout (`MovedToRollout`);
+- above the band: toward training (`MovedToTraining`); below: toward rollout (`MovedToRollout`). A move corrects
+  `step_fraction` of the imbalance the window measured (the surplus the bound held back, or the shortfall the
+  trainer waited for), in single-unit steps, at least one;
 - no such split within the bounds and the budget: hold (`AtLimit`);
-- the split a move would reach was last measured on the other side of the band: the band lies between the two
-  splits, so stay (`BandBetweenSplits`). Memory of past splits is dropped when the current split's measurement
-  moves by more than `drift_tolerance`: the workload changed (longer responses, say) and old verdicts no longer hold.
+- the split a first step would reach was last measured on the other side of the band: the band lies between the
+  two splits, so stay (`BandBetweenSplits`); a longer move stops before such a split. Memory of past splits is
+  dropped when the workload drifts: the responses' measured length moves by more than `length_tolerance`, or the
+  current split's measurement moves by more than `drift_tolerance`; old verdicts then no longer hold.
 After a change, `cooldown_seconds` of measurements are discarded while the pools settle.
 """
 
@@ -71,6 +74,8 @@ class Settings:
     trainer_idle_threshold: float = 0.2  # trainer waiting more than this share of the window: it waits for data
     rollout_held_threshold: float = 0.2  # workers held by the bound more than this share of their time (1: never)
     min_samples: int = 1  # fewer trained samples than this in a window: no verdict
+    step_fraction: float = 0.5  # the share of the measured imbalance one decision corrects (at least one unit)
+    length_tolerance: float = 0.2  # responses this much longer or shorter (relative): the workload drifted
     drift_tolerance: float | None = None  # versions; None: half the band's width (at least 0.25)
 
     @property
@@ -85,7 +90,7 @@ def settings_for(job: JobConfig) -> Settings:
     r, band = job.rebalance, job.algorithm.staleness_target
     return Settings(band=(band.min, band.max), window_seconds=r.window_seconds, cooldown_seconds=r.cooldown_seconds,
                     trainer_idle_threshold=r.trainer_idle_threshold, rollout_held_threshold=r.rollout_held_threshold,
-                    min_samples=r.min_samples)
+                    min_samples=r.min_samples, step_fraction=r.step_fraction)
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class Totals:
 
     at: float  # seconds, on the controller's clock (JobStatus.updated_at)
     trained_samples: int
+    trained_tokens: int
     staleness_sum: float
     staleness_counts: tuple[int, ...]
     trainer_wait_seconds: float
@@ -114,6 +120,7 @@ class Window:
     rollout_held: float  # share of the workers' time they were held by the staleness bound
     trained_per_second: float  # samples
     accepted_groups_per_second: float
+    tokens_per_sample: float = 0.0  # the responses' length: what a drift of the workload changes
 
     def describe(self) -> str:
         return (f"mean staleness {self.mean_staleness:.2f} over {self.samples} samples, trainer idle "
@@ -121,7 +128,8 @@ class Window:
 
 
 def totals_of(report: controller_pb2.JobStatus) -> Totals:
-    return Totals(at=report.updated_at, trained_samples=report.trained_samples, staleness_sum=report.staleness_sum,
+    return Totals(at=report.updated_at, trained_samples=report.trained_samples, trained_tokens=report.trained_tokens,
+                  staleness_sum=report.staleness_sum,
                   staleness_counts=tuple(report.staleness_counts), trainer_wait_seconds=report.trainer_wait_seconds,
                   held_by_staleness_seconds=report.held_by_staleness_seconds, accepted_groups=report.accepted,
                   workers=report.workers)
@@ -143,6 +151,7 @@ def observe(start: Totals, end: Totals, band: tuple[float, float]) -> Window:
                              / (seconds * max(end.workers, 1)), 0.0), 1.0),
         trained_per_second=samples / seconds,
         accepted_groups_per_second=(end.accepted_groups - start.accepted_groups) / seconds,
+        tokens_per_sample=(end.trained_tokens - start.trained_tokens) / samples if samples > 0 else 0.0,
     )
 
 
@@ -153,6 +162,7 @@ class Verdict:
     split: Split
     side: str  # above | inside | below
     mean_staleness: float
+    tokens_per_sample: float = 0.0  # the workload it was measured under (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -197,9 +207,15 @@ def toward_rollout(split: Split, limits: Limits) -> Split | None:
     return traded if rollout > split.rollout and limits.allows(traded) else None
 
 
-def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float) -> tuple[Verdict, ...]:
-    """`memory` with `verdict` in it. A split that measures unlike it first did means the workload drifted: forget
-    the rest. The first measurement stays the reference, so a slow drift adds up until it shows."""
+def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float,
+             length_tolerance: float = 0.2) -> tuple[Verdict, ...]:
+    """`memory` with `verdict` in it. The workload drifted, and every verdict is forgotten but this one, when:
+    - the responses' length moved more than `length_tolerance` (relative) from the memory's first verdict;
+    - or this split measures unlike it first did (the other side of the band, or `tolerance` versions away).
+    The first measurements stay the reference, so a slow drift adds up until it shows."""
+    reference = next((v.tokens_per_sample for v in memory if v.tokens_per_sample > 0), 0.0)
+    if reference and verdict.tokens_per_sample and abs(verdict.tokens_per_sample / reference - 1) > length_tolerance:
+        return (verdict,)
     before = next((v for v in memory if v.split == verdict.split), None)
     if before is None:
         return memory + (verdict,)
@@ -216,7 +232,8 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
         return Decision(None, "CollectingData", f"{window.samples} samples trained in the window, fewer than "
                         f"{max(settings.min_samples, 1)}: no verdict", window), memory
     side = side_of(window.mean_staleness, band)
-    memory = remember(memory, Verdict(split, side, window.mean_staleness), settings.tolerance)
+    memory = remember(memory, Verdict(split, side, window.mean_staleness, window.tokens_per_sample), settings.tolerance,
+                      settings.length_tolerance)
     seen = window.describe()
     band_text = f"[{band[0]:g}, {band[1]:g}]"
     if side == INSIDE:
@@ -227,17 +244,45 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
     if side == BELOW and window.rollout_held > settings.rollout_held_threshold:
         return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
                         "the rollout pool back, so more rollout would not be used", window), memory
-    target = toward_training(split, limits) if side == ABOVE else toward_rollout(split, limits)
+    step = toward_training if side == ABOVE else toward_rollout
     direction = "training" if side == ABOVE else "rollout"
-    if target is None:
+    first = step(split, limits)
+    if first is None:
         return Decision(None, "AtLimit", f"{seen}: {side} the band {band_text}, but no split with more {direction} "
                         f"fits the bounds and the budget (at {split})", window), memory
     opposite = BELOW if side == ABOVE else ABOVE
-    if any(v.split == target and v.side == opposite for v in memory):
-        return Decision(None, "BandBetweenSplits", f"{seen}: {side} the band {band_text} at {split}, and {target} "
+    if any(v.split == first and v.side == opposite for v in memory):
+        return Decision(None, "BandBetweenSplits", f"{seen}: {side} the band {band_text} at {split}, and {first} "
                         f"measured {opposite} it: the band lies between the two, staying", window), memory
+    target = walk(split, first, step, limits, memory, opposite, gpus_to_move(window, split, limits, settings, side))
     code = "MovedToTraining" if side == ABOVE else "MovedToRollout"
     return Decision(target, code, f"{seen}: {side} the band {band_text}; {split} -> {target}", window), memory
+
+
+def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Settings, side: str) -> float:
+    """How many rollout GPUs one decision moves: `step_fraction` of the imbalance the window measured.
+
+    Above the band, the bound held the pool back `rollout_held` of its time: that share of it is surplus. Below, the
+    trainer waited `trainer_idle` of the window for data: generation runs 1/(1 − idle) times too slow, so the pool
+    lacks idle/(1 − idle) of itself (idle capped at 0.9)."""
+    pool = split.rollout * limits.rollout_unit
+    if side == ABOVE:
+        return settings.step_fraction * pool * window.rollout_held
+    idle = min(window.trainer_idle, 0.9)
+    return settings.step_fraction * pool * idle / (1 - idle)
+
+
+def walk(split: Split, first: Split, step, limits: Limits, memory: tuple[Verdict, ...], opposite: str,
+         wanted: float) -> Split:
+    """Take single-unit steps from `split` (the first is `first`) until the rollout side has moved `wanted` GPUs, a
+    bound stops it, or the next split was measured on the other side of the band (never step onto it)."""
+    current = first
+    while abs(current.rollout - split.rollout) * limits.rollout_unit < wanted - 1e-9:  # (float noise)
+        following = step(current, limits)
+        if following is None or any(v.split == following and v.side == opposite for v in memory):
+            break
+        current = following
+    return current
 
 
 @dataclass(frozen=True)

@@ -472,6 +472,7 @@ class ControllerCore:
             "max_staleness_seen": p.max_staleness_seen,
             "mean_staleness": p.staleness_sum / p.staleness_samples if p.staleness_samples else 0.0,
             "trained_samples": p.trained_samples,
+            "trained_tokens": p.trained_tokens,
             "staleness_sum": p.staleness_sum,
             "staleness_counts": list(p.staleness_counts),
             "trainer_wait_seconds": p.trainer_wait_seconds,

@@ -44,14 +44,15 @@ def limits_of(spec: dict) -> Limits:
 # -- the state in status.rebalance, and back ---------------------------------------------------------------------
 
 def _totals_to_status(t: Totals) -> dict:
-    return {"at": t.at, "trainedSamples": t.trained_samples, "stalenessSum": t.staleness_sum,
+    return {"at": t.at, "trainedSamples": t.trained_samples, "trainedTokens": t.trained_tokens, "stalenessSum": t.staleness_sum,
             "stalenessCounts": list(t.staleness_counts), "trainerWaitSeconds": t.trainer_wait_seconds,
             "heldByStalenessSeconds": t.held_by_staleness_seconds, "acceptedGroups": t.accepted_groups,
             "workers": t.workers}
 
 
 def _totals_from_status(d: dict) -> Totals:
-    return Totals(at=d["at"], trained_samples=d["trainedSamples"], staleness_sum=d["stalenessSum"],
+    return Totals(at=d["at"], trained_samples=d["trainedSamples"], trained_tokens=d.get("trainedTokens", 0),
+                  staleness_sum=d["stalenessSum"],
                   staleness_counts=tuple(d.get("stalenessCounts") or ()), trainer_wait_seconds=d["trainerWaitSeconds"],
                   held_by_staleness_seconds=d["heldByStalenessSeconds"], accepted_groups=d["acceptedGroups"],
                   workers=d["workers"])
@@ -64,7 +65,8 @@ def state_from_status(block: dict | None, start: Split) -> State:
         split=Split(block["rollout"], block["trainer"]),
         window_start=_totals_from_status(block["windowStart"]) if block.get("windowStart") else None,
         last_change_at=block.get("lastChangeAt"),
-        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"]) for v in block.get("memory") or []),
+        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"], v.get("tokensPerSample", 0.0))
+                     for v in block.get("memory") or []),
     )
 
 
@@ -81,7 +83,8 @@ def state_to_status(state: State) -> dict:
         "windowStart": _totals_to_status(state.window_start) if state.window_start else None,
         "lastChangeAt": state.last_change_at,
         "memory": [{"rollout": v.split.rollout, "trainer": v.split.trainer, "side": v.side,
-                    "meanStaleness": round(v.mean_staleness, 4)} for v in state.memory],
+                    "meanStaleness": round(v.mean_staleness, 4), "tokensPerSample": round(v.tokens_per_sample, 2)}
+                   for v in state.memory],
     }
 
 

@@ -349,7 +349,7 @@ def rebalance_status_schema() -> dict:
             "rolloutHeld": {**number, "description": "Share of the workers' time the staleness bound held them."},
         }),
         "windowStart": obj("The controller's running totals where the current window began.", {
-            "at": number, "trainedSamples": integer("Samples."), "stalenessSum": number,
+            "at": number, "trainedSamples": integer("Samples."), "trainedTokens": integer("Tokens."), "stalenessSum": number,
             "stalenessCounts": {"type": "array", "items": {"type": "integer"}},
             "trainerWaitSeconds": number, "heldByStalenessSeconds": number,
             "acceptedGroups": integer("Groups."), "workers": integer("Workers."),
@@ -359,7 +359,8 @@ def rebalance_status_schema() -> dict:
                                                    "splits; cleared when the workload drifts.",
                    "items": obj("A split's verdict.", {
                        "rollout": integer("Rollout pods."), "trainer": integer("Trainer replicas."),
-                       "side": string("above, inside or below the band."), "meanStaleness": number})},
+                       "side": string("above, inside or below the band."), "meanStaleness": number,
+                       "tokensPerSample": {**number, "description": "The responses' length it was measured under."}})},
     })
 
 
