@@ -242,8 +242,7 @@ class LocalRun:
         (re-queued, not charged to their prompts) and unregisters, so the next weight push leaves it out."""
         name = f"rollout-{self.rollout_workers()[-1]}"
         for process in (name, name.replace("rollout-", "engine-")):
-            if any(s.name == process for s in self.services):
-                service = self.service(process)
+            if (service := next((s for s in self.services if s.name == process), None)) is not None:
                 self.supervisor.forget(process)
                 self.services.remove(service)
                 service.stop()

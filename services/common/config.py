@@ -332,20 +332,24 @@ def parse_job(data: object, source: str = "job") -> JobConfig:
         raise JobFileError(describe_validation_error(exc, source)) from None
 
 
-def load_job_file(path: str | Path, project_root: Path | None = None) -> JobConfig:
-    """Read, validate and resolve a job file. Relative paths are taken against `project_root` (default: cwd)."""
-    path = Path(path)
+def read_yaml_file(path: Path, what: str = "job file") -> object:
+    """A YAML file's content, or JobFileError with one readable line (the file, and the line YAML stopped at)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise JobFileError(f"{path}: cannot read job file ({exc.strerror})") from None
+        raise JobFileError(f"{path}: cannot read {what} ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise JobFileError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
-    return parse_job(data, str(path)).resolve_paths(project_root or Path.cwd())
+
+
+def load_job_file(path: str | Path, project_root: Path | None = None) -> JobConfig:
+    """Read, validate and resolve a job file. Relative paths are taken against `project_root` (default: cwd)."""
+    path = Path(path)
+    return parse_job(read_yaml_file(path), str(path)).resolve_paths(project_root or Path.cwd())
 
 
 def reference_markdown() -> str:

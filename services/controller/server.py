@@ -323,24 +323,28 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @rpc
     async def GetJobStatus(self, request, context):
-        status = self.core.status()
-        stream = await self.store.stream_stats()
-        if status["finished"]:
-            phase = controller_pb2.JobStatus.COMPLETED
-        elif status["failure_reason"]:
-            phase = controller_pb2.JobStatus.FAILED
-        elif status["workers"] or status["consumed"]:
-            phase = controller_pb2.JobStatus.RUNNING
-        else:
-            phase = controller_pb2.JobStatus.PENDING
-        fields = {k: v for k, v in status.items() if k != "finished"}
-        return controller_pb2.JobStatus(
-            job=self.core.job.name,
-            phase=phase,
-            queue_depth=int(stream["pending"] + stream["lag"]),
-            stream_length=int(stream["length"]),
-            **fields,
-        )
+        return job_status(self.core, await self.store.stream_stats())
+
+
+def job_status(core: ControllerCore, stream: dict) -> controller_pb2.JobStatus:
+    """The job's status message: the core's figures, its phase, and the trajectory stream's `stream_stats`."""
+    status = core.status()
+    if status["finished"]:
+        phase = controller_pb2.JobStatus.COMPLETED
+    elif status["failure_reason"]:
+        phase = controller_pb2.JobStatus.FAILED
+    elif status["workers"] or status["consumed"]:
+        phase = controller_pb2.JobStatus.RUNNING
+    else:
+        phase = controller_pb2.JobStatus.PENDING
+    fields = {k: v for k, v in status.items() if k != "finished"}
+    return controller_pb2.JobStatus(
+        job=core.job.name,
+        phase=phase,
+        queue_depth=int(stream["pending"] + stream["lag"]),
+        stream_length=int(stream["length"]),
+        **fields,
+    )
 
 
 async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, reap_interval: float = 2.0,

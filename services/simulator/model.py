@@ -21,11 +21,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.rebalance import Decision, Limits, Split, State, advance, settings_for, totals_of
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.trainer.batching import Group, select_batch
@@ -325,8 +325,8 @@ class Simulation:
     # -- the rebalancer ------------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        status = {k: v for k, v in self.core.status().items() if k != "finished"}
-        report = controller_pb2.JobStatus(phase=controller_pb2.JobStatus.RUNNING, **status)
+        waiting = len(self.stream) * self.s.job.group_size  # generated, not yet trained: the stream's backlog
+        report = job_status(self.core, {"pending": 0, "lag": waiting, "length": waiting})
         self.policy, decision = advance(self.policy, totals_of(report), self.limits, self.settings)
         if decision is not None and decision.code != "CollectingData":
             self.decisions.append((self.now, decision))

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from areal_k8s.common.config import JobFileError, RebalanceConfig, StalenessBand, describe_validation_error
+from areal_k8s.common.config import JobFileError, RebalanceConfig, StalenessBand, describe_validation_error, read_yaml_file
 
 
 class _Part(BaseModel):
@@ -95,10 +94,7 @@ class Scenario(_Part):
 
 def load_scenario(path: Path) -> Scenario:
     """A scenario file, or JobFileError with one readable line naming the field."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise JobFileError(f"{path}: {exc}") from None
+    data = read_yaml_file(path, "scenario file")
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
