@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.grpcutil import channel, dependency_channel
 from areal_k8s.common.store import JobKeys, TrajectoryStore, connect
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import serve
@@ -452,3 +452,17 @@ async def test_a_group_the_trainer_drops_as_past_the_bound_comes_back_once_and_s
         assert (await acquire(second.stub, 1)).groups[0].prompt_id == group.prompt_id  # admitted again, first
     finally:
         await second.stop()
+
+
+async def test_a_dependency_whose_name_does_not_resolve_yet_is_waited_for():
+    """A worker started while the controller's Service has no ready pod finds no address for it. Its first call waits
+    (here until its own deadline) instead of failing at once: gRPC applies the channel's wait-for-ready service
+    config only after a first resolution, and the pods test once lost a restart to exactly that."""
+    dependency = dependency_channel("no-such-controller.invalid:50051")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await controller_pb2_grpc.ControllerStub(dependency).RegisterWorker(
+                controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"), timeout=1)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waited; UNAVAILABLE would be at once
+    finally:
+        await dependency.close()

@@ -119,7 +119,18 @@ _DEPENDENCY_SERVICE_CONFIG = json.dumps({"methodConfig": [
 ]})
 
 
+class _WaitForReady(grpc.aio.UnaryUnaryClientInterceptor):
+    """Marks every call wait-for-ready, with the dependency deadline unless it has its own. The service config says
+    the same, but gRPC applies it only once the target's name has resolved: a process started while its
+    dependency's name does not resolve yet (a Service with no ready pod) would fail its first call at once."""
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        timeout = DEPENDENCY_DEADLINE_SECONDS if client_call_details.timeout is None else client_call_details.timeout
+        return await continuation(client_call_details._replace(wait_for_ready=True, timeout=timeout), request)
+
+
 def dependency_channel(target: str) -> grpc.aio.Channel:
     """A channel to the controller or the reward service, which a process needs to go on: calls wait for it to
     come back from a restart (gRPC reconnects with back-off) and idempotent ones are sent again."""
-    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.service_config", _DEPENDENCY_SERVICE_CONFIG)])
+    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.service_config", _DEPENDENCY_SERVICE_CONFIG)],
+                                     interceptors=[_WaitForReady()])
