@@ -9,7 +9,9 @@ What differs from a real build, and why (each image's own list is in its failure
   every other torch build pip could reach is a CUDA one of several GB.
 - torch: PyTorch's own wheel index cannot be reached. Its `--index-url` is dropped and a constraint pins torch to
   `==<version>+cpu`, the wheel that a plain `pip install torch==2.13.0` takes here, so pip never resolves a CUDA
-  build (for the trainer too, whose image has CUDA 13.0 wheels).
+  build (for the trainer too, whose image has CUDA 13.0 wheels). The images that install torch share one copy of
+  it (.cache/image-envs/torch-<hash>, on a .pth line in each environment): pip finds it installed and still
+  resolves its dependencies into the environment, and a fresh clone's run needs one copy of the 760 MB, not three.
 - megatron-core: releases after 0.16 require Python >= 3.12; on 3.11 the trainer's explicit pin is dropped and the
   package's `megatron` extra resolves it (0.16.x).
 - pip: the environment is made without pip and this project's pip installs into it (`pip --python`), so the
@@ -353,10 +355,26 @@ def pip_install(venv: Path, arguments: list[str]) -> None:
              "--constraint", str(torch_constraint()), *arguments])
 
 
+def shared_torch() -> Path:
+    """One copy of the local CPU torch, without its dependencies, for every environment that installs torch."""
+    folder = CACHE / f"torch-{digest(TORCH_CONSTRAINT, sys.version, version('pip'))}"
+    with locked("torch", keep=folder):
+        build_once(folder, lambda target: run_pip(["install", "--progress-bar", "off", "--no-deps", "--target",
+                                                   str(target), "--constraint", str(torch_constraint()),
+                                                   TORCH_CONSTRAINT.replace("+cpu", "")]))
+    return folder
+
+
+def site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
 def build_environment(plan: Plan, wheel: Path | None, venv: Path) -> None:
     for step in plan.steps:
         if step[0] == "venv":
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=COMMAND_TIMEOUT)
+            if installs_torch(plan):
+                (site_packages(venv) / "areal_shared_torch.pth").write_text(f"{shared_torch()}\n")
         elif step[0] == "install":
             pip_install(venv, [host_argument(a, plan, wheel) for a in step[1:]])
         # "wheel": built before (package_wheel), since the environment's key holds its metadata
