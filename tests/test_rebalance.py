@@ -62,11 +62,57 @@ def test_a_trainer_at_its_maximum_gives_way_to_releasing_an_engine():
     assert toward_training(Split(2, 1), limits) is None
 
 
-def test_signals_that_disagree_with_the_staleness_hold_the_split():
-    above_but_starved, _ = decide(window(3.0, trainer_idle=0.5), Split(4, 2), Limits(), SETTINGS)
+def test_below_the_band_while_the_bound_holds_the_pool_the_split_stays():
     below_but_held, _ = decide(window(0.5, trainer_idle=0.5, rollout_held=0.5), Split(4, 2), Limits(), SETTINGS)
-    assert [d.code for d in (above_but_starved, below_but_held)] == ["SignalsDisagree"] * 2
-    assert above_but_starved.split is None and below_but_held.split is None
+    assert (below_but_held.split, below_but_held.code) == (None, "SignalsDisagree")
+
+
+def latency_bound(rate: float, **fields) -> Window:
+    """Above the band while the trainer waits: samples old because each takes long to generate."""
+    return replace(window(3.8, trainer_idle=0.5, rollout_held=0.8, **fields), trained_per_second=rate)
+
+
+def test_latency_bound_it_probes_one_unit_toward_rollout():
+    decision, memory = decide(latency_bound(2.0), Split(4, 2), Limits(budget=12), SETTINGS)
+    assert (decision.split, decision.code) == (Split(5, 2), "MovedToRollout")  # one unit, however idle the trainer
+    assert memory[-1].latency_bound and memory[-1].wants == "rollout" and memory[-1].trained_per_second == 2.0
+
+
+def test_latency_bound_it_goes_on_only_while_more_rollout_pays():
+    memory = (Verdict(Split(4, 2), "above", 3.8, latency_bound=True, trained_per_second=2.0),)
+    paid, _ = decide(latency_bound(2.5), Split(5, 2), Limits(budget=12), SETTINGS, memory)
+    assert (paid.split, paid.code) == (Split(6, 2), "MovedToRollout")
+    flat, _ = decide(latency_bound(2.05), Split(5, 2), Limits(budget=12), SETTINGS, memory)  # under 5% more
+    assert (flat.split, flat.code) == (None, "LatencyBound")
+    assert "max_staleness" in flat.message
+    lost, _ = decide(latency_bound(1.5), Split(5, 2), Limits(budget=12), SETTINGS, memory)
+    assert (lost.split, lost.code) == (Split(4, 2), "MovedToTraining")  # the probe cost throughput: back
+    assert "trained faster" in lost.message
+    # back where it came from, the split it probed is remembered as no faster: it stays
+    memory += (Verdict(Split(5, 2), "above", 3.8, latency_bound=True, trained_per_second=1.5),)
+    back, _ = decide(latency_bound(2.0), Split(4, 2), Limits(budget=12), SETTINGS, memory)
+    assert (back.split, back.code) == (None, "LatencyBound")
+
+
+def test_samples_as_old_as_the_bound_allows_with_both_sides_busy_hold_the_split():
+    full = window(3.7, trainer_idle=0.1, rollout_held=0.1)  # η = 4: the bound is full, and nobody waits
+    decision, _ = decide(full, Split(4, 2), Limits(budget=12), replace(SETTINGS, max_staleness=4))
+    assert (decision.split, decision.code) == (None, "LatencyBound")
+    behind, _ = decide(replace(full, rollout_held=0.6), Split(4, 2), Limits(budget=12), replace(SETTINGS, max_staleness=4))
+    assert behind.code == "MovedToTraining"  # the bound holds the pool: the trainer is behind, as usual
+
+
+def test_with_the_bound_full_the_throughput_tells_two_splits_apart():
+    memory = (Verdict(Split(4, 3), "above", 3.8, latency_bound=True, trained_per_second=2.0),)
+    busy = replace(window(3.8, trainer_idle=0.05, rollout_held=0.9), trained_per_second=2.4)  # the trainer is behind
+    full = replace(SETTINGS, max_staleness=4)
+    decision, _ = decide(busy, Split(5, 2), Limits(budget=7), full, memory)
+    assert (decision.split, decision.code) == (None, "LatencyBound")  # the split toward training measured slower
+    slower, _ = decide(replace(busy, trained_per_second=1.6), Split(5, 2), Limits(budget=7), full, memory)
+    assert (slower.split, slower.code) == (Split(4, 3), "MovedToTraining")  # the faster split, back
+    # without η the staleness reads as usual: the split toward training asked for rollout, so the balance is between
+    bracketed, _ = decide(busy, Split(5, 2), Limits(budget=7), SETTINGS, memory)
+    assert (bracketed.split, bracketed.code) == (None, "BandBetweenSplits")
 
 
 def test_at_the_limits_it_says_so():
@@ -85,7 +131,7 @@ def test_a_band_between_two_splits_is_recognised_and_the_split_stays():
     memory = (Verdict(Split(5, 2), "above", 2.6),)  # one engine more was too stale
     decision, memory = decide(window(0.7, trainer_idle=0.3), Split(4, 2), Limits(budget=8), SETTINGS, memory)
     assert (decision.split, decision.code) == (None, "BandBetweenSplits")
-    assert Verdict(Split(4, 2), "below", 0.7) in memory
+    assert Verdict(Split(4, 2), "below", 0.7, trained_per_second=100 / 60) in memory
 
 
 def test_responses_of_another_length_mean_drift_and_clear_the_memory():
@@ -93,14 +139,14 @@ def test_responses_of_another_length_mean_drift_and_clear_the_memory():
     longer = replace(window(0.7, trainer_idle=0.3), tokens_per_sample=600.0)  # without the drift: BandBetweenSplits
     decision, memory = decide(longer, Split(4, 2), Limits(budget=8), SETTINGS, memory)
     assert (decision.split, decision.code) == (Split(5, 2), "MovedToRollout")
-    assert memory == (Verdict(Split(4, 2), "below", 0.7, 600.0),)
+    assert memory == (Verdict(Split(4, 2), "below", 0.7, 600.0, trained_per_second=100 / 60),)
 
 
 def test_a_split_that_measures_differently_than_before_means_drift_and_clears_the_memory():
     memory = (Verdict(Split(5, 2), "above", 2.6), Verdict(Split(4, 2), "below", 0.9))
     decision, memory = decide(window(0.2, trainer_idle=0.3), Split(4, 2), Limits(budget=8), SETTINGS, memory)
     assert (decision.split, decision.code) == (Split(5, 2), "MovedToRollout")
-    assert memory == (Verdict(Split(4, 2), "below", 0.2),)
+    assert memory == (Verdict(Split(4, 2), "below", 0.2, trained_per_second=100 / 60),)
 
 
 def totals(at: float, samples: int, staleness: list[int], wait: float = 0.0, held: float = 0.0, accepted: int = 0,
@@ -242,3 +288,49 @@ def test_after_responses_grow_longer_it_settles_again_in_or_around_the_band(per_
 def measured_mean(plant: Plant, split: Split) -> float:
     ratio = split.rollout * plant.per_engine / (split.trainer * plant.per_trainer)
     return ETA * ratio / (1 + ratio)
+
+
+class LatencyPlant:
+    """Long responses: every sample takes longer to generate than η training steps, so the admission bound is
+    always full and every sample trains η versions old, whatever the split. An engine's decode step slows with the
+    sequences it holds (`step_base` + `per_sequence` × the bound's samples over the engines), so more engines
+    shorten the generation with diminishing returns; the trainer trains `per_trainer` samples/s per unit."""
+
+    IN_FLIGHT, TOKENS = 5_000, 1_000  # samples the bound admits; tokens per response
+
+    def __init__(self, step_base: float, per_sequence: float, per_trainer: float):
+        self.step_base, self.per_sequence, self.per_trainer = step_base, per_sequence, per_trainer
+        self.at, self.samples, self.staleness_sum, self.wait, self.held = 0.0, 0, 0.0, 0.0, 0.0
+
+    def rates(self, split: Split) -> tuple[float, float]:
+        step = self.step_base + self.per_sequence * self.IN_FLIGHT / split.rollout
+        return self.IN_FLIGHT / (self.TOKENS * step), split.trainer * self.per_trainer
+
+    def rate(self, split: Split) -> float:
+        return min(self.rates(split))
+
+    def run(self, split: Split, seconds: float) -> Totals:
+        generated, trainable = self.rates(split)
+        trained = min(generated, trainable) * seconds
+        self.samples += int(trained)
+        self.staleness_sum += int(trained) * ETA
+        self.wait += (1 - min(generated, trainable) / trainable) * seconds
+        self.held += (1 - min(generated, trainable) / generated) * seconds * split.rollout
+        self.at += seconds
+        return Totals(at=self.at, trained_samples=self.samples, trained_tokens=self.samples * self.TOKENS,
+                      staleness_sum=self.staleness_sum, staleness_counts=(), trainer_wait_seconds=self.wait,
+                      held_by_staleness_seconds=self.held, accepted_groups=0, workers=split.rollout)
+
+
+@settings(max_examples=100, deadline=None)
+@given(step_base=st.floats(min_value=1e-3, max_value=0.05), per_sequence=st.floats(min_value=1e-6, max_value=1e-3),
+       per_trainer=st.floats(min_value=0.5, max_value=50.0), trainer=st.integers(1, 8))
+def test_latency_bound_it_settles_no_slower_than_it_started(step_base, per_sequence, per_trainer, trainer):
+    plant, policy = LatencyPlant(step_base, per_sequence, per_trainer), replace(POLICY, max_staleness=ETA)
+    start = Split(LIMITS.budget - trainer * LIMITS.trainer_unit, trainer)
+    state, visited = drive(plant, State(start), LIMITS, policy, ticks=1200)
+    _, later = drive(plant, state, LIMITS, policy, ticks=200)
+    assert len(later) == 1, f"still moving after it settled: {visited} then {later}"
+    # A probe that did not pay is undone, so the split it keeps trains at least about as fast as where it started
+    assert plant.rate(state.split) >= plant.rate(start) * (1 - policy.gain_tolerance), visited
+    assert len(visited) - len(set(visited)) <= 1, f"more than one step back: {visited}"

@@ -21,7 +21,7 @@ def scenario(**parts) -> Scenario:
         "job": {"batch_size": 8, "group_size": 4, "max_staleness": 2, "total_steps": 30, "groups_per_engine": 4},
         "split": {"rollout": 3, "trainer": 1},
         "engine": {"step_base_seconds": 0.02, "step_per_sequence_seconds": 0.001, "start_seconds": 30},
-        "trainer": {"seconds_per_token": 0.0005, "rescale_seconds": 30},
+        "trainer": {"gpu_seconds_per_token": 0.0005, "rescale_seconds": 30},
         "push": {"seconds": 2},
         "workload": {"response": {"mean": 300, "sigma": 0.6, "max": 2000}},
     }
@@ -66,8 +66,7 @@ def test_the_rebalancer_grows_a_starved_rollout_pool_and_never_turns_back():
     result = simulate(starved)
     pools = [rollout for _, rollout, _ in result.splits]
     assert pools[0] == 1 and pools[-1] > 1, result.splits
-    assert pools == sorted(pools), f"turned back: {result.splits}"
-    assert all(d.code != "MovedToTraining" for _, d in result.decisions)
+    assert pools == sorted(pools), f"turned back: {result.splits}"  # (spare budget may add a trainer unit too)
     static = simulate(starved.model_copy(update={"rebalance": starved.rebalance.model_copy(update={"enabled": False})}))
     assert result.seconds < static.seconds and result.figures()["simulated"] is True
 

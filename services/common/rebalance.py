@@ -10,19 +10,29 @@ window ahead of it, so samples wait and arrive old (and the pool is held by the 
 trainer waiting for fresh samples. The mean staleness over a window is therefore a monotone signal of the
 balance, and the band is where the two sides keep pace. The idle figures must agree with it before anything moves.
 
+Where it does not: when one response takes longer to generate than several training steps (long reasoning, a
+long tail of lengths), samples arrive old however fast the trainer is, and the trainer still waits for them. The
+staleness then measures the generation's latency, not the balance. More engines shorten that latency only as far
+as an engine's decode step slows with its batch, so in that regime the policy climbs the measured throughput
+instead: one unit at a time, kept only while it raises the samples trained per second by `gain_tolerance`.
+
 Rules, in order (each decision names its rule in `code`):
 - too few samples trained in the window: hold (`CollectingData`);
 - mean staleness inside the band: hold (`WithinBand`);
-- above the band, but the trainer waits for data: hold (`SignalsDisagree`), likewise below the band while the
-  rollout pool is held by the bound;
+- below the band while the rollout pool is held by the bound: hold (`SignalsDisagree`);
+- above the band while the trainer waits for data, or samples about η old (the bound full): the staleness reads
+  the generation's latency, not the balance, so the samples trained per second decide (`by_throughput`): a split
+  remembered faster by `gain_tolerance` is taken; else one unit toward the side the other waits for, unless that
+  split was measured already; else hold (`LatencyBound`: a larger η or shorter responses help, not the split);
 - above the band: toward training (`MovedToTraining`); below: toward rollout (`MovedToRollout`). A move corrects
   `step_fraction` of the imbalance the window measured (the surplus the bound held back, or the shortfall the
   trainer waited for), in single-unit steps, at least one;
 - no such split within the bounds and the budget: hold (`AtLimit`);
-- the split a first step would reach was last measured on the other side of the band: the band lies between the
-  two splits, so stay (`BandBetweenSplits`); a longer move stops before such a split. Memory of past splits is
+- the split a first step would reach asked for the opposite move when it was measured: the balance lies between
+  the two splits, so stay (`BandBetweenSplits`); a longer move stops before such a split. Memory of past splits is
   dropped when the workload drifts: the responses' measured length moves by more than `length_tolerance`, or the
-  current split's measurement moves by more than `drift_tolerance`; old verdicts then no longer hold.
+  current split's measurement moves by more than `drift_tolerance` or asks for another move; old verdicts then no
+  longer hold.
 After a change, `cooldown_seconds` of measurements are discarded while the pools settle.
 """
 
@@ -34,6 +44,7 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import JobConfig
 
 ABOVE, INSIDE, BELOW = "above", "inside", "below"
+TRAINING, ROLLOUT = "training", "rollout"  # the move a measured split asks for
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,9 @@ class Settings:
     step_fraction: float = 0.5  # the share of the measured imbalance one decision corrects (at least one unit)
     length_tolerance: float = 0.2  # responses this much longer or shorter (relative): the workload drifted
     drift_tolerance: float | None = None  # versions; None: half the band's width (at least 0.25)
+    gain_tolerance: float = 0.05  # latency-bound: a move toward rollout must raise samples/s by this share to go on
+    max_staleness: int | None = None  # η: a mean within `saturation_margin` of it says the bound is full
+    saturation_margin: float = 0.5
 
     @property
     def tolerance(self) -> float:
@@ -90,7 +104,8 @@ def settings_for(job: JobConfig) -> Settings:
     r, band = job.rebalance, job.algorithm.staleness_target
     return Settings(band=(band.min, band.max), window_seconds=r.window_seconds, cooldown_seconds=r.cooldown_seconds,
                     trainer_idle_threshold=r.trainer_idle_threshold, rollout_held_threshold=r.rollout_held_threshold,
-                    min_samples=r.min_samples, step_fraction=r.step_fraction)
+                    min_samples=r.min_samples, step_fraction=r.step_fraction,
+                    max_staleness=job.algorithm.max_staleness)
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,15 @@ class Verdict:
     side: str  # above | inside | below
     mean_staleness: float
     tokens_per_sample: float = 0.0  # the workload it was measured under (0: unknown)
+    latency_bound: bool = False  # above the band while the trainer waited for data
+    trained_per_second: float = 0.0  # samples
+
+    @property
+    def wants(self) -> str | None:
+        """The move this measurement asked for: toward training, toward rollout, or none."""
+        if self.side == BELOW or self.latency_bound:
+            return ROLLOUT
+        return TRAINING if self.side == ABOVE else None
 
 
 @dataclass(frozen=True)
@@ -219,7 +243,7 @@ def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float,
     before = next((v for v in memory if v.split == verdict.split), None)
     if before is None:
         return memory + (verdict,)
-    if before.side != verdict.side or abs(before.mean_staleness - verdict.mean_staleness) > tolerance:
+    if (before.side, before.wants) != (verdict.side, verdict.wants) or abs(before.mean_staleness - verdict.mean_staleness) > tolerance:
         return (verdict,)
     return memory
 
@@ -232,31 +256,78 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
         return Decision(None, "CollectingData", f"{window.samples} samples trained in the window, fewer than "
                         f"{max(settings.min_samples, 1)}: no verdict", window), memory
     side = side_of(window.mean_staleness, band)
-    memory = remember(memory, Verdict(split, side, window.mean_staleness, window.tokens_per_sample), settings.tolerance,
-                      settings.length_tolerance)
+    latency_bound = side == ABOVE and window.trainer_idle > settings.trainer_idle_threshold
+    verdict = Verdict(split, side, window.mean_staleness, window.tokens_per_sample, latency_bound,
+                      window.trained_per_second)
+    memory = remember(memory, verdict, settings.tolerance, settings.length_tolerance)
     seen = window.describe()
     band_text = f"[{band[0]:g}, {band[1]:g}]"
     if side == INSIDE:
         return Decision(None, "WithinBand", f"{seen}: inside the band {band_text}", window), memory
-    if side == ABOVE and window.trainer_idle > settings.trainer_idle_threshold:
-        return Decision(None, "SignalsDisagree", f"{seen}: above the band {band_text}, but the trainer waits for "
-                        "data, so more training would not make samples fresher", window), memory
     if side == BELOW and window.rollout_held > settings.rollout_held_threshold:
         return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
                         "the rollout pool back, so more rollout would not be used", window), memory
-    step = toward_training if side == ABOVE else toward_rollout
-    direction = "training" if side == ABOVE else "rollout"
+    # (with the held check off, as a threshold of 1 turns it, there is no signal to climb by: the staleness rules)
+    saturated = (side == ABOVE and settings.max_staleness is not None and settings.rollout_held_threshold < 1
+                 and window.mean_staleness >= settings.max_staleness - settings.saturation_margin)
+    if saturated or latency_bound:
+        return by_throughput(window, split, limits, settings, memory, latency_bound), memory
+    wants = verdict.wants
+    step = toward_training if wants == TRAINING else toward_rollout
     first = step(split, limits)
     if first is None:
-        return Decision(None, "AtLimit", f"{seen}: {side} the band {band_text}, but no split with more {direction} "
+        return Decision(None, "AtLimit", f"{seen}: {side} the band {band_text}, but no split with more {wants} "
                         f"fits the bounds and the budget (at {split})", window), memory
-    opposite = BELOW if side == ABOVE else ABOVE
-    if any(v.split == first and v.side == opposite for v in memory):
+    opposite = ROLLOUT if wants == TRAINING else TRAINING
+    if any(v.split == first and v.wants == opposite for v in memory):
         return Decision(None, "BandBetweenSplits", f"{seen}: {side} the band {band_text} at {split}, and {first} "
-                        f"measured {opposite} it: the band lies between the two, staying", window), memory
+                        f"asked for more {opposite}: the balance lies between the two, staying", window), memory
     target = walk(split, first, step, limits, memory, opposite, gpus_to_move(window, split, limits, settings, side))
-    code = "MovedToTraining" if side == ABOVE else "MovedToRollout"
+    code = "MovedToTraining" if wants == TRAINING else "MovedToRollout"
     return Decision(target, code, f"{seen}: {side} the band {band_text}; {split} -> {target}", window), memory
+
+
+def by_throughput(window: Window, split: Split, limits: Limits, settings: Settings, memory: tuple[Verdict, ...],
+                  latency_bound: bool) -> Decision:
+    """Where the staleness reads about η whatever the split (the bound full: responses take longer to generate
+    than η training steps), the samples trained per second decide, one unit at a time: a split measured faster
+    under this workload is taken; otherwise the waiting side's partner grows (the trainer waits: rollout; the bound
+    holds the pool: training), unless that split was measured already or the last unit moved that way did not
+    raise the rate by `gain_tolerance`; with neither side waiting, it stays."""
+    rate, gain = window.trained_per_second, 1 + settings.gain_tolerance
+    seen = f"{window.describe()}, {rate:.3g} samples/s"
+    advice = "the staleness comes from how long responses take: a larger max_staleness or shorter responses lower it"
+    faster = max((v for v in memory if v.split != split and limits.allows(v.split)),
+                 key=lambda v: v.trained_per_second, default=None)
+    if faster is not None and faster.trained_per_second > rate * gain:
+        code = "MovedToRollout" if faster.split.rollout > split.rollout else "MovedToTraining"
+        return Decision(faster.split, code, f"{seen}: {faster.split} trained faster "
+                        f"({faster.trained_per_second:.3g} samples/s); {split} -> {faster.split}", window)
+    if latency_bound:
+        wants, step = ROLLOUT, toward_rollout
+    elif window.rollout_held > settings.rollout_held_threshold:
+        wants, step = TRAINING, toward_training
+    else:
+        return Decision(None, "LatencyBound", f"{seen}: samples train about η old with neither side waiting, so the "
+                        f"split is balanced and {advice}; staying", window)
+    first = step(split, limits)
+    if first is None:
+        return Decision(None, "AtLimit", f"{seen}: no split with more {wants} fits the bounds and the budget (at "
+                        f"{split})", window)
+    if (tried := next((v for v in memory if v.split == first), None)) is not None:
+        return Decision(None, "LatencyBound", f"{seen}: {first} trained no faster ({tried.trained_per_second:.3g} "
+                        f"samples/s), so more {wants} does not pay and {advice}; staying", window)
+
+    def tilt(s: Split) -> float:  # the rollout side's share of the GPUs
+        return s.rollout * limits.rollout_unit / limits.gpus(s)
+
+    behind = [v for v in memory if (tilt(v.split) < tilt(split)) == (wants == ROLLOUT) and v.split != split]
+    if behind and rate < (came_from := min(behind, key=lambda v: abs(tilt(v.split) - tilt(split)))).trained_per_second * gain:
+        return Decision(None, "LatencyBound", f"{seen}: the last unit of {wants} did not pay ({came_from.split}: "
+                        f"{came_from.trained_per_second:.3g} samples/s), so {advice}; staying", window)
+    code = "MovedToTraining" if wants == TRAINING else "MovedToRollout"
+    return Decision(first, code, f"{seen}: samples train about η old; one unit more {wants} to see whether it "
+                    f"pays, {split} -> {first}", window)
 
 
 def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Settings, side: str) -> float:
@@ -275,11 +346,11 @@ def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Setting
 def walk(split: Split, first: Split, step, limits: Limits, memory: tuple[Verdict, ...], opposite: str,
          wanted: float) -> Split:
     """Take single-unit steps from `split` (the first is `first`) until the rollout side has moved `wanted` GPUs, a
-    bound stops it, or the next split was measured on the other side of the band (never step onto it)."""
+    bound stops it, or the next split asked for the `opposite` move when measured (never step onto it)."""
     current = first
     while abs(current.rollout - split.rollout) * limits.rollout_unit < wanted - 1e-9:  # (float noise)
         following = step(current, limits)
-        if following is None or any(v.split == following and v.side == opposite for v in memory):
+        if following is None or any(v.split == following and v.wants == opposite for v in memory):
             break
         current = following
     return current

@@ -65,7 +65,8 @@ def state_from_status(block: dict | None, start: Split) -> State:
         split=Split(block["rollout"], block["trainer"]),
         window_start=_totals_from_status(block["windowStart"]) if block.get("windowStart") else None,
         last_change_at=block.get("lastChangeAt"),
-        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"], v.get("tokensPerSample", 0.0))
+        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"], v.get("tokensPerSample", 0.0),
+                             v.get("latencyBound", False), v.get("trainedPerSecond", 0.0))
                      for v in block.get("memory") or []),
     )
 
@@ -83,7 +84,8 @@ def state_to_status(state: State) -> dict:
         "windowStart": _totals_to_status(state.window_start) if state.window_start else None,
         "lastChangeAt": state.last_change_at,
         "memory": [{"rollout": v.split.rollout, "trainer": v.split.trainer, "side": v.side,
-                    "meanStaleness": round(v.mean_staleness, 4), "tokensPerSample": round(v.tokens_per_sample, 2)}
+                    "meanStaleness": round(v.mean_staleness, 4), "tokensPerSample": round(v.tokens_per_sample, 2),
+                    "latencyBound": v.latency_bound, "trainedPerSecond": round(v.trained_per_second, 4)}
                    for v in state.memory],
     }
 

@@ -337,7 +337,7 @@ def rebalance_status_schema() -> dict:
         "rollout": integer("Rollout pods the rebalancer holds (the rollout Deployment's replicas)."),
         "trainer": integer("Trainer data-parallel replicas."),
         "decision": obj("The last decision.", {
-            "code": string("WithinBand, MovedToRollout, MovedToTraining, SignalsDisagree, AtLimit, "
+            "code": string("WithinBand, MovedToRollout, MovedToTraining, SignalsDisagree, LatencyBound, AtLimit, "
                            "BandBetweenSplits, CollectingData or BoundsChanged."),
             "message": string("What it measured and why it decided so."),
             "time": string("When.", format="date-time"),
@@ -360,7 +360,9 @@ def rebalance_status_schema() -> dict:
                    "items": obj("A split's verdict.", {
                        "rollout": integer("Rollout pods."), "trainer": integer("Trainer replicas."),
                        "side": string("above, inside or below the band."), "meanStaleness": number,
-                       "tokensPerSample": {**number, "description": "The responses' length it was measured under."}})},
+                       "tokensPerSample": {**number, "description": "The responses' length it was measured under."},
+                       "latencyBound": {"type": "boolean", "description": "Above the band while the trainer waited."},
+                       "trainedPerSecond": {**number, "description": "Samples trained per second."}})},
     })
 
 

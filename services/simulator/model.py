@@ -286,7 +286,7 @@ class Simulation:
         self.stream = [g for g in self.stream if g.group_id not in taken]
         tokens = sum(self.tokens_of.pop(g.group_id) for g in batch)
         self.training = True
-        seconds = tokens * self.s.trainer.seconds_per_token / self.trainer_units
+        seconds = tokens * self.s.trainer.gpu_seconds_per_token / (self.trainer_units * self.limits.trainer_unit)
         self.at(self.now + seconds, lambda: self.trained(batch, tokens))
 
     def trained(self, batch: list[Group], tokens: int) -> None:

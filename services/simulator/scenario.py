@@ -31,7 +31,9 @@ class EngineCost(_Part):
 
 
 class TrainerCost(_Part):
-    seconds_per_token: Annotated[float, Field(gt=0)] = 1e-4  # one trainer unit; n units take 1/n of it
+    # Training time per token on one GPU (forward, backward, the logprob recompute): n units of g GPUs each take
+    # 1/(n·g) of it (data-parallel scaling taken as linear).
+    gpu_seconds_per_token: Annotated[float, Field(gt=0)] = 1e-4
     rescale_seconds: Annotated[float, Field(ge=0)] = 120.0  # checkpoint, rescale, resume on a change of units
 
 
