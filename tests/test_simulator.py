@@ -100,3 +100,11 @@ def test_without_a_budget_plan_needs_both_maxima_and_tries_every_pair():
     assert len(static_splits(scenario(resources={"max_rollout": 4, "max_trainer": 2}))) == 4 * 2
     with pytest.raises(JobFileError, match="plan needs resources.budget_gpus"):
         static_splits(scenario(resources={"max_rollout": 4}))
+
+
+def test_engines_and_a_trainer_sharing_too_few_cores_slow_each_other_down():
+    separate = simulate(scenario())
+    shared = simulate(scenario(cores=2))  # three engines and the trainer, one thread each, on two cores
+    enough = simulate(scenario(cores=4))
+    assert shared.seconds > separate.seconds and shared.samples == separate.samples
+    assert enough.seconds == separate.seconds  # as many cores as busy threads: nobody waits for a core

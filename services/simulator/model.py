@@ -65,6 +65,8 @@ class Result:
     decisions: list[tuple[float, Decision]]
     splits: list[tuple[float, int, int]]  # (time, rollout units, trainer units) at the start and after each change
     band: tuple[float, float] | None
+    engine_seconds: float = 0.0  # engines held, integrated over time
+    generating_seconds: float = 0.0  # of which with sequences in their batch
 
     def figures(self) -> dict:
         windows = [d.window for _, d in self.decisions if d.window is not None and d.window.samples > 0]
@@ -78,6 +80,7 @@ class Result:
             "samples_per_second": round(self.samples / self.seconds, 3),
             "tokens_per_second": round(self.tokens / self.seconds, 1),
             "trainer_idle": round(self.trainer_wait_seconds / self.seconds, 4),
+            "rollout_idle": round(1 - self.generating_seconds / self.engine_seconds, 4) if self.engine_seconds else 0.0,
             "gpu_busy": round(self.busy_gpu_seconds / self.gpu_seconds, 4) if self.gpu_seconds else 0.0,
             "mean_staleness": round(sum(s * n for s, n in enumerate(self.staleness_counts)) / trained, 3) if trained else 0.0,
             "staleness_counts": self.staleness_counts,
@@ -118,6 +121,7 @@ class Simulation:
         self.samples = self.tokens = 0
         self.staleness_counts: list[int] = []
         self.gpu_seconds = self.busy_gpu_seconds = 0.0
+        self.engine_seconds = self.generating_seconds = 0.0
         self.accounted_at = 0.0
         self.decisions: list[tuple[float, Decision]] = []
         self.tokens_of: dict[str, int] = {}  # tokens of each generated group not yet trained
@@ -147,7 +151,7 @@ class Simulation:
             action()
         return Result(self.s.name, self.now, self.core.version, self.samples, self.tokens, self.wait_seconds,
                       self.staleness_counts, self.gpu_seconds, self.busy_gpu_seconds, self.decisions, self.splits,
-                      self.settings.band if self.settings else None)
+                      self.settings.band if self.settings else None, self.engine_seconds, self.generating_seconds)
 
     def account(self, until: float) -> None:
         """GPUs held and GPUs busy between the last event and `until`."""
@@ -159,6 +163,8 @@ class Simulation:
         training = self.trainer_units * self.limits.trainer_unit if self.training else 0
         self.gpu_seconds += held * span
         self.busy_gpu_seconds += (generating + training) * span
+        self.engine_seconds += len(self.engines) * span
+        self.generating_seconds += len(self.generating) * span
         self.accounted_at = until
 
     # -- rollout -------------------------------------------------------------------------------------------
@@ -224,6 +230,15 @@ class Simulation:
             self.core.end_hold(engine.hold)
             engine.hold = None
 
+    def contention(self, starting: Engine | None = None) -> float:
+        """How much slower a process runs on shared cores, from the threads busy as its work starts (the engine
+        `starting` counted among them): held until that work ends, an approximation as good as events are short."""
+        if self.s.cores is None:
+            return 1.0
+        engines = len(self.generating | ({starting.name} if starting else set()))
+        busy = engines * self.s.engine.threads + (self.s.trainer.threads if self.training else 0)
+        return max(1.0, busy / self.s.cores)
+
     def schedule_steps(self, engine: Engine) -> None:
         """Run the batch up to its next completed sequence, in closed form: with n sequences attending to C tokens
         at the first step, k steps cost k·(base + per_sequence·n) + per_context·(k·C + n·k(k−1)/2)."""
@@ -232,7 +247,7 @@ class Simulation:
         context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
         seconds = (k * (c.step_base_seconds + c.step_per_sequence_seconds * n)
                    + c.step_per_context_token_seconds * (k * context + n * k * (k - 1) / 2)
-                   + c.prefill_per_token_seconds * engine.fresh_prefill)
+                   + c.prefill_per_token_seconds * engine.fresh_prefill) * self.contention(engine)
         engine.fresh_prefill = 0
         engine.busy_until, engine.event_steps = self.now + seconds, k
         self.schedule_steps_end(engine)
@@ -286,7 +301,8 @@ class Simulation:
         self.stream = [g for g in self.stream if g.group_id not in taken]
         tokens = sum(self.tokens_of.pop(g.group_id) for g in batch)
         self.training = True
-        seconds = tokens * self.s.trainer.gpu_seconds_per_token / (self.trainer_units * self.limits.trainer_unit)
+        seconds = (tokens * self.s.trainer.gpu_seconds_per_token / (self.trainer_units * self.limits.trainer_unit)
+                   * self.contention())
         self.at(self.now + seconds, lambda: self.trained(batch, tokens))
 
     def trained(self, batch: list[Group], tokens: int) -> None:

@@ -27,6 +27,7 @@ class EngineCost(_Part):
     step_per_context_token_seconds: Annotated[float, Field(ge=0)] = 0.0
     prefill_per_token_seconds: Annotated[float, Field(ge=0)] = 1e-5
     start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
+    threads: Annotated[int, Field(ge=1)] = 1  # CPU threads one engine keeps busy (with `cores`: CPU contention)
     max_steps_per_event: Annotated[int, Field(ge=1)] = 32  # the longest a newly admitted group waits to join
 
 
@@ -35,6 +36,7 @@ class TrainerCost(_Part):
     # 1/(n·g) of it (data-parallel scaling taken as linear).
     gpu_seconds_per_token: Annotated[float, Field(gt=0)] = 1e-4
     rescale_seconds: Annotated[float, Field(ge=0)] = 120.0  # checkpoint, rescale, resume on a change of units
+    threads: Annotated[int, Field(ge=1)] = 1  # CPU threads the trainer keeps busy (with `cores`: CPU contention)
 
 
 class PushCost(_Part):
@@ -92,6 +94,9 @@ class Scenario(_Part):
     workload: Workload = Field(default_factory=Workload)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     tick_seconds: Annotated[float, Field(gt=0)] = 10.0  # how often the rebalancer reads the controller's status
+    # CPU cores the engines and the trainer share (one machine, as `arealctl run`): while their busy threads
+    # outnumber the cores, each runs cores/threads as fast. None: every side has its own hardware (a cluster).
+    cores: Annotated[float, Field(gt=0)] | None = None
 
 
 def load_scenario(path: Path) -> Scenario:
