@@ -11,7 +11,8 @@ from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.stepping import collate, split_minibatches, token_logprobs
+from areal_k8s.trainer.logprobs import token_logprobs
+from areal_k8s.trainer.stepping import collate, split_minibatches
 from areal_k8s.trainer.trainer import Trainer
 from tiny_models import build_tiny_qwen2
 
@@ -36,7 +37,7 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
             response = [rng.randrange(1, 200) for _ in range(rng.randint(1, 12))]
             tokens = prompt + response
             with torch.no_grad():
-                logprobs = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0)[0]
+                logprobs = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024)[0]
             behaviour = [0.0] * len(prompt) + [float(x) + behaviour_shift for x in logprobs[len(prompt) - 1 :]]
             versions = [-1] * len(prompt) + [rng.choice([0, 1]) for _ in response]
             trajectory = common_pb2.Trajectory(
@@ -59,14 +60,13 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
     })
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="test")
-    torch.manual_seed(0)
-    trainer.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trainer.engine.load(model_path)
     # plain SGD at lr 1: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
-    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=job.algorithm.lr)
-    if job.algorithm.kl_coef:
-        trainer.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
+    if trainer.reference:
+        trainer.reference.load(model_path)
     record = trainer.train_step(groups)
-    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, record
+    return {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}, record
 
 
 def test_collate_lines_up_next_token_arrays():
