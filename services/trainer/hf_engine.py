@@ -40,7 +40,9 @@ class TorchEngine(TrainEngine):
             self.model.eval().requires_grad_(False)
             return
         if self.job.trainer.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.x renamed gradient into activation checkpointing; pyproject admits releases before it
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable()
         algorithm = self.job.algorithm
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
