@@ -51,12 +51,13 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
 
 
 def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
-    micro_batch_tokens = algorithm.pop("micro_batch_tokens", 4096)
+    options = {"micro_batch_tokens": algorithm.pop("micro_batch_tokens", 4096),
+               "logprob_chunk_tokens": algorithm.pop("logprob_chunk_tokens", 1024)}
     job = parse_job({
         "name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 12},
         "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
-        "trainer": {"micro_batch_tokens": micro_batch_tokens},
+        "trainer": options,
     })
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="test")
@@ -89,10 +90,11 @@ def test_split_minibatches_keeps_groups_whole():
 
 
 @pytest.mark.parametrize("objective", [{}, {"name": "gspo"}, {"decoupled": False, "dual_clip": 3.0}, {"kl_coef": 0.1}])
-def test_the_update_does_not_depend_on_the_micro_batch_budget(model_path, objective):
+def test_the_update_does_not_depend_on_the_micro_batch_budget_or_the_logprob_chunk(model_path, objective):
     groups = make_groups(model_path, behaviour_shift=-0.05)
     whole, record = trained_parameters(model_path, groups, micro_batch_tokens=4096, **objective)
-    packed, _ = trained_parameters(model_path, groups, micro_batch_tokens=24, **objective)  # a few sequences each
+    # a few sequences per micro-batch, a few tokens per chunk of logits
+    packed, _ = trained_parameters(model_path, groups, micro_batch_tokens=24, logprob_chunk_tokens=7, **objective)
     initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
     assert any(not torch.equal(whole[n], initial[n]) for n in whole)  # it trained
     for name in whole:

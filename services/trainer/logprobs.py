@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = head(hidden).float()  # float32 for the reduction, whatever the compute dtype
-    if temperature > 0:
+    if temperature > 0 and temperature != 1.0:  # (a division by 1 would cost a [chunk × vocab] copy each way)
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
