@@ -182,6 +182,20 @@ async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client,
         assert answer["meta_info"]["weight_version"] == "7"
 
 
+async def test_a_bfloat16_push_lands_rounded_in_a_float32_engine_and_half_the_bytes_travel(client, trainer_model):
+    # what a trainer with push_dtype bfloat16 sends: the engine keeps its float32 parameters, holding the rounded values
+    pushed = [(name, p.detach().to(torch.bfloat16)) for name, p in trainer_model.named_parameters()]
+    weights = sender()
+    await weights.connect([client])
+    try:
+        stats = await weights.push(pushed, version="bf16")
+    finally:
+        await weights.close()
+    assert stats.bytes == sum(p.numel() * 2 for p in trainer_model.parameters())
+    checksum = await client.weights_checksum()
+    assert checksum["combined"] == weights_checksum(pushed)[1] != weights_checksum(trainer_model.named_parameters())[1]
+
+
 async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, trainer_model):
     version_before = (await client.model_info())["weight_version"]
     weights = sender()
