@@ -4,7 +4,9 @@ The logits of a whole micro-batch (32k tokens × 152k vocab in float32 is ~20 GB
 each add a copy) are what runs a GPU out of memory first. Only log π(target) is needed per token, so the output
 layer is applied to `chunk_tokens` hidden states at a time and each chunk reduced to its targets' log-probabilities
 (logit − logsumexp) before the next. With gradients, each chunk runs under activation checkpointing: its logits are
-freed after the forward and recomputed, one chunk at a time, in the backward. Peak memory is O(chunk × vocab).
+freed after the forward and recomputed, one chunk at a time, in the backward, where the gradient of the reduction
+is written into a single buffer. Peak memory is O(chunk × vocab). The output layer is called as a module, so hooks
+that wrap it (FSDP's gathering of sharded weights) run for every chunk and its recomputation.
 """
 
 from __future__ import annotations
@@ -13,11 +15,31 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
+class _TargetLogprobs(torch.autograd.Function):
+    """log softmax(logits / T)[target] per row. Its backward writes (onehot − softmax)·grad / T into one [rows × vocab]
+    buffer; autograd's own (division, gather, logsumexp) would hold three or four at once."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        scaled = logits / temperature if temperature > 0 and temperature != 1.0 else logits  # (a copy otherwise)
+        lse = scaled.logsumexp(-1)
+        ctx.temperature = temperature
+        ctx.save_for_backward(scaled, targets, lse)
+        return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        scaled, targets, lse = ctx.saved_tensors
+        grad_logits = (scaled - lse.unsqueeze(-1)).exp_().mul_(-grad.unsqueeze(-1))  # −softmax·grad
+        grad_logits.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        if ctx.temperature > 0 and ctx.temperature != 1.0:
+            grad_logits.div_(ctx.temperature)
+        return grad_logits, None, None
+
+
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    logits = head(hidden).float()  # float32 for the reduction, whatever the compute dtype
-    if temperature > 0 and temperature != 1.0:  # (a division by 1 would cost a [chunk × vocab] copy each way)
-        logits = logits / temperature
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    # float32 for the reduction, whatever the compute dtype
+    return _TargetLogprobs.apply(head(hidden).float(), targets, temperature)
 
 
 def chunked_target_logprobs(
