@@ -47,9 +47,23 @@ def test_plan_buckets_examples():
     assert [[n for n, _ in b] for b in plan_buckets(big, 64)] == [["small"], ["huge"], ["tail"]]
     mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
     assert [[n for n, _ in b] for b in plan_buckets(mixed, 1 << 20)] == [["a"], ["b"], ["c"]]
-    assert plan_buckets([], 10) == []
+    assert list(plan_buckets([], 10)) == []
     with pytest.raises(ValueError):
         plan_buckets(f32, 0)
+
+
+def test_plan_buckets_takes_tensors_only_as_buckets_fill():
+    made = []
+
+    def converted():  # a trainer converting its weights to the push dtype one at a time
+        for i in range(6):
+            made.append(i)
+            yield f"w{i}", torch.zeros(4, dtype=torch.bfloat16)  # 8 bytes each
+
+    buckets = plan_buckets(converted(), 16)
+    assert made == []
+    assert [n for n, _ in next(buckets)] == ["w0", "w1"] and made == [0, 1, 2]  # the third showed the bucket full
+    assert len(list(buckets)) == 2 and made == list(range(6))
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,7 +73,7 @@ def test_plan_buckets_examples():
 )
 def test_plan_buckets_properties(specs, budget):
     tensors = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (dtype, n) in enumerate(specs)]
-    buckets = plan_buckets(tensors, budget)
+    buckets = list(plan_buckets(tensors, budget))
     assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in tensors]
     for bucket in buckets:
         assert bucket and len({t.dtype for _, t in bucket}) == 1

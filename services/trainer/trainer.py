@@ -411,8 +411,8 @@ class Trainer:
                 await self.refresh_targets()
                 if not self.sender:
                     return {}, {}
-                named = list(self.engine.named_weights_for_push(self.push_dtype))
-                stats = await self.sender.push(named, self.version)
+                # streamed: converted to the push dtype a bucket at a time, never a second copy of the model
+                stats = await self.sender.push(self.engine.named_weights_for_push(self.push_dtype), self.version)
                 self.metrics.weight_sync_duration.observe(stats.seconds)
                 self.metrics.weight_sync_bytes.inc(stats.bytes)
                 self.metrics.weight_sync_buckets.inc(stats.buckets)
