@@ -13,7 +13,7 @@ from areal_k8s.trainer.algorithm import LossStats
 from areal_k8s.trainer.engine import ENGINES, make_engine
 from areal_k8s.trainer.hf_engine import TorchEngine
 from areal_k8s.trainer.logprobs import token_logprobs
-from tiny_models import build_tiny_qwen2
+from tiny_models import build_tiny_qwen2, tiny_llama
 
 CHUNK = 5
 
@@ -79,6 +79,20 @@ def test_chunked_logprobs_and_their_gradients_equal_the_full_logits_ones(model_p
         assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
     with torch.no_grad():
         assert torch.equal(token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, CHUNK), chunked.detach())
+
+
+def test_chunked_logprobs_of_a_llama_equal_the_full_logits_ones():
+    batch = padded_batch()
+    model = tiny_llama(vocab_size=260)
+    expected = full_logits_logprobs(model, batch, 1.0)
+    expected.sum().backward()
+    expected_grads = gradients(model)
+    model.zero_grad()
+    chunked = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0, CHUNK)
+    chunked.sum().backward()
+    assert torch.allclose(chunked, expected, atol=1e-5)
+    for name, grad in gradients(model).items():
+        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 def largest_vocab_tensor_saved_for_backward(compute, vocab: int) -> int:

@@ -62,7 +62,8 @@ def token_logprobs(
     """log π(token_t | tokens_<t) for t = 1..L−1 of a right-padded Hugging Face causal LM batch, under the engine's
     convention softmax(logits / T): [rows, L − 1], 0 where token t is padding (never scored)."""
     backbone, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    # no KV cache: scoring never decodes on, and a cache would keep every layer's keys and values alive
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
     scored = attention_mask[:, 1:].bool()
     values = chunked_target_logprobs(
         head, hidden[scored], input_ids[:, 1:][scored], temperature=temperature, chunk_tokens=chunk_tokens
