@@ -17,6 +17,7 @@ from areal_k8s.trainer.trainer import Trainer
 from tiny_models import build_tiny_qwen2
 
 GROUPS, SAMPLES = 3, 4
+TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,7 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
 
 
 def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
-    options = {"micro_batch_tokens": algorithm.pop("micro_batch_tokens", 4096),
-               "logprob_chunk_tokens": algorithm.pop("logprob_chunk_tokens", 1024)}
+    options = {"micro_batch_tokens": 4096} | {key: algorithm.pop(key) for key in TRAINER_OPTIONS if key in algorithm}
     job = parse_job({
         "name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 12},
@@ -100,6 +100,17 @@ def test_the_update_does_not_depend_on_the_micro_batch_budget_or_the_logprob_chu
     for name in whole:
         assert torch.allclose(whole[name], packed[name], atol=1e-5), name
     assert record.samples == GROUPS * SAMPLES and record.groups_without_signal == 1
+
+
+def test_a_bf16_step_with_activation_checkpointing_moves_the_weights_as_the_fp32_one(model_path):
+    groups = make_groups(model_path, behaviour_shift=-0.05)
+    initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
+    fp32, _ = trained_parameters(model_path, groups)
+    bf16, record = trained_parameters(model_path, groups, precision="bf16", gradient_checkpointing=True, logprob_chunk_tokens=7)
+    fp32_step = torch.cat([(fp32[n] - initial[n]).flatten() for n in initial])
+    bf16_step = torch.cat([(bf16[n] - initial[n]).flatten() for n in initial])
+    assert torch.nn.functional.cosine_similarity(fp32_step, bf16_step, dim=0) > 0.99
+    assert all(p.dtype == torch.float32 for p in bf16.values()) and record.loss != 0
 
 
 def test_several_minibatches_with_recomputed_or_loglinear_proximal_policy(model_path):
