@@ -35,6 +35,9 @@ def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
         ("algorithm:\n  batch_sise: 4\n", "algorithm.batch_sise: unknown field"),
         ("sampling:\n  temperature: hot\n", "sampling.temperature: Input should be a valid number"),
         ("rollout:\n  engine: vllm\n", "rollout.engine: Input should be 'cpu' or 'sglang'"),
+        ("trainer:\n  backend: deepspeed\n", "trainer.backend: Input should be 'torch' (got 'deepspeed')"),
+        ("trainer:\n  precision: fp16\n", "trainer.precision: Input should be 'fp32' or 'bf16' (got 'fp16')"),
+        ("trainer:\n  logprob_chunk_tokens: 0\n", "trainer.logprob_chunk_tokens: Input should be greater than or equal to 1"),
         ("rollout:\n  engine: sglang\n  workers: 2\n  engine_urls: [http://a:30000]\n", "needs one entry in engine_urls per worker"),
         (
             "rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\ntrainer:\n  verify_weight_sync: true\n",
@@ -49,6 +52,13 @@ def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):
     assert "\n" not in message
     assert message.startswith(str(tmp_path / "job.yaml"))
     assert expected in message
+
+
+def test_weights_are_pushed_in_the_engines_dtype_unless_told(tmp_path):
+    assert load_job_file(write(tmp_path, MINIMAL)).push_dtype == "float32"  # the CPU engine serves float32
+    sglang = "rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\n"
+    assert load_job_file(write(tmp_path, MINIMAL + sglang)).push_dtype == "bfloat16"
+    assert load_job_file(write(tmp_path, MINIMAL + sglang + "trainer:\n  push_dtype: float32\n")).push_dtype == "float32"
 
 
 def test_sglang_engines_may_retract(tmp_path):

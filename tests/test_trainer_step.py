@@ -11,11 +11,13 @@ from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.stepping import collate, split_minibatches, token_logprobs
+from areal_k8s.trainer.logprobs import token_logprobs
+from areal_k8s.trainer.stepping import collate, split_minibatches
 from areal_k8s.trainer.trainer import Trainer
 from tiny_models import build_tiny_qwen2
 
 GROUPS, SAMPLES = 3, 4
+TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
             response = [rng.randrange(1, 200) for _ in range(rng.randint(1, 12))]
             tokens = prompt + response
             with torch.no_grad():
-                logprobs = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0)[0]
+                logprobs = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024)[0]
             behaviour = [0.0] * len(prompt) + [float(x) + behaviour_shift for x in logprobs[len(prompt) - 1 :]]
             versions = [-1] * len(prompt) + [rng.choice([0, 1]) for _ in response]
             trajectory = common_pb2.Trajectory(
@@ -50,23 +52,22 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
 
 
 def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
-    micro_batch_tokens = algorithm.pop("micro_batch_tokens", 4096)
+    options = {"micro_batch_tokens": 4096} | {key: algorithm.pop(key) for key in TRAINER_OPTIONS if key in algorithm}
     job = parse_job({
         "name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 12},
         "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
-        "trainer": {"micro_batch_tokens": micro_batch_tokens},
+        "trainer": options,
     })
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="test")
-    torch.manual_seed(0)
-    trainer.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trainer.engine.load(model_path)
     # plain SGD at lr 1: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
-    trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=job.algorithm.lr)
-    if job.algorithm.kl_coef:
-        trainer.reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
+    if trainer.reference:
+        trainer.reference.load(model_path)
     record = trainer.train_step(groups)
-    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}, record
+    return {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}, record
 
 
 def test_collate_lines_up_next_token_arrays():
@@ -89,15 +90,27 @@ def test_split_minibatches_keeps_groups_whole():
 
 
 @pytest.mark.parametrize("objective", [{}, {"name": "gspo"}, {"decoupled": False, "dual_clip": 3.0}, {"kl_coef": 0.1}])
-def test_the_update_does_not_depend_on_the_micro_batch_budget(model_path, objective):
+def test_the_update_does_not_depend_on_the_micro_batch_budget_or_the_logprob_chunk(model_path, objective):
     groups = make_groups(model_path, behaviour_shift=-0.05)
     whole, record = trained_parameters(model_path, groups, micro_batch_tokens=4096, **objective)
-    packed, _ = trained_parameters(model_path, groups, micro_batch_tokens=24, **objective)  # a few sequences each
+    # a few sequences per micro-batch, a few tokens per chunk of logits
+    packed, _ = trained_parameters(model_path, groups, micro_batch_tokens=24, logprob_chunk_tokens=7, **objective)
     initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
     assert any(not torch.equal(whole[n], initial[n]) for n in whole)  # it trained
     for name in whole:
         assert torch.allclose(whole[name], packed[name], atol=1e-5), name
     assert record.samples == GROUPS * SAMPLES and record.groups_without_signal == 1
+
+
+def test_a_bf16_step_with_activation_checkpointing_moves_the_weights_as_the_fp32_one(model_path):
+    groups = make_groups(model_path, behaviour_shift=-0.05)
+    initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
+    fp32, _ = trained_parameters(model_path, groups)
+    bf16, record = trained_parameters(model_path, groups, precision="bf16", gradient_checkpointing=True, logprob_chunk_tokens=7)
+    fp32_step = torch.cat([(fp32[n] - initial[n]).flatten() for n in initial])
+    bf16_step = torch.cat([(bf16[n] - initial[n]).flatten() for n in initial])
+    assert torch.nn.functional.cosine_similarity(fp32_step, bf16_step, dim=0) > 0.99
+    assert all(p.dtype == torch.float32 for p in bf16.values()) and record.loss != 0
 
 
 def test_several_minibatches_with_recomputed_or_loglinear_proximal_policy(model_path):

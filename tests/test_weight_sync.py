@@ -47,9 +47,23 @@ def test_plan_buckets_examples():
     assert [[n for n, _ in b] for b in plan_buckets(big, 64)] == [["small"], ["huge"], ["tail"]]
     mixed = [("a", torch.zeros(2)), ("b", torch.zeros(2, dtype=torch.bfloat16)), ("c", torch.zeros(2))]
     assert [[n for n, _ in b] for b in plan_buckets(mixed, 1 << 20)] == [["a"], ["b"], ["c"]]
-    assert plan_buckets([], 10) == []
+    assert list(plan_buckets([], 10)) == []
     with pytest.raises(ValueError):
         plan_buckets(f32, 0)
+
+
+def test_plan_buckets_takes_tensors_only_as_buckets_fill():
+    made = []
+
+    def converted():  # a trainer converting its weights to the push dtype one at a time
+        for i in range(6):
+            made.append(i)
+            yield f"w{i}", torch.zeros(4, dtype=torch.bfloat16)  # 8 bytes each
+
+    buckets = plan_buckets(converted(), 16)
+    assert made == []
+    assert [n for n, _ in next(buckets)] == ["w0", "w1"] and made == [0, 1, 2]  # the third showed the bucket full
+    assert len(list(buckets)) == 2 and made == list(range(6))
 
 
 @settings(max_examples=60, deadline=None)
@@ -59,7 +73,7 @@ def test_plan_buckets_examples():
 )
 def test_plan_buckets_properties(specs, budget):
     tensors = [(f"t{i}", torch.zeros(n, dtype=dtype)) for i, (dtype, n) in enumerate(specs)]
-    buckets = plan_buckets(tensors, budget)
+    buckets = list(plan_buckets(tensors, budget))
     assert [name for bucket in buckets for name, _ in bucket] == [name for name, _ in tensors]
     for bucket in buckets:
         assert bucket and len({t.dtype for _, t in bucket}) == 1
@@ -180,6 +194,20 @@ async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client,
     for prompt, answer in zip(PROMPTS, answers):
         assert answer["output_ids"] == hf_greedy(trainer_model, prompt, 20)
         assert answer["meta_info"]["weight_version"] == "7"
+
+
+async def test_a_bfloat16_push_lands_rounded_in_a_float32_engine_and_half_the_bytes_travel(client, trainer_model):
+    # what a trainer with push_dtype bfloat16 sends: the engine keeps its float32 parameters, holding the rounded values
+    pushed = [(name, p.detach().to(torch.bfloat16)) for name, p in trainer_model.named_parameters()]
+    weights = sender()
+    await weights.connect([client])
+    try:
+        stats = await weights.push(pushed, version="bf16")
+    finally:
+        await weights.close()
+    assert stats.bytes == sum(p.numel() * 2 for p in trainer_model.parameters())
+    checksum = await client.weights_checksum()
+    assert checksum["combined"] == weights_checksum(pushed)[1] != weights_checksum(trainer_model.named_parameters())[1]
 
 
 async def test_a_shape_mismatch_fails_clearly_and_a_rebuilt_group_works(client, trainer_model):

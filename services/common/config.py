@@ -189,7 +189,28 @@ class RolloutConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    backend: Literal["torch"] = Field(
+        "torch", description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM)."
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="`bf16`: forward and backward compute in bfloat16 (autocast) over float32 master weights, "
+        "gradients and optimizer state; `fp32`: everything in float32 (the CPU default).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute the transformer layers' activations in the backward pass instead of keeping them."
+    )
+    logprob_chunk_tokens: Annotated[int, Field(ge=1)] = Field(
+        1024,
+        description="Tokens whose logits are computed at once when scoring tokens: peak memory is "
+        "O(chunk × vocab) instead of O(tokens × vocab), in training (recomputed in backward) and recomputation alike.",
+    )
+    push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the weights pushed to the rollout engines; `auto`: the engine's own, bfloat16 for "
+        "`sglang` and float32 for the `cpu` engine (which serves float32 weights).",
+    )
     threads: Annotated[int, Field(ge=1)] = Field(1, description="torch threads (CPU).")
     weight_sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend for weight pushes.")
     weight_bucket_mb: Annotated[float, Field(gt=0)] = Field(64.0, description="Weight push bucket size.")
@@ -287,6 +308,14 @@ class JobConfig(_Section):
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+    @property
+    def push_dtype(self) -> str:
+        """The dtype weights are pushed in: the configured one, or the engine's own. The CPU engine serves float32:
+        bfloat16 pushes would round the behaviour policy away from the trainer's on every push."""
+        if self.trainer.push_dtype != "auto":
+            return self.trainer.push_dtype
+        return "float32" if self.rollout.engine == "cpu" else "bfloat16"
 
     def resolve_paths(self, base: Path) -> JobConfig:
         """Make relative paths absolute against `base` and fill in the default run directory."""

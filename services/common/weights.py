@@ -12,33 +12,38 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
-def plan_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def plan_buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Split tensors into consecutive buckets of at most `bucket_bytes`, keeping their order and one dtype per
     bucket (the receiver views byte slices as the dtype: a bfloat16 tensor of odd length would misalign a float32
     one after it). A tensor larger than the budget gets a bucket of its own.
+
+    Lazily: a bucket is yielded as soon as the tensor after it is known not to fit, so a producer that makes each
+    tensor on demand (a trainer converting its weights to the push dtype) never holds more than about a bucket.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    buckets: list[list[tuple[str, torch.Tensor]]] = []
+    return _buckets(named_tensors, bucket_bytes)
+
+
+def _buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     current: list[tuple[str, torch.Tensor]] = []
     current_bytes = 0
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
         if current and (tensor.dtype != current[0][1].dtype or current_bytes + size > bucket_bytes):
-            buckets.append(current)
+            yield current
             current, current_bytes = [], 0
         current.append((name, tensor))
         current_bytes += size
     if current:
-        buckets.append(current)
-    return buckets
+        yield current
 
 
 def flatten_bucket(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Checkpoints: model (Hugging Face format), optimizer and trainer state, written atomically, newest kept."""
+"""Checkpoints: the engine's (model in Hugging Face format, optimizer, RNG) and the trainer state, written
+atomically, newest kept."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
+from areal_k8s.trainer.engine import TrainEngine
 
 STATE_FILE = "trainer_state.json"
 
@@ -30,14 +30,14 @@ def checkpoint_dir(root: Path, version: int) -> Path:
     return root / f"v{version:06d}"
 
 
-def save_checkpoint(root: Path, model, optimizer: torch.optim.Optimizer, state: TrainerState, keep: int) -> Path:
+def save_checkpoint(root: Path, engine: TrainEngine, state: TrainerState, keep: int) -> Path:
     """Write into a temporary folder and rename it, so a crash never leaves a half checkpoint that looks whole."""
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, state.version)
     partial = root / f".partial-{final.name}"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    torch.save(optimizer.state_dict(), partial / "optimizer.pt")
+    partial.mkdir()
+    engine.save_checkpoint(partial)
     (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)

@@ -1,5 +1,5 @@
-"""Plain pieces of a training step: collating trajectories into tensors, per-token logprobs, minibatch split, and
-the clock that splits a step's wall time by phase."""
+"""Plain pieces of a training step: collating trajectories into tensors, minibatch split, and the clock that splits
+a step's wall time by phase."""
 
 from __future__ import annotations
 
@@ -7,14 +7,6 @@ import contextlib
 import time
 
 import torch
-
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token_t | tokens_<t) for t = 1..L-1, under the engine's convention softmax(logits / T)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def split_minibatches(groups: int, group_size: int, count: int) -> list[list[int]]:
@@ -36,7 +28,12 @@ class PhaseClock:
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.monotonic() - started
+            self.add({phase: time.monotonic() - started})
+
+    def add(self, seconds: dict[str, float]) -> None:
+        """Count time measured elsewhere (by an engine)."""
+        for phase, value in seconds.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + value
 
 
 def collate(trajectories: list, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,9 @@
 """The trainer: consume trajectories, step the policy, checkpoint, push weights, announce the version.
 
-`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested.
+`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested. The loop
+knows no training backend: the policy is a `TrainEngine` (engine.py) chosen by `trainer.backend`, which the loop
+hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world reads the stream, talks to
+the controller and pushes the weights; the world has one rank today.
 """
 
 from __future__ import annotations
@@ -13,16 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
-from areal_k8s.common.weights import weights_checksum
+from areal_k8s.common.weights import parse_dtype, weights_checksum
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.rollout.cpu_engine.engine import generate_batch
 from areal_k8s.trainer.algorithm import (
     LossStats,
     compute_advantages,
@@ -36,7 +37,8 @@ from areal_k8s.trainer.algorithm import (
 )
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
 from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
-from areal_k8s.trainer.stepping import PhaseClock, collate, split_minibatches, token_logprobs
+from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
+from areal_k8s.trainer.stepping import PhaseClock, collate, split_minibatches
 from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
@@ -106,7 +108,10 @@ class Trainer:
         self.run_dir = Path(job.run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.steps_log = self.run_dir / "trainer" / "steps.jsonl"
-        self.device = torch.device(job.trainer.device)
+        self.engine: TrainEngine = make_engine(job)
+        # The KL penalty's reference is the initial model, frozen.
+        self.reference: TrainEngine | None = make_engine(job, trainable=False) if job.algorithm.kl_coef > 0 else None
+        self.push_dtype = parse_dtype(job.push_dtype)
         self.assembler = BatchAssembler(
             store,
             consumer,
@@ -123,9 +128,6 @@ class Trainer:
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"
         self.lock = asyncio.Lock()  # a checkpoint never interleaves with a step
-        self.model = None
-        self.reference = None
-        self.optimizer = None
         self.state = TrainerState(version=0)
         self.last: StepRecord | None = None
         self.metrics = metrics or TrainerMetrics(job.name)
@@ -209,21 +211,17 @@ class Trainer:
 
     async def start(self) -> None:
         """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines."""
+        if self.engine.world_size > 1:
+            raise NotImplementedError("a trainer world of several ranks is not wired into the loop yet (issue 17, part 1)")
         checkpoint = latest_checkpoint(self.checkpoints)
-        source = checkpoint or Path(self.job.model)
-        torch.manual_seed(self.job.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
-        algorithm = self.job.algorithm
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
-        )
-        if algorithm.kl_coef > 0:  # the KL penalty's reference is the initial model
-            self.reference = AutoModelForCausalLM.from_pretrained(self.job.model, dtype=torch.float32).to(self.device).eval()
-            self.reference.requires_grad_(False)
+        if self.reference:
+            await asyncio.to_thread(self.reference.load, self.job.model)
         if checkpoint:
-            self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+            await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
             self.state = load_state(checkpoint)
             log.info("resumed from %s at version %d", checkpoint, self.version)
+        else:
+            await asyncio.to_thread(self.engine.load, self.job.model)
         await self.store.ensure_consumer_group()
         pending = await entries_to_train_again(self.store, self.consumer, self.state)
         self.assembler.add(pending)
@@ -260,27 +258,21 @@ class Trainer:
         # The proximal policy is the one before this step's first update: with one update it is the current policy.
         if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
             with clock("recompute"):
-                batch["proximal_logprobs"] = self.batch_logprobs(self.model, batch, lengths)
-        if algorithm.kl_coef > 0:
+                batch["proximal_logprobs"] = self.batch_logprobs(self.engine, batch, lengths)
+        if self.reference:
             with clock("recompute"):
                 batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
 
-        self.model.train()
         lr = learning_rate(
             self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
             warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        parts, grad_norms = [], []
+        results = []
         for rows in minibatches:
-            with clock("forward_backward"):
-                parts += self.update(batch, rows, lengths)
-            with clock("optimizer"):
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), algorithm.max_grad_norm)))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        stats = merge_loss_stats([stats for _, stats in parts])
+            normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], sampling.max_new_tokens)
+            results.append(self.engine.train_minibatch(self.micro_batches(batch, rows, lengths), self.loss_fn(normaliser), lr=lr))
+            clock.add(results[-1].seconds)
+        stats = merge_loss_stats([stats for result in results for stats in result.stats])
         total_tokens = int(batch["loss_mask"].sum())
         self.state.trained_samples += len(trajectories)
         self.state.trained_tokens += total_tokens
@@ -290,10 +282,10 @@ class Trainer:
             entries=[e.entry_id for g in groups for e in g.entries],
             staleness=[staleness(self.version, g) for g in groups for _ in g.entries],
             reward_mean=float(rewards.mean()),
-            loss=sum(loss for loss, _ in parts),
+            loss=sum(result.loss for result in results),
             clip_fraction=stats.clip_fraction,
             approx_kl=stats.approx_kl,
-            grad_norm=max(grad_norms),
+            grad_norm=max(result.grad_norm for result in results),
             samples=len(trajectories),
             tokens=total_tokens,
             seconds={"train": (train := time.monotonic() - started)},
@@ -304,20 +296,22 @@ class Trainer:
             groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards),
         )
 
-    def update(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> list[tuple[float, LossStats]]:
-        """Accumulate the gradient of one minibatch's loss over first-fit-decreasing micro-batches."""
-        algorithm = self.job.algorithm
-        normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], self.job.sampling.max_new_tokens)
-        if algorithm.kl_coef == 0:
+    def micro_batches(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> list[MicroBatch]:
+        """One minibatch's rows packed first-fit-decreasing into token-budgeted micro-batches."""
+        if self.job.algorithm.kl_coef == 0:
             # A zero-advantage sample (its group's rewards all equal) adds nothing to the loss or its gradient; it
             # still counts in the normaliser, as in the full-batch loss.
             rows = [i for i in rows if batch["advantages"][i, 0] != 0]
-        parts = []
         packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
-        for micro in packed:
-            micro_batch = {k: v.to(self.device) for k, v in take_rows(batch, [rows[i] for i in micro], lengths).items()}
-            logprobs = token_logprobs(self.model, micro_batch["input_ids"], micro_batch["attention_mask"], self.job.sampling.temperature)
-            loss, stats = decoupled_ppo_loss(
+        return [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
+
+    def loss_fn(self, normaliser: float) -> LossFn:
+        """The objective of one micro-batch, divided by its minibatch's `normaliser` so the micro-batch losses add up
+        to the minibatch's."""
+        algorithm = self.job.algorithm
+
+        def loss(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossStats]:
+            value, stats = decoupled_ppo_loss(
                 logprobs,
                 self.proximal_logprobs(micro_batch, logprobs),
                 micro_batch["behaviour_logprobs"],
@@ -333,12 +327,12 @@ class Trainer:
                 ratio_level="sequence" if algorithm.name == "gspo" else "token",
             )
             if algorithm.kl_coef > 0:
-                loss = loss + kl_penalty(
+                value = value + kl_penalty(
                     logprobs, micro_batch["reference_logprobs"], micro_batch["loss_mask"], coef=algorithm.kl_coef, normaliser=normaliser
                 )
-            loss.backward()
-            parts.append((loss.item(), stats))
-        return parts
+            return value, stats
+
+        return loss
 
     def proximal_logprobs(self, micro_batch: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
         """The pre-update policy's logprobs: recomputed before the first update, approximated log-linearly, or (with a
@@ -352,24 +346,19 @@ class Trainer:
             )
         return logprobs.detach()
 
-    @torch.no_grad()
-    def batch_logprobs(self, model, batch: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        """Token logprobs of every row under `model` (no gradient), computed in micro-batches: [rows, L − 1]."""
+    def batch_logprobs(self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        """Token logprobs of every row under `engine`'s policy (no gradient), computed in micro-batches: [rows, L − 1]."""
         result = torch.zeros_like(batch["behaviour_logprobs"])
-        model.eval()
         for micro in first_fit_decreasing(lengths, self.job.trainer.micro_batch_tokens):
-            micro_batch = take_rows(batch, micro, lengths)
-            logprobs = token_logprobs(
-                model, micro_batch["input_ids"].to(self.device), micro_batch["attention_mask"].to(self.device), self.job.sampling.temperature
-            )
-            result[micro, : logprobs.shape[1]] = logprobs.cpu()
+            logprobs = engine.token_logprobs(take_rows(batch, micro, lengths))
+            result[micro, : logprobs.shape[1]] = logprobs
         return result
 
     async def commit(self) -> float:
         """Checkpoint, then acknowledge the entries the checkpoint covers. Returns the seconds it took."""
         started = time.monotonic()
         self.state.unacked_entries = [e.entry_id for e in self.unacked]
-        await asyncio.to_thread(save_checkpoint, self.checkpoints, self.model, self.optimizer, self.state, self.job.trainer.keep_checkpoints)
+        await asyncio.to_thread(save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints)
         await self.store.ack(self.state.unacked_entries)
         self.assembler.forget(self.state.unacked_entries)
         self.unacked = []
@@ -422,8 +411,8 @@ class Trainer:
                 await self.refresh_targets()
                 if not self.sender:
                     return {}, {}
-                named = [(name, p.detach()) for name, p in self.model.named_parameters()]
-                stats = await self.sender.push(named, self.version)
+                # streamed: converted to the push dtype a bucket at a time, never a second copy of the model
+                stats = await self.sender.push(self.engine.named_weights_for_push(self.push_dtype), self.version)
                 self.metrics.weight_sync_duration.observe(stats.seconds)
                 self.metrics.weight_sync_bytes.inc(stats.bytes)
                 self.metrics.weight_sync_buckets.inc(stats.buckets)
@@ -444,7 +433,8 @@ class Trainer:
         return asdict(stats), verified
 
     async def verify_weights(self) -> dict[str, bool]:
-        _, expected = weights_checksum([(name, p.detach()) for name, p in self.model.named_parameters()])
+        # The pushed tensors, rounded to the push dtype: what the engines hold exactly.
+        _, expected = weights_checksum(self.engine.named_weights_for_push(self.push_dtype))
         results = {wid: await target.weights_checksum() == expected for wid, target in self.targets.items()}
         if not all(results.values()):
             raise RuntimeError(f"engine weights differ from the trainer's after pushing version {self.version}: {results}")
@@ -473,11 +463,9 @@ class Trainer:
         template = self.job.rollout.prompt_template
         prompts = [encode_prompt(self.tokenizer, item.prompt, template) for item in self.eval_items]
         max_new_tokens = self.job.trainer.eval_max_new_tokens or self.job.sampling.max_new_tokens
-        self.model.eval()
-        with torch.no_grad():
-            outputs = await asyncio.to_thread(
-                generate_batch, self.model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop_token_ids(self.tokenizer)
-            )
+        outputs = await asyncio.to_thread(
+            self.engine.generate_greedy, prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop_token_ids(self.tokenizer)
+        )
         scores = await self.reward.Score(
             reward_pb2.ScoreRequest(
                 items=[
@@ -485,7 +473,7 @@ class Trainer:
                         item_id=item.id,
                         verifier=self.job.reward.verifier or item.verifier,
                         prompt=item.prompt,
-                        response=self.tokenizer.decode(output.output_ids, skip_special_tokens=True),
+                        response=self.tokenizer.decode(output, skip_special_tokens=True),
                         reference=item.reference,
                     )
                     for item, output in zip(self.eval_items, outputs)

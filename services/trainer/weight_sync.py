@@ -146,19 +146,21 @@ class WeightSender:
         if self._failed:
             raise WeightSyncError("an earlier push failed; close() and connect() again before pushing")
         started = time.perf_counter()
-        buckets = plan_buckets(named_tensors, self.bucket_bytes)
-        sent_bytes = 0
+        buckets = plan_buckets(named_tensors, self.bucket_bytes)  # taken one ahead: the last one carries the version
+        sent_bytes = sent_buckets = 0
         try:
             await self._on_all_targets("pause_generation", lambda target: target.pause_generation(self.pause_mode))
-            for index, bucket in enumerate(buckets):
-                last = index == len(buckets) - 1
-                sent_bytes += await self._push_bucket(bucket, str(version) if last else None)
+            bucket = next(buckets, None)
+            while bucket is not None:
+                following = next(buckets, None)
+                sent_bytes += await self._push_bucket(bucket, None if following else str(version))
+                bucket, sent_buckets = following, sent_buckets + 1
         except BaseException:
             self._failed = True
             await self._continue_all(after_failure=True)
             raise
         await self._continue_all(after_failure=False)
-        stats = PushStats(seconds=time.perf_counter() - started, bytes=sent_bytes, buckets=len(buckets))
+        stats = PushStats(seconds=time.perf_counter() - started, bytes=sent_bytes, buckets=sent_buckets)
         log.info(
             "pushed weight version %s: %d bytes, %d buckets, %.3f s", version, stats.bytes, stats.buckets, stats.seconds
         )

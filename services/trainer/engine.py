@@ -1,0 +1,93 @@
+"""The seam between the training loop (trainer.py) and a training backend.
+
+The loop decides what to train on and how the objective reads (advantages, packing and `decoupled_ppo_loss` are
+backend-free tensor code); an engine owns the model, its optimizer and its parallel layout, and runs forward,
+backward and the optimizer step on the micro-batches it is given. One implementation per backend, chosen by
+`trainer.backend` (`make_engine`); the registry names each by module path, so a backend's imports (megatron-core)
+are only paid by the jobs that choose it.
+
+A micro-batch is a dict of right-padded [rows, L] / [rows, L − 1] tensors on the CPU (`stepping.collate`): `input_ids`
+and `attention_mask` are what an engine reads; the rest goes to the loss function, moved to the engine's device.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from areal_k8s.common.config import JobConfig
+from areal_k8s.trainer.algorithm import LossStats
+
+MicroBatch = dict[str, torch.Tensor]
+# (log-probabilities [rows, L − 1] with gradient, the micro-batch on the engine's device) -> (loss, its stats)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, LossStats]]
+
+ENGINES = {"torch": "areal_k8s.trainer.hf_engine:TorchEngine"}  # trainer.backend -> its TrainEngine
+
+
+@dataclass(frozen=True)
+class MinibatchResult:
+    """One optimizer step: the micro-batch losses (summed, the minibatch's loss), their stats, the gradient norm
+    before clipping, and the wall time by phase (`forward_backward`, `optimizer`)."""
+
+    loss: float
+    stats: list[LossStats]
+    grad_norm: float
+    seconds: dict[str, float]
+
+
+class TrainEngine(ABC):
+    """A policy being trained, on one rank of the trainer world (`rank` of `world_size`).
+
+    Every rank calls every method in the same order (they may be collectives); the loop alone decides which rank
+    talks to the outside world (reads the stream, pushes the weights `named_weights_for_push` yields on rank 0).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __init__(self, job: JobConfig, *, trainable: bool = True):
+        """`trainable=False`: a frozen policy (the KL reference) that only scores tokens."""
+        self.job = job
+        self.trainable = trainable
+
+    @abstractmethod
+    def load(self, model_path: str | Path) -> None:
+        """Build the model from Hugging Face weights (and, if trainable, a fresh optimizer)."""
+
+    @abstractmethod
+    def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """log π(token_t | tokens_<t) at temperature `sampling.temperature`, no gradient: [rows, L − 1] on the CPU."""
+
+    @abstractmethod
+    def train_minibatch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, lr: float) -> MinibatchResult:
+        """One optimizer step at learning rate `lr`: forward, `loss_fn` and backward on each micro-batch (gradients
+        accumulate, so the losses must share one batch-wide normaliser), clip to `algorithm.max_grad_norm`, step."""
+
+    @abstractmethod
+    def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full weights under their Hugging Face names and shapes, in `dtype`, as the rollout engines load them."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: Path) -> None:
+        """Write model (Hugging Face format, readable by `load`), optimizer and RNG state into the folder `path`."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: Path) -> None:
+        """Restore what `save_checkpoint` wrote: training goes on exactly as if it had not stopped."""
+
+    @abstractmethod
+    def generate_greedy(self, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: list[int]) -> list[list[int]]:
+        """Greedy completions (token ids) of the current policy, for the held-out evaluation. Temporary: evaluation
+        moves to the rollout engines (issue 17, part 4) and this method goes with it."""
+
+
+def make_engine(job: JobConfig, *, trainable: bool = True) -> TrainEngine:
+    """The engine `trainer.backend` names (the schema has validated the name)."""
+    module, _, name = ENGINES[job.trainer.backend].partition(":")
+    return getattr(importlib.import_module(module), name)(job, trainable=trainable)
