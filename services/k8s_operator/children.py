@@ -11,6 +11,7 @@ import hashlib
 
 import yaml
 
+from areal_k8s.common.config import reward_verifier_args
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.validation import ENGINE_URL, ValidJob
 
@@ -303,7 +304,8 @@ def reward_deployment(job: ValidJob, running: bool) -> dict:
     main = container(
         "reward", image_of(job, "reward"), "areal_k8s.reward",
         ["--host", "0.0.0.0", "--port", str(names.REWARD_PORT),
-         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name],
+         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name,
+         *reward_verifier_args(reward)],
         block=block, env=process_env(1), port=("grpc", names.REWARD_PORT),
         readiness=grpc_readiness(names.REWARD_PORT, "areal.v1.Reward"),
         mounts=[], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],

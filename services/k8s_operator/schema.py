@@ -92,7 +92,8 @@ def structural(prop: dict) -> dict:
 
 def section_schema(model: type[BaseModel], description: str, exclude: set[str] = frozenset()) -> dict:
     source = model.model_json_schema()
-    properties = {k: structural(v) for k, v in source["properties"].items() if k not in exclude}
+    properties = {k: nested_section(v, source["$defs"]) if "$ref" in v else structural(v)
+                  for k, v in source["properties"].items() if k not in exclude}
     schema = {"type": "object", "description": description, "properties": properties}
     required = [k for k in source.get("required", []) if k not in exclude]
     if required:
@@ -100,6 +101,13 @@ def section_schema(model: type[BaseModel], description: str, exclude: set[str] =
     else:
         schema["default"] = {}  # so the apiserver fills in the section's field defaults
     return schema
+
+
+def nested_section(prop: dict, defs: dict) -> dict:
+    """A section's field that is a model of its own (reward.code), every field defaulted."""
+    model = defs[prop["$ref"].rsplit("/", 1)[-1]]
+    properties = {k: structural(v) for k, v in model["properties"].items()}
+    return {"type": "object", "description": prop.get("description", ""), "properties": properties, "default": {}}
 
 
 def job_field(name: str) -> dict:
