@@ -45,6 +45,7 @@ HARNESS_SOURCE = (Path(__file__).with_name("sandbox_harness.py")).read_text()
 PYTHON_CANDIDATES = ("/usr/local/bin/python3", "/usr/bin/python3")
 NOBODY = 65534
 MIB = 1024 * 1024
+KILL_GRACE_SECONDS = 2.0  # for the killed sandbox's processes to close their pipes
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
 
 
@@ -202,8 +203,9 @@ class Sandbox:
                 if sum(len(buffers[fd]) for fd in output_fds) > self.limits.max_output_bytes:
                     output_exceeded = True
                     break
-        if timed_out or output_exceeded:
-            _kill_group(process)
+            if timed_out or output_exceeded:
+                _kill_group(process)
+                _drain(selector, KILL_GRACE_SECONDS)
         returncode = process.wait()
         cap = self.limits.max_output_bytes
         return SandboxResult(
@@ -223,6 +225,16 @@ def _start_writer(stream: BinaryIO, data: bytes) -> threading.Thread:
     thread = threading.Thread(target=write, daemon=True)
     thread.start()
     return thread
+
+
+def _drain(selector: selectors.BaseSelector, grace: float) -> None:
+    """Read the pipes to their end after a kill, discarding what comes: every process that held one has died.
+    (The kernel kills a pid namespace's processes once its init dies, but not before bwrap's wait returns.)"""
+    deadline = time.monotonic() + grace
+    while selector.get_map() and (remaining := deadline - time.monotonic()) > 0:
+        for key, _ in selector.select(remaining):
+            if not os.read(key.fd, 65536):
+                selector.unregister(key.fd)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
