@@ -8,7 +8,7 @@ The layers, outside in:
 - bubblewrap (`bwrap_command`): new user, pid, ipc, uts, net and (where possible) cgroup namespaces. No network
   at all (a fresh network namespace has only a loopback that is down). The filesystem is a fresh root holding
   read-only binds of /usr (the interpreter and its standard library; /bin, /lib, /lib64 are symlinks into it), a
-  private /proc and /dev, and a size-capped tmpfs at /tmp, the only writable path. Nothing else of the host: no
+  minimal /dev (null, zero, random, ...), no /proc, and a size-capped tmpfs at /tmp, the only writable path. Nothing else of the host: no
   /etc, no service files, no mounted secrets or service-account token. The environment is cleared (PATH, HOME, LANG
   only), the program gets its own session (no TIOCSTI on the service's terminal), runs as an unprivileged uid with
   no capabilities, and dies with its parent (`--die-with-parent`). Its parent inside is bwrap as the pid
@@ -145,7 +145,8 @@ class Sandbox:
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--ro-bind", "/usr", "/usr",
             "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-            "--proc", "/proc", "--dev", "/dev",
+            # no /proc: a container's masked /proc refuses a new procfs mount, and the host's would show the service
+            "--dev", "/dev",
             "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
             "--chdir", "/tmp",
             "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin", "--setenv", "HOME", "/tmp",
