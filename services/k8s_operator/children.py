@@ -258,6 +258,11 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         # The services never call the Kubernetes API, and the reward pods run verifier code: no token.
         "automountServiceAccountToken": False,
     }
+    if block.get("runtimeClassName"):
+        spec["runtimeClassName"] = block["runtimeClassName"]
+    for profile in ("seccompProfile", "appArmorProfile"):  # the reward role's: its sandbox needs user namespaces
+        if profile in block:
+            spec["securityContext"][profile] = block[profile]
     if block.get("nodeSelector"):
         spec["nodeSelector"] = block["nodeSelector"]
     if block.get("tolerations"):

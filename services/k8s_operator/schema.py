@@ -186,6 +186,28 @@ def role(component: str, description: str, *, replicas: str | None, autoscaled: 
     return obj(description, properties, default={})
 
 
+def security_profile(kind: str, default: str) -> dict:
+    return obj(f"core/v1 {kind} of the reward pods; default {default}.", {
+        "type": string("Profile type.", enum=["RuntimeDefault", "Unconfined", "Localhost"]),
+        "localhostProfile": string("The node's profile to load, with type Localhost."),
+    }, required=["type"])
+
+
+def reward_sandbox_properties() -> dict:
+    """The reward pods run untrusted programs (the `code` verifier) in bubblewrap, which needs user namespaces."""
+    return {
+        "runtimeClassName": string("RuntimeClass of the reward pods (e.g. gvisor or kata): a further isolation layer "
+                                   "around the code sandbox. Default: the cluster's."),
+        "seccompProfile": security_profile(
+            "SeccompProfile", "RuntimeDefault, which on containerd and CRI-O refuses the user namespaces the `code` "
+            "verifier's sandbox (bubblewrap) creates: jobs using `code` set Unconfined, or Localhost with a profile "
+            "that also allows clone/unshare with CLONE_NEWUSER"),
+        "appArmorProfile": security_profile(
+            "AppArmorProfile", "the node's (where AppArmor runs, its runtime/default profile denies the mounts "
+            "bubblewrap makes: jobs using `code` on such nodes set Unconfined or a Localhost profile)"),
+    }
+
+
 def roles_schema() -> dict:
     engine = obj(
         "The inference engine container beside each rollout agent (it gets the role's GPUs).",
@@ -211,7 +233,8 @@ def roles_schema() -> dict:
             "controller": role("controller", "The controller: one pod (admission state lives in it and in Redis).",
                                replicas=None, autoscaled=False, gpus=None),
             "reward": role("reward", "The reward service (verifiers).",
-                           replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards)."),
+                           replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards).",
+                           extra=reward_sandbox_properties()),
             "rollout": role("rollout", "Rollout pods: a rollout agent and its inference engine each. "
                             "The /scale subresource sets roles.rollout.replicas.",
                             replicas="Rollout workers.", autoscaled=True, gpus="GPUs of each pod's engine.",
