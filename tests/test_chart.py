@@ -525,6 +525,30 @@ def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
         assert not admitted(docs, (ns, job_pod("trainer")), CONTROLLER_GRPC, PROMETHEUS)
 
 
+@pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
+def test_reward_pods_admit_only_their_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set):
+    docs = rendered(value_set)
+    namespaces = (VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
+                  or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])
+    scoring = ("grpc", names.REWARD_PORT)
+    for ns in namespaces:
+        reward = (ns, job_pod("reward"))
+        for role in ("controller", "rollout", "trainer"):
+            assert admitted(docs, reward, scoring, (ns, job_pod(role)))
+        assert not admitted(docs, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout")))  # its only port
+        assert not admitted(docs, reward, scoring, (ns, STRANGER))
+        assert not admitted(docs, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout")))
+        assert not admitted(docs, reward, scoring, (NAMESPACE, chart_pod("operator")))
+        assert admitted(docs, reward, METRICS, PROMETHEUS)
+        # the other job pods keep their policy
+        assert admitted(docs, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
+        egress = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["namespace"] == ns
+                  and selects(p["spec"]["podSelector"], job_pod("reward")) and "Egress" in p["spec"]["policyTypes"]]
+        assert [p["spec"]["egress"] for p in egress] == [[]]  # isolated for egress, and no rule lets anything out
+        assert not any("Egress" in p["spec"]["policyTypes"] for p in of_kind(docs, "NetworkPolicy")
+                       if selects(p["spec"]["podSelector"], job_pod("trainer")))
+
+
 def test_the_operator_admits_only_helm_test():
     docs = rendered("default")
     operator = (NAMESPACE, chart_pod("operator"))
