@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -74,6 +74,11 @@ bench-sglang: demo-assets sglang-env
 # the chaos test several times with random seeds: its figures (bench/results/chaos.json) and the README's lines
 chaos: venv
 	$(PY) bench/chaos.py --runs 5
+
+# executions/s of a trivial program through the code verifier's sandbox (bubblewrap) against a bare subprocess
+# (bench/results/code_sandbox.json)
+bench-sandbox: proto
+	$(PY) bench/code_sandbox.py
 
 # the staleness rebalancer on a simulated 1,024-GPU cluster (every figure simulated; bench/results/simulated.json)
 bench-sim: proto
