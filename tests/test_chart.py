@@ -327,6 +327,23 @@ def test_job_images_follow_the_values_through_the_operators_environment():
     assert not {names.IMAGE_REPOSITORY_ENV, names.IMAGE_TAG_ENV} & {e["name"] for e in default_env}
 
 
+def test_the_reward_runtime_class_follows_the_values_through_the_operators_environment(monkeypatch):
+    env = {e["name"]: e["value"] for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[names.REWARD_RUNTIME_CLASS_ENV] == "gvisor"
+    default_env = operator_deployment(rendered("default"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert names.REWARD_RUNTIME_CLASS_ENV not in {e["name"] for e in default_env}
+    # what the operator does with it: the reward pods only, and an RLJob's own choice wins
+    monkeypatch.setenv(names.REWARD_RUNTIME_CLASS_ENV, env[names.REWARD_RUNTIME_CLASS_ENV])
+    example = yaml.safe_load(EXAMPLES[0].read_text())
+    classes = {c["metadata"]["name"].rsplit("-", 1)[1]: c["spec"]["template"]["spec"].get("runtimeClassName")
+               for c in desired_children(validate(example), running=True) if c["kind"] in ("Deployment", "StatefulSet")}
+    assert classes == {"controller": None, "reward": "gvisor", "rollout": None, "trainer": None}
+    example["spec"].setdefault("roles", {}).setdefault("reward", {})["runtimeClassName"] = "kata"
+    reward = next(c for c in desired_children(validate(example), running=True) if c["metadata"]["name"].endswith("-reward")
+                  and c["kind"] == "Deployment")
+    assert reward["spec"]["template"]["spec"]["runtimeClassName"] == "kata"
+
+
 def test_hardened_values_pin_the_image_by_digest_and_pull_with_the_secret():
     docs, values = rendered("hardened"), VALUE_SETS["hardened"]
     image = values["operator"]["image"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 
 import yaml
 
@@ -258,8 +259,9 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         # The services never call the Kubernetes API, and the reward pods run verifier code: no token.
         "automountServiceAccountToken": False,
     }
-    if block.get("runtimeClassName"):
-        spec["runtimeClassName"] = block["runtimeClassName"]
+    runtime_class = block.get("runtimeClassName") or (os.environ.get(names.REWARD_RUNTIME_CLASS_ENV) if role == "reward" else None)
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
     for profile in ("seccompProfile", "appArmorProfile"):  # the reward role's: its sandbox needs user namespaces
         if profile in block:
             spec["securityContext"][profile] = block[profile]

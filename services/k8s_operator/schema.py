@@ -197,7 +197,8 @@ def reward_sandbox_properties() -> dict:
     """The reward pods run untrusted programs (the `code` verifier) in bubblewrap, which needs user namespaces."""
     return {
         "runtimeClassName": string("RuntimeClass of the reward pods (e.g. gvisor or kata): a further isolation layer "
-                                   "around the code sandbox. Default: the cluster's."),
+                                   "around the code sandbox. Default: the chart's jobs.rewardRuntimeClassName, "
+                                   "else the cluster's."),
         "seccompProfile": security_profile(
             "SeccompProfile", "RuntimeDefault, which on containerd and CRI-O refuses the user namespaces the `code` "
             "verifier's sandbox (bubblewrap) creates: jobs using `code` set Unconfined, or Localhost with a profile "
