@@ -18,7 +18,7 @@ import pytest
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.reward.code_verifier import extract_program, normalised_lines, parse_tests
-from areal_k8s.reward.sandbox import NOBODY, Sandbox, SandboxLimits
+from areal_k8s.reward.sandbox import NOBODY, Sandbox, SandboxError, SandboxLimits
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -249,3 +249,10 @@ def test_the_program_is_the_last_fenced_block_or_the_whole_response():
     assert normalised_lines("\n a  b \n\nc\n\n") == ["a b", "", "c"]
     with pytest.raises(ValueError, match="inputs and outputs differ in length"):
         parse_tests('{"inputs": ["1"], "outputs": []}')
+
+
+def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero():
+    # bwrap fails before the program exists (here: no such interpreter; in a pod: user namespaces refused)
+    broken = Sandbox(python="/usr/bin/no-such-python3")
+    with pytest.raises(SandboxError, match="bubblewrap cannot start the sandbox: bwrap: execvp /usr/bin/no-such-python3"):
+        broken.check()

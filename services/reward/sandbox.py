@@ -58,7 +58,7 @@ class SandboxLimits:
     wall_seconds: float = 5.0
     cpu_seconds: int = 5
     memory_bytes: int = 512 * MIB  # address space (RLIMIT_AS)
-    max_processes: int = 32  # processes and threads of the sandbox's user (RLIMIT_NPROC)
+    max_processes: int = 32  # processes and threads (RLIMIT_NPROC, counted in the sandbox's user namespace)
     max_output_bytes: int = 1 * MIB  # stdout and stderr together; more kills the program
     max_file_bytes: int = 16 * MIB  # one file (RLIMIT_FSIZE)
     tmp_bytes: int = 64 * MIB  # the writable /tmp, in all
@@ -78,7 +78,7 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class SandboxResult:
-    returncode: int  # negative: killed by that signal
+    returncode: int  # bwrap's: the program's exit code, 128 + n after signal n; negative if we killed bwrap
     stdout: bytes
     stderr: bytes
     report: bytes  # what the harness wrote to the result channel (assert-style tests only)
@@ -131,7 +131,8 @@ class Sandbox:
         return self._run({"program": program, "tests": tests, "token": token}, b""), token
 
     def check(self) -> None:
-        """Raise SandboxError unless a trivial program runs (at service start: a broken sandbox fails loudly)."""
+        """Raise SandboxError unless a trivial program runs (CheckVerifiers, at a job's start: a sandbox that cannot
+        start fails the job naming bwrap's error, instead of scoring every program 0)."""
         result = self.run_program("print('ok')")
         if result.returncode != 0 or result.stdout != b"ok\n":
             raise SandboxError(f"the sandbox cannot run a trivial program: {result.failure(self.limits)}; "
@@ -174,13 +175,18 @@ class Sandbox:
         # Writers in threads: a program that never reads stdin must not block us (pipes hold 64 KiB).
         writers = [_start_writer(open(job_write, "wb"), job_bytes), _start_writer(process.stdin, stdin)]
         try:
-            return self._collect(process, result_read)
+            result = self._collect(process, result_read)
         finally:
             _kill_group(process)
             process.wait()
             for writer in writers:
                 writer.join()
             os.close(result_read)
+        if result.returncode == 1 and result.stderr.startswith(b"bwrap: ") and not result.stdout:
+            # bwrap could not build the sandbox (no user namespaces, a seccomp or AppArmor refusal): no fault of
+            # the program. (A program that prints this itself gains nothing: an error scores 0 as well.)
+            raise SandboxError(f"bubblewrap cannot start the sandbox: {result.stderr.decode('utf-8', 'replace').strip()[:500]}")
+        return result
 
     def _collect(self, process: subprocess.Popen, result_read: int) -> SandboxResult:
         """Read stdout, stderr and the report until all close, the deadline passes or the output cap is crossed."""
