@@ -226,6 +226,13 @@ def test_a_fake_all_tests_passed_earns_nothing(service):
     assert_hostile_scores_0_and_the_next_item_1(service, "print('All tests passed!')", ADD_STDIO, "wrong output")
 
 
+def test_a_program_that_replaces_the_harness_builtins_earns_nothing(service):
+    # Were the harness to look these up after the program ran, every test would be a no-op that "passes".
+    program = ("import builtins, os\nbuiltins.exec = lambda *args: None\nbuiltins.compile = lambda *args: None\n"
+               "builtins.enumerate = lambda tests: [(i, 'pass') for i in range(3)]\nos.write = lambda *args: 0\n")
+    assert_hostile_scores_0_and_the_next_item_1(service, program, ADD_ASSERTS, "0/3 tests passed; test 0: NameError: name 'add' is not defined")
+
+
 # -- the sandbox and the verifier's parts, directly -------------------------------------------------------
 
 

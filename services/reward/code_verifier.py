@@ -11,7 +11,8 @@ The reference is JSON in one of the two common dataset shapes:
   test in its namespace; passes are read from the harness's result channel (see sandbox_harness.py), never
   from the program's output, and count only if the harness reached its end.
   Limit: the tests share the program's interpreter, so a program written to introspect the harness (its frames)
-  could find the run's token. Prints, early exits and signals cannot forge a pass; a deliberate attack on the
+  could find the run's token, and a test trusts its own comparison (an object whose __eq__ is always True passes
+  `==`). Prints, early exits, signals and replaced builtins cannot forge a pass; a deliberate attack on the
   harness stays inside the sandbox.
 Score: the fraction of tests passed, or 1/0 for all/not all ("all"): the service's `reward.code.scoring`, which an
 item's metadata `scoring` overrides. The reason names the count and the first failure. A run the sandbox had to

@@ -28,21 +28,26 @@ def run_program(source: str, namespace: dict) -> None:
 
 
 def run_asserts(source: str, tests: list, token: str, result_fd: int) -> None:
-    write = os.write  # bound before the program runs, so monkeypatching os does not reach it
+    # Everything the test loop needs is bound (and the tests compiled) before the program runs: it could replace
+    # builtins (exec, compile, enumerate) or os.write to turn the tests into no-ops. A loop over a list of locals
+    # looks nothing up.
+    write, run = os.write, exec
+    compiled = [(index, compile(test, f"test_{index}.py", "exec")) for index, test in enumerate(tests)]
+    program = compile(source, "program.py", "exec")
 
     def report(line: str) -> None:
         write(result_fd, f"{token} {line}\n".encode("utf-8", "replace"))
 
     namespace = {"__name__": "__main__"}
     try:
-        run_program(source, namespace)
+        run(program, namespace)
     except BaseException as exc:  # SystemExit too: the tests did not run, so nothing passed
         report("program " + describe(exc))
         report("done")
         return
-    for index, test in enumerate(tests):
+    for index, code in compiled:
         try:
-            exec(compile(test, f"test_{index}.py", "exec"), namespace)
+            run(code, namespace)
         except BaseException as exc:
             report(f"fail {index} " + describe(exc))
         else:
