@@ -121,6 +121,12 @@ def test_stdout_is_compared_line_by_line_whitespace_normalised(service):
     assert (results["wrong"].reward, results["wrong"].message) == (0.0, "0/1 tests passed; test 0: wrong output: expected '1 2\\n3\\n', got '1 2 3\\n'")
 
 
+def test_the_job_start_check_runs_a_program_in_the_sandbox(service):
+    _, stub = service
+    stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["code", "math"]))  # raises unless OK
+    assert "code" in stub.ListVerifiers(reward_pb2.ListVerifiersRequest()).verifiers
+
+
 def test_a_reference_that_is_not_tests_is_an_error_not_a_zero(service):
     results = score(service, reward_pb2.ScoreItem(item_id="bad", verifier="code", response="print(1)", reference="42"))
     assert results["bad"].status == ERROR
