@@ -19,8 +19,8 @@ The layers, outside in:
 - this process: a wall-clock deadline, output read incrementally and capped; either kills the process group
   (bwrap and with it the pid namespace, hence every process the program started).
 
-When this service runs as root, bwrap is started as an unprivileged uid (`sandbox_uid`): the kernel exempts
-root from RLIMIT_NPROC, and no process of the sandbox should be root outside its namespace.
+When this service runs as root, bwrap is started as an unprivileged uid (`sandbox_uid`, through setpriv): the
+kernel exempts root from RLIMIT_NPROC, and no process of the sandbox should be root outside its namespace.
 
 The interpreter inside is a system Python under /usr (the image's /usr/local/bin/python3 or Debian's), not the
 service's virtual environment: the program gets the standard library and nothing of the service's packages.
@@ -118,8 +118,15 @@ class Sandbox:
         self.python = python or default_python()
         if not self.python.startswith("/usr/"):
             raise SandboxError(f"the sandbox's interpreter must live under /usr (the only tree bound in), got {self.python}")
-        # dropping root is possible only when this process is root
-        self.run_as = sandbox_uid if os.geteuid() == 0 else None
+        # As root, drop to `sandbox_uid` before bwrap: setpriv (util-linux) does it after the exec, so this process
+        # (which has gRPC threads) never forks a child that changes credentials itself.
+        self.drop_root: list[str] = []
+        if os.geteuid() == 0:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                raise SandboxError("running as root, the sandbox drops to an unprivileged uid with setpriv (util-linux), "
+                                   "which is not installed")
+            self.drop_root = [setpriv, f"--reuid={sandbox_uid}", f"--regid={sandbox_uid}", "--clear-groups", "--"]
 
     def run_program(self, program: str, stdin: bytes = b"") -> SandboxResult:
         """Run `program` as __main__ with `stdin`; the caller judges its output."""
@@ -140,7 +147,7 @@ class Sandbox:
 
     def bwrap_command(self, job_fd: int, result_fd: int) -> list[str]:
         return [
-            self.bwrap,
+            *self.drop_root, self.bwrap,
             "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
@@ -163,7 +170,6 @@ class Sandbox:
                 self.bwrap_command(job_read, result_write),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(job_read, result_write), start_new_session=True, env={},
-                user=self.run_as, group=self.run_as, extra_groups=[] if self.run_as is not None else None,
             )
         except OSError as exc:
             for fd in (job_read, job_write, result_read, result_write):
