@@ -21,7 +21,7 @@ import jsonschema
 import kubernetes_validate as kv
 import pytest
 import yaml
-from operator_fixtures import CRD_FILE, EXAMPLES, ROOT
+from operator_fixtures import CRD_FILE, EXAMPLES, ROOT, rljob
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.__main__ import parse_args as operator_args
@@ -542,28 +542,50 @@ def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
         assert not admitted(docs, (ns, job_pod("trainer")), CONTROLLER_GRPC, PROMETHEUS)
 
 
+def reward_policies_of_the_operator(namespace: str, *jobs: str) -> list[dict]:
+    """The NetworkPolicy children the operator creates for `jobs` in `namespace` when the chart's are on."""
+    policies = []
+    for job in jobs:
+        body = rljob(job)
+        body["metadata"]["namespace"] = namespace
+        policies += [c for c in desired_children(validate(body), running=True) if c["kind"] == "NetworkPolicy"]
+    return policies
+
+
 @pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
-def test_reward_pods_admit_only_their_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set):
+def test_reward_pods_admit_only_their_own_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set, monkeypatch):
     docs = rendered(value_set)
+    env = {e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    monkeypatch.setenv(names.NETWORK_POLICIES_ENV, env[names.NETWORK_POLICIES_ENV])  # the chart switches the operator's on
     namespaces = (VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
                   or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])
     scoring = ("grpc", names.REWARD_PORT)
     for ns in namespaces:
-        reward = (ns, job_pod("reward"))
+        cluster = docs + reward_policies_of_the_operator(ns, "demo", "other")
+        reward = (ns, job_pod("reward", "demo"))
         for role in ("controller", "rollout", "trainer"):
-            assert admitted(docs, reward, scoring, (ns, job_pod(role)))
-        assert not admitted(docs, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout")))  # its only port
-        assert not admitted(docs, reward, scoring, (ns, STRANGER))
-        assert not admitted(docs, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout")))
-        assert not admitted(docs, reward, scoring, (NAMESPACE, chart_pod("operator")))
-        assert admitted(docs, reward, METRICS, PROMETHEUS)
+            assert admitted(cluster, reward, scoring, (ns, job_pod(role, "demo")))
+            assert not admitted(cluster, reward, scoring, (ns, job_pod(role, "other")))  # another job's pods
+        assert admitted(cluster, (ns, job_pod("reward", "other")), scoring, (ns, job_pod("rollout", "other")))
+        assert not admitted(cluster, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout", "demo")))  # its only port
+        assert not admitted(cluster, reward, scoring, (ns, STRANGER))
+        assert not admitted(cluster, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout")))
+        assert not admitted(cluster, reward, scoring, (NAMESPACE, chart_pod("operator")))
+        assert admitted(cluster, reward, METRICS, PROMETHEUS)
         # the other job pods keep their policy
-        assert admitted(docs, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
-        egress = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["namespace"] == ns
+        assert admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
+        egress = [p for p in of_kind(cluster, "NetworkPolicy") if p["metadata"]["namespace"] == ns
                   and selects(p["spec"]["podSelector"], job_pod("reward")) and "Egress" in p["spec"]["policyTypes"]]
         assert [p["spec"]["egress"] for p in egress] == [[]]  # isolated for egress, and no rule lets anything out
-        assert not any("Egress" in p["spec"]["policyTypes"] for p in of_kind(docs, "NetworkPolicy")
+        assert not any("Egress" in p["spec"]["policyTypes"] for p in of_kind(cluster, "NetworkPolicy")
                        if selects(p["spec"]["podSelector"], job_pod("trainer")))
+
+
+def test_without_the_charts_network_policies_the_operator_creates_none(monkeypatch):
+    env = operator_deployment(documents(render_files({"networkPolicy": {"enabled": False}})))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert names.NETWORK_POLICIES_ENV not in {e["name"] for e in env}
+    monkeypatch.delenv(names.NETWORK_POLICIES_ENV, raising=False)
+    assert reward_policies_of_the_operator(NAMESPACE, "demo") == []
 
 
 def test_the_operator_admits_only_helm_test():

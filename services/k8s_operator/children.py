@@ -21,6 +21,7 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     "StatefulSet": ("apps/v1", "statefulsets"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
 }
 
 
@@ -37,6 +38,7 @@ def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | No
         reward_deployment(job, running),
         rollout_deployment(job, running, rollout_replicas),
         trainer_statefulset(job, running),
+        *([reward_network_policy(job)] if os.environ.get(names.NETWORK_POLICIES_ENV) == "1" else []),
     ]
 
 
@@ -318,6 +320,22 @@ def reward_deployment(job: ValidJob, running: bool) -> dict:
         mounts=[], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
     )
     return deployment(job, "reward", block["replicas"] if running else 0, pod_template(job, "reward", [main], []))
+
+
+def reward_network_policy(job: ValidJob) -> dict:
+    """The job's reward pods run untrusted programs: their scoring port admits the job's own pods only. Created
+    where the chart's NetworkPolicies are on; the chart's per-namespace policy adds the metrics scrapers and takes
+    away all egress (policies add up, so neither may admit more than it means to)."""
+    own_pods = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job.name}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": metadata(job, names.child_name(job.name, "reward"), "reward"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector_labels(job.name, "reward")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"port": names.REWARD_PORT, "protocol": "TCP"}], "from": [{"podSelector": {"matchLabels": own_pods}}]}],
+        },
+    }
 
 
 def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
