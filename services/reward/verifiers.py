@@ -3,7 +3,8 @@
 Built-in names are "math", "addition" (the demo task), "exact" and "code" (the response's program against the
 reference's tests in the sandbox: code_verifier.py). Any other name of the form "package.module:function" is a
 custom verifier: a plain Python function taking the same four positional arguments (prompt, response,
-reference: str; metadata: dict[str, str]) and returning a finite real number, or a `Verdict(reward, reason)`.
+reference: str; metadata: dict[str, str]) and returning a finite real number, or a `Verdict(reward, reason)`
+(importable from here), whose reason becomes the result's message.
 A custom verifier runs only if the job declares it (`reward.verifier` or `reward.allowed_verifiers`): naming one
 in a request or a dataset row is not enough, since importing a module runs its code (`check_allowed`).
 Verifiers run in pool worker processes, so a slow or crashing one costs its item, never the service.
