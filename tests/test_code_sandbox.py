@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
+from areal_k8s.reward import sandbox as sandbox_module
 from areal_k8s.reward.code_verifier import extract_program, normalised_lines, parse_tests
 from areal_k8s.reward.sandbox import NOBODY, Sandbox, SandboxError, SandboxLimits
 
@@ -163,9 +164,12 @@ def test_reading_files_outside_its_directory_finds_nothing(service, tmp_path):
     secret = tmp_path / "token"
     secret.write_text(SECRET)
     secret.chmod(0o644)  # readable by anyone on the host: only the sandbox's mounts keep it out
-    program = f"for path in [{str(secret)!r}, '/etc/shadow', '/etc/passwd']:\n    print(open(path).read())"
-    message = assert_hostile_scores_0_and_the_next_item_1(service, program, [{"input": "", "output": SECRET}], "FileNotFoundError")
-    assert SECRET not in message
+    # the secret, the host's password files, the service's own code
+    paths = [str(secret), "/etc/shadow", "/etc/passwd", sandbox_module.__file__]
+    program = (f"for path in {paths!r}:\n    try:\n        print(open(path).read())\n"
+               "    except OSError as exc:\n        print(type(exc).__name__)")
+    message = assert_hostile_scores_0_and_the_next_item_1(service, program, [{"input": "", "output": SECRET}], "wrong output")
+    assert message.endswith("got 'FileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\n'"), message
 
 
 def test_the_environment_holds_none_of_the_services_variables(service):
