@@ -137,8 +137,9 @@ def test_a_reference_that_is_not_tests_is_an_error_not_a_zero(service):
 # -- hostile programs: one test each ----------------------------------------------------------------------
 
 
-def test_infinite_loop_is_killed_at_its_cpu_limit(service):
-    assert_hostile_scores_0_and_the_next_item_1(service, "while True:\n    pass", ADD_STDIO, "killed by SIGXCPU")
+def test_infinite_loop_is_killed(service):
+    # by its 1 s CPU limit, or on a loaded machine by its 3 s wall-clock limit first
+    assert_hostile_scores_0_and_the_next_item_1(service, "while True:\n    pass", ADD_STDIO, "test 0: killed")
 
 
 def test_fork_bomb_is_contained_and_leaves_no_process_behind(service):
@@ -207,9 +208,7 @@ def test_killing_its_parent_reaches_only_the_sandboxs_own_init(service):
 
 
 def test_sleeping_past_the_wall_limit_is_killed(service):
-    started = time.monotonic()
     assert_hostile_scores_0_and_the_next_item_1(service, "import time\ntime.sleep(600)", ADD_STDIO, "ran past the 3 s wall-clock limit")
-    assert time.monotonic() - started < 60
 
 
 def test_os_exit_mid_test_earns_nothing(service):
@@ -253,6 +252,12 @@ def test_the_process_limit_stops_forks_at_the_sandboxs_own_count():
     result = sandbox.run_program(program)
     assert result.returncode == 0, result.stderr
     assert 0 < int(result.stdout) < 8
+
+
+def test_the_cpu_limit_kills_a_busy_loop_long_before_the_wall_clock():
+    result = Sandbox(SandboxLimits(cpu_seconds=1, wall_seconds=60)).run_program("while True:\n    pass")
+    assert not result.timed_out
+    assert result.failure(SandboxLimits(cpu_seconds=1)) == "killed by SIGXCPU (the CPU limit is 1 s)"
 
 
 def test_the_sandbox_has_no_network_interface_but_its_own_loopback():
