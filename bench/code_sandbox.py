@@ -2,7 +2,8 @@
 (services/reward/sandbox.py: bubblewrap, the harness, rlimits) against a bare subprocess of the same interpreter,
 and through the whole `code` verifier (one stdin/stdout case: extraction, the sandboxed run, the comparison).
 
-Each repetition runs `--runs` executions of each mode one after another, the modes in rotating order; the JSON holds
+Each repetition runs `--runs` executions of each mode, interleaved one by one (so that load from elsewhere on the
+machine weighs on every mode alike), and times each mode's executions apart; the JSON holds
 every repetition's executions/s, the per-mode median and range, and the sandbox's overhead per execution (median
 seconds per execution, sandbox minus bare). One process, sequential executions: the figure is the cost of one
 execution, not a pool's throughput (the reward service runs `reward.workers` of these at once).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -50,21 +52,25 @@ def main() -> None:
         assert code_reward("", response, REFERENCE, {}).reward == 1.0
 
     modes = {"bare_subprocess": bare, "sandbox": sandboxed, "code_verifier": verifier}
+    load_before = os.getloadavg()[0]  # other work on the machine widens the range: recorded beside the figures
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(args.repeats):
-        order = list(modes)[repeat % len(modes):] + list(modes)[:repeat % len(modes)]
-        for mode in order:
-            started = time.perf_counter()
-            for _ in range(args.runs):
-                modes[mode]()
-            seconds = time.perf_counter() - started
-            runs[mode].append({"executions_per_second": args.runs / seconds, "seconds_per_execution": seconds / args.runs})
+        # executions interleaved (bare, sandbox, verifier, bare, ...), so load from elsewhere weighs on every mode
+        seconds = dict.fromkeys(modes, 0.0)
+        for _ in range(args.runs):
+            for mode, execute in modes.items():
+                started = time.perf_counter()
+                execute()
+                seconds[mode] += time.perf_counter() - started
+        for mode, total in seconds.items():
+            runs[mode].append({"executions_per_second": args.runs / total, "seconds_per_execution": total / args.runs})
         print(f"repeat {repeat}: " + ", ".join(f"{m} {runs[m][-1]['executions_per_second']:.1f}/s" for m in modes), flush=True)
     summary = {mode: spread(results, "executions_per_second") for mode, results in runs.items()}
     per_execution = {mode: spread(results, "seconds_per_execution")["median"] for mode, results in runs.items()}
     report = {
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "sandbox_python": sandbox.python,
-                    "bwrap": subprocess.run([sandbox.bwrap, "--version"], capture_output=True, text=True).stdout.strip()},
+                    "bwrap": subprocess.run([sandbox.bwrap, "--version"], capture_output=True, text=True).stdout.strip(),
+                    "cpus": os.cpu_count(), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
         "runs_per_repeat": args.runs,
         "repeats": args.repeats,
         "executions_per_second": summary,
