@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-logprobs chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -78,6 +78,11 @@ chaos: venv
 # peak memory of per-token log-probabilities over a 152k vocabulary, full logits against chunked (bench/results/logprob_memory.json)
 bench-logprobs: proto
 	$(PY) bench/logprob_memory.py
+
+# executions/s of a trivial program through the code verifier's sandbox (bubblewrap) against a bare subprocess
+# (bench/results/code_sandbox.json)
+bench-sandbox: proto
+	$(PY) bench/code_sandbox.py
 
 # the staleness rebalancer on a simulated 1,024-GPU cluster (every figure simulated; bench/results/simulated.json)
 bench-sim: proto

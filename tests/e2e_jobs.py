@@ -36,6 +36,7 @@ def make_job(assets: Path, run_dir: Path, **overrides):
         "model": str(assets / "model"),
         "run_dir": str(run_dir),
         "dataset": {"train": str(assets / "train.jsonl"), "eval": str(assets / "eval.jsonl")},
+        "reward": {"allowed_verifiers": ["e2e_fixtures:coin_flip"]},  # the dataset rows' verifier
         "sampling": {"max_new_tokens": 12, "temperature": 1.0},
         "algorithm": {"batch_size": 2, "group_size": 4, "max_staleness": 1, "lr": 1e-3},
         "rollout": {"workers": 1, "groups_per_worker": 3, "max_batch_size": 32},

@@ -21,7 +21,7 @@ import jsonschema
 import kubernetes_validate as kv
 import pytest
 import yaml
-from operator_fixtures import CRD_FILE, EXAMPLES, ROOT
+from operator_fixtures import CRD_FILE, EXAMPLES, ROOT, rljob
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.__main__ import parse_args as operator_args
@@ -327,6 +327,23 @@ def test_job_images_follow_the_values_through_the_operators_environment():
     assert not {names.IMAGE_REPOSITORY_ENV, names.IMAGE_TAG_ENV} & {e["name"] for e in default_env}
 
 
+def test_the_reward_runtime_class_follows_the_values_through_the_operators_environment(monkeypatch):
+    env = {e["name"]: e["value"] for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[names.REWARD_RUNTIME_CLASS_ENV] == "gvisor"
+    default_env = operator_deployment(rendered("default"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert names.REWARD_RUNTIME_CLASS_ENV not in {e["name"] for e in default_env}
+    # what the operator does with it: the reward pods only, and an RLJob's own choice wins
+    monkeypatch.setenv(names.REWARD_RUNTIME_CLASS_ENV, env[names.REWARD_RUNTIME_CLASS_ENV])
+    example = yaml.safe_load(EXAMPLES[0].read_text())
+    classes = {c["metadata"]["name"].rsplit("-", 1)[1]: c["spec"]["template"]["spec"].get("runtimeClassName")
+               for c in desired_children(validate(example), running=True) if c["kind"] in ("Deployment", "StatefulSet")}
+    assert classes == {"controller": None, "reward": "gvisor", "rollout": None, "trainer": None}
+    example["spec"].setdefault("roles", {}).setdefault("reward", {})["runtimeClassName"] = "kata"
+    reward = next(c for c in desired_children(validate(example), running=True) if c["metadata"]["name"].endswith("-reward")
+                  and c["kind"] == "Deployment")
+    assert reward["spec"]["template"]["spec"]["runtimeClassName"] == "kata"
+
+
 def test_hardened_values_pin_the_image_by_digest_and_pull_with_the_secret():
     docs, values = rendered("hardened"), VALUE_SETS["hardened"]
     image = values["operator"]["image"]
@@ -523,6 +540,52 @@ def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
         assert not admitted(docs, controller, CONTROLLER_GRPC, ("elsewhere", job_pod("rollout")))
         assert admitted(docs, (ns, job_pod("trainer")), METRICS, PROMETHEUS)
         assert not admitted(docs, (ns, job_pod("trainer")), CONTROLLER_GRPC, PROMETHEUS)
+
+
+def reward_policies_of_the_operator(namespace: str, *jobs: str) -> list[dict]:
+    """The NetworkPolicy children the operator creates for `jobs` in `namespace` when the chart's are on."""
+    policies = []
+    for job in jobs:
+        body = rljob(job)
+        body["metadata"]["namespace"] = namespace
+        policies += [c for c in desired_children(validate(body), running=True) if c["kind"] == "NetworkPolicy"]
+    return policies
+
+
+@pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
+def test_reward_pods_admit_only_their_own_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set, monkeypatch):
+    docs = rendered(value_set)
+    env = {e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    monkeypatch.setenv(names.NETWORK_POLICIES_ENV, env[names.NETWORK_POLICIES_ENV])  # the chart switches the operator's on
+    namespaces = (VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
+                  or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])
+    scoring = ("grpc", names.REWARD_PORT)
+    for ns in namespaces:
+        cluster = docs + reward_policies_of_the_operator(ns, "demo", "other")
+        reward = (ns, job_pod("reward", "demo"))
+        for role in ("controller", "rollout", "trainer"):
+            assert admitted(cluster, reward, scoring, (ns, job_pod(role, "demo")))
+            assert not admitted(cluster, reward, scoring, (ns, job_pod(role, "other")))  # another job's pods
+        assert admitted(cluster, (ns, job_pod("reward", "other")), scoring, (ns, job_pod("rollout", "other")))
+        assert not admitted(cluster, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout", "demo")))  # its only port
+        assert not admitted(cluster, reward, scoring, (ns, STRANGER))
+        assert not admitted(cluster, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout")))
+        assert not admitted(cluster, reward, scoring, (NAMESPACE, chart_pod("operator")))
+        assert admitted(cluster, reward, METRICS, PROMETHEUS)
+        # the other job pods keep their policy
+        assert admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
+        egress = [p for p in of_kind(cluster, "NetworkPolicy") if p["metadata"]["namespace"] == ns
+                  and selects(p["spec"]["podSelector"], job_pod("reward")) and "Egress" in p["spec"]["policyTypes"]]
+        assert [p["spec"]["egress"] for p in egress] == [[]]  # isolated for egress, and no rule lets anything out
+        assert not any("Egress" in p["spec"]["policyTypes"] for p in of_kind(cluster, "NetworkPolicy")
+                       if selects(p["spec"]["podSelector"], job_pod("trainer")))
+
+
+def test_without_the_charts_network_policies_the_operator_creates_none(monkeypatch):
+    env = operator_deployment(documents(render_files({"networkPolicy": {"enabled": False}})))["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert names.NETWORK_POLICIES_ENV not in {e["name"] for e in env}
+    monkeypatch.delenv(names.NETWORK_POLICIES_ENV, raising=False)
+    assert reward_policies_of_the_operator(NAMESPACE, "demo") == []
 
 
 def test_the_operator_admits_only_helm_test():

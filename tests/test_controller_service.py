@@ -371,7 +371,7 @@ async def test_a_job_whose_every_prompt_is_dead_lettered_fails_and_releases_its_
 
 @pytest.fixture
 async def reward_service():
-    service = await serve_reward("127.0.0.1:0", workers=1)
+    service = await serve_reward("127.0.0.1:0", workers=1, allowed_verifiers=["nosuch.module:fn"])
     yield service
     await service.stop(grace=1)
 

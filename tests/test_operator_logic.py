@@ -81,6 +81,31 @@ def test_the_service_arguments_are_ones_the_services_accept(monkeypatch):
     assert reward_args().job_name == validate(rljob()).config.name  # the `rljob` label of its metrics
 
 
+def test_the_reward_service_gets_the_jobs_custom_verifiers_and_code_settings(monkeypatch):
+    body = rljob(reward={"verifier": "team.checks:score", "allowed_verifiers": ["team.checks:other"],
+                         "code": {"scoring": "all", "wall_seconds": 2}})
+    reward = container(children(body)[("Deployment", "demo-reward")], "reward")
+    monkeypatch.setattr("sys.argv", ["reward", *reward["args"]])
+    parsed = reward_args()
+    assert parsed.allow_verifier == ["team.checks:other", "team.checks:score"]
+    assert (parsed.code_config.scoring, parsed.code_config.wall_seconds) == ("all", 2)
+
+
+def test_reward_pods_take_a_runtime_class_and_the_profiles_their_sandbox_needs():
+    sandboxed = {"runtimeClassName": "gvisor", "seccompProfile": {"type": "Unconfined"},
+                 "appArmorProfile": {"type": "Localhost", "localhostProfile": "areal-bwrap"}}
+    pods = pod_specs(children(rljob(roles={"reward": sandboxed})))
+    reward = pods["demo-reward"]
+    assert reward["runtimeClassName"] == "gvisor"
+    assert reward["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    assert reward["securityContext"]["appArmorProfile"] == {"type": "Localhost", "localhostProfile": "areal-bwrap"}
+    for name, pod in pods.items():  # nothing changes for the other roles
+        if name != "demo-reward":
+            assert "runtimeClassName" not in pod and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+    default = pod_specs(children(rljob()))["demo-reward"]
+    assert "runtimeClassName" not in default and default["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
 @pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
 def test_engine_probes_run_beside_the_engine_which_listens_on_loopback_only(example):
     # The engine's API (weight updates, pausing generation) is for the agent in its pod: it listens on 127.0.0.1,

@@ -65,7 +65,8 @@ def loopback_status(operator_context, controller):
 
 
 async def test_every_api_call_of_a_whole_lifecycle_is_allowed_and_every_rule_is_needed(
-        cluster: Cluster, loopback_status, operator, redis_url):
+        cluster: Cluster, loopback_status, operator, redis_url, monkeypatch):
+    monkeypatch.setenv(names.NETWORK_POLICIES_ENV, "1")  # as the chart sets it: the operator's NetworkPolicy children
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis", "namespace": NAMESPACE},
               "data": {"url": base64.b64encode(redis_url.encode()).decode()}}
     assert (await cluster.server.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret)).status < 300
@@ -85,6 +86,13 @@ async def test_every_api_call_of_a_whole_lifecycle_is_allowed_and_every_rule_is_
     await eventually(lambda: "lr: 3.0e-05" in cluster.get("v1/configmaps", "demo-config")["data"][names.CONFIG_KEY], "the new config")
     await eventually(lambda: cluster.get("v1/services", "demo-reward")["spec"]["selector"][names.LABEL_COMPONENT] == "reward",
                      "the Service repaired")
+    # drift on the reward pods' NetworkPolicy: someone opens the scoring port to everyone
+    await eventually(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward"), "the reward NetworkPolicy")
+    opened = await cluster.server.patch(f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo-reward",
+                                        json={"spec": {"ingress": [{}]}}, headers={"Content-Type": "application/merge-patch+json"})
+    assert opened.status < 300
+    await eventually(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward")["spec"]["ingress"] != [{}],
+                     "the NetworkPolicy repaired")
     await cluster.update_spec("demo", {"suspend": True})
     await eventually(lambda: cluster.get("apps/v1/deployments", "demo-rollout")["spec"]["replicas"] == 0, "suspension")
     await cluster.update_spec("demo", {"suspend": False})

@@ -15,7 +15,8 @@ from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.reward.pool import ScoringItem, ScoringPool
 from areal_k8s.reward.server import serve
-from areal_k8s.reward.verifiers import UnknownVerifier, math_reward, resolve
+from areal_k8s.common import config
+from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, math_reward, resolve
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,13 +27,19 @@ def fixture(name: str) -> str:
     return f"reward_fixtures:{name}"
 
 
+# the custom verifiers the tests' job declares (those that fail to load included: the tests check why)
+ALLOWED = [*(fixture(name) for name in ("weighted_length", "sleeps_forever", "kills_its_worker", "raises", "exits",
+                                         "returns_nan", "returns_text", "two_arguments", "missing")),
+           "no_such_module:f", "nosuch.module:fn"]
+
+
 def item(item_id: str, verifier: str, response: str = "", reference: str = "", **fields) -> reward_pb2.ScoreItem:
     return reward_pb2.ScoreItem(item_id=item_id, verifier=verifier, response=response, reference=reference, **fields)
 
 
 @pytest.fixture
 async def service():
-    service = await serve("127.0.0.1:0", workers=2, timeout=10.0)
+    service = await serve("127.0.0.1:0", workers=2, timeout=10.0, allowed_verifiers=ALLOWED)
     yield service
     await service.stop(grace=1)
 
@@ -172,9 +179,30 @@ async def test_invalid_request_is_rejected_naming_the_field(stub, request_, mess
     assert message in raised.value.details()
 
 
-async def test_list_verifiers_names_the_builtins(stub):
+async def test_list_verifiers_names_the_builtins_and_the_allowed_custom_ones(stub):
     response = await stub.ListVerifiers(reward_pb2.ListVerifiersRequest())
-    assert list(response.verifiers) == ["addition", "exact", "math"]
+    assert list(response.verifiers) == sorted(["addition", "code", "exact", "math", *ALLOWED])
+
+
+async def test_a_custom_verifier_the_job_does_not_declare_is_rejected_before_its_module_is_imported(stub):
+    # the standard library's `this` prints the Zen of Python when imported: a module with an effect on import
+    assert "this" not in sys.modules
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.Score(request(item("a", "exact", "x", "x"), item("b", "this:s")))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("items[1] ('b').verifier: verifier 'this:s' is not allowed: this job runs")
+    assert "reward.allowed_verifiers" in raised.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["math", "this:s", fixture("raises")]))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert raised.value.details().startswith("verifier 'this:s': verifier 'this:s' is not allowed")
+    assert "this" not in sys.modules
+    results = await score(stub, item("after", fixture("weighted_length"), "b", prompt="a", metadata={"weight": "1"}))
+    assert (results["after"].status, results["after"].reward) == (OK, 2.0)
+
+
+def test_the_job_schema_names_the_reward_services_builtin_verifiers():
+    assert sorted(config.BUILTIN_VERIFIERS) == sorted(BUILTIN_VERIFIERS)
 
 
 async def test_check_verifiers_accepts_loadable_ones_and_names_each_that_is_not_and_why(stub, service):
@@ -286,6 +314,7 @@ async def read_ready_port(stderr: asyncio.StreamReader) -> int:
 async def test_launcher_serves_health_and_scores_then_stops_on_sigterm():
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "areal_k8s.reward", "--port", "0", "--workers", "1",
+        "--allow-verifier", fixture("weighted_length"), "--code-config", '{"scoring": "all"}',
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -296,6 +325,8 @@ async def test_launcher_serves_health_and_scores_then_stops_on_sigterm():
             assert health.status == health_pb2.HealthCheckResponse.SERVING
             results = await score(reward_pb2_grpc.RewardStub(chan), item("one", "math", r"\boxed{1/2}", "0.5"))
             assert (results["one"].status, results["one"].reward) == (OK, 1.0)
+            listed = await reward_pb2_grpc.RewardStub(chan).ListVerifiers(reward_pb2.ListVerifiersRequest())
+            assert fixture("weighted_length") in listed.verifiers
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 20) == 0
     finally:

@@ -22,7 +22,7 @@ from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.cli.rebalancer import LocalRebalancer
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
-from areal_k8s.common.config import JobConfig
+from areal_k8s.common.config import JobConfig, reward_verifier_args
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
 from areal_k8s.common.redis_server import EmbeddedRedis, free_port
@@ -180,7 +180,8 @@ class LocalRun:
         reward = self.spawn(
             "reward",
             ["areal_k8s.reward", "--host", self.host, "--port", port_of(ends.reward), "--workers", str(self.job.reward.workers),
-             "--timeout", str(self.job.reward.timeout_seconds), "--job-name", self.job.name, *metrics("reward")],
+             "--timeout", str(self.job.reward.timeout_seconds), "--job-name", self.job.name, *metrics("reward"),
+             *reward_verifier_args(self.job.reward)],
             logs, 1,
         )
         wait_serving(controller, ends.controller, deadline)

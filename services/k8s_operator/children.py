@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 
 import yaml
 
+from areal_k8s.common.config import reward_verifier_args
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.validation import ENGINE_URL, ValidJob
 
@@ -19,6 +21,7 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     "StatefulSet": ("apps/v1", "statefulsets"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
 }
 
 
@@ -35,6 +38,7 @@ def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | No
         reward_deployment(job, running),
         rollout_deployment(job, running, rollout_replicas),
         trainer_statefulset(job, running),
+        *([reward_network_policy(job)] if os.environ.get(names.NETWORK_POLICIES_ENV) == "1" else []),
     ]
 
 
@@ -257,6 +261,12 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         # The services never call the Kubernetes API, and the reward pods run verifier code: no token.
         "automountServiceAccountToken": False,
     }
+    runtime_class = block.get("runtimeClassName") or (os.environ.get(names.REWARD_RUNTIME_CLASS_ENV) if role == "reward" else None)
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    for profile in ("seccompProfile", "appArmorProfile"):  # the reward role's: its sandbox needs user namespaces
+        if profile in block:
+            spec["securityContext"][profile] = block[profile]
     if block.get("nodeSelector"):
         spec["nodeSelector"] = block["nodeSelector"]
     if block.get("tolerations"):
@@ -303,12 +313,29 @@ def reward_deployment(job: ValidJob, running: bool) -> dict:
     main = container(
         "reward", image_of(job, "reward"), "areal_k8s.reward",
         ["--host", "0.0.0.0", "--port", str(names.REWARD_PORT),
-         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name],
+         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name,
+         *reward_verifier_args(reward)],
         block=block, env=process_env(1), port=("grpc", names.REWARD_PORT),
         readiness=grpc_readiness(names.REWARD_PORT, "areal.v1.Reward"),
         mounts=[], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
     )
     return deployment(job, "reward", block["replicas"] if running else 0, pod_template(job, "reward", [main], []))
+
+
+def reward_network_policy(job: ValidJob) -> dict:
+    """The job's reward pods run untrusted programs: their scoring port admits the job's own pods only. Created
+    where the chart's NetworkPolicies are on; the chart's per-namespace policy adds the metrics scrapers and takes
+    away all egress (policies add up, so neither may admit more than it means to)."""
+    own_pods = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job.name}
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": metadata(job, names.child_name(job.name, "reward"), "reward"),
+        "spec": {
+            "podSelector": {"matchLabels": names.selector_labels(job.name, "reward")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"port": names.REWARD_PORT, "protocol": "TCP"}], "from": [{"podSelector": {"matchLabels": own_pods}}]}],
+        },
+    }
 
 
 def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:

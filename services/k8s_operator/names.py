@@ -73,6 +73,8 @@ IMAGE_COMPONENTS = ("operator", "controller", "reward", "rollout", "sglang", "tr
 # The chart sets these on the operator (values `jobImages.repository`/`jobImages.tag`), e.g. for a registry mirror.
 IMAGE_REPOSITORY_ENV = "AREAL_IMAGE_REPOSITORY"
 IMAGE_TAG_ENV = "AREAL_IMAGE_TAG"
+REWARD_RUNTIME_CLASS_ENV = "AREAL_REWARD_RUNTIME_CLASS"  # the chart's jobs.rewardRuntimeClassName
+NETWORK_POLICIES_ENV = "AREAL_NETWORK_POLICIES"  # "1": the chart's networkPolicy.enabled (each job's reward policy)
 
 
 def operator_version() -> str:

@@ -92,7 +92,8 @@ def structural(prop: dict) -> dict:
 
 def section_schema(model: type[BaseModel], description: str, exclude: set[str] = frozenset()) -> dict:
     source = model.model_json_schema()
-    properties = {k: structural(v) for k, v in source["properties"].items() if k not in exclude}
+    properties = {k: nested_section(v, source["$defs"]) if "$ref" in v else structural(v)
+                  for k, v in source["properties"].items() if k not in exclude}
     schema = {"type": "object", "description": description, "properties": properties}
     required = [k for k in source.get("required", []) if k not in exclude]
     if required:
@@ -100,6 +101,13 @@ def section_schema(model: type[BaseModel], description: str, exclude: set[str] =
     else:
         schema["default"] = {}  # so the apiserver fills in the section's field defaults
     return schema
+
+
+def nested_section(prop: dict, defs: dict) -> dict:
+    """A section's field that is a model of its own (reward.code), every field defaulted."""
+    model = defs[prop["$ref"].rsplit("/", 1)[-1]]
+    properties = {k: structural(v) for k, v in model["properties"].items()}
+    return {"type": "object", "description": prop.get("description", ""), "properties": properties, "default": {}}
 
 
 def job_field(name: str) -> dict:
@@ -178,6 +186,29 @@ def role(component: str, description: str, *, replicas: str | None, autoscaled: 
     return obj(description, properties, default={})
 
 
+def security_profile(kind: str, default: str) -> dict:
+    return obj(f"core/v1 {kind} of the reward pods; default {default}.", {
+        "type": string("Profile type.", enum=["RuntimeDefault", "Unconfined", "Localhost"]),
+        "localhostProfile": string("The node's profile to load, with type Localhost."),
+    }, required=["type"])
+
+
+def reward_sandbox_properties() -> dict:
+    """The reward pods run untrusted programs (the `code` verifier) in bubblewrap, which needs user namespaces."""
+    return {
+        "runtimeClassName": string("RuntimeClass of the reward pods (e.g. gvisor or kata): a further isolation layer "
+                                   "around the code sandbox. Default: the chart's jobs.rewardRuntimeClassName, "
+                                   "else the cluster's."),
+        "seccompProfile": security_profile(
+            "SeccompProfile", "RuntimeDefault, which on containerd and CRI-O refuses the user namespaces the `code` "
+            "verifier's sandbox (bubblewrap) creates: jobs using `code` set Unconfined, or Localhost with a profile "
+            "that also allows clone/unshare with CLONE_NEWUSER"),
+        "appArmorProfile": security_profile(
+            "AppArmorProfile", "the node's (where AppArmor runs, its runtime/default profile denies the mounts "
+            "bubblewrap makes: jobs using `code` on such nodes set Unconfined or a Localhost profile)"),
+    }
+
+
 def roles_schema() -> dict:
     engine = obj(
         "The inference engine container beside each rollout agent (it gets the role's GPUs).",
@@ -203,7 +234,8 @@ def roles_schema() -> dict:
             "controller": role("controller", "The controller: one pod (admission state lives in it and in Redis).",
                                replicas=None, autoscaled=False, gpus=None),
             "reward": role("reward", "The reward service (verifiers).",
-                           replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards)."),
+                           replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards).",
+                           extra=reward_sandbox_properties()),
             "rollout": role("rollout", "Rollout pods: a rollout agent and its inference engine each. "
                             "The /scale subresource sets roles.rollout.replicas.",
                             replicas="Rollout workers.", autoscaled=True, gpus="GPUs of each pod's engine.",

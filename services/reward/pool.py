@@ -4,9 +4,10 @@ A request's items go to the workers in chunks, one task per free worker, because
 more than a typical verifier (a demo or exact-match check is microseconds). A chunk must finish within one item's
 timeout; if it does not, or its worker dies, each of its items is scored again alone under its own timeout, so a
 bad item costs only itself (verifiers must therefore be pure: an item may be scored twice).
-A verifier that runs past its timeout has its worker killed; one that raises, returns a non-finite reward or
-kills its worker scores 0 with status "error". Workers are forked from a forkserver (never from the caller,
-which has gRPC threads) that has already imported the verifiers, so replacing a killed worker is cheap.
+A verifier that runs past its timeout has its worker killed (a sandbox it ran dies with it: --die-with-parent);
+one that raises, returns a non-finite reward or kills its worker scores 0 with status "error". Workers are forked
+from a forkserver (never from the caller, which has gRPC threads) that has already imported the verifiers, so
+replacing a killed worker is cheap; each starts with the service's code-verifier settings (sandbox limits).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import Literal
 from pebble import ProcessExpired, ProcessPool
 
 from areal_k8s.common.metrics import RewardMetrics
-from areal_k8s.reward import verifiers
+from areal_k8s.reward import code_verifier, verifiers
+from areal_k8s.reward.code_verifier import CodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +62,13 @@ Attempt = tuple[Status, float, str]  # (status, reward, message)
 
 
 class ScoringPool:
-    def __init__(self, max_workers: int = 2, default_timeout: float = 15.0, metrics: RewardMetrics | None = None):
+    def __init__(self, max_workers: int = 2, default_timeout: float = 15.0, metrics: RewardMetrics | None = None,
+                 code_settings: CodeSettings | None = None):
         if max_workers < 1 or not default_timeout > 0:
             raise ValueError(f"need max_workers >= 1 and default_timeout > 0, got {max_workers}, {default_timeout}")
         self.max_workers = max_workers
         self.default_timeout = default_timeout
+        self.code_settings = code_settings or CodeSettings()
         self.metrics = metrics or RewardMetrics("")
         for name in verifiers.BUILTIN_VERIFIERS:
             self.metrics.declare_verifier(name)
@@ -153,7 +157,8 @@ class ScoringPool:
         context = multiprocessing.get_context("forkserver")
         # Process-wide setting, read when the forkserver starts: its children inherit math-verify already imported.
         context.set_forkserver_preload([verifiers.__name__])
-        return ProcessPool(max_workers=self.max_workers, context=context)
+        return ProcessPool(max_workers=self.max_workers, context=context,
+                           initializer=code_verifier.configure, initargs=(self.code_settings,))
 
 
 def split(items: list[ScoringItem], parts: int) -> list[list[ScoringItem]]:
@@ -181,10 +186,11 @@ def score_in_worker(item: ScoringItem) -> Attempt:
     """
     try:
         verifier = verifiers.resolve(item.verifier)
-        reward = verifier(item.prompt, item.response, item.reference, dict(item.metadata))
+        result = verifier(item.prompt, item.response, item.reference, dict(item.metadata))
+        reward, reason = result if isinstance(result, verifiers.Verdict) else (result, "")
         if not (isinstance(reward, numbers.Real) and math.isfinite(reward)):
             return "error", 0.0, f"verifier {item.verifier!r} returned {reprlib.repr(reward)}, not a finite real number"
-        return "ok", float(reward), ""
+        return "ok", float(reward), str(reason)
     except BaseException as exc:  # SystemExit too: re-raised in the parent it would escape every handler
         return "error", 0.0, f"{type(exc).__name__}: {exc}"
 

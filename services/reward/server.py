@@ -1,10 +1,10 @@
-"""Reward gRPC shell: validates requests, scores them on the pool, maps outcomes to messages."""
+"""Reward gRPC shell: validates requests (verifiers the job allows), scores them on the pool, maps outcomes."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -13,8 +13,10 @@ from grpc_health.v1 import health
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.grpcutil import InvalidArgument, require, rpc, start_server
 from areal_k8s.common.metrics import RewardMetrics
+from areal_k8s.reward.code_verifier import CodeSettings, sandbox_for
 from areal_k8s.reward.pool import ScoreOutcome, ScoringItem, ScoringPool
-from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, resolve
+from areal_k8s.reward.sandbox import SandboxError
+from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, check_allowed, resolve
 
 _STATUSES = {
     "ok": reward_pb2.ScoreResult.OK,
@@ -24,38 +26,42 @@ _STATUSES = {
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
-    def __init__(self, pool: ScoringPool):
+    def __init__(self, pool: ScoringPool, allowed_verifiers: Collection[str] = ()):
         self.pool = pool
+        self.allowed_verifiers = frozenset(allowed_verifiers)  # the job's custom verifiers; built-ins always run
 
     @rpc
     async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
         timeout = validated_timeout(request.timeout_seconds)
-        items = validated_items(request.items)
+        items = validated_items(request.items, self.allowed_verifiers)
         outcomes = await self.pool.score(items, timeout=timeout or None)
         return reward_pb2.ScoreResponse(results=[result_message(outcome) for outcome in outcomes])
 
     @rpc
     async def ListVerifiers(self, request, context) -> reward_pb2.ListVerifiersResponse:
-        # Custom "package.module:function" verifiers are not listed: any importable one is accepted.
-        return reward_pb2.ListVerifiersResponse(verifiers=sorted(BUILTIN_VERIFIERS))
+        return reward_pb2.ListVerifiersResponse(verifiers=sorted({*BUILTIN_VERIFIERS, *self.allowed_verifiers}))
 
     @rpc
     async def CheckVerifiers(self, request: reward_pb2.CheckVerifiersRequest, context) -> reward_pb2.CheckVerifiersResponse:
         require(len(request.verifiers) > 0, "verifiers must not be empty")
-        problems = await asyncio.to_thread(verifier_problems, request.verifiers)  # an import may take a while
+        # an import, or the sandbox's trial run, may take a while
+        problems = await asyncio.to_thread(verifier_problems, request.verifiers, self.allowed_verifiers, self.pool.code_settings)
         require(not problems, "; ".join(problems))
         for name in request.verifiers:  # their failure rates start at 0 rather than missing
             self.pool.metrics.declare_verifier(name)
         return reward_pb2.CheckVerifiersResponse()
 
 
-def verifier_problems(names: Sequence[str]) -> list[str]:
-    """Why each name that does not resolve here does not (importing a custom verifier's module to find out)."""
+def verifier_problems(names: Sequence[str], allowed: Collection[str], code_settings: CodeSettings) -> list[str]:
+    """Why each name that cannot run here cannot: not allowed, not importable, or (code) no working sandbox."""
     problems = []
     for name in dict.fromkeys(names):
         try:
+            check_allowed(name, allowed)
             resolve(name)
-        except UnknownVerifier as exc:
+            if name == "code":
+                sandbox_for(code_settings.limits).check()
+        except (UnknownVerifier, SandboxError) as exc:
             problems.append(f"verifier {name!r}: {exc}")
     return problems
 
@@ -68,8 +74,8 @@ def validated_timeout(timeout_seconds: float) -> float:
     return timeout_seconds
 
 
-def validated_items(items: Sequence[reward_pb2.ScoreItem]) -> list[ScoringItem]:
-    """The request's items, checked before any is scheduled: ids non-empty and unique, verifiers known."""
+def validated_items(items: Sequence[reward_pb2.ScoreItem], allowed: Collection[str]) -> list[ScoringItem]:
+    """The request's items, checked before any is scheduled: ids non-empty and unique, verifiers allowed and known."""
     require(len(items) > 0, "items must not be empty")
     seen_ids: set[str] = set()
     resolved_verifiers: set[str] = set()
@@ -78,13 +84,14 @@ def validated_items(items: Sequence[reward_pb2.ScoreItem]) -> list[ScoringItem]:
         require(item.item_id not in seen_ids, f"items[{index}].item_id {item.item_id!r} is a duplicate")
         seen_ids.add(item.item_id)
         if item.verifier not in resolved_verifiers:
-            check_verifier(index, item)
+            check_verifier(index, item, allowed)
             resolved_verifiers.add(item.verifier)
     return [scoring_item(item) for item in items]
 
 
-def check_verifier(index: int, item: reward_pb2.ScoreItem) -> None:
+def check_verifier(index: int, item: reward_pb2.ScoreItem, allowed: Collection[str]) -> None:
     try:
+        check_allowed(item.verifier, allowed)  # before resolve: importing a module runs its code
         resolve(item.verifier)
     except UnknownVerifier as exc:
         raise InvalidArgument(f"items[{index}] ({item.item_id!r}).verifier: {exc}") from exc
@@ -127,12 +134,14 @@ class RewardService:
         await self.pool.close()
 
 
-async def serve(address: str, *, workers: int = 2, timeout: float = 15.0, metrics: RewardMetrics | None = None) -> RewardService:
-    """Start the reward service on `address` ("host:port", port 0 picks one) with `workers` scoring processes."""
-    pool = ScoringPool(max_workers=workers, default_timeout=timeout, metrics=metrics)
+async def serve(address: str, *, workers: int = 2, timeout: float = 15.0, metrics: RewardMetrics | None = None,
+                allowed_verifiers: Collection[str] = (), code_settings: CodeSettings | None = None) -> RewardService:
+    """Start the reward service on `address` ("host:port", port 0 picks one) with `workers` scoring processes,
+    running the built-in verifiers and the custom ones in `allowed_verifiers` (the job's)."""
+    pool = ScoringPool(max_workers=workers, default_timeout=timeout, metrics=metrics, code_settings=code_settings)
     await pool.start()
     try:
-        servicer = RewardServicer(pool)
+        servicer = RewardServicer(pool, allowed_verifiers)
         server, port, health_servicer = await start_server(
             [(reward_pb2_grpc.add_RewardServicer_to_server, servicer, "areal.v1.Reward")], address
         )

@@ -1,8 +1,12 @@
 """Verifiers: a name resolves to `verifier(prompt, response, reference, metadata) -> reward`.
 
-Built-in names are "math", "addition" (the demo task) and "exact". Any other name of the form
-"package.module:function" is a custom verifier: a plain Python function taking the same four positional
-arguments (prompt, response, reference: str; metadata: dict[str, str]) and returning a finite real number.
+Built-in names are "math", "addition" (the demo task), "exact" and "code" (the response's program against the
+reference's tests in the sandbox: code_verifier.py). Any other name of the form "package.module:function" is a
+custom verifier: a plain Python function taking the same four positional arguments (prompt, response,
+reference: str; metadata: dict[str, str]) and returning a finite real number, or a `Verdict(reward, reason)`
+(importable from here), whose reason becomes the result's message.
+A custom verifier runs only if the job declares it (`reward.verifier` or `reward.allowed_verifiers`): naming one
+in a request or a dataset row is not enough, since importing a module runs its code (`check_allowed`).
 Verifiers run in pool worker processes, so a slow or crashing one costs its item, never the service.
 """
 
@@ -11,11 +15,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-Verifier = Callable[[str, str, str, Mapping[str, str]], float]
+from areal_k8s.reward.code_verifier import Verdict, code_reward
+
+Verifier = Callable[[str, str, str, Mapping[str, str]], float | Verdict]
 
 # The extraction targets AReaL uses for both the reference and the response (math-verify tries their patterns
 # by priority, so the order here hardly matters).
@@ -80,7 +86,18 @@ BUILTIN_VERIFIERS: dict[str, Verifier] = {
     "math": math_reward,
     "addition": addition_reward,
     "exact": exact_reward,
+    "code": code_reward,
 }
+
+
+def check_allowed(name: str, allowed: Collection[str]) -> None:
+    """Raise UnknownVerifier if `name` is a custom verifier ("module:function") the job has not declared."""
+    if ":" in name and name not in allowed:  # other names are built-ins or unknown (resolve says which)
+        declared = ", ".join(sorted(allowed)) or "none"
+        raise UnknownVerifier(
+            f"verifier {name!r} is not allowed: this job runs the built-in verifiers {sorted(BUILTIN_VERIFIERS)} and "
+            f"the custom ones its job file declares (reward.verifier, reward.allowed_verifiers: {declared})"
+        )
 
 
 def resolve(name: str) -> Verifier:

@@ -113,6 +113,10 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [apps]
   resources: [deployments, statefulsets]
   verbs: [get, create, patch]
+# with the chart's NetworkPolicies on: each job's reward pods admit that job's pods only
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create, patch]
 # container restarts count against failurePolicy.maxRestarts
 - apiGroups: [""]
   resources: [pods]
