@@ -80,3 +80,11 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
     for name, runs in report["runs"].items():
         assert len(runs) == report["seeds"]
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
+
+
+@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory"])
+def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
+    """README lines written by a benchmark script from its committed results file (`python bench/<script>.py --readme`)."""
+    module = load_bench(script)
+    report = json.loads(module.RESULTS.read_text())
+    assert module.readme_block(report) in (ROOT / "README.md").read_text(), f"run `python bench/{script}.py --readme`"
