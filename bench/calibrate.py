@@ -6,8 +6,9 @@ The simulator's inputs are measured here, never taken from the run it predicts:
   experiment's decode seconds, steps, rows and attended context, and least squares give the step's base, per
   sequence and per context token costs;
 - the response lengths' spread: the same engine sampling the demo's prompts as the demo does (log-normal sigma);
-- the trainer's seconds per response token, the weight push, and the responses' mean length: a synchronous run
-  (η = 0) of the same job, where generation and training take turns and so never share the cores.
+- the trainer's seconds per response token, the weight push, the responses' mean length and the other processes'
+  CPU (workers, reward, controller): a synchronous run (η = 0) of the same job, where generation and training take
+  turns; and one figure fitted to that run, the time from a group's last token to its entry in the stream.
 Then the demo job (asynchronous, examples/demo.yaml with fewer steps, no evaluation or checkpoints) runs for real,
 and the simulator predicts it with `cores` set to this machine's. Compared, per seed: samples/s, the trainer's idle
 share, the engines' idle share and the staleness distribution. bench/results/calibration.json keeps every figure;
@@ -120,13 +121,9 @@ def measured_staleness(job: JobConfig) -> list[int]:
     return counts
 
 
-def predict(job: JobConfig, engine: dict, sync_job: JobConfig, sync_run) -> dict:
-    """The simulator's figures for `job` on this machine, from the engine's and the synchronous run's costs."""
-    sync_steps = read_steps(Path(sync_job.run_dir))
-    train_tokens = sum(s["tokens"] for s in sync_steps)
-    mean_length = train_tokens / sum(s["samples"] for s in sync_steps)
-    sigma = engine["length_sigma"]
-    scenario = Scenario.model_validate({
+def scenario_for(job: JobConfig, engine: dict, costs: dict) -> Scenario:
+    """The simulator's picture of `job` on this machine: the engine's measured costs and the synchronous run's."""
+    return Scenario.model_validate({
         "name": f"calibration-{job.seed}", "seed": job.seed,
         "job": {"batch_size": job.algorithm.batch_size, "group_size": job.algorithm.group_size,
                 "max_staleness": job.algorithm.max_staleness, "total_steps": job.algorithm.total_steps,
@@ -135,16 +132,49 @@ def predict(job: JobConfig, engine: dict, sync_job: JobConfig, sync_run) -> dict
         "engine": {k: engine[k] for k in ("step_base_seconds", "step_per_sequence_seconds",
                                           "step_per_context_token_seconds", "prefill_per_token_seconds")}
         | {"threads": job.rollout.threads, "max_steps_per_event": 8, "start_seconds": 0},
-        "trainer": {"gpu_seconds_per_token": sync_run.seconds["train"] / train_tokens, "threads": job.trainer.threads},
-        "push": {"seconds": sync_run.seconds["weight_push"] / sync_run.steps},
-        # a log-normal whose mean is the synchronous run's mean response length
-        "workload": {"prompt_tokens": engine["prompt_tokens"],
-                     "response": {"mean": mean_length * math.exp(-sigma * sigma / 2), "sigma": sigma,
+        "trainer": {"gpu_seconds_per_token": costs["train_seconds_per_token"], "threads": job.trainer.threads},
+        "push": {"seconds": costs["push_seconds"], "retract": job.rollout.interrupt == "retract"},
+        "workload": {"prompt_tokens": engine["prompt_tokens"], "completion_seconds": costs["completion_seconds"],
+                     "response": {"mean": costs["response_tokens_mean"], "sigma": engine["length_sigma"],
                                   "max": job.sampling.max_new_tokens}},
         "cores": os.cpu_count(),
+        "background_threads": costs["background_threads"],
     })
+
+
+def synchronous_costs(job: JobConfig, result, engine: dict) -> dict:
+    """What the synchronous run measured, and the one figure fitted to it: the time from a group's last token to
+    its entry in the stream (the worker's reward call and write), which nothing measures alone. It is the latency
+    that makes the simulated synchronous run wait for each batch as long as the real one did (bisection)."""
+    steps = read_steps(Path(job.run_dir))
+    tokens, samples = sum(s["tokens"] for s in steps), sum(s["samples"] for s in steps)
+    engine_cpu = result.engines.get("decode_cpu_seconds", 0.0) + result.engines.get("prefill_cpu_seconds", 0.0)
+    others = sum(v for name, v in result.cpu_seconds.items() if name != "trainer") - engine_cpu
+    costs = {
+        "train_seconds_per_token": result.seconds["train"] / tokens,
+        "push_seconds": result.seconds["weight_push"] / len(steps),
+        "response_tokens_mean": tokens / samples,
+        # the workers, the reward service and the controller, on the same cores (mean busy threads)
+        "background_threads": max(others, 0.0) / result.training_seconds,
+        "completion_seconds": 0.0,
+        "wait_per_step": result.seconds["wait"] / len(steps),
+    }
+    low, high = 0.0, 2 * costs["wait_per_step"]
+    for _ in range(12):
+        costs["completion_seconds"] = (low + high) / 2
+        simulated = simulate(scenario_for(job, engine, costs))
+        if simulated.trainer_wait_seconds / simulated.steps < costs["wait_per_step"]:
+            low = costs["completion_seconds"]
+        else:
+            high = costs["completion_seconds"]
+    return {k: round(v, 6) for k, v in costs.items()}
+
+
+def predict(job: JobConfig, engine: dict, costs: dict) -> dict:
+    """The simulator's figures for the asynchronous `job` from the engine's and the synchronous run's costs."""
+    scenario = scenario_for(job, engine, costs)
     figures = simulate(scenario).figures()
-    return {"response_tokens_mean": round(mean_length, 1), "samples_per_second": figures["samples_per_second"], "trainer_idle": figures["trainer_idle"],
+    return {"samples_per_second": figures["samples_per_second"], "trainer_idle": figures["trainer_idle"],
             "rollout_idle": figures["rollout_idle"], "staleness": staleness_shares(figures["staleness_counts"]),
             "scenario": scenario.model_dump()}
 
@@ -176,14 +206,17 @@ def measure(seeds: int, steps: int) -> dict:
         sync_job.trainer.checkpoint_interval = async_job.trainer.checkpoint_interval = steps  # not modelled
         sync_run = run(sync_job, smooth=1)
         async_run = run(async_job, smooth=1)
+        costs = synchronous_costs(sync_job, sync_run, engine)
+        engines_busy = async_run.engines.get("busy_seconds", 0.0) / (async_run.training_seconds * async_job.rollout.workers)
         measured = {"samples_per_second": async_run.samples_per_second, "trainer_idle": async_run.trainer_idle_fraction,
-                    "rollout_idle": async_run.rollout_idle_fraction,
+                    "rollout_idle": round(max(0.0, 1 - engines_busy), 4),  # over the training time, as simulated
                     "staleness": staleness_shares(measured_staleness(async_job))}
-        predicted = predict(async_job, engine, sync_job, sync_run)
+        predicted = predict(async_job, engine, costs)
         errors = compare(measured, predicted)
         print(f"seed {seed}: measured {measured}, predicted { {k: v for k, v in predicted.items() if k != 'scenario'} }, "
               f"errors {errors}", flush=True)
-        runs.append({"seed": seed, "measured": measured, "predicted": predicted, "errors": errors})
+        runs.append({"seed": seed, "costs": costs, "measured": measured, "predicted": predicted, "errors": errors,
+                     "cpu_seconds": {"sync": sync_run.cpu_seconds, "async": async_run.cpu_seconds}})
     summary = {key: spread([{key: abs(r["errors"][key])} for r in runs], key)
                for key in ("samples_per_second", "trainer_idle", "rollout_idle", "staleness")}
     return {"machine": {"cores": os.cpu_count()}, "steps": steps, "seeds": seeds, "tolerance": TOLERANCE,

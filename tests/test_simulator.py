@@ -108,3 +108,14 @@ def test_engines_and_a_trainer_sharing_too_few_cores_slow_each_other_down():
     enough = simulate(scenario(cores=4))
     assert shared.seconds > separate.seconds and shared.samples == separate.samples
     assert enough.seconds == separate.seconds  # as many cores as busy threads: nobody waits for a core
+
+
+def test_time_between_the_last_token_and_the_stream_and_retracting_on_each_push_both_cost_time():
+    plain = simulate(scenario())
+    completing = simulate(scenario(workload={"completion_seconds": 5.0}))  # (a small delay hides in the waits)
+    # (a prefill cost large enough that the retraction outweighs the noise of a different interleaving of events)
+    retracting = simulate(scenario(push={"retract": True}, engine={"prefill_per_token_seconds": 1e-3}))
+    without = simulate(scenario(engine={"prefill_per_token_seconds": 1e-3}))
+    assert completing.seconds > plain.seconds and completing.samples == plain.samples
+    assert len(completing.staleness_counts) <= 3  # η = 2 still holds: a group's slot stays taken until it lands
+    assert retracting.seconds > without.seconds

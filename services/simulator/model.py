@@ -47,6 +47,7 @@ class Engine:
     event_steps: int = 0  # how many they are
     generation: int = 0  # bumped to cancel a scheduled event (a push delays it, a removal drops it)
     fresh_prefill: int = 0  # prompt tokens of sequences that joined since the last event
+    completing: int = 0  # groups generated, on their way to the stream (scored and written)
 
 
 @dataclass
@@ -203,7 +204,7 @@ class Simulation:
         """The engine's worker asks for as many groups as it has room for (held by the bound if none may start)."""
         if not engine.ready:
             return
-        room = self.s.job.groups_per_engine - len(engine.groups)
+        room = self.s.job.groups_per_engine - len(engine.groups) - engine.completing
         admitted = self.core.acquire(engine.name, room, engine.version) if room > 0 else []
         prompt = self.s.workload.prompt_tokens
         for a in admitted:
@@ -236,8 +237,17 @@ class Simulation:
         if self.s.cores is None:
             return 1.0
         engines = len(self.generating | ({starting.name} if starting else set()))
-        busy = engines * self.s.engine.threads + (self.s.trainer.threads if self.training else 0)
+        busy = (engines * self.s.engine.threads + (self.s.trainer.threads if self.training else 0)
+                + self.s.background_threads)
         return max(1.0, busy / self.s.cores)
+
+    def retraction_seconds(self, engine: Engine) -> float:
+        """Recomputing the cache of every sequence the engine holds, after a push that retracted them."""
+        if not self.s.push.retract:
+            return 0.0
+        n = len(engine.finishing)
+        context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
+        return context * self.s.engine.prefill_per_token_seconds * self.contention(engine)
 
     def schedule_steps(self, engine: Engine) -> None:
         """Run the batch up to its next completed sequence, in closed form: with n sequences attending to C tokens
@@ -272,6 +282,17 @@ class Simulation:
 
     def group_done(self, engine: Engine, group_id: str) -> None:
         _, tokens, min_version = engine.groups.pop(group_id)
+        if self.s.workload.completion_seconds > 0:
+            engine.completing += 1
+            self.at(self.now + self.s.workload.completion_seconds,
+                    lambda: self.group_completed(engine, group_id, tokens, min_version))
+        else:
+            self.group_completed(engine, group_id, tokens, min_version)
+
+    def group_completed(self, engine: Engine, group_id: str, tokens: int, min_version: int) -> None:
+        if self.s.workload.completion_seconds > 0:
+            engine.completing -= 1
+            self.fill(engine)
         lease = self.core.leases[group_id]
         self.core.complete(group_id, "accepted")
         size = self.s.job.group_size
@@ -317,7 +338,7 @@ class Simulation:
         push = self.s.push.seconds
         for engine in self.engines:  # generation pauses for the push, then goes on under the new version
             if engine.ready and engine.busy_until > self.now:
-                engine.busy_until += push
+                engine.busy_until += push + self.retraction_seconds(engine)
                 self.schedule_steps_end(engine)
         self.at(self.now + push, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
 

@@ -41,6 +41,9 @@ class TrainerCost(_Part):
 
 class PushCost(_Part):
     seconds: Annotated[float, Field(ge=0)] = 5.0  # a weight push, during which generation is paused
+    # `rollout.interrupt: retract`: after the push an engine recomputes the cache of every sequence it holds
+    # (prompt and output so far, at the prefill's cost per token)
+    retract: bool = False
 
 
 class Lengths(_Part):
@@ -55,6 +58,9 @@ class Lengths(_Part):
 
 class Workload(_Part):
     prompt_tokens: Annotated[int, Field(ge=1)] = 128
+    # from a group's last token to its entry in the stream (the worker's reward call and write): its slot on the
+    # engine stays taken meanwhile
+    completion_seconds: Annotated[float, Field(ge=0)] = 0.0
     response: Lengths = Field(default_factory=Lengths)
 
 
@@ -97,6 +103,7 @@ class Scenario(_Part):
     # CPU cores the engines and the trainer share (one machine, as `arealctl run`): while their busy threads
     # outnumber the cores, each runs cores/threads as fast. None: every side has its own hardware (a cluster).
     cores: Annotated[float, Field(gt=0)] | None = None
+    background_threads: Annotated[float, Field(ge=0)] = 0.0  # with `cores`: the other processes' mean busy threads
 
 
 def load_scenario(path: Path) -> Scenario:
