@@ -114,7 +114,9 @@ def readme_block(report: dict) -> str:
         f"with hindsight; it made {median('async_rebalanced', 'moves'):g} moves. The band (mean staleness "
         f"{report['band'][0]:g} to {report['band'][1]:g}) held in {median('async_rebalanced', 'windows_within_band'):.0%} "
         f"of its windows: with these tails the mean staleness stays near η at every split simulated here (column 6), "
-        f"so the moves come from the imbalance the windows measured (workers held by the bound, the trainer waiting).",
+        f"so the policy climbs the measured samples/s instead, one unit at a time, and stays (`LatencyBound`) once a "
+        f"unit stops paying. GPU busy stays low at every split because each step waits for its slowest responses: a "
+        f"larger η or shorter responses would raise it, not the split.",
         README_END,
     ])
 

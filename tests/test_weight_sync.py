@@ -4,6 +4,7 @@ real HTTP on loopback."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -468,3 +469,27 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
         await target.close()
         await server.stop(None)
         await engine.close()
+
+
+def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
+    from areal_k8s.api.v1 import controller_pb2
+    from areal_k8s.common.config import parse_job
+    from areal_k8s.common.sglang import served_dtype
+    from areal_k8s.trainer.trainer import push_dtype_for
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float32"}))
+    assert served_dtype({"dtype": "float32"}, tmp_path) == "float32"  # SGLang started with --dtype float32
+    assert served_dtype({"dtype": "auto"}, tmp_path) == "float16"  # SGLang's rule for a float32 checkpoint
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2", "torch_dtype": "float32"}))
+    assert served_dtype({}, tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": "bfloat16"}))
+    assert served_dtype({"dtype": "auto"}, tmp_path) == "bfloat16"
+
+    job = parse_job({"name": "j", "model": str(tmp_path), "dataset": {"train": "t.jsonl"},
+                     "rollout": {"engine": "sglang", "engine_urls": ["http://e:1"]}})
+    worker = lambda dtype: controller_pb2.WorkerInfo(worker_id="w", engine_dtype=dtype)  # noqa: E731
+    assert push_dtype_for(job, [worker("float32")]) == torch.float32  # the engine's, not the job's guess (bfloat16)
+    assert push_dtype_for(job, [worker("bfloat16"), worker("float16")]) == torch.float32  # disagreeing: exact for both
+    assert push_dtype_for(job, [worker("")]) == torch.bfloat16  # an older worker: the job's guess
+    fixed = job.model_copy(update={"trainer": job.trainer.model_copy(update={"push_dtype": "float16"})})
+    assert push_dtype_for(fixed, [worker("float32")]) == torch.float16

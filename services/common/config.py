@@ -243,8 +243,9 @@ class TrainerConfig(_Section):
     )
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="dtype of the weights pushed to the rollout engines; `auto`: the engine's own, bfloat16 for "
-        "`sglang` and float32 for the `cpu` engine (which serves float32 weights).",
+        description="dtype of the weights pushed to the rollout engines; `auto`: the one the engines serve (their "
+        "/server_info `dtype`, with SGLang's rule for its own `auto`), float32 when they differ; before a worker "
+        "said, bfloat16 for `sglang` and float32 for the `cpu` engine.",
     )
     threads: Annotated[int, Field(ge=1)] = Field(1, description="torch threads (CPU).")
     weight_sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend for weight pushes.")

@@ -19,6 +19,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
@@ -133,6 +134,20 @@ def token_versions(meta_info: dict[str, Any]) -> list[str]:
 
 class UnfitEngine(ValueError):
     """An engine whose configuration cannot serve the job; the message says which flag to change."""
+
+
+def served_dtype(server_info: dict[str, Any], model_dir: str | Path) -> str:
+    """The dtype an engine holds its weights in: its /server_info `dtype`, or for `auto` the one SGLang derives from
+    the model's config.json (model_config.py `_get_and_verify_dtype`: a float32 model is served in float16, Gemma's
+    in bfloat16; any other in its own dtype)."""
+    dtype = str(server_info.get("dtype") or "auto").removeprefix("torch.")
+    if dtype != "auto":
+        return {"half": "float16", "float": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    own = str(config.get("dtype") or config.get("torch_dtype") or "float32").removeprefix("torch.")
+    if own != "float32":
+        return own
+    return "bfloat16" if str(config.get("model_type", "")).startswith("gemma") else "float16"
 
 
 def weight_group_ranks(server_info: dict[str, Any], interrupt: str) -> int:

@@ -64,6 +64,7 @@ class Worker:
     engine_ranks: int = 1  # ranks its engine takes in the weight-update group (the engine's tensor-parallel size)
     registered_at: float = 0.0
     incarnation: int = 0  # this registration's; 0 for a placeholder restored from a snapshot
+    engine_dtype: str = ""  # the dtype its engine serves weights in ("" when the worker did not say)
 
 
 @dataclass
@@ -211,7 +212,8 @@ class ControllerCore:
     def capacity(self) -> int:
         return admission_capacity(**self.admission_state())
 
-    def register(self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1) -> list[str]:
+    def register(self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1,
+                 engine_dtype: str = "") -> list[str]:
         """Record a worker; returns the groups an earlier incarnation of it still holds, which the shell revokes.
 
         A worker the controller knows as live registers again only when it restarted (one the controller forgot
@@ -223,7 +225,7 @@ class ControllerCore:
         now = self.clock()
         self.next_incarnation += 1
         self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now,
-                                         incarnation=self.next_incarnation)
+                                         incarnation=self.next_incarnation, engine_dtype=engine_dtype)
         return orphaned
 
     def unregister(self, worker_id: str, incarnation: int) -> list[str] | None:

@@ -164,7 +164,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(bool(request.worker_id), "worker_id is required")
         require(bool(request.address), "address (host:port of the worker's Rollout service) is required")
         require(request.engine_ranks >= 0, f"engine_ranks must be >= 0, got {request.engine_ranks}")
-        orphaned = self.core.register(request.worker_id, request.address, request.engine_version, max(request.engine_ranks, 1))
+        orphaned = self.core.register(request.worker_id, request.address, request.engine_version, max(request.engine_ranks, 1),
+                                      request.engine_dtype)
         log.info("worker %s registered at %s (engine version %d, %d weight-group ranks)", request.worker_id,
                  request.address, request.engine_version, max(request.engine_ranks, 1))
         await self.revoke(orphaned, "its worker restarted")
@@ -271,6 +272,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     running_groups=running.get(w.worker_id, 0),
                     engine_ranks=w.engine_ranks,
                     registered_at=w.registered_at,
+                    engine_dtype=w.engine_dtype,
                 )
                 for w in sorted(self.core.workers.values(), key=lambda w: w.worker_id)
                 if w.address  # placeholders for lease holders that have not re-registered since a restart

@@ -11,7 +11,7 @@ from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.service import add_when_done, base_parser, exit_invalid, load_job, run_service, setup_logging, wait_if_asked
 from areal_k8s.common.store import TrajectoryStore, connect
-from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, weight_group_ranks
+from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 
@@ -52,7 +52,9 @@ def main() -> None:
         )
         worker.metrics.serve(args.host, args.metrics_port)
         try:
-            worker.engine_ranks = weight_group_ranks(await engine.server_info(), job.rollout.interrupt)
+            info = await engine.server_info()
+            worker.engine_ranks = weight_group_ranks(info, job.rollout.interrupt)
+            worker.engine_dtype = served_dtype(info, job.model)
         except UnfitEngine as exc:
             exit_invalid(f"engine {args.engine_url}: {exc}")
         server, port, _health = await start_server(

@@ -161,6 +161,7 @@ class RolloutWorker:
         # controller gives an engine behind the current version no work, and the trainer pushes to it at once.
         self.engine_version = UNKNOWN_VERSION
         self.engine_ranks = 1  # ranks the engine takes in the weight-update group (its tensor-parallel size)
+        self.engine_dtype = ""  # the dtype the engine serves weights in: what the trainer pushes when asked for auto
         self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
         self.incarnation = 0  # this process's registration, as the controller numbers it: the leases are its
         self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
@@ -291,7 +292,8 @@ class RolloutWorker:
     async def register(self) -> None:
         reply = await self.controller.RegisterWorker(
             controller_pb2.RegisterWorkerRequest(
-                worker_id=self.worker_id, address=self.address, engine_version=self.engine_version, engine_ranks=self.engine_ranks
+                worker_id=self.worker_id, address=self.address, engine_version=self.engine_version, engine_ranks=self.engine_ranks,
+                engine_dtype=self.engine_dtype,
             )
         )
         self.incarnation = reply.incarnation

@@ -49,6 +49,18 @@ MEMBERSHIP_POLL_SECONDS = 1.0  # while waiting for data, how often to look for e
 FAILED_PUSH_BACKOFF = (2.0, 60.0)  # after a failed push, wait this long (doubling up to the second figure) to retry
 
 
+def push_dtype_for(job: JobConfig, workers: list[controller_pb2.WorkerInfo]) -> torch.dtype:
+    """`trainer.push_dtype`, or for `auto` the dtype the engines serve (as their workers registered it): weights
+    pushed in another dtype would be cast on arrival, and a behaviour policy rounded away from the trainer's. Engines
+    that disagree get float32, which every one of them casts from exactly; workers too old to say, the job's guess."""
+    if job.trainer.push_dtype != "auto":
+        return parse_dtype(job.trainer.push_dtype)
+    served = {w.engine_dtype for w in workers if w.engine_dtype}
+    if len(served) > 1:
+        return torch.float32
+    return parse_dtype(served.pop() if served else job.push_dtype)
+
+
 def membership(worker: controller_pb2.WorkerInfo) -> tuple[str, int, float]:
     """What identifies a worker's place in the weight-update group: a new address, engine size or registration (a
     restarted worker) needs the group formed again."""
@@ -381,9 +393,11 @@ class Trainer:
 
     async def refresh_targets(self) -> None:
         """Rebuild the weight-update group when rollout workers came, went or registered again (a restart)."""
-        wanted = {w.worker_id: membership(w) for w in await self.list_workers()}
+        workers = await self.list_workers()
+        wanted = {w.worker_id: membership(w) for w in workers}
         if self.sender and wanted == self.members:
             return
+        self.push_dtype = push_dtype_for(self.job, workers)
         await self.close_targets()
         if not wanted:
             return

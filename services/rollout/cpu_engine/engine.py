@@ -954,6 +954,7 @@ class CpuEngine:
     def server_info(self) -> dict[str, Any]:
         """SGLang's /server_info, as far as it describes this engine: one process, no parallelism."""
         return {"model_path": self.model_path, "tp_size": 1, "pp_size": 1, "dp_size": 1, "device": "cpu",
+                "dtype": str(self.model.dtype).removeprefix("torch."),
                 "max_running_requests": self.max_batch_size, "weight_version": self.weight_version,
                 "disable_radix_cache": True}  # no KV outlives its request
 
