@@ -83,6 +83,9 @@ def structural(prop: dict) -> dict:
         prop["items"] = items[0]
     if "items" in prop:
         prop["items"] = structural(prop["items"])
+    if prop.get("additionalProperties") is True:  # a free-form mapping (rollout.workflow_args)
+        del prop["additionalProperties"]
+        prop["x-kubernetes-preserve-unknown-fields"] = True
     if "$ref" in prop or "properties" in prop:
         raise ValueError(f"nested models are not expected in a job-file section: {prop}")
     if "default" in prop and prop["default"] is None:
