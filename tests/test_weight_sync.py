@@ -334,7 +334,7 @@ async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_lo
     version that produced them, and every behaviour logprob is what that version's weights give for the prefix
     (so the prefix's KV cache was recomputed under the new weights). Abort: the worker resubmits the prefix;
     retract: the engine re-queues the request and reports each token's version."""
-    from areal_k8s.rollout.worker import generate_interruptible
+    from areal_k8s.rollout.generation import generate_interruptible
 
     original = AutoModelForCausalLM.from_pretrained(model_path).eval()
     models = {30: original, 31: trainer_model}
