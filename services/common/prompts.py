@@ -3,6 +3,7 @@ service makes of the model and tokenizer directories it is given before it opens
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, template: str) -> list[int]:
     if template == "chat":
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # transformers 5 answers with a BatchEncoding (a Mapping, not a dict); earlier versions with the ids
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer.encode(prompt))
 
 
