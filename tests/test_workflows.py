@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from areal_k8s.api.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobFileError, MultiTurnConfig, parse_job
 from areal_k8s.common.grpcutil import channel
-from areal_k8s.common.prompts import encode_prompt, stop_token_ids
+from areal_k8s.common.prompts import ConversationFormat, encode_prompt, stop_token_ids
 from areal_k8s.common.sglang import CpuEngineClient, sampling_params
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
@@ -298,3 +298,16 @@ def test_the_calculator_does_arithmetic_and_nothing_else():
     assert calculate("2 ** 100000").startswith("error: ValueError: exponent above")
     assert calculate("__import__('os').system('true')").startswith("error: ValueError: not arithmetic")
     assert calculate("1 / 0") == "error: ZeroDivisionError: division by zero"
+
+
+def test_a_chat_turn_after_a_model_that_ended_with_the_templates_own_marker_does_not_repeat_it(model_path):
+    tok = tokenizer(model_path, chat=True)
+    tok.eos_token = "<|im_end|>"  # as Qwen's instruct tokenizers: the end of a turn is the end of generation
+    conversation = ConversationFormat(tok, "chat")
+    answer = ids(tok, "42") + [tok.eos_token_id]
+    assert conversation.user_turn("again", answer) == ids(tok, "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    assert conversation.user_turn("again", ids(tok, "42"))[:2] == ids(tok, "<|im_end|>\n")  # cut off: closed for it
+    assert ConversationFormat(tokenizer(model_path), "chat").chat is False  # no template: the plain-text fallback
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="the chat template drops earlier assistant turns"):
+        ConversationFormat(tok, "chat").user_turn("again", answer)

@@ -28,7 +28,9 @@ def load_workflow(job: JobConfig) -> RolloutWorkflow:
         return MultiTurn(rollout.multi_turn)
     if rollout.workflow == "tool_agent":
         try:
-            return ToolAgent(rollout.tool_agent, limits_from_config(job.reward.code))
+            agent = ToolAgent(rollout.tool_agent, limits_from_config(job.reward.code))
+            agent.toolbox.check()  # at start: a pod whose seccomp or AppArmor profile refuses bubblewrap fails here
+            return agent
         except SandboxError as exc:
             raise WorkflowError(f"rollout.workflow tool_agent: the python tool's sandbox cannot start: {exc}") from None
     return load_user_workflow(rollout.workflow, rollout.workflow_args)

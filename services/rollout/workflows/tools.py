@@ -71,6 +71,11 @@ class Toolbox:
         self.names, self.max_output_chars = list(names), max_output_chars
         self.sandbox = Sandbox(limits) if "python" in names else None
 
+    def check(self) -> None:
+        """Raise SandboxError unless the python tool's sandbox runs a trivial program."""
+        if self.sandbox is not None:
+            self.sandbox.check()
+
     @property
     def schemas(self) -> list[dict]:
         return [SCHEMAS[name] for name in self.names]
