@@ -1,5 +1,5 @@
 """`make bench-sandbox`: executions per second of a trivial passing program through the code verifier's sandbox
-(services/reward/sandbox.py: bubblewrap, the harness, rlimits) against a bare subprocess of the same interpreter,
+(services/common/sandbox.py: bubblewrap, the harness, rlimits) against a bare subprocess of the same interpreter,
 and through the whole `code` verifier (one stdin/stdout case: extraction, the sandboxed run, the comparison).
 
 Each repetition runs `--runs` executions of each mode, interleaved one by one (so that load from elsewhere on the
@@ -24,7 +24,7 @@ from pathlib import Path
 from figures import spread, write_between
 
 from areal_k8s.reward.code_verifier import code_reward
-from areal_k8s.reward.sandbox import Sandbox
+from areal_k8s.common.sandbox import Sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "code_sandbox.json"

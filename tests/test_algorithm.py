@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
+from areal_k8s.common.rewards import is_informative
 from areal_k8s.trainer.algorithm import (
     compute_advantages,
     decoupled_ppo_loss,
     group_advantages,
-    is_informative,
     kl_penalty,
     loglinear_proximal_logprobs,
     loss_normaliser,

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
-from areal_k8s.reward import sandbox as sandbox_module
+from areal_k8s.common import sandbox as sandbox_module
 from areal_k8s.reward.code_verifier import extract_program, normalised_lines, parse_tests
-from areal_k8s.reward.sandbox import NOBODY, Sandbox, SandboxError, SandboxLimits
+from areal_k8s.common.sandbox import NOBODY, Sandbox, SandboxError, SandboxLimits
 
 pytestmark = [
     pytest.mark.timeout(120),

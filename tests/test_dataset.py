@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from hypothesis import given
@@ -118,3 +119,55 @@ def test_arbitrary_text_loads_or_raises_dataset_error(tmp_path_factory, text):
         assert str(error).startswith(str(path))
     else:
         assert items and all(isinstance(item, DatasetItem) for item in items)
+
+
+# -- code datasets -----------------------------------------------------------------------------------------------
+
+DEEPCODER_RECORD = {"problem": "Add two numbers read from one line.", "tests": [
+    {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}, {"input": "5 5\n", "output": "10\n", "testtype": "stdin"}]}
+APPS_STDIO_RECORD = {"question": "Print the sum.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}
+APPS_CALL_RECORD = {"question": "Write add(a, b).", "input_output": json.dumps(
+    {"fn_name": "add", "inputs": [[1, 2], [0, 0]], "outputs": [[3], [0]]})}
+MBPP_RECORD = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3"], "task_id": 11}
+ADD_STDIN = "print(sum(map(int, input().split())))"
+ADD_FUNCTION = "def add(a, b):\n    return a + b"
+
+
+def test_code_datasets_in_both_shapes_become_items_the_code_verifier_scores(tmp_path):
+    from areal_k8s.reward.code_verifier import code_reward
+
+    path = jsonl(tmp_path / "code.jsonl", [DEEPCODER_RECORD, APPS_STDIO_RECORD, APPS_CALL_RECORD, MBPP_RECORD])
+    items = load_dataset(path)  # auto: records with tests are code, though APPS's have a `question` as GSM8K's do
+    assert [item.verifier for item in items] == ["code"] * 4
+    assert items[0].prompt.startswith("Add two numbers") and items[0].prompt.endswith("```python code block.")
+    assert json.loads(items[0].reference) == [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}]
+    assert json.loads(items[2].reference) == {"asserts": ["assert add(*[1, 2]) == 3", "assert add(*[0, 0]) == 0"]}
+    assert json.loads(items[3].reference) == {"asserts": ["assert add(1, 2) == 3"]}
+    # the references are what the sandboxed verifier reads: a right program passes them all, a wrong one none
+    for item, program in zip(items, [ADD_STDIN, ADD_STDIN, ADD_FUNCTION, ADD_FUNCTION]):
+        assert code_reward(item.prompt, f"```python\n{program}\n```", item.reference, {}).reward == 1.0
+        assert code_reward(item.prompt, "print(0)", item.reference, {}).reward == 0.0
+
+
+def test_code_dataset_fields_are_configurable(tmp_path):
+    from areal_k8s.common.config import CodeDatasetConfig
+
+    path = jsonl(tmp_path / "lcb.jsonl", [{"statement": "Echo.", "cases": [{"input": ["a", "b"], "output": "a\nb\n"}]}])
+    fields = CodeDatasetConfig(prompt_fields=["statement"], tests_fields=["cases"], instruction=" (Python)")
+    (item,) = load_dataset(path, fmt="code", code=fields)
+    assert item.prompt == "Echo. (Python)" and json.loads(item.reference) == [{"input": "a\nb\n", "output": "a\nb\n"}]
+    with pytest.raises(DatasetError, match=r"lcb.jsonl:1: cannot tell the format: expected key 'prompt' \(areal\)"):
+        load_dataset(path)  # the default fields do not name these keys
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"problem": "p", "tests": "[not json"}, "'tests' is text but not JSON"),
+    ({"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "functional"}]}, "only stdin/stdout cases"),
+    ({"problem": "p", "tests": {"inputs": ["1"], "outputs": []}}, "inputs and outputs must be non-empty lists of one length"),
+    ({"tests": ["assert True"]}, "a code record needs one of the keys ['question', 'problem', 'prompt']"),
+    ({"problem": "p", "tests": {"inputs": [[1]], "outputs": [[1]], "fn_name": "not a name"}}, "fn_name must be a Python name"),
+])
+def test_a_bad_code_record_is_refused_naming_the_file_line_and_problem(tmp_path, record, message):
+    path = jsonl(tmp_path / "bad.jsonl", [record])
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:1: ") + ".*" + re.escape(message)):
+        load_dataset(path, fmt="code")

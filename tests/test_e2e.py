@@ -9,7 +9,7 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
@@ -182,3 +182,31 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in written)
     finally:
         run.stop()
+
+
+def test_a_multi_turn_run_completes_and_its_trajectories_mask_the_environments_turns(assets, tmp_path, reward_importable):
+    """The whole system with rollout.workflow multi_turn: every episode answers twice (the threshold is out of reach),
+    the verifier's feedback between the answers, and the run trains to the end on the model's tokens."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 3},
+                   rollout={"workflow": "multi_turn", "multi_turn": {"max_turns": 2, "success_threshold": 2.0}})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 3
+        steps = read_steps(run.run_dir)
+        assert [s["version"] for s in steps] == [1, 2, 3] and all(s["samples"] == 2 * 4 for s in steps)
+        assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        left = client.xrange(JobKeys(job.name).stream)  # acknowledged entries are trimmed: the last ones stay
+        client.close()
+    finally:
+        run.stop()
+    assert left
+    for _, fields in left:
+        trajectory = common_pb2.Trajectory.FromString(fields[b"payload"])
+        masks = [m for i, m in enumerate(trajectory.loss_mask) if i == 0 or m != trajectory.loss_mask[i - 1]]
+        assert masks == [False, True, False, True]  # prompt, answer, feedback, answer
+        for mask, version, logprob in zip(trajectory.loss_mask, trajectory.versions, trajectory.logprobs):
+            assert (version >= trajectory.admitted_version and logprob <= 0) if mask else (version == -1 and logprob == 0.0)
+        assert "Your answer is incorrect, try again." in trajectory.response_text

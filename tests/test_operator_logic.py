@@ -106,6 +106,13 @@ def test_reward_pods_take_a_runtime_class_and_the_profiles_their_sandbox_needs()
     assert "runtimeClassName" not in default and default["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
+def test_rollout_pods_take_the_profiles_the_tool_agents_sandbox_needs():
+    pods = pod_specs(children(rljob(roles={"rollout": {"seccompProfile": {"type": "Unconfined"}}})))
+    rollout = [pod for name, pod in pods.items() if "rollout" in name]
+    assert rollout and all(pod["securityContext"]["seccompProfile"] == {"type": "Unconfined"} for pod in rollout)
+    assert pods["demo-reward"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
 @pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
 def test_engine_probes_run_beside_the_engine_which_listens_on_loopback_only(example):
     # The engine's API (weight updates, pausing generation) is for the agent in its pod: it listens on 127.0.0.1,

@@ -95,7 +95,7 @@ def engine_answer(tokens: list[int], finish: str, weight_version: str, spans: li
 
 
 def test_answers_are_recorded_with_the_version_of_every_token():
-    from areal_k8s.rollout.worker import Sample, record_answer
+    from areal_k8s.rollout.generation import Sample, record_answer
 
     sample = Sample()
     assert not record_answer(sample, engine_answer([4, 5], "abort", "3", [("3", 2)]), budget=8)  # aborted: resubmit
@@ -108,7 +108,7 @@ def test_answers_are_recorded_with_the_version_of_every_token():
 def test_a_retraction_under_memory_pressure_with_unchanged_weights_is_not_a_failure():
     """SGLang retracts requests on its own when the KV cache runs full; the weights did not change, the spans say
     so, and the request is simply recorded (it used to fail the whole group, again and again)."""
-    from areal_k8s.rollout.worker import Sample, record_answer
+    from areal_k8s.rollout.generation import Sample, record_answer
 
     sample = Sample()
     assert record_answer(sample, engine_answer([1, 2, 3], "length", "7", [("7", 3)], num_retractions=2), budget=3)
@@ -141,11 +141,16 @@ def test_a_group_lost_with_its_engine_is_told_apart_from_a_failed_one():
     """Unreachable, or sampled with weights older than the group's admission (a restarted engine): the engine's
     doing, and the group goes back unfailed. An engine that answered with an error: the group failed."""
     from areal_k8s.common.sglang import EngineError
-    from areal_k8s.rollout.worker import EngineWentBack, Sample, engine_went_away, oldest_token_version
+    from areal_k8s.rollout.worker import EngineWentBack, engine_went_away, oldest_token_version
+    from areal_k8s.rollout.workflows import Episode
 
     assert engine_went_away(EngineError("http://e/generate", None, "ClientConnectorError: refused"))
     assert engine_went_away(EngineWentBack("sampled with version 0"))
     assert not engine_went_away(EngineError("http://e/generate", 400, "bad sampling params"))
     assert not engine_went_away(ValueError("spans do not cover the output"))
-    assert oldest_token_version([Sample(versions=[3, 4]), Sample(versions=[2, 5])]) == 2
-    assert oldest_token_version([Sample()]) is None
+    def episode(versions: list[int]) -> Episode:  # a 2-token prompt (version -1), then the model's tokens
+        return Episode([0] * (2 + len(versions)), 2, [0.0] * (2 + len(versions)), [-1, -1] + versions,
+                       [False, False] + [True] * len(versions))
+
+    assert oldest_token_version([episode([3, 4]), episode([2, 5])]) == 2
+    assert oldest_token_version([episode([])]) is None

@@ -20,7 +20,7 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, sampling_params, weight_group_ranks
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
-from areal_k8s.rollout.worker import generate_interruptible
+from areal_k8s.rollout.generation import generate_interruptible
 from areal_k8s.trainer.checkpoint import checkpoint_dir
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
 from e2e_jobs import make_job, read_steps, reward_importable  # noqa: F401 - fixture

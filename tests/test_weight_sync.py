@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +21,12 @@ from transformers import AutoModelForCausalLM
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from cpu_engines import SUBPROCESS_ENV, cpu_engine, wait_for_ready_line
 from tiny_models import build_tiny_qwen2, perturbed
 
 torch.set_num_threads(1)
 
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2], [30, 31, 32, 33, 34, 35, 36, 37]]
-READY = re.compile(r"CPU engine ready on (http://\S+)")
-SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 # --- plan_buckets and weights_checksum ---------------------------------------------------------------------------
@@ -117,35 +112,8 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_url(model_path, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("engine") / "engine.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model_path), "--port", "0",
-             "--threads", "1", "--max-batch-size", "16"],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=SUBPROCESS_ENV,
-        )
-    try:
-        yield wait_for_ready_line(process, log_path)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait_for_ready_line(process: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if match := READY.search(log_path.read_text()):
-            return match.group(1)
-        if process.poll() is not None:
-            pytest.fail(f"engine exited with {process.returncode}:\n{log_path.read_text()}")
-        time.sleep(0.1)
-    pytest.fail(f"engine not ready after {timeout} s:\n{log_path.read_text()}")
+    with cpu_engine(model_path, tmp_path_factory.mktemp("engine") / "engine.log", "--threads", "1", "--max-batch-size", "16") as url:
+        yield url
 
 
 @pytest.fixture
@@ -335,7 +303,7 @@ async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_lo
     version that produced them, and every behaviour logprob is what that version's weights give for the prefix
     (so the prefix's KV cache was recomputed under the new weights). Abort: the worker resubmits the prefix;
     retract: the engine re-queues the request and reports each token's version."""
-    from areal_k8s.rollout.worker import generate_interruptible
+    from areal_k8s.rollout.generation import generate_interruptible
 
     original = AutoModelForCausalLM.from_pretrained(model_path).eval()
     models = {30: original, 31: trainer_model}

@@ -6,11 +6,12 @@ Every field's description is the job-file reference (the README's table is gener
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS-1123 label: the job name also names Kubernetes objects
 
@@ -19,10 +20,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class CodeDatasetConfig(_Section):
+    prompt_fields: list[str] = Field(
+        ["question", "problem", "prompt"], min_length=1,
+        description="Code datasets: the problem statement is the first of these keys a record has.")
+    tests_fields: list[str] = Field(
+        ["tests", "input_output", "test_list", "public_test_cases"], min_length=1,
+        description="Code datasets: the tests are the first of these keys a record has (JSON, or JSON text): "
+        "stdin/stdout cases, APPS' inputs/outputs (with `fn_name`: call-based), or assert statements.")
+    instruction: str = Field(
+        "\n\nAnswer with a complete Python program in a ```python code block.",
+        description="Code datasets: appended to every problem.")
+
+
 class DatasetConfig(_Section):
-    train: str = Field(description="Training prompts: JSONL with `prompt`/`answer` (areal) or `question`/`answer` (GSM8K).")
+    train: str = Field(description="Training prompts: JSONL with `prompt`/`answer` (areal), `question`/`answer` (GSM8K), "
+                       "or a problem and its tests (code).")
     eval: str | None = Field(None, description="Held-out JSONL in the same formats; greedy accuracy is measured on it.")
-    format: Literal["auto", "areal", "gsm8k"] = Field("auto", description="Record format; `auto` decides per file.")
+    format: Literal["auto", "areal", "gsm8k", "code"] = Field(
+        "auto", description="Record format; `auto` decides per file (a record with one of `code.tests_fields` is code).")
+    code: CodeDatasetConfig = Field(default_factory=CodeDatasetConfig, description="How code datasets' records are read.")
     eval_limit: Annotated[int, Field(ge=1)] = Field(256, description="At most this many held-out items are evaluated.")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch (deterministic by `seed`).")
 
@@ -187,6 +204,36 @@ class AlgorithmConfig(_Section):
         return self.max_concurrent_rollouts or self.batch_size * (self.max_staleness + 1)
 
 
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/rollout/workflows/
+CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class MultiTurnConfig(_Section):
+    max_turns: Annotated[int, Field(ge=1)] = Field(3, description="`multi_turn`: answers per episode, at most.")
+    success_threshold: float = Field(
+        1.0, description="`multi_turn`: a turn whose reward reaches this ends the episode; below it the model gets "
+        "`feedback` and answers again.")
+    feedback: str = Field(
+        "Your answer is incorrect, try again.",
+        description="`multi_turn`: the environment's reply to an answer below the threshold (a user turn; `{reward}` "
+        "is replaced by the turn's reward).")
+    reward: Literal["last", "sum"] = Field(
+        "last", description="`multi_turn`: the episode's reward: the last turn's, or the sum over turns, each "
+        "discounted by `turn_discount`^turn (turn 0 first).")
+    turn_discount: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="`multi_turn`: γ: a reward earned at turn t counts γ^t (1: no discount).")
+
+
+class ToolAgentConfig(_Section):
+    tools: list[Literal["python", "calculator"]] = Field(
+        ["python"], description="`tool_agent`: the tools offered: `python` (the program runs in the `reward.code` "
+        "sandbox, its stdout is the result), `calculator` (arithmetic expressions).")
+    max_tool_calls: Annotated[int, Field(ge=1)] = Field(
+        4, description="`tool_agent`: tool calls executed per episode; a response after the budget is spent ends it.")
+    max_tool_output_chars: Annotated[int, Field(ge=16)] = Field(
+        1000, description="`tool_agent`: a tool's result is cut to this many characters before it is tokenized.")
+
+
 class RolloutConfig(_Section):
     workers: Annotated[int, Field(ge=1)] = Field(1, description="Rollout workers (each drives one engine).")
     engine: Literal["cpu", "sglang"] = Field("cpu", description="`cpu`: our engine, started beside each worker; `sglang`: an SGLang server.")
@@ -206,6 +253,17 @@ class RolloutConfig(_Section):
         "every prompt is dead-lettered.",
     )
     prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
+    workflow: str = Field(
+        "single_turn",
+        description="What one episode is (services/rollout/workflows/): `single_turn` (prompt, response, reward), "
+        "`multi_turn` (answer, verifier feedback, answer again: `rollout.multi_turn`), `tool_agent` (the model calls "
+        "tools, their results are appended: `rollout.tool_agent`), or `package.module:Class`, a RolloutWorkflow of "
+        "your own (the rollout image must be able to import it).",
+    )
+    workflow_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for a `package.module:Class` workflow's constructor.")
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The `multi_turn` workflow's settings.")
+    tool_agent: ToolAgentConfig = Field(default_factory=ToolAgentConfig, description="The `tool_agent` workflow's settings.")
     interrupt: Literal["abort", "retract"] = Field(
         "abort",
         description="How a weight push interrupts in-flight requests. `abort` (AReaL's choice): they come back with "
@@ -213,6 +271,20 @@ class RolloutConfig(_Section):
         "and reports each token's version (SGLang's `weight_versions` spans); same trajectories, no round trip per "
         "request. Either way the prefix's KV cache is recomputed under the new weights.",
     )
+
+    @field_validator("workflow")
+    @classmethod
+    def _known_workflow(cls, name: str) -> str:
+        if name not in BUILTIN_WORKFLOWS and not re.match(CUSTOM_WORKFLOW_PATTERN, name):
+            raise ValueError(f"expected one of {', '.join(BUILTIN_WORKFLOWS)} or 'package.module:Class'")
+        return name
+
+    @model_validator(mode="after")
+    def _workflow_args_are_for_custom_workflows(self) -> RolloutConfig:
+        if self.workflow_args and self.workflow in BUILTIN_WORKFLOWS:
+            raise ValueError(f"workflow_args is for a package.module:Class workflow; the built-in {self.workflow} "
+                             "takes its settings from rollout.multi_turn or rollout.tool_agent")
+        return self
 
     @model_validator(mode="after")
     def _engine_urls_match(self) -> RolloutConfig:

@@ -3,6 +3,7 @@ service makes of the model and tokenizer directories it is given before it opens
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, template: str) -> list[int]:
     if template == "chat":
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        # transformers 5 answers with a BatchEncoding (a Mapping, not a dict); earlier versions with the ids
+        return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer.encode(prompt))
 
 
@@ -68,3 +70,57 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if eos is None:
         raise ValueError("the tokenizer has no eos_token_id; generation could not stop")
     return list(eos) if isinstance(eos, list) else [eos]
+
+
+# A stand-in for a model's answer when rendering the chat template around it: no template writes this itself.
+_ANSWER_SENTINEL = "\x00answer\x00"
+
+
+class ConversationFormat:
+    """The tokens the environment appends between a multi-turn conversation's model turns.
+
+    With `rollout.prompt_template: chat` and a tokenizer that has a chat template, the template renders each turn:
+    the environment's tokens close the model's turn (the template's end-of-turn text, less the stop token the model
+    already emitted), then a user (feedback) or tool (results) message and the generation prompt, all computed by
+    rendering the template around a stand-in answer and keeping only what follows it, so the model's own tokens are
+    never re-tokenized. Otherwise (raw prompts, or a tokenizer without a template: the documented fallback) turns
+    are plain text: the feedback between blank lines, tool results as `<tool_response>...</tool_response>` lines.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str):
+        self.tokenizer = tokenizer
+        self.chat = template == "chat" and bool(getattr(tokenizer, "chat_template", None))
+
+    def first_prompt(self, prompt: str, tools: list[dict] | None = None) -> list[int]:
+        if tools is None or not self.chat:
+            return encode_prompt(self.tokenizer, prompt, "chat" if self.chat else "raw")
+        return self._ids(self._render([{"role": "user", "content": prompt}], tools=tools, add_generation_prompt=True))
+
+    def user_turn(self, text: str, model_ids: list[int]) -> list[int]:
+        if not self.chat:
+            return self._ids(f"\n\n{text}\n\n")
+        return self._after_answer([{"role": "user", "content": text}], model_ids)
+
+    def tool_turn(self, results: list[str], model_ids: list[int]) -> list[int]:
+        if not self.chat:
+            return self._ids("".join(f"\n<tool_response>\n{result}\n</tool_response>\n" for result in results))
+        return self._after_answer([{"role": "tool", "content": result} for result in results], model_ids)
+
+    def _after_answer(self, messages: list[dict], model_ids: list[int]) -> list[int]:
+        head = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _ANSWER_SENTINEL}]
+        full = self._render(head + messages, add_generation_prompt=True)
+        if _ANSWER_SENTINEL not in full:
+            raise ValueError("the chat template drops earlier assistant turns: a multi-turn conversation cannot be "
+                             "appended to token by token (use rollout.prompt_template: raw)")
+        after = full.split(_ANSWER_SENTINEL, 1)[1]
+        if model_ids and model_ids[-1] in stop_token_ids(self.tokenizer):
+            stop_text = self.tokenizer.decode(model_ids[-1:])
+            if after.startswith(stop_text):  # the model ended its turn with the template's own end-of-turn marker
+                after = after[len(stop_text):]
+        return self._ids(after)
+
+    def _render(self, messages: list[dict], **options) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **options)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))

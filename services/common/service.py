@@ -11,7 +11,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
-from areal_k8s.common.config import JobConfig, JobFileError, load_job_file
+from areal_k8s.common.config import DatasetConfig, JobConfig, JobFileError, load_job_file
 from areal_k8s.common.metrics import metrics_port
 from areal_k8s.data.dataset import DatasetError, DatasetItem, load_dataset
 
@@ -68,9 +68,9 @@ def load_job(path: str) -> JobConfig:
         exit_invalid(str(exc))
 
 
-def load_items(path: str, fmt: str) -> list[DatasetItem]:
+def load_items(path: str, dataset: DatasetConfig) -> list[DatasetItem]:
     try:
-        return load_dataset(path, fmt)
+        return load_dataset(path, dataset.format, dataset.code)
     except DatasetError as exc:
         exit_invalid(str(exc))
 

@@ -24,9 +24,9 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("controller", args.log_level)
     job = load_job(args.job)
-    items = load_items(job.dataset.train, job.dataset.format)
+    items = load_items(job.dataset.train, job.dataset)
     # The trainer scores the held-out items with the same reward service.
-    eval_items = load_items(job.dataset.eval, job.dataset.format)[: job.dataset.eval_limit] if job.dataset.eval else []
+    eval_items = load_items(job.dataset.eval, job.dataset)[: job.dataset.eval_limit] if job.dataset.eval else []
 
     async def run(stop):
         client = connect(args.redis_url)

@@ -1,4 +1,5 @@
-"""Load prompt datasets: our JSONL (`prompt`/`answer`) and GSM8K's JSONL (`question`/`answer` ending in `#### N`).
+"""Load prompt datasets: our JSONL (`prompt`/`answer`), GSM8K's JSONL (`question`/`answer` ending in `#### N`), and
+code problems with tests (code.py).
 
 Every problem with the input is reported as one `DatasetError` line naming the file and line, so a bad job is
 refused before any service starts.
@@ -11,12 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from areal_k8s.common.config import CodeDatasetConfig
+from areal_k8s.data.code import CodeRecordError, is_code_record, parse_code_record
+
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM8K_ANSWER_MARK = "####"
 DEFAULT_VERIFIER = "math"
-FORMATS = ("auto", "areal", "gsm8k")
+FORMATS = ("auto", "areal", "gsm8k", "code")
 
-Format = Literal["auto", "areal", "gsm8k"]
+Format = Literal["auto", "areal", "gsm8k", "code"]
 
 
 class DatasetError(ValueError):
@@ -31,8 +35,10 @@ class DatasetItem:
     verifier: str
 
 
-def load_dataset(path: str | Path, fmt: Format = "auto") -> list[DatasetItem]:
-    """Read a JSONL dataset; `auto` picks the format from the keys of the file's first record."""
+def load_dataset(path: str | Path, fmt: Format = "auto", code: CodeDatasetConfig | None = None) -> list[DatasetItem]:
+    """Read a JSONL dataset; `auto` picks the format from the keys of the file's first record. `code` names the
+    fields of code records (default: the common ones)."""
+    code = code or CodeDatasetConfig()
     if fmt not in FORMATS:
         raise DatasetError(f"{path}: unknown dataset format {fmt!r} (expected one of {', '.join(FORMATS)})")
     path = Path(path)
@@ -41,8 +47,11 @@ def load_dataset(path: str | Path, fmt: Format = "auto") -> list[DatasetItem]:
     for line_number, record in _records(path):
         where = f"{path}:{line_number}"
         if fmt == "auto":
-            fmt = _detect_format(record, where)
-        item = _parse_gsm8k(record, where) if fmt == "gsm8k" else _parse_areal(record, where)
+            fmt = _detect_format(record, where, code)
+        if fmt == "code":
+            item = _parse_code(record, where, code)
+        else:
+            item = _parse_gsm8k(record, where) if fmt == "gsm8k" else _parse_areal(record, where)
         item_id = item.id or f"{path.stem}-{line_number}"
         if item_id in first_line_of_id:
             raise DatasetError(f"{where}: duplicate id {item_id!r} (first used on line {first_line_of_id[item_id]})")
@@ -76,13 +85,16 @@ def _records(path: Path):
         yield line_number, record
 
 
-def _detect_format(record: dict, where: str) -> Format:
+def _detect_format(record: dict, where: str, code: CodeDatasetConfig) -> Format:
+    if is_code_record(record, code):  # before gsm8k: APPS records have a `question` too
+        return "code"
     if "question" in record:
         return "gsm8k"
     if "prompt" in record:
         return "areal"
     raise DatasetError(
-        f"{where}: cannot tell the format: expected key 'prompt' (areal) or 'question' (gsm8k), got {sorted(record)}"
+        f"{where}: cannot tell the format: expected key 'prompt' (areal), 'question' (gsm8k) or one of "
+        f"{code.tests_fields} (code), got {sorted(record)}"
     )
 
 
@@ -128,3 +140,11 @@ def _parse_gsm8k(record: dict, where: str) -> DatasetItem:
         reference=reference,
         verifier=DEFAULT_VERIFIER,
     )
+
+
+def _parse_code(record: dict, where: str, code: CodeDatasetConfig) -> DatasetItem:
+    try:
+        prompt, reference = parse_code_record(record, code)
+    except CodeRecordError as exc:
+        raise DatasetError(f"{where}: {exc}") from None
+    return DatasetItem(id=_optional_id(record, where), prompt=prompt, reference=reference, verifier="code")

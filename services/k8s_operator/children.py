@@ -264,7 +264,7 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
     runtime_class = block.get("runtimeClassName") or (os.environ.get(names.REWARD_RUNTIME_CLASS_ENV) if role == "reward" else None)
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
-    for profile in ("seccompProfile", "appArmorProfile"):  # the reward role's: its sandbox needs user namespaces
+    for profile in ("seccompProfile", "appArmorProfile"):  # reward's and rollout's: their sandboxes need user namespaces
         if profile in block:
             spec["securityContext"][profile] = block[profile]
     if block.get("nodeSelector"):

@@ -83,6 +83,9 @@ def structural(prop: dict) -> dict:
         prop["items"] = items[0]
     if "items" in prop:
         prop["items"] = structural(prop["items"])
+    if prop.get("additionalProperties") is True:  # a free-form mapping (rollout.workflow_args)
+        del prop["additionalProperties"]
+        prop["x-kubernetes-preserve-unknown-fields"] = True
     if "$ref" in prop or "properties" in prop:
         raise ValueError(f"nested models are not expected in a job-file section: {prop}")
     if "default" in prop and prop["default"] is None:
@@ -186,26 +189,26 @@ def role(component: str, description: str, *, replicas: str | None, autoscaled: 
     return obj(description, properties, default={})
 
 
-def security_profile(kind: str, default: str) -> dict:
-    return obj(f"core/v1 {kind} of the reward pods; default {default}.", {
+def security_profile(kind: str, pods: str, default: str) -> dict:
+    return obj(f"core/v1 {kind} of the {pods} pods; default {default}.", {
         "type": string("Profile type.", enum=["RuntimeDefault", "Unconfined", "Localhost"]),
         "localhostProfile": string("The node's profile to load, with type Localhost."),
     }, required=["type"])
 
 
-def reward_sandbox_properties() -> dict:
-    """The reward pods run untrusted programs (the `code` verifier) in bubblewrap, which needs user namespaces."""
+def sandbox_properties(pods: str, sandbox: str, runtime_class_default: str) -> dict:
+    """Pods that run untrusted programs in bubblewrap (reward: the `code` verifier; rollout: the tool_agent's python
+    tool), which needs user namespaces."""
     return {
-        "runtimeClassName": string("RuntimeClass of the reward pods (e.g. gvisor or kata): a further isolation layer "
-                                   "around the code sandbox. Default: the chart's jobs.rewardRuntimeClassName, "
-                                   "else the cluster's."),
+        "runtimeClassName": string(f"RuntimeClass of the {pods} pods (e.g. gvisor or kata): a further isolation layer "
+                                   f"around {sandbox}. Default: {runtime_class_default}."),
         "seccompProfile": security_profile(
-            "SeccompProfile", "RuntimeDefault, which on containerd and CRI-O refuses the user namespaces the `code` "
-            "verifier's sandbox (bubblewrap) creates: jobs using `code` set Unconfined, or Localhost with a profile "
+            "SeccompProfile", pods, f"RuntimeDefault, which on containerd and CRI-O refuses the user namespaces "
+            f"{sandbox} (bubblewrap) creates: jobs using it set Unconfined, or Localhost with a profile "
             "that also allows clone/unshare with CLONE_NEWUSER"),
         "appArmorProfile": security_profile(
-            "AppArmorProfile", "the node's (where AppArmor runs, its runtime/default profile denies the mounts "
-            "bubblewrap makes: jobs using `code` on such nodes set Unconfined or a Localhost profile)"),
+            "AppArmorProfile", pods, "the node's (where AppArmor runs, its runtime/default profile denies the mounts "
+            "bubblewrap makes: jobs using it on such nodes set Unconfined or a Localhost profile)"),
     }
 
 
@@ -235,11 +238,13 @@ def roles_schema() -> dict:
                                replicas=None, autoscaled=False, gpus=None),
             "reward": role("reward", "The reward service (verifiers).",
                            replicas="Reward service pods.", autoscaled=True, gpus="GPUs per reward pod (model-based rewards).",
-                           extra=reward_sandbox_properties()),
+                           extra=sandbox_properties("reward", "the `code` verifier's sandbox",
+                                                    "the chart's jobs.rewardRuntimeClassName, else the cluster's")),
             "rollout": role("rollout", "Rollout pods: a rollout agent and its inference engine each. "
                             "The /scale subresource sets roles.rollout.replicas.",
                             replicas="Rollout workers.", autoscaled=True, gpus="GPUs of each pod's engine.",
-                            extra={"engine": engine}),
+                            extra={"engine": engine, **sandbox_properties(
+                                "rollout", "the tool_agent workflow's python tool sandbox", "the cluster's")}),
             "trainer": role("trainer", "The trainer StatefulSet (one pod per node; torch rendezvous via a headless Service).",
                             replicas="Trainer pods (nodes).", autoscaled=False, gpus="GPUs (ranks) per trainer pod.",
                             extra={"parallelism": parallelism}),

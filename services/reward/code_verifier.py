@@ -29,7 +29,7 @@ from functools import cache
 from typing import Literal, NamedTuple
 
 from areal_k8s.common.config import CodeRewardConfig
-from areal_k8s.reward.sandbox import MIB, Sandbox, SandboxLimits, SandboxResult
+from areal_k8s.common.sandbox import Sandbox, SandboxLimits, SandboxResult, limits_from_config
 
 Scoring = Literal["fraction", "all"]
 SCORINGS = ("fraction", "all")
@@ -59,11 +59,7 @@ _settings = CodeSettings()
 
 
 def settings_from_config(config: CodeRewardConfig) -> CodeSettings:
-    limits = SandboxLimits(
-        wall_seconds=config.wall_seconds, cpu_seconds=config.cpu_seconds, memory_bytes=config.memory_mb * MIB,
-        max_processes=config.max_processes, max_output_bytes=config.max_output_kb * 1024,
-    )
-    return CodeSettings(limits, config.scoring)
+    return CodeSettings(limits_from_config(config), config.scoring)
 
 
 def configure(settings: CodeSettings) -> None:

@@ -15,7 +15,7 @@ from areal_k8s.common.grpcutil import InvalidArgument, require, rpc, start_serve
 from areal_k8s.common.metrics import RewardMetrics
 from areal_k8s.reward.code_verifier import CodeSettings, sandbox_for
 from areal_k8s.reward.pool import ScoreOutcome, ScoringItem, ScoringPool
-from areal_k8s.reward.sandbox import SandboxError
+from areal_k8s.common.sandbox import SandboxError
 from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, check_allowed, resolve
 
 _STATUSES = {

@@ -14,6 +14,7 @@ from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
+from areal_k8s.rollout.workflows import WorkflowError, load_workflow
 
 log = logging.getLogger("areal.rollout")
 
@@ -33,6 +34,10 @@ def main() -> None:
     setup_logging(f"rollout[{args.worker_id}]", args.log_level)
     job = load_job(args.job)
     require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
+    try:
+        workflow = load_workflow(job)
+    except WorkflowError as exc:
+        exit_invalid(str(exc))
 
     async def run(stop: asyncio.Event) -> None:
         engine = (CpuEngineClient if job.rollout.engine == "cpu" else SGLangClient)(args.engine_url)
@@ -49,6 +54,7 @@ def main() -> None:
             store=TrajectoryStore(redis_client, job.name),
             tokenizer=load_tokenizer(job.tokenizer_path),
             metrics=RolloutMetrics(job.name),
+            workflow=workflow,
         )
         worker.metrics.serve(args.host, args.metrics_port)
         try:

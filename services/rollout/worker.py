@@ -1,12 +1,6 @@
-"""The rollout worker: pull admitted prompt groups, generate n samples each, score them, write them to the stream.
-
-Generation is interruptible: when the trainer pauses the engine to push weights, in-flight requests come back
-with finish_reason "abort" and the tokens so far; the worker resubmits prompt + generated prefix, the engine
-recomputes the KV cache under the new weights, and every token keeps the policy version that produced it
-(AReaL's partial rollout, areal-design-notes §3). With `rollout.interrupt: retract` the engine does the same inside:
-it re-queues the request, recomputes its cache after the update and answers once, its `weight_versions` spans
-naming each token's version. An engine also retracts on its own under KV-cache pressure, with unchanged weights:
-the spans show that too, and the request simply goes on.
+"""The rollout worker: pull admitted prompt groups, run the job's workflow on each (generation, tools, scoring:
+services/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight pushes,
+every token keeping its policy version (generation.py).
 """
 
 from __future__ import annotations
@@ -14,33 +8,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 
 import grpc
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
-from areal_k8s.common.prompts import encode_prompt, stop_token_ids
-from areal_k8s.common.sglang import EngineError, parse_weight_version, sampling_params, token_versions
+from areal_k8s.common.prompts import stop_token_ids
+from areal_k8s.common.rewards import is_informative
+from areal_k8s.common.sglang import EngineError, sampling_params
 from areal_k8s.common.store import TrajectoryStore
-from areal_k8s.trainer.algorithm import is_informative
+from areal_k8s.rollout.generation import Sample, generate_each
+from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow, load_workflow
 
 log = logging.getLogger(__name__)
 
-SCORE_DEADLINE_SECONDS = 600.0
 UNKNOWN_VERSION = -1
 ENGINE_RECHECK_SECONDS = 1.0  # how often a worker whose engine went away asks whether it is back
-MAX_INTERRUPTIONS = 64  # a request aborted this often is not being interrupted by weight pushes: give up on it
-
-
-@dataclass
-class Sample:
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    interruptions: int = 0
 
 
 class EngineWentBack(RuntimeError):
@@ -58,8 +42,9 @@ def engine_went_away(exc: Exception) -> bool:
     return isinstance(exc, EngineWentBack) or (isinstance(exc, EngineError) and exc.status is None)
 
 
-def oldest_token_version(samples: list[Sample]) -> int | None:
-    return min((v for sample in samples for v in sample.versions), default=None)
+def oldest_token_version(episodes: list[Episode]) -> int | None:
+    """The oldest policy version among the episodes' model tokens."""
+    return min((v for episode in episodes for v in episode.model_versions()), default=None)
 
 
 class IdleClock:
@@ -87,48 +72,6 @@ class IdleClock:
             self.idle_since = now
 
 
-async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
-    """Generate one response per rid to the same prompt, in one batched request; after every abort, the aborted
-    ones are resubmitted together from their generated prefixes.
-
-    A resubmission is a new request with a rid of its own: SGLang 0.5.20 answers 500 (its request state lost) when
-    a rid comes back while the aborted request of that name is still being cleaned up."""
-    samples = {rid: Sample() for rid in rids}
-    budget = sampling["max_new_tokens"]
-    pending, attempt = list(rids), 0
-    while pending:
-        results = await engine.generate(
-            [prompt_ids + samples[rid].output_ids for rid in pending],
-            [dict(sampling, max_new_tokens=budget - len(samples[rid].output_ids)) for rid in pending],
-            rid=[rid if attempt == 0 else f"{rid}@{attempt}" for rid in pending],
-        )
-        pending = [rid for rid, result in zip(pending, results, strict=True) if not record_answer(samples[rid], result, budget)]
-        attempt += 1
-    return [samples[rid] for rid in rids]
-
-
-def record_answer(sample: Sample, result: dict, budget: int) -> bool:
-    """Append an engine answer's tokens, logprobs and versions to `sample`; False if it must be resubmitted."""
-    meta = result["meta_info"]
-    tokens = meta["output_token_logprobs"]
-    for (logprob, token_id, _text), version in zip(tokens, token_versions(meta), strict=True):
-        sample.output_ids.append(token_id)
-        sample.logprobs.append(logprob)
-        sample.versions.append(parse_weight_version(version))
-    sample.interruptions += meta.get("num_retractions", 0)
-    reason = meta["finish_reason"]["type"]
-    if reason != "abort":
-        sample.finish_reason = reason
-        return True
-    sample.interruptions += 1
-    if len(sample.output_ids) >= budget:
-        sample.finish_reason = "length"
-        return True
-    if sample.interruptions > MAX_INTERRUPTIONS:
-        raise RuntimeError(f"request {meta.get('id')} was aborted {sample.interruptions} times")
-    return False
-
-
 class RolloutWorker:
     def __init__(
         self,
@@ -144,8 +87,10 @@ class RolloutWorker:
         poll_interval: float = 0.2,
         hold_seconds: float = 1.0,
         metrics: RolloutMetrics | None = None,
+        workflow: RolloutWorkflow | None = None,
     ):
         self.job = job
+        self.workflow = workflow or load_workflow(job)
         self.worker_id = worker_id
         self.address = address
         self.controller = controller
@@ -174,9 +119,7 @@ class RolloutWorker:
     # -- one group -----------------------------------------------------------------------------------------
 
     async def generate_group(self, group: common_pb2.PromptGroup) -> list[common_pb2.Trajectory]:
-        """Generate and score group.n_samples responses; the trajectories are returned, not written."""
-        started = time.time()
-        prompt_ids = encode_prompt(self.tokenizer, group.prompt, self.job.rollout.prompt_template)
+        """Run the workflow on the group: its n_samples episodes, scored; the trajectories are returned, not written."""
         sampling = sampling_params(
             temperature=group.sampling.temperature,
             top_p=group.sampling.top_p or 1.0,
@@ -184,64 +127,50 @@ class RolloutWorker:
             max_new_tokens=group.sampling.max_new_tokens,
             stop_token_ids=self.stop_ids,
         )
-        rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
-        samples = await self.generate_samples(prompt_ids, sampling, rids)
-        oldest = oldest_token_version(samples)
+        ctx = EpisodeContext(group=group, job=self.job, tokenizer=self.tokenizer, sampling=sampling,
+                             engine_generate=self.generate_samples, reward=self.reward)
+        episodes = await self.workflow.arun_episode(ctx)
+        if len(episodes) != group.n_samples:
+            raise ValueError(f"workflow {self.job.rollout.workflow} returned {len(episodes)} episodes for {group.n_samples} samples")
+        for episode in episodes:
+            episode.check()
+        oldest = oldest_token_version(episodes)
         if oldest is not None and oldest < group.admitted_version:
             raise EngineWentBack(
                 f"the engine sampled with weight version {oldest}, older than the group's admission at "
                 f"{group.admitted_version}: it restarted, and the worker registers again for the current weights"
             )
-        generated = time.time()
-        texts = [self.tokenizer.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-        scores = await self.reward.Score(
-            reward_pb2.ScoreRequest(
-                items=[
-                    reward_pb2.ScoreItem(item_id=rid, verifier=group.verifier, prompt=group.prompt, response=text, reference=group.reference)
-                    for rid, text in zip(rids, texts)
-                ]
-            ),
-            # A reward pod restarting is waited for (failing the group would spend one of its retries), up to a
-            # deadline that a healthy service meets with time to spare.
-            wait_for_ready=True,
-            timeout=SCORE_DEADLINE_SECONDS,
-        )
-        rewarded = time.time()
-        by_id = {r.item_id: r for r in scores.results}
-        trajectories = []
-        for rid, sample, text in zip(rids, samples, texts):
-            score = by_id[rid]
-            n_prompt, n_out = len(prompt_ids), len(sample.output_ids)
-            trajectories.append(
-                common_pb2.Trajectory(
-                    trajectory_id=rid,
-                    group_id=group.group_id,
-                    prompt_id=group.prompt_id,
-                    token_ids=prompt_ids + sample.output_ids,
-                    prompt_length=n_prompt,
-                    logprobs=[0.0] * n_prompt + sample.logprobs,
-                    versions=[-1] * n_prompt + sample.versions,
-                    loss_mask=[False] * n_prompt + [True] * n_out,
-                    reward=score.reward,
-                    reward_status=reward_pb2.ScoreResult.Status.Name(score.status).lower(),
-                    finish_reason=sample.finish_reason,
-                    interruptions=sample.interruptions,
-                    response_text=text,
-                    admitted_version=group.admitted_version,
-                    ticket=group.ticket,
-                    timings=common_pb2.Timings(
-                        generation_started_at=started, generation_finished_at=generated, reward_finished_at=rewarded
-                    ),
-                )
+        return [
+            common_pb2.Trajectory(
+                trajectory_id=ctx.sample_id(i),
+                group_id=group.group_id,
+                prompt_id=group.prompt_id,
+                token_ids=episode.token_ids,
+                prompt_length=episode.prompt_length,
+                logprobs=episode.logprobs,
+                versions=episode.versions,
+                loss_mask=episode.loss_mask,
+                reward=episode.reward,
+                reward_status=episode.reward_status,
+                finish_reason=episode.finish_reason,
+                interruptions=episode.interruptions,
+                response_text=ctx.decode(episode.token_ids[episode.prompt_length:]),
+                admitted_version=group.admitted_version,
+                ticket=group.ticket,
+                timings=common_pb2.Timings(
+                    generation_started_at=ctx.started_at, generation_finished_at=ctx.generated_at,
+                    reward_finished_at=ctx.rewarded_at,
+                ),
             )
-        return trajectories
+            for i, episode in enumerate(episodes)
+        ]
 
-    async def generate_samples(self, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
-        """A group's samples, generated as one batched request (the engine shares the prompt's prefill)."""
+    async def generate_samples(self, prompts: list[list[int]], sampling: dict, rids: list[str]) -> list[Sample]:
+        """One model turn per prompt, generated as one batched request (the engine shares common prefills)."""
         started = time.monotonic()
         self.requests.started(len(rids))
         try:
-            samples = await generate_interruptible(self.engine, prompt_ids, sampling, rids)
+            samples = await generate_each(self.engine, prompts, sampling, rids)
         finally:
             self.requests.finished(len(rids))
         latency = time.monotonic() - started  # a batched request answers when its last sample is done

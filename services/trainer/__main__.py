@@ -33,7 +33,7 @@ def main() -> None:
     job = load_job(args.job)
     require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
     torch.set_num_threads(job.trainer.threads)
-    eval_items = load_items(job.dataset.eval, job.dataset.format)[: job.dataset.eval_limit] if job.dataset.eval else []
+    eval_items = load_items(job.dataset.eval, job.dataset)[: job.dataset.eval_limit] if job.dataset.eval else []
 
     async def run(stop: asyncio.Event) -> None:
         redis_client = connect(args.redis_url)

@@ -56,12 +56,6 @@ def overlong_penalty(lengths: torch.Tensor, *, max_new_tokens: int, buffer: int,
     return -factor * excess.clamp(0.0, 1.0)
 
 
-def is_informative(group_rewards: torch.Tensor | Sequence[float]) -> bool:
-    """DAPO dynamic sampling: keep a group only if 0 < #correct < n, i.e. its rewards are not all equal (std > 0)."""
-    rewards = torch.as_tensor(group_rewards).flatten()
-    return bool((rewards != rewards[0]).any()) if rewards.numel() else False
-
-
 def compute_advantages(
     name: str,
     rewards: torch.Tensor,
@@ -76,7 +70,7 @@ def compute_advantages(
 
     `gspo` and `dapo` use GRPO's advantages (GSPO differs in the loss: ratio_level="sequence"). For `dapo` with an
     `overlong_buffer`, the soft overlong penalty of each response's generated `lengths` [groups, n] is added to its
-    reward first; the dynamic-sampling filter (`is_informative`) belongs to the caller that assembles the batch.
+    reward first; the dynamic-sampling filter (common/rewards.py `is_informative`) belongs to the caller that assembles the batch.
     """
     rewards = rewards.float()
     if name in ("grpo", "gspo"):

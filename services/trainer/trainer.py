@@ -22,13 +22,13 @@ from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.common.rewards import is_informative
 from areal_k8s.common.weights import parse_dtype, weights_checksum
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.algorithm import (
     LossStats,
     compute_advantages,
     decoupled_ppo_loss,
-    is_informative,
     kl_penalty,
     learning_rate,
     loglinear_proximal_logprobs,

@@ -1,5 +1,8 @@
 """Run an untrusted Python program in a sandbox: bubblewrap outside, rlimits and a process-group kill inside.
 
+Shared: the reward service's `code` verifier runs responses' programs in it, and the rollout worker's `python` tool
+(the tool_agent workflow) runs the model's tool calls in it, under the same limits (`reward.code`).
+
 Why bubblewrap: it is maintained (the sandbox under Flatpak), packaged in Debian (`apt-get install bubblewrap`),
 a single small setuid-free binary that builds the sandbox from unprivileged user namespaces, so the reward pod
 needs no privilege, capability or daemon. nsjail does the same with more knobs but is not packaged in Debian 12.
@@ -40,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from areal_k8s.common.config import CodeRewardConfig
 
 HARNESS_SOURCE = (Path(__file__).with_name("sandbox_harness.py")).read_text()
 PYTHON_CANDIDATES = ("/usr/local/bin/python3", "/usr/bin/python3")
@@ -100,6 +105,14 @@ class SandboxResult:
             last_line = self.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
             return f"exit code {self.returncode}: {last_line[0][:200]}"
         return None
+
+
+def limits_from_config(config: CodeRewardConfig) -> SandboxLimits:
+    """The job's `reward.code` limits, for every sandboxed run of the job (verifier and tool alike)."""
+    return SandboxLimits(
+        wall_seconds=config.wall_seconds, cpu_seconds=config.cpu_seconds, memory_bytes=config.memory_mb * MIB,
+        max_processes=config.max_processes, max_output_bytes=config.max_output_kb * 1024,
+    )
 
 
 def default_python() -> str:
