@@ -5,17 +5,21 @@ the python tool, and a real gloo weight push in the middle of an episode."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 
 import pytest
+import redis
 from transformers import AutoTokenizer
 
-from areal_k8s.api.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2, reward_pb2_grpc
+from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.config import JobFileError, MultiTurnConfig, parse_job
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.prompts import ConversationFormat, encode_prompt, stop_token_ids
 from areal_k8s.common.sglang import CpuEngineClient, sampling_params
+from areal_k8s.common.store import JobKeys
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
 from areal_k8s.rollout.worker import RolloutWorker
@@ -24,6 +28,7 @@ from areal_k8s.rollout.workflows.multi_turn import MultiTurn
 from areal_k8s.rollout.workflows.tool_agent import TOOL_INSTRUCTIONS
 from areal_k8s.rollout.workflows.tools import calculate, parse_tool_calls
 from cpu_engines import cpu_engine
+from e2e_jobs import make_job, read_steps
 from tiny_models import build_scripted_qwen2
 
 pytestmark = pytest.mark.timeout(300)
@@ -311,3 +316,34 @@ def test_a_chat_turn_after_a_model_that_ended_with_the_templates_own_marker_does
     tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
     with pytest.raises(ValueError, match="the chat template drops earlier assistant turns"):
         ConversationFormat(tok, "chat").user_turn("again", answer)
+
+
+def test_a_tool_agent_job_runs_end_to_end_with_its_python_calls_in_the_sandbox(model_path, tmp_path):
+    """`arealctl run` with rollout.workflow tool_agent: the scripted model calls the python tool, the worker runs the
+    call in the sandbox and appends its output, masked out; the job trains to the end on the model's tokens."""
+    rows = [{"id": f"p{i}", "prompt": f"What is 6 * 7? ({i}) {GO}", "answer": CALL, "verifier": "exact"} for i in range(8)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = make_job(tmp_path, tmp_path / "run", model=str(model_path),
+                   dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "train.jsonl"), "eval_limit": 2},
+                   algorithm={"total_steps": 2, "batch_size": 2, "group_size": 2},
+                   rollout={"workflow": "tool_agent", "tool_agent": {"tools": ["python"], "max_tool_calls": 1}})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        left = client.xrange(JobKeys(job.name).stream)  # acknowledged entries are trimmed: the last ones stay
+        client.close()
+    finally:
+        run.stop()
+    assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 2
+    assert [s["version"] for s in read_steps(run.run_dir)] == [1, 2]
+    assert left
+    tok = tokenizer(model_path)
+    for _, fields in left:
+        trajectory = common_pb2.Trajectory.FromString(fields[b"payload"])
+        masks = [mask for mask, *_ in runs(trajectory)]
+        assert masks == [False, True, False, True]  # prompt, the call, the tool's answer, the next call
+        tool_output = tok.decode(runs(trajectory)[2][1])
+        assert "<tool_response>\n42\n" in tool_output  # print(6 * 7) ran in the sandbox
+        assert all(v == -1 for v, m in zip(trajectory.versions, trajectory.loss_mask) if not m)
