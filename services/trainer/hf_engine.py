@@ -67,11 +67,11 @@ class TorchEngine(TrainEngine):
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
         if self.world_size > 1:
-            # Wrapping copies rank 0's parameters to every rank: all ranks start from the same weights. The buffers
-            # (rotary frequencies) are computed alike everywhere: no broadcast of them before every forward.
+            # Wrapping copies rank 0's parameters (and buffers) to every rank: all ranks start from the same weights.
+            # The buffers (rotary frequencies) never change: no broadcast of them before every forward.
             self.replicated = DistributedDataParallel(
                 _Scorer(self.model, self), device_ids=[self.device] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
+                forward_sync_buffers=False,
             )
         algorithm = self.job.algorithm
         self.optimizer = torch.optim.AdamW(

@@ -197,6 +197,7 @@ class Trainer:
                 self.phase = "training"
                 self.last = await asyncio.to_thread(self.train_step, *payload)
                 self.state.version += 1
+                log.info("rank %d trained its share of version %d", self.world.rank, self.version)
             elif command == COMMIT:
                 await asyncio.to_thread(self.world.barrier)
         self.phase = "finished"
