@@ -18,7 +18,7 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, StreamEntry, TrajectoryStore, connect
 from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.checkpoint import checkpoint_dir
+from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_checkpoint
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import share_of_rank
 from areal_k8s.trainer.trainer import Trainer
@@ -57,21 +57,26 @@ def make_groups(model_path: Path, count: int) -> list[Group]:
     return groups
 
 
-def job_for(model_path: Path, run_dir: Path, **algorithm):
+def job_for(model_path: Path, run_dir: Path, trainer: dict | None = None, **algorithm):
     return parse_job({
         "name": "world", "model": str(model_path), "run_dir": str(run_dir), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 14},
         "algorithm": {"batch_size": 4, "group_size": GROUP_SIZE, "lr": 1.0, **algorithm},
-        "trainer": {"micro_batch_tokens": 40},  # several micro-batches per rank: accumulation under no_sync
+        # several micro-batches per rank: accumulation under no_sync
+        "trainer": {"micro_batch_tokens": 40, **(trainer or {})},
     })
 
 
-def step(job, groups: list[Group], world: World) -> dict:
-    """One training step from the initial model with plain SGD at lr 1 (the parameter change is the gradient)."""
+def step(job, groups: list[Group], world: World, checkpoint: Path | None = None) -> dict:
+    """One training step from the initial model with plain SGD at lr 1 (the parameter change is the gradient), or
+    from `checkpoint` with its AdamW state."""
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
-    trainer.engine.load(job.model)
-    trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
+    if checkpoint:
+        trainer.engine.load_checkpoint(checkpoint)
+    else:
+        trainer.engine.load(job.model)
+        trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
     record = trainer.train_step(groups)
     return {"weights": {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()},
             "loss": record.loss, "grad_norm": record.grad_norm, "clip_fraction": record.clip_fraction}
@@ -90,9 +95,10 @@ def step_on_rank(rank: int, size: int, port: int, job, groups: list[Group], out:
     {},
     # two updates a step, the second minibatch one group (rank 1 only stands in), proximal policy recomputed
     {"minibatches": 2, "proximal": "recompute"},
-], ids=["one-minibatch", "two-minibatches"])
+    {"trainer": {"gradient_checkpointing": True}},
+], ids=["one-minibatch", "two-minibatches", "activation-checkpointing"])
 def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, tmp_path, algorithm):
-    groups = make_groups(model_path, 3 if algorithm else 4)
+    groups = make_groups(model_path, 3 if "minibatches" in algorithm else 4)
     job = job_for(model_path, tmp_path / "run", **{**algorithm, "batch_size": len(groups)})
     alone = step(job, groups, World())
     mp.spawn(step_on_rank, args=(2, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=2)
@@ -106,6 +112,30 @@ def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, tmp_
         assert rank["loss"] == pytest.approx(alone["loss"], rel=1e-5, abs=1e-7)
         assert rank["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
         assert rank["clip_fraction"] == pytest.approx(alone["clip_fraction"], abs=1e-6)
+
+
+def resume_on_rank(rank: int, size: int, port: int, job, groups: list[Group], checkpoint: Path, out: Path) -> None:
+    # rank 1 is given a folder that does not exist: a pod's checkpoint volume may be its own, rank 0's is read
+    torch.save(step(job, groups, join(rank, size, port), checkpoint if rank == 0 else out / "elsewhere"), out / f"rank{rank}.pt")
+
+
+def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, tmp_path):
+    """Model, AdamW moments and RNG come from rank 0's checkpoint on every rank: the next step is the one-rank one."""
+    groups = make_groups(model_path, 4)
+    job = job_for(model_path, tmp_path / "run", batch_size=len(groups), lr=1e-2)
+    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
+                      eval_items=[], consumer="trainer-0")
+    trainer.engine.load(model_path)
+    trainer.train_step(groups)
+    checkpoint = save_checkpoint(tmp_path / "checkpoints", trainer.engine, TrainerState(version=1), keep=1)
+    alone = step(job, groups[::-1], World(), checkpoint)
+    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), job, groups[::-1], checkpoint, tmp_path), nprocs=2)
+    for rank in range(2):
+        resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for name, expected in alone["weights"].items():
+            # AdamW's step is ~lr = 1e-2 per weight; m/√v magnifies the ranks' float-sum noise on tiny gradients
+            # to ~1e-6. A rank without the moments would be off by the whole step.
+            torch.testing.assert_close(resumed["weights"][name], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_the_ranks_share_whole_groups_balanced_by_tokens():
