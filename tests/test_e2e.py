@@ -118,6 +118,31 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
         run.stop()
 
 
+@pytest.mark.parametrize("victim", ["trainer", "trainer-1"])
+def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, reward_importable, victim):
+    """Either rank killed: the other's next collective fails, both are restarted, the world forms again and resumes
+    from rank 0's last checkpoint; the entries trained since are trained again, nothing is left pending."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6},
+                   trainer={"replicas": 2, "checkpoint_interval": 2, "verify_weight_sync": True})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        kill_after_step(run, 3, run.service(victim).process)
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
+        assert run.supervisor.restarts == {"trainer": 1, "trainer-1": 1}
+        versions = [s["version"] for s in read_steps(run.run_dir)]
+        assert versions[-4:] == [3, 4, 5, 6] and versions[:3] == [1, 2, 3]  # step 3 again, from the checkpoint at 2
+        assert all(all(s["weights_verified"].values()) for s in read_steps(run.run_dir))
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        stream = JobKeys(job.name).stream
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+        assert [c["name"] for c in client.xinfo_consumers(stream, CONSUMER_GROUP)] == [b"trainer-0"]
+        client.close()
+    finally:
+        run.stop()
+
+
 def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable):
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 8}, trainer={"checkpoint_interval": 3})
     run = LocalRun(job)
