@@ -52,6 +52,8 @@ class TorchEngine(TrainEngine):
     def __init__(self, job, *, trainable: bool = True):
         super().__init__(job, trainable=trainable)
         self.device = torch.device(job.trainer.device)
+        if self.device.type == "cuda":  # this rank's GPU (the world selected it: LOCAL_RANK)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = None  # the Hugging Face model (its parameters are the replica DDP keeps in step)
         self.replicated: DistributedDataParallel | None = None  # with several ranks: what a training forward runs
         self.optimizer: torch.optim.Optimizer | None = None
