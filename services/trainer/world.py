@@ -92,10 +92,6 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's `value`, in rank order, on every rank."""
-        return gather_from_ranks(value) if self.size > 1 else [value]
-
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
