@@ -236,19 +236,20 @@ class Trainer:
     async def start(self) -> None:
         """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines. Every
         rank resumes from rank 0's checkpoint; rank 0 alone goes on to the stream and the engines."""
-        checkpoint = latest_checkpoint(self.checkpoints) if self.world.leads else None
-        if checkpoint:
-            self.state = load_state(checkpoint)
-        checkpoint, self.state = await asyncio.to_thread(self.world.share, (checkpoint, self.state))
-        if self.reference:
-            await asyncio.to_thread(self.reference.load, self.job.model)
-        if checkpoint:
-            await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
-            log.info("resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
-                     checkpoint, self.version, self.state.world_size, self.world.size)
-        else:
-            await asyncio.to_thread(self.engine.load, self.job.model)
-        self.state.world_size = self.world.size
+        async with self.lock:  # an on-demand checkpoint (its collectives included) waits for the model
+            checkpoint = latest_checkpoint(self.checkpoints) if self.world.leads else None
+            if checkpoint:
+                self.state = load_state(checkpoint)
+            checkpoint, self.state = await asyncio.to_thread(self.world.share, (checkpoint, self.state))
+            if self.reference:
+                await asyncio.to_thread(self.reference.load, self.job.model)
+            if checkpoint:
+                await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
+                log.info("resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
+                         checkpoint, self.version, self.state.world_size, self.world.size)
+            else:
+                await asyncio.to_thread(self.engine.load, self.job.model)
+            self.state.world_size = self.world.size
         if not self.world.leads:
             return
         await self.store.ensure_consumer_group()
