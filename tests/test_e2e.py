@@ -87,6 +87,62 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     assert summary["steps"] == 5 and summary["trajectories_consumed"] == 40 and summary["completed"] is True
 
 
+def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_importable):
+    """trainer.replicas: 2 starts two trainer processes that form one gloo world: rank 0 alone reads the stream (one
+    consumer), acknowledges and pushes; both ranks train every step; the engines end with the final checkpoint's
+    weights."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 3}, trainer={"replicas": 2, "verify_weight_sync": True})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        steps = read_steps(run.run_dir)
+        assert [s["version"] for s in steps] == [1, 2, 3] and final.phase == controller_pb2.JobStatus.COMPLETED
+        assert all(s["weights_verified"] and all(s["weights_verified"].values()) for s in steps)
+        follower = run.service("trainer-1")
+        assert follower.exit_code == 0
+        log = follower.log_path.read_text()
+        assert "as rank 1 of 2" in log and all(f"trained its share of version {v}" in log for v in (1, 2, 3))
+
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        stream = JobKeys(job.name).stream
+        assert [c["name"] for c in client.xinfo_consumers(stream, CONSUMER_GROUP)] == [b"trainer-0"]
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+        client.close()
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 3), dtype=torch.float32)
+        _, expected = weights_checksum(list(saved.named_parameters()))
+        for worker_id in steps[-1]["weights_verified"]:
+            with urllib.request.urlopen(f"{endpoints.engines[int(worker_id.rsplit('-', 1)[1])]}/areal/weights_checksum") as reply:
+                assert json.load(reply)["combined"] == expected
+    finally:
+        run.stop()
+
+
+@pytest.mark.parametrize("victim", ["trainer", "trainer-1"])
+def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, reward_importable, victim):
+    """Either rank killed: the other's next collective fails, both are restarted, the world forms again and resumes
+    from rank 0's last checkpoint; the entries trained since are trained again, nothing is left pending."""
+    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6},
+                   trainer={"replicas": 2, "checkpoint_interval": 2, "verify_weight_sync": True})
+    run = LocalRun(job)
+    try:
+        endpoints = run.start("new")
+        kill_after_step(run, 3, run.service(victim).process)
+        final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
+        assert run.supervisor.restarts == {"trainer": 1, "trainer-1": 1}
+        versions = [s["version"] for s in read_steps(run.run_dir)]
+        assert versions[-4:] == [3, 4, 5, 6] and versions[:3] == [1, 2, 3]  # step 3 again, from the checkpoint at 2
+        assert all(all(s["weights_verified"].values()) for s in read_steps(run.run_dir))
+        client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
+        stream = JobKeys(job.name).stream
+        assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
+        assert [c["name"] for c in client.xinfo_consumers(stream, CONSUMER_GROUP)] == [b"trainer-0"]
+        client.close()
+    finally:
+        run.stop()
+
+
 def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable):
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 8}, trainer={"checkpoint_interval": 3})
     run = LocalRun(job)

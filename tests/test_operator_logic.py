@@ -191,6 +191,7 @@ def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
     assert ranks == 16 and body["spec"]["gpuBudget"] == 64  # the example's 64-GPU split: 48 engines + 16 ranks
     assert (env["WORLD_SIZE"], env["NPROC_PER_NODE"], env["AREAL_TENSOR_PARALLEL_SIZE"]) == (
         str(ranks), str(roles["trainer"]["gpusPerPod"]), str(roles["trainer"]["parallelism"]["tensor"]))
+    assert validate(body).config.trainer.replicas == ranks  # the job file the ranks read names the same world
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": f"metadata.labels['{names.POD_INDEX_LABEL}']"}}
     pod = trainer["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == names.GPU_RESOURCE

@@ -192,13 +192,25 @@ class LocalRun:
             self.start_rollout(i)
         if self.job.rebalance.enabled:
             self.rebalancer = LocalRebalancer(self.job, self, self.run_dir / "rebalance.jsonl", self.notify)
-        self.spawn(
-            "trainer",
-            ["areal_k8s.trainer", *common, "--port", port_of(ends.trainer), "--controller", ends.controller, "--reward", ends.reward,
-             "--redis-url", redis_url, *metrics("trainer")],
-            logs, self.job.trainer.threads,
-        )
+        self.start_trainer(ends, common)
         return ends
+
+    def start_trainer(self, ends: Endpoints, common: list[str]) -> None:
+        """`trainer.replicas` processes forming one torch.distributed world, as torchrun would start them: rank 0
+        (`trainer`) serves the endpoints the run knows; ranks 1.. (`trainer-<rank>`) serve on ports of their own and
+        export no metrics (rank 0's are the step's)."""
+        ranks = self.job.trainer.replicas
+        rendezvous = self.free_address()
+        for rank in range(ranks):
+            world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                     "MASTER_ADDR": self.host, "MASTER_PORT": port_of(rendezvous)}
+            port, metrics = (ends.trainer, ends.metrics["trainer"]) if rank == 0 else (self.free_address(), ":0")
+            self.spawn(
+                "trainer" if rank == 0 else f"trainer-{rank}",
+                ["areal_k8s.trainer", *common, "--port", port_of(port), "--controller", ends.controller, "--reward", ends.reward,
+                 "--redis-url", self.redis_url, "--metrics-port", port_of(metrics)],
+                self.run_dir / "logs", self.job.trainer.threads, world,
+            )
 
     def start_rollout(self, i: int) -> None:
         """Rollout worker `rollout-<i>` and, with the CPU engine, its engine `engine-<i>`."""
@@ -261,8 +273,8 @@ class LocalRun:
         self.prometheus = LocalPrometheus(self.run_dir / "prometheus", endpoints.metrics, self.free_address(), scrape_interval)
         return self.prometheus.start()
 
-    def spawn(self, name: str, args: list[str], logs: Path, threads: int) -> Service:
-        service = Service(name, args, logs / f"{name}.log", child_env(threads))
+    def spawn(self, name: str, args: list[str], logs: Path, threads: int, env: dict[str, str] | None = None) -> Service:
+        service = Service(name, args, logs / f"{name}.log", {**child_env(threads), **(env or {})})
         service.start()
         self.services.append(service)
         self.supervisor.watch(service)

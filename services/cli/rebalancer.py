@@ -1,7 +1,8 @@
 """The staleness rebalancer for `arealctl run`: the operator's policy, over local processes.
 
 The budget is the machine's cores: a rollout unit is a worker and its engine (`rollout.threads` cores), the trainer
-is one unit of `trainer.threads` cores and keeps its size (as in a cluster, until the trainer can change size).
+is `trainer.replicas` units (ranks) of `trainer.threads` cores each and keeps its size (as in a cluster, until the
+trainer can change size).
 Each verdict goes to `rebalance.jsonl` in the run directory, and each change to the terminal.
 """
 
@@ -31,14 +32,14 @@ class RolloutPool(Protocol):
 def local_limits(job: JobConfig) -> Limits:
     r = job.rebalance
     return Limits(rollout_unit=job.rollout.threads, trainer_unit=job.trainer.threads, min_rollout=r.min_workers,
-                  max_rollout=r.max_workers, min_trainer=1, max_trainer=1, budget=r.cores or os.cpu_count() or 1)
+                  max_rollout=r.max_workers, min_trainer=job.trainer.replicas, max_trainer=job.trainer.replicas, budget=r.cores or os.cpu_count() or 1)
 
 
 class LocalRebalancer:
     def __init__(self, job: JobConfig, pool: RolloutPool, log_path: Path, say: Callable[[str], None]):
         self.pool, self.log_path, self.say = pool, log_path, say
         self.limits, self.settings = local_limits(job), settings_for(job)
-        self.state = State(Split(job.rollout.workers, 1))
+        self.state = State(Split(job.rollout.workers, job.trainer.replicas))
 
     def observe(self, status: controller_pb2.JobStatus) -> Decision | None:
         """Feed one job status; resize the pool when a window ends in a move."""

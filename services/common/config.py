@@ -299,6 +299,14 @@ class TrainerConfig(_Section):
     backend: Literal["torch"] = Field(
         "torch", description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM)."
     )
+    replicas: Annotated[int, Field(ge=1)] = Field(
+        1,
+        description="Trainer ranks: processes forming one data-parallel torch.distributed world (gloo on CPU, NCCL on "
+        "GPUs). Rank 0 reads each batch from the stream, talks to the controller, pushes the weights and writes the "
+        "checkpoints; every rank trains a share of each batch (whole groups, balanced by tokens). `arealctl run` "
+        "starts this many trainer processes, each with `threads` torch threads (an RLJob sets it from roles.trainer: "
+        "replicas × gpusPerPod).",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32",

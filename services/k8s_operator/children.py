@@ -78,8 +78,10 @@ def config_text(job: ValidJob) -> str:
 def config_hash(job: ValidJob) -> str:
     """Pods roll when the job configuration changes, but not when only the rollout pool is resized: the pool
     size in the file is informational (each worker registers with the controller on its own). The rebalancer's
-    settings are the operator's alone: no pod reads them."""
-    stable = job.config.model_dump(mode="json", exclude={"rollout": {"workers", "engine_urls"}, "rebalance": True})
+    settings are the operator's alone: no pod reads them. The trainer's rank count reaches its pods as WORLD_SIZE
+    (the trainer rolls with it, the other roles need not)."""
+    stable = job.config.model_dump(
+        mode="json", exclude={"rollout": {"workers", "engine_urls"}, "trainer": {"replicas"}, "rebalance": True})
     return hashlib.sha256(yaml.safe_dump(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -403,7 +405,7 @@ def trainer_statefulset(job: ValidJob, running: bool) -> dict:
             "MASTER_PORT": str(names.TORCH_RENDEZVOUS_PORT),
             "NNODES": str(block["replicas"]),
             "NPROC_PER_NODE": str(ranks_per_pod),
-            "WORLD_SIZE": str(block["replicas"] * ranks_per_pod),
+            "WORLD_SIZE": str(job.config.trainer.replicas),  # replicas × ranks_per_pod
             "AREAL_TENSOR_PARALLEL_SIZE": str(parallel["tensor"]),
             "AREAL_PIPELINE_PARALLEL_SIZE": str(parallel["pipeline"]),
             "AREAL_DATA_PARALLEL_SIZE": str(parallel["data"]),

@@ -42,6 +42,7 @@ OPERATOR_OWNED = {
     "rollout": {"workers", "engine_urls"},  # roles.rollout.replicas; each worker's engine is beside it in its pod
     "algorithm": {"max_staleness", "staleness_target"},  # staleness.eta, staleness.targetBand
     "rebalance": {"min_workers", "max_workers", "cores"},  # roles.rollout.minReplicas/maxReplicas; gpuBudget
+    "trainer": {"replicas"},  # roles.trainer: replicas × gpusPerPod ranks
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "dataset": (DatasetConfig, "The job file's `dataset` section."),
@@ -49,7 +50,7 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "sampling": (SamplingConfig, "The job file's `sampling` section."),
     "algorithm": (AlgorithmConfig, "The job file's `algorithm` section (η is staleness.eta)."),
     "rollout": (RolloutConfig, "The job file's `rollout` section (the worker count is roles.rollout.replicas)."),
-    "trainer": (TrainerConfig, "The job file's `trainer` section."),
+    "trainer": (TrainerConfig, "The job file's `trainer` section (the rank count is roles.trainer's)."),
     "rebalance": (RebalanceConfig, "The job file's `rebalance` section: the staleness rebalancer. It sizes the rollout "
                   "pool to hold the mean staleness in staleness.targetBand, within roles.rollout.minReplicas/maxReplicas "
                   "and gpuBudget. While enabled it owns the rollout replicas: roles.rollout.replicas is only its "

@@ -98,12 +98,14 @@ def compose_job_config(rljob: dict) -> JobConfig:
     """The JobConfig the services read: the spec's job-file sections plus what the Kubernetes parts decide."""
     meta, spec = rljob["metadata"], rljob["spec"]
     key = names.job_key(meta["namespace"], meta["name"])
-    workers = spec["roles"]["rollout"]["replicas"]
+    workers, trainer = spec["roles"]["rollout"]["replicas"], spec["roles"]["trainer"]
     data = {
         "name": key,
         **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
-        **{section: spec[section] for section in ("dataset", "reward", "sampling", "trainer")},
+        **{section: spec[section] for section in ("dataset", "reward", "sampling")},
+        # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
+        "trainer": {**spec["trainer"], "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1)},
         "rebalance": {**spec["rebalance"], "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
                       **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {})},
         "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"],

@@ -14,6 +14,7 @@ from areal_k8s.common.service import add_when_done, base_parser, load_items, loa
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.trainer.server import TrainerServicer
 from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.world import World, WorldSpec
 
 log = logging.getLogger("areal.trainer")
 
@@ -33,6 +34,8 @@ def main() -> None:
     job = load_job(args.job)
     require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
     torch.set_num_threads(job.trainer.threads)
+    # Formed before the engines are made (they read their rank from it); every rank waits here for the others.
+    world = World(WorldSpec.from_env()).join(job.trainer.device)
     eval_items = load_items(job.dataset.eval, job.dataset)[: job.dataset.eval_limit] if job.dataset.eval else []
 
     async def run(stop: asyncio.Event) -> None:
@@ -48,6 +51,7 @@ def main() -> None:
             consumer=args.consumer,
             master_address=args.master_address,
             metrics=TrainerMetrics(job.name),
+            world=world,
         )
         trainer.metrics.serve(args.host, args.metrics_port)
         server, port, _health = await start_server(

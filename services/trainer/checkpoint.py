@@ -24,6 +24,7 @@ class TrainerState:
     # acknowledges them just after): a trainer restored from it acknowledges them first, or a crash between the
     # two would train them again.
     unacked_entries: list[str] = field(default_factory=list)
+    world_size: int = 1  # trainer ranks that wrote it (the state is replicated: any world size resumes it)
 
 
 def checkpoint_dir(root: Path, version: int) -> Path:

@@ -22,6 +22,7 @@ import torch
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.trainer.algorithm import LossStats
+from areal_k8s.trainer.world import world_rank_and_size
 
 MicroBatch = dict[str, torch.Tensor]
 # (log-probabilities [rows, L − 1] with gradient, the micro-batch on the engine's device) -> (loss, its stats)
@@ -44,17 +45,17 @@ class MinibatchResult:
 class TrainEngine(ABC):
     """A policy being trained, on one rank of the trainer world (`rank` of `world_size`).
 
-    Every rank calls every method in the same order (they may be collectives); the loop alone decides which rank
-    talks to the outside world (reads the stream, pushes the weights `named_weights_for_push` yields on rank 0).
+    Every rank calls `load`, `load_checkpoint` and `train_minibatch` in the same order (they may be collectives), and
+    `token_logprobs` on the rows it trains. The loop alone decides which rank talks to the outside world, and rank 0
+    alone calls the rest: it pushes the weights `named_weights_for_push` yields, writes the checkpoints, evaluates.
     """
 
-    rank: int = 0
-    world_size: int = 1
-
     def __init__(self, job: JobConfig, *, trainable: bool = True):
-        """`trainable=False`: a frozen policy (the KL reference) that only scores tokens."""
+        """`trainable=False`: a frozen policy (the KL reference) that only scores tokens. The engine is a rank of the
+        trainer world formed before it (world.py), or the only one."""
         self.job = job
         self.trainable = trainable
+        self.rank, self.world_size = world_rank_and_size()
 
     @abstractmethod
     def load(self, model_path: str | Path) -> None:
@@ -67,7 +68,11 @@ class TrainEngine(ABC):
     @abstractmethod
     def train_minibatch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, lr: float) -> MinibatchResult:
         """One optimizer step at learning rate `lr`: forward, `loss_fn` and backward on each micro-batch (gradients
-        accumulate, so the losses must share one batch-wide normaliser), clip to `algorithm.max_grad_norm`, step."""
+        accumulate, so the losses must share one batch-wide normaliser), clip to `algorithm.max_grad_norm`, step.
+
+        In a world of several ranks each passes its share of the minibatch (the normaliser is the whole minibatch's),
+        the gradients add up over the ranks, and the result (loss, stats) is the whole minibatch's on every rank. Every
+        rank passes at least one micro-batch, or all pass none (nothing to learn: no gradient, the step is a no-op)."""
 
     @abstractmethod
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,12 @@
-"""The `torch` backend: a Hugging Face causal LM trained with PyTorch on one device.
+"""The `torch` backend: a Hugging Face causal LM trained with PyTorch, on one device per rank of the trainer world.
+
+Data parallel (a world of several ranks): DistributedDataParallel, every rank a full replica of the model and of the
+optimizer state. DDP, not FSDP2: the models this backend runs on CPU and on one GPU each fit a rank whole, DDP's
+all-reduce works alike on gloo and NCCL, and the replicated state keeps the push (rank 0's full tensors) and the
+checkpoint (rank 0 writes it) as they are on one rank; the `megatron` backend is where a model is sharded. DDP wraps
+the log-probability computation (`_Scorer`), not the model's own forward, so that the output layer run in chunks is
+inside the forward DDP prepares its gradient hooks for. Micro-batches accumulate under `no_sync`; the last one's
+backward all-reduces the gradients.
 
 Precision (`trainer.precision`). The parameters, their gradients and AdamW's moments stay float32 (they are the
 master weights); `bf16` runs forward and backward under `torch.autocast(bfloat16)`, which casts weights and
@@ -15,22 +23,39 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.rollout.cpu_engine.engine import generate_batch
 from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import PhaseClock
+from areal_k8s.trainer.world import gather_from_ranks
 
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
+
+
+class _Scorer(torch.nn.Module):
+    """The module DDP wraps: its forward is the token log-probabilities of the model it holds."""
+
+    def __init__(self, model, engine: TorchEngine):
+        super().__init__()
+        self.model, self.engine = model, engine
+
+    def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
+        return self.engine._logprobs(micro_batch, self.model)
 
 
 class TorchEngine(TrainEngine):
     def __init__(self, job, *, trainable: bool = True):
         super().__init__(job, trainable=trainable)
         self.device = torch.device(job.trainer.device)
-        self.model = None
+        if self.device.type == "cuda":  # this rank's GPU (the world selected it: LOCAL_RANK)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model = None  # the Hugging Face model (its parameters are the replica DDP keeps in step)
+        self.replicated: DistributedDataParallel | None = None  # with several ranks: what a training forward runs
         self.optimizer: torch.optim.Optimizer | None = None
 
     def load(self, model_path: str | Path) -> None:
@@ -43,6 +68,13 @@ class TorchEngine(TrainEngine):
             # transformers 5.x renamed gradient into activation checkpointing; pyproject admits releases before it
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
+        if self.world_size > 1:
+            # Wrapping copies rank 0's parameters (and buffers) to every rank: all ranks start from the same weights.
+            # The buffers (rotary frequencies) never change: no broadcast of them before every forward.
+            self.replicated = DistributedDataParallel(
+                _Scorer(self.model, self), device_ids=[self.device] if self.device.type == "cuda" else None,
+                forward_sync_buffers=False,
+            )
         algorithm = self.job.algorithm
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
@@ -53,10 +85,10 @@ class TorchEngine(TrainEngine):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
+    def _logprobs(self, micro_batch: MicroBatch, model=None) -> torch.Tensor:
         with self._compute():
             return token_logprobs(
-                self.model, micro_batch["input_ids"], micro_batch["attention_mask"],
+                self.model if model is None else model, micro_batch["input_ids"], micro_batch["attention_mask"],
                 self.job.sampling.temperature, self.job.trainer.logprob_chunk_tokens,
             )
 
@@ -74,18 +106,29 @@ class TorchEngine(TrainEngine):
             group["lr"] = lr
         clock = PhaseClock()
         losses, stats = [], []
-        for micro_batch in micro_batches:
-            with clock("forward_backward"):
+        for index, micro_batch in enumerate(micro_batches):
+            with clock("forward_backward"), self._accumulating(last=index == len(micro_batches) - 1):
                 micro_batch = self._on_device(micro_batch)
-                loss, loss_stats = loss_fn(self._logprobs(micro_batch), micro_batch)
-                loss.backward()
+                scored = self.replicated(micro_batch) if self.replicated else self._logprobs(micro_batch)
+                loss, loss_stats = loss_fn(scored, micro_batch)
+                # DDP averages the ranks' gradients; the losses are already divided by the whole minibatch's
+                # normaliser, so the gradients must add up instead.
+                (loss * self.world_size).backward()
             losses.append(loss.item())
             stats.append(loss_stats)
+        if self.world_size > 1:
+            with clock("forward_backward"):  # the result is the whole minibatch's
+                ranks = gather_from_ranks((sum(losses), stats))
+            losses, stats = [loss for loss, _ in ranks], [s for _, rank_stats in ranks for s in rank_stats]
         with clock("optimizer"):
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.algorithm.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return MinibatchResult(loss=sum(losses), stats=stats, grad_norm=grad_norm, seconds=clock.seconds)
+
+    def _accumulating(self, last: bool):
+        """DDP's gradient all-reduce runs in the backward of the minibatch's last micro-batch only."""
+        return self.replicated.no_sync() if self.replicated and not last else contextlib.nullcontext()
 
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for name, parameter in self.model.named_parameters():
@@ -101,10 +144,21 @@ class TorchEngine(TrainEngine):
         torch.save(rng, path / RNG_FILE)
 
     def load_checkpoint(self, path: Path) -> None:
-        self.load(path)
-        self.optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
-        if (path / RNG_FILE).exists():  # checkpoints written before the RNG was saved resume with a fresh seed
-            rng = torch.load(path / RNG_FILE, weights_only=True)
+        """Rank 0 reads the checkpoint and the other ranks get it from rank 0 (the parameters when DDP wraps the
+        model, the optimizer and RNG state by broadcast): a pod's checkpoint volume may be its own. The state is
+        replicated, so a checkpoint written by a world of any size resumes on a world of any size."""
+        self.load(path if self.rank == 0 else self.job.model)
+        optimizer, rng = None, None
+        if self.rank == 0:
+            optimizer = torch.load(path / OPTIMIZER_FILE, weights_only=True)
+            # checkpoints written before the RNG was saved resume with a fresh seed
+            rng = torch.load(path / RNG_FILE, weights_only=True) if (path / RNG_FILE).exists() else None
+        if self.world_size > 1:
+            shared = [optimizer, rng]
+            dist.broadcast_object_list(shared, src=0)
+            optimizer, rng = shared
+        self.optimizer.load_state_dict(optimizer)
+        if rng is not None:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)

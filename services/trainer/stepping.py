@@ -1,5 +1,5 @@
-"""Plain pieces of a training step: collating trajectories into tensors, minibatch split, and the clock that splits
-a step's wall time by phase."""
+"""Plain pieces of a training step: collating trajectories into tensors, minibatch split, a minibatch's share per rank
+of the trainer world, and the clock that splits a step's wall time by phase."""
 
 from __future__ import annotations
 
@@ -14,6 +14,23 @@ def split_minibatches(groups: int, group_size: int, count: int) -> list[list[int
     count = min(count, groups)
     bounds = [round(i * groups / count) for i in range(count + 1)]
     return [list(range(bounds[i] * group_size, bounds[i + 1] * group_size)) for i in range(count)]
+
+
+def share_of_rank(rows: list[int], lengths: list[int], group_size: int, rank: int, world_size: int) -> list[int]:
+    """Rank `rank`'s rows of a minibatch's `rows`: whole groups (row // group_size), dealt largest first to the rank
+    with the fewest tokens so far (ties to the lower rank), so the ranks' shares are as even in tokens as groups
+    allow. Every rank computes every share the same way from the same batch; a rank may get none."""
+    groups: dict[int, list[int]] = {}
+    for row in rows:
+        groups.setdefault(row // group_size, []).append(row)
+    tokens = {group: sum(lengths[row] for row in members) for group, members in groups.items()}
+    load, mine = [0] * world_size, []
+    for group in sorted(groups, key=lambda g: (-tokens[g], g)):
+        taker = min(range(world_size), key=lambda r: (load[r], r))
+        load[taker] += tokens[group]
+        if taker == rank:
+            mine += groups[group]
+    return sorted(mine)
 
 
 class PhaseClock:

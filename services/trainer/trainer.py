@@ -2,8 +2,9 @@
 
 `Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested. The loop
 knows no training backend: the policy is a `TrainEngine` (engine.py) chosen by `trainer.backend`, which the loop
-hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world reads the stream, talks to
-the controller and pushes the weights; the world has one rank today.
+hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the stream,
+picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the other ranks,
+which `follow`: every rank trains its share of every minibatch, and the gradients add up over the ranks.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from areal_k8s.trainer.algorithm import (
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
 from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
-from areal_k8s.trainer.stepping import PhaseClock, collate, split_minibatches
+from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.targets import RolloutTarget
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class Trainer:
         consumer: str,
         master_address: str = "127.0.0.1",
         metrics: TrainerMetrics | None = None,
+        world: World | None = None,
     ):
         self.job = job
         self.store = store
@@ -117,6 +120,7 @@ class Trainer:
         self.eval_items = eval_items
         self.consumer = consumer
         self.master_address = master_address
+        self.world = world or World()  # formed (joined) before the engines are made: they read their rank from it
         self.run_dir = Path(job.run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.steps_log = self.run_dir / "trainer" / "steps.jsonl"
@@ -153,6 +157,8 @@ class Trainer:
 
     async def run(self) -> None:
         await self.start()
+        if not self.world.leads:
+            return await self.follow()
         total = self.job.algorithm.total_steps
         checkpointed = 0.0  # seconds the last step's checkpoint took: counted in the next step's record
         while self.version < total:
@@ -161,6 +167,7 @@ class Trainer:
             groups = await self.next_batch()
             async with self.lock:
                 self.phase = "training"
+                await asyncio.to_thread(self.world.send, TRAIN, groups)
                 record = await asyncio.to_thread(self.train_step, groups)
                 record.dropped_groups = await self.drop_past_the_bound()
                 record.seconds["wait"] = time.monotonic() - waited - record.seconds["train"]
@@ -188,6 +195,23 @@ class Trainer:
                 async with self.lock:
                     checkpointed = await self.commit()
                 self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
+        await asyncio.to_thread(self.world.send, STOP)
+        self.phase = "finished"
+
+    async def follow(self) -> None:
+        """The loop of a rank other than 0: run rank 0's commands until it sends `STOP`."""
+        while True:
+            self.phase = "waiting_for_data"
+            command, *payload = await asyncio.to_thread(self.world.receive)
+            if command == STOP:
+                break
+            if command == TRAIN:
+                self.phase = "training"
+                self.last = await asyncio.to_thread(self.train_step, *payload)
+                self.state.version += 1
+                log.info("rank %d trained its share of version %d", self.world.rank, self.version)
+            elif command == COMMIT:
+                await asyncio.to_thread(self.world.barrier)
         self.phase = "finished"
 
     async def next_batch(self) -> list[Group]:
@@ -222,18 +246,24 @@ class Trainer:
     # -- start and recovery --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines."""
-        if self.engine.world_size > 1:
-            raise NotImplementedError("a trainer world of several ranks is not wired into the loop yet (issue 17, part 1)")
-        checkpoint = latest_checkpoint(self.checkpoints)
-        if self.reference:
-            await asyncio.to_thread(self.reference.load, self.job.model)
-        if checkpoint:
-            await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
-            self.state = load_state(checkpoint)
-            log.info("resumed from %s at version %d", checkpoint, self.version)
-        else:
-            await asyncio.to_thread(self.engine.load, self.job.model)
+        """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines. Every
+        rank resumes from rank 0's checkpoint; rank 0 alone goes on to the stream and the engines."""
+        async with self.lock:  # an on-demand checkpoint (its collectives included) waits for the model
+            checkpoint = latest_checkpoint(self.checkpoints) if self.world.leads else None
+            if checkpoint:
+                self.state = load_state(checkpoint)
+            checkpoint, self.state = await asyncio.to_thread(self.world.share, (checkpoint, self.state))
+            if self.reference:
+                await asyncio.to_thread(self.reference.load, self.job.model)
+            if checkpoint:
+                await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
+                log.info("resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
+                         checkpoint, self.version, self.state.world_size, self.world.size)
+            else:
+                await asyncio.to_thread(self.engine.load, self.job.model)
+            self.state.world_size = self.world.size
+        if not self.world.leads:
+            return
         await self.store.ensure_consumer_group()
         pending = await entries_to_train_again(self.store, self.consumer, self.state)
         self.assembler.add(pending)
@@ -266,23 +296,27 @@ class Trainer:
         batch = collate(trajectories, advantages, self.tokenizer.pad_token_id)
         lengths = [len(t.token_ids) for t in trajectories]
         minibatches = split_minibatches(len(groups), algorithm.group_size, algorithm.minibatches)
+        shares = [self.rows_to_train(batch, rows, lengths) for rows in minibatches]  # this rank's, per minibatch
+        mine = sorted({row for rows, _ in shares for row in rows})
         clock = PhaseClock()
         # The proximal policy is the one before this step's first update: with one update it is the current policy.
         if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
             with clock("recompute"):
-                batch["proximal_logprobs"] = self.batch_logprobs(self.engine, batch, lengths)
+                batch["proximal_logprobs"] = self.batch_logprobs(self.engine, batch, lengths, mine)
         if self.reference:
             with clock("recompute"):
-                batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths)
+                batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths, mine)
 
         lr = learning_rate(
             self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
             warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
         )
         results = []
-        for rows in minibatches:
+        for rows, (share, masked) in zip(minibatches, shares):
+            # the whole minibatch's, on every rank (each holds the whole batch): the ranks' losses add up to its loss
             normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], sampling.max_new_tokens)
-            results.append(self.engine.train_minibatch(self.micro_batches(batch, rows, lengths), self.loss_fn(normaliser), lr=lr))
+            micro_batches = self.micro_batches(batch, share, lengths, masked)
+            results.append(self.engine.train_minibatch(micro_batches, self.loss_fn(normaliser), lr=lr))
             clock.add(results[-1].seconds)
         stats = merge_loss_stats([stats for result in results for stats in result.stats])
         total_tokens = int(batch["loss_mask"].sum())
@@ -308,14 +342,27 @@ class Trainer:
             groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards),
         )
 
-    def micro_batches(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> list[MicroBatch]:
-        """One minibatch's rows packed first-fit-decreasing into token-budgeted micro-batches."""
+    def rows_to_train(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
+        """This rank's rows of one minibatch, and whether they only stand in (their loss masked out)."""
         if self.job.algorithm.kl_coef == 0:
             # A zero-advantage sample (its group's rewards all equal) adds nothing to the loss or its gradient; it
             # still counts in the normaliser, as in the full-batch loss.
             rows = [i for i in rows if batch["advantages"][i, 0] != 0]
+        if not rows:  # nothing to learn, on any rank: no rank runs a backward, so none waits for an all-reduce
+            return [], False
+        share = share_of_rank(rows, lengths, self.job.algorithm.group_size, self.world.rank, self.world.size)
+        if share:
+            return share, False
+        # A rank without a share still joins the gradient all-reduce: one row whose loss is masked out adds zero.
+        return [min(rows, key=lengths.__getitem__)], True
+
+    def micro_batches(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int], masked: bool = False) -> list[MicroBatch]:
+        """`rows` packed first-fit-decreasing into token-budgeted micro-batches (`masked`: with no loss token)."""
         packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
-        return [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
+        micro_batches = [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
+        for micro_batch in micro_batches if masked else []:
+            micro_batch["loss_mask"] = torch.zeros_like(micro_batch["loss_mask"])
+        return micro_batches
 
     def loss_fn(self, normaliser: float) -> LossFn:
         """The objective of one micro-batch, divided by its minibatch's `normaliser` so the micro-batch losses add up
@@ -358,25 +405,32 @@ class Trainer:
             )
         return logprobs.detach()
 
-    def batch_logprobs(self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        """Token logprobs of every row under `engine`'s policy (no gradient), computed in micro-batches: [rows, L − 1]."""
+    def batch_logprobs(self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]) -> torch.Tensor:
+        """Token logprobs of `rows` under `engine`'s policy (no gradient), computed in micro-batches: [batch rows, L − 1],
+        zero on the other rows."""
         result = torch.zeros_like(batch["behaviour_logprobs"])
-        for micro in first_fit_decreasing(lengths, self.job.trainer.micro_batch_tokens):
-            logprobs = engine.token_logprobs(take_rows(batch, micro, lengths))
-            result[micro, : logprobs.shape[1]] = logprobs
+        for micro in first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens):
+            selected = [rows[i] for i in micro]
+            logprobs = engine.token_logprobs(take_rows(batch, selected, lengths))
+            result[selected, : logprobs.shape[1]] = logprobs
         return result
 
     async def commit(self) -> float:
-        """Checkpoint, then acknowledge the entries the checkpoint covers. Returns the seconds it took."""
+        """Checkpoint, then acknowledge the entries the checkpoint covers once every rank is past the steps that
+        trained them (the barrier). Returns the seconds it took."""
         started = time.monotonic()
         self.state.unacked_entries = [e.entry_id for e in self.unacked]
+        await asyncio.to_thread(self.world.send, COMMIT)
         await asyncio.to_thread(save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints)
+        await asyncio.to_thread(self.world.barrier)
         await self.store.ack(self.state.unacked_entries)
         self.assembler.forget(self.state.unacked_entries)
         self.unacked = []
         return time.monotonic() - started
 
     async def save_now(self) -> Path:
+        if not self.world.leads:
+            raise RuntimeError(f"rank 0 of the trainer world writes the checkpoints, not rank {self.world.rank}")
         async with self.lock:
             await self.commit()
         return latest_checkpoint(self.checkpoints)
