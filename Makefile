@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -83,6 +83,10 @@ bench-logprobs: proto
 # (bench/results/code_sandbox.json)
 bench-sandbox: proto
 	$(PY) bench/code_sandbox.py
+
+# the simulator against real runs of the demo on this machine (bench/results/calibration.json; needs a quiet machine)
+bench-calibrate: demo-assets
+	$(PY) bench/calibrate.py --seeds 3
 
 # the staleness rebalancer on a simulated 1,024-GPU cluster (every figure simulated; bench/results/simulated.json)
 bench-sim: proto

@@ -82,7 +82,7 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
 
 
-@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory"])
+@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory", "calibrate"])
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
     """README lines written by a benchmark script from its committed results file (`python bench/<script>.py --readme`)."""
     module = load_bench(script)
