@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test bench bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test figures bench bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -62,6 +62,11 @@ images:
 # the chart, the CPU image and the demo RLJob on a kind cluster (needs docker, kind, kubectl and helm)
 e2e-kind:
 	bash scripts/e2e-kind.sh
+
+# the demo five times from freshly built assets: the README's demo figures (bench/results/demo_runs.json; ~45 min,
+# needs a quiet machine)
+figures: proto
+	$(PY) bench/demo_runs.py --runs 5
 
 # not a test: timings, reported as ratios measured side by side in one run (results in bench/results/)
 bench: demo-assets

@@ -9,10 +9,11 @@ The simulator's inputs are measured here, never taken from the run it predicts:
 - the trainer's seconds per response token, the weight push, the responses' mean length and the other processes'
   CPU (workers, reward, controller): a synchronous run (η = 0) of the same job, where generation and training take
   turns; and one figure fitted to that run, the time from a group's last token to its entry in the stream.
-Then the demo job (asynchronous, examples/demo.yaml with fewer steps, no evaluation or checkpoints) runs for real,
-and the simulator predicts it with `cores` set to this machine's. Compared, per seed: samples/s, the trainer's idle
-share, the engines' idle share and the staleness distribution. bench/results/calibration.json keeps every figure;
-the README's lines are written from it (`--readme`), and tests/test_bench_analysis.py checks that they agree.
+Then the demo job (asynchronous, examples/demo.yaml with fewer steps, no evaluation, checkpoints or dynamic
+sampling) runs for real, and the simulator predicts it with `cores` set to this machine's. Compared, per seed:
+samples/s, the trainer's idle share, the engines' idle share and the staleness distribution.
+bench/results/calibration.json keeps every figure; the README's lines are written from it (`--readme`), and
+tests/test_bench_analysis.py checks that they agree.
 """
 
 from __future__ import annotations
@@ -193,6 +194,7 @@ def compare(measured: dict, predicted: dict) -> dict:
 
 def measure(seeds: int, steps: int) -> dict:
     base = load_job_file(ROOT / "examples" / "demo.yaml", project_root=ROOT)
+    base.algorithm.dynamic_sampling = False  # the simulator trains every group it generates: it models no filter
     build_demo_assets(Path(base.model).parent)
     engine = engine_costs(base)
     print(f"engine: {json.dumps({k: v for k, v in engine.items() if k != 'experiments'})}", flush=True)

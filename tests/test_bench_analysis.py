@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # the scripts import their shared bench/figures.py
@@ -82,9 +83,21 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
 
 
-@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory", "calibrate"])
+@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory", "calibrate", "demo_runs"])
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
     """README lines written by a benchmark script from its committed results file (`python bench/<script>.py --readme`)."""
     module = load_bench(script)
     report = json.loads(module.RESULTS.read_text())
     assert module.readme_block(report) in (ROOT / "README.md").read_text(), f"run `python bench/{script}.py --readme`"
+
+
+def test_the_demo_figures_summarise_every_run():
+    """The README's demo figures are medians and ranges over all recorded runs of the shipped job, never one run."""
+    module = load_bench("demo_runs")
+    report = json.loads(module.RESULTS.read_text())
+    assert len(report["runs"]) >= 5
+    for key in module.FIGURES:
+        assert report["summary"][key] == module.spread(report["runs"], key)
+    assert report["distinct_base_models"] == len({r["weights_sha256"] for r in report["runs"]})
+    job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["algorithm"]
+    assert report["job"]["steps"] == job["total_steps"] == report["runs"][0]["steps"]

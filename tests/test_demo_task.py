@@ -1,6 +1,9 @@
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -238,6 +241,31 @@ def test_build_is_idempotent_and_deterministic(tiny_assets, tmp_path):
     assert (tmp_path / "model" / "model.safetensors").read_bytes() == weights.read_bytes()
     assert (tmp_path / "train.jsonl").read_text() == (out / "train.jsonl").read_text()
     assert again["base_greedy_accuracy"] == manifest["base_greedy_accuracy"]
+
+
+def test_the_build_pins_the_instruction_set_whatever_the_caller_runs_on(tiny_assets, tmp_path):
+    """The caller here runs torch's widest kernels (AVX-512 on this machine) and two threads; the build runs in a
+    process pinned to AVX2 on one thread, so a command line that asks for AVX-512 builds the same weights."""
+    from areal_k8s.demo.build import PINNED_ISA
+
+    _, manifest = tiny_assets
+    assert manifest["cpu_capability"] == "AVX2" and len(manifest["weights_sha256"]) == 64
+    params = [f"--param={key}={value}" for key, value in TINY_BUILD.items()]
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": "2"}
+    env = {key: value for key, value in env.items() if key not in PINNED_ISA or key == "ATEN_CPU_CAPABILITY"}
+    subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), "--seed", "3", *params],
+                   env=env, check=True, capture_output=True)
+    rebuilt = json.loads((tmp_path / "manifest.json").read_text())
+    assert (rebuilt["weights_sha256"], rebuilt["cpu_capability"]) == (manifest["weights_sha256"], "AVX2")
+
+
+def test_a_build_parameter_on_the_command_line_is_checked(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path),
+                             "--param=sft_steps=3"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown build parameter 'sft_steps'" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path),
+                             "--param=sft_max_steps=many"], capture_output=True, text=True)
+    assert result.returncode == 2 and "sft_max_steps must be an integer, got 'many'" in result.stderr
 
 
 def test_warmup_stops_once_the_probe_reaches_the_target(tmp_path):

@@ -5,13 +5,23 @@ The warm-up is deliberately short: it stops as soon as greedy accuracy on a prob
 sampled answers to one prompt often disagree, which is the signal GRPO learns from. Stopping on accuracy
 rather than after a fixed step count keeps the base model equally weak across seeds (the warm-up's learning
 curve is steep, and when it steepens varies by seed).
+
+The same seed builds the same weights on any x86-64 machine with AVX2: float sums depend on the instruction set
+torch and MKL pick (AVX-512 kernels add in another order than AVX2 ones, and a 200-step warm-up that stops on an
+accuracy threshold turns the last bit into a different model), so the build runs in a process pinned to the AVX2
+paths, on one thread; the manifest records the weights' digest.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -30,6 +40,9 @@ MANIFEST = "manifest.json"
 # Long sums are rarely solved by a warm-up model; a shorter budget keeps the probe checks cheap.
 PROBE_MAX_NEW_TOKENS = 64
 BUCKET_BATCHES = 8  # batches drawn together and split by length
+# torch's kernels, MKL's and oneDNN's, each told to use the AVX2 code paths whatever the CPU offers beyond them
+PINNED_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+BUILD_FORMAT = 2  # 2: built pinned to AVX2; assets of an older format are rebuilt
 
 
 @dataclass(frozen=True)
@@ -206,9 +219,15 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
     manifest_path = out_dir / MANIFEST
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("params") == asdict(config):
+        if manifest.get("params") == asdict(config) and manifest.get("format") == BUILD_FORMAT:
             return manifest
         manifest_path.unlink()  # the old manifest must not vouch for half-rewritten files
+    if not isa_pinned():
+        # the instruction set is chosen when torch loads: only a new process can be pinned
+        params = [f"--param={key}={value}" for key, value in overrides.items()]
+        subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(out_dir), "--seed", str(seed),
+                        "--quiet", *params], env={**os.environ, **PINNED_ISA}, check=True)
+        return json.loads(manifest_path.read_text())
 
     started = time.perf_counter()
     threads = torch.get_num_threads()
@@ -283,6 +302,9 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     return {
+        "format": BUILD_FORMAT,
+        "weights_sha256": weights_digest(model),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "params": asdict(config),
         "seed": config.seed,
         "model": "model",
@@ -299,18 +321,49 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
     }
 
 
+def isa_pinned() -> bool:
+    return all(os.environ.get(key) == value for key, value in PINNED_ISA.items())
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over the parameters' bytes in name order: equal digests, equal models."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parse_param(text: str) -> tuple[str, object]:
+    """`KEY=VALUE` for a DemoBuildConfig field, the value converted to the field's type."""
+    key, _, value = text.partition("=")
+    fields = {f.name: f.type for f in dataclasses.fields(DemoBuildConfig) if f.name != "seed"}
+    if key not in fields:
+        raise argparse.ArgumentTypeError(f"unknown build parameter {key!r}; known: {', '.join(sorted(fields))}")
+    convert, kind = {"int": (int, "an integer"), "float": (float, "a number")}[fields[key]]
+    try:
+        return key, convert(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{key} must be {kind}, got {value!r}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.demo.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
+                        help="override a build parameter (e.g. sft_max_steps=40)")
+    parser.add_argument("--quiet", action="store_true", help="print nothing")
     args = parser.parse_args(argv)
-    manifest = build_demo_assets(args.out, seed=args.seed)
+    manifest = build_demo_assets(args.out, seed=args.seed, **dict(args.param))
+    if args.quiet:
+        return
     print(
         f"demo assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
         f"{manifest['sft_steps']} SFT steps in {manifest['sft_seconds']}s, "
         f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} "
-        f"on {manifest['params']['eval_size']} held-out sums"
+        f"on {manifest['params']['eval_size']} held-out sums; weights sha256 {manifest['weights_sha256'][:16]}"
     )
 
 

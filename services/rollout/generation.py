@@ -12,6 +12,7 @@ right per token across turns.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from areal_k8s.common.sglang import parse_weight_version, token_versions
@@ -28,14 +29,23 @@ class Sample:
     interruptions: int = 0
 
 
+def request_seed(seed: int, rid: str) -> int:
+    """A request's `sampling_seed`, from the job's seed and the request's id: a rerun of the job samples the same
+    tokens however its requests were batched (our CPU engine always; SGLang with --enable-deterministic-inference,
+    and it ignores the field otherwise). Non-negative and 31 bits, which every engine accepts."""
+    digest = hashlib.blake2b(f"{seed}/{rid}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
 async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, rids: list[str]) -> list[Sample]:
     """Generate one response per rid to the same prompt (the engine shares its prefill)."""
     return await generate_each(engine, [prompt_ids] * len(rids), sampling, rids)
 
 
-async def generate_each(engine, prompts: list[list[int]], sampling: dict, rids: list[str]) -> list[Sample]:
+async def generate_each(engine, prompts: list[list[int]], sampling: dict, rids: list[str], *,
+                        seed: int | None = None) -> list[Sample]:
     """Generate one response per (prompt, rid), in one batched request; after every abort, the aborted ones are
-    resubmitted together from their generated prefixes.
+    resubmitted together from their generated prefixes. With a `seed`, every request carries its `request_seed`.
 
     A resubmission is a new request with a rid of its own: SGLang 0.5.20 answers 500 (its request state lost) when
     a rid comes back while the aborted request of that name is still being cleaned up."""
@@ -44,11 +54,13 @@ async def generate_each(engine, prompts: list[list[int]], sampling: dict, rids: 
     budget = sampling["max_new_tokens"]
     pending, attempt = list(rids), 0
     while pending:
-        results = await engine.generate(
-            [prompt_of[rid] + samples[rid].output_ids for rid in pending],
-            [dict(sampling, max_new_tokens=budget - len(samples[rid].output_ids)) for rid in pending],
-            rid=[rid if attempt == 0 else f"{rid}@{attempt}" for rid in pending],
-        )
+        request_ids = [rid if attempt == 0 else f"{rid}@{attempt}" for rid in pending]
+        params = [dict(sampling, max_new_tokens=budget - len(samples[rid].output_ids)) for rid in pending]
+        if seed is not None:
+            for request, request_id in zip(params, request_ids):
+                request["sampling_seed"] = request_seed(seed, request_id)
+        results = await engine.generate([prompt_of[rid] + samples[rid].output_ids for rid in pending], params,
+                                        rid=request_ids)
         pending = [rid for rid, result in zip(pending, results, strict=True) if not record_answer(samples[rid], result, budget)]
         attempt += 1
     return [samples[rid] for rid in rids]

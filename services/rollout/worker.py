@@ -170,7 +170,7 @@ class RolloutWorker:
         started = time.monotonic()
         self.requests.started(len(rids))
         try:
-            samples = await generate_each(self.engine, prompts, sampling, rids)
+            samples = await generate_each(self.engine, prompts, sampling, rids, seed=self.job.seed)
         finally:
             self.requests.finished(len(rids))
         latency = time.monotonic() - started  # a batched request answers when its last sample is done
