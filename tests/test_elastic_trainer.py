@@ -6,15 +6,31 @@ nothing lost or trained twice."""
 
 import json
 
+import pytest
 import redis
 from e2e_jobs import assets, final_history, make_job, read_steps, reward_importable  # noqa: F401  (fixtures)
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.cli.rebalancer import local_limits
 from areal_k8s.common.rebalance import Decision, Split
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 
 STEPS, BATCH, GROUP, ETA = 14, 2, 4, 1
+
+
+def banded(assets, tmp_path, trainer: dict, rebalance: dict):
+    return make_job(assets, tmp_path / "run", algorithm={"staleness_target": {"min": 0, "max": 1}}, trainer=trainer,
+                    rebalance={"enabled": True, **rebalance})
+
+
+def test_the_trainer_bounds_default_to_its_size_and_must_hold_it(assets, tmp_path):
+    fixed = local_limits(banded(assets, tmp_path, {"replicas": 2}, {}))
+    assert (fixed.min_trainer, fixed.max_trainer) == (2, 2)  # a fixed size unless the job says
+    elastic = local_limits(banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 1, "max_trainer_replicas": 4}))
+    assert (elastic.min_trainer, elastic.max_trainer) == (1, 4)
+    with pytest.raises(ValueError, match="min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got 3 <= 2 <= 2"):
+        banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 3})
 
 
 class MoveTheTrainer:
