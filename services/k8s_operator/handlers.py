@@ -111,8 +111,8 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         if autoscalers:
             observed.autoscaler_conflict = rebalancing.condition[2]
 
-    rollout_replicas = rebalancing.rollout_replicas if rebalancing else None
-    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas):
+    rollout_replicas, trainer_replicas = (rebalancing.rollout_replicas, rebalancing.trainer_replicas) if rebalancing else (None, None)
+    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas):
         try:
             live = apply(ctx.kube, child)
         except ApiError as exc:
@@ -123,6 +123,8 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         if child["kind"] in ("Deployment", "StatefulSet"):
             observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
 
+    if rebalancing and rebalancing.trainer_moved and phase.running:
+        restart_trainer_world(ctx, job)
     status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
                                   previous=previous, phase=phase, observed=observed, now=now,
                                   max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"],
@@ -135,6 +137,16 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
         ctx.kube.delete(rljob_path(job.namespace, job.name))
     return status
+
+
+def restart_trainer_world(ctx: Context, job: ValidJob) -> None:
+    """The rebalancer moved the trainer: delete its pods, so the StatefulSet starts them all at once at the new size
+    (its rolling update would replace one at a time, waiting for each to be Ready, which a rank of a world that does
+    not form never is). They resume from the latest periodic checkpoint."""
+    selector = f"{names.job_selector(job.name)},{names.LABEL_COMPONENT}=trainer"
+    for pod in ctx.kube.list(object_path("v1", "pods", job.namespace), selector):
+        ctx.kube.delete(object_path("v1", "pods", job.namespace, pod["metadata"]["name"]))
+    log.info("RLJob %s/%s: the rebalancer moved the trainer; its pods are restarted at the new size", job.namespace, job.name)
 
 
 def redis_url_of(ctx: Context, job: ValidJob) -> str:
