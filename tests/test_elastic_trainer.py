@@ -12,16 +12,16 @@ from e2e_jobs import assets, final_history, make_job, read_steps, reward_importa
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
-from areal_k8s.cli.rebalancer import local_limits
+from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused, local_limits
 from areal_k8s.common.rebalance import Decision, Split
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 
 STEPS, BATCH, GROUP, ETA = 14, 2, 4, 1
 
 
-def banded(assets, tmp_path, trainer: dict, rebalance: dict):
+def banded(assets, tmp_path, trainer: dict, rebalance: dict, workers: int = 1):
     return make_job(assets, tmp_path / "run", algorithm={"staleness_target": {"min": 0, "max": 1}}, trainer=trainer,
-                    rebalance={"enabled": True, **rebalance})
+                    rollout={"workers": workers}, rebalance={"enabled": True, **rebalance})
 
 
 def test_the_trainer_bounds_default_to_its_size_and_must_hold_it(assets, tmp_path):
@@ -31,6 +31,54 @@ def test_the_trainer_bounds_default_to_its_size_and_must_hold_it(assets, tmp_pat
     assert (elastic.min_trainer, elastic.max_trainer) == (1, 4)
     with pytest.raises(ValueError, match="min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got 3 <= 2 <= 2"):
         banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 3})
+
+
+class Pools:
+    """The launcher's side of a move, as a log of calls: what `LocalRebalancer.move` asks for, in which order."""
+
+    def __init__(self, workers: int, ranks: int, refuse: str | None = None):
+        self.workers, self.ranks, self.refuse, self.calls = list(range(workers)), ranks, refuse, []
+
+    def rollout_workers(self):
+        return self.workers
+
+    def add_rollout(self):
+        self.workers.append(len(self.workers))
+        self.calls.append("add_rollout")
+
+    def remove_rollout(self):
+        self.workers.pop()
+        self.calls.append("remove_rollout")
+
+    def trainer_ranks(self):
+        return self.ranks
+
+    def resize_trainer(self, ranks):
+        if self.refuse:
+            raise TrainerMoveRefused(self.refuse)
+        self.calls.append(f"trainer {self.ranks} -> {ranks}")
+        self.ranks = ranks
+        return 7
+
+
+def test_a_move_shrinks_one_side_before_growing_the_other_and_a_refused_trainer_move_is_recorded(assets, tmp_path):
+    bounds = {"min_trainer_replicas": 1, "max_trainer_replicas": 2, "max_workers": 3}
+    job = banded(assets, tmp_path, {"replicas": 1}, bounds, workers=2)
+    said, log = [], tmp_path / "rebalance.jsonl"
+    toward_training = Pools(workers=2, ranks=1)
+    LocalRebalancer(job, toward_training, log, said.append).move(Decision(Split(1, 2), "MovedToTraining", "above"))
+    assert toward_training.calls == ["remove_rollout", "trainer 1 -> 2"]  # the engine's cores pay for the rank
+    toward_rollout = Pools(workers=1, ranks=2)
+    LocalRebalancer(banded(assets, tmp_path, {"replicas": 2}, bounds), toward_rollout, log, said.append).move(
+        Decision(Split(2, 1), "MovedToRollout", "below"))
+    assert toward_rollout.calls == ["trainer 2 -> 1", "add_rollout"]
+    refused = LocalRebalancer(job, Pools(workers=2, ranks=1, refuse="at version 0"), log, said.append)
+    refused.move(Decision(Split(1, 2), "MovedToTraining", "above"))
+    assert refused.state.split == Split(1, 1)  # the rollout side moved; the trainer stays at its size
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["moved"], r["trainer"], r["handed_off_at"]) for r in records] == [
+        (["rollout", "trainer"], 2, 7), (["trainer", "rollout"], 1, 7), (["rollout"], 1, None)]
+    assert "the trainer stays at 1 ranks: at version 0" in records[-1]["message"] and said[-1].startswith("rebalanced: ")
 
 
 class MoveTheTrainer:
