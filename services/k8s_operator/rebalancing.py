@@ -47,7 +47,7 @@ def limits_of(spec: dict) -> Limits:
         min_rollout=rollout.get("minReplicas", 1),
         max_rollout=rollout.get("maxReplicas"),
         min_trainer=math.ceil(trainer.get("minReplicas", trainer["replicas"]) / pods_per_replica(trainer)),
-        max_trainer=trainer.get("maxReplicas", trainer["replicas"]) // pods_per_replica(trainer),
+        max_trainer=int(trainer.get("maxReplicas", trainer["replicas"]) // pods_per_replica(trainer)),
         budget=budget,
     )
 
