@@ -9,16 +9,17 @@ The trainer moves by data-parallel replicas between roles.trainer.minReplicas an
 default: a fixed size). A move sets the trainer StatefulSet's pods and WORLD_SIZE, and the operator deletes the
 trainer's pods so that the whole world starts again at once (a rolling update replaces one pod at a time and waits
 for it to be Ready, which a rank waiting for a world of the other size never is). The new world resumes from the
-latest periodic checkpoint (`trainer.checkpoint_interval`): the operator asks for no on-demand one, so the steps
-trained since are trained again, their stream entries reclaimed from the consumer group (as after a crash); the
-decision's message says so. (`arealctl run` hands off at a step boundary instead, through the trainer's
-SaveCheckpoint RPC, and loses no step.)
+checkpoint the operator first asks rank 0 for (SaveCheckpoint with hand_off: at a step boundary, after which the
+world trains no more), so no step is trained twice; entries read but not trained stay pending in the stream for the
+new rank 0. A trainer that does not answer is restarted anyway, from its latest periodic checkpoint
+(`trainer.checkpoint_interval`): the steps trained since are trained again, their entries reclaimed from the
+consumer group as after a crash. The decision's message says which.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.rebalance import Limits, Split, State, Totals, Verdict, Window, advance, settings_for, totals_of
@@ -155,9 +156,7 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
             if decision.window is not None:
                 held["window"] = _window_to_status(decision.window)
             if decision.split is not None:
-                message = decision.message + trainer_move(spec, job.config.trainer.checkpoint_interval, was, state.split.trainer)
-                held["decision"]["message"] = message
-                status.update(lastRebalanceTime=now, lastRebalanceReason=message)
+                status.update(lastRebalanceTime=now, lastRebalanceReason=decision.message)
         last = held.get("decision")
         condition = (True, last["code"], last["message"]) if last else (True, "CollectingData", "measuring the first window")
     status["rebalance"] = {**held, **state_to_status(state)}
@@ -165,10 +164,18 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
                    status=status, condition=condition, trainer_moved=state.split.trainer != was)
 
 
-def trainer_move(spec: dict, checkpoint_interval: int, was: int, now: int) -> str:
-    """What a move of the trainer does, for the decision's message ("" when it stays)."""
-    if was == now:
-        return ""
-    pods, per_pod = trainer_pods(spec, now), max(spec["roles"]["trainer"]["gpusPerPod"], 1)
-    return (f"; the trainer world restarts at {pods} pods ({pods * per_pod} ranks) from its latest periodic checkpoint "
-            f"(every {checkpoint_interval} steps): the steps trained since are trained again")
+def restart_note(outcome: Outcome, handed: int | str, checkpoint_interval: int) -> Outcome:
+    """`outcome` of a trainer move, its message saying how the world restarts: from the checkpoint the trainer handed
+    off at (`handed`, a version), or, when it did not (`handed`, why not), from its latest periodic one."""
+    note = (f"; the trainer world restarts at {outcome.trainer_replicas} pods from the checkpoint it handed off at "
+            f"version {handed}" if isinstance(handed, int) else
+            f"; the trainer world restarts at {outcome.trainer_replicas} pods from its latest periodic checkpoint (every "
+            f"{checkpoint_interval} steps; the hand-off failed: {handed}): the steps trained since are trained again")
+    status = dict(outcome.status)
+    if "lastRebalanceReason" in status:
+        status["lastRebalanceReason"] += note
+    block = status["rebalance"]
+    if block.get("decision"):
+        status["rebalance"] = {**block, "decision": {**block["decision"], "message": block["decision"]["message"] + note}}
+    held, reason, message = outcome.condition
+    return replace(outcome, status=status, condition=(held, reason, message + note))

@@ -58,7 +58,7 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
                   "starting point, and no HorizontalPodAutoscaler (or KEDA ScaledObject) may target the RLJob (the "
                   "operator reports one as Degraded, reason AutoscalerConflict, and changes nothing while it exists). "
                   "The trainer's size stays as set unless roles.trainer.minReplicas/maxReplicas allow it to move: a move "
-                  "restarts the trainer world at the new size from its latest periodic checkpoint."),
+                  "restarts the trainer world at the new size from a checkpoint it hands off at a step boundary."),
 }
 JOB_FIELDS = ("model", "tokenizer", "seed")
 
@@ -227,8 +227,8 @@ def roles_schema() -> dict:
     )
     trainer_bounds = {
         "minReplicas": integer("Fewest trainer pods the staleness rebalancer may shrink the trainer to (default: "
-                               "replicas, a fixed size). A move restarts the trainer world at the new size from its "
-                               "latest periodic checkpoint.", minimum=1),
+                               "replicas, a fixed size). A move restarts the trainer world at the new size from a "
+                               "checkpoint it hands off at a step boundary.", minimum=1),
         "maxReplicas": integer("Most trainer pods the staleness rebalancer may grow the trainer to (default: replicas).",
                                minimum=1),
     }
