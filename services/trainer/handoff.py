@@ -26,11 +26,11 @@ async def hand_off(trainer: Trainer) -> Path:
     """Checkpoint at the current step and stop the world's other ranks; rank 0 then waits to be stopped."""
     if not trainer.world.leads:
         raise FailedPrecondition(f"rank 0 of the trainer world hands off, not rank {trainer.world.rank}")
+    if trainer.phase == HANDED_OFF:  # asked again (a caller that did not see the answer): the lock stays held
+        return latest_checkpoint(trainer.checkpoints)
     # Never released on success: the loop waits on the lock for its next step until the process is stopped.
     await trainer.lock.acquire()
     try:
-        if trainer.phase == HANDED_OFF:
-            return latest_checkpoint(trainer.checkpoints)
         # Before the first step the base evaluation may still run (outside the lock); after the last, the world is
         # already stopping: neither is a step boundary to resume from.
         if not 0 < trainer.version < trainer.job.algorithm.total_steps:
