@@ -175,6 +175,13 @@ VIOLATIONS = [
     ("roles.reward: minReplicas must not exceed maxReplicas",
      {"spec": {"roles": {"reward": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2}}}}),
     ("roles.trainer: ranks", {"spec": {"roles": {"trainer": {"replicas": 2}}}}),
+    ("roles.trainer: replicas must be at least minReplicas", {"spec": {"roles": {"trainer": {"minReplicas": 2}}}}),
+    ("roles.trainer: replicas must be at most maxReplicas",
+     {"spec": {"roles": {"trainer": {"replicas": 2, "maxReplicas": 1, "parallelism": {"data": 2}}}}}),
+    ("roles.trainer: minReplicas must not exceed maxReplicas",
+     {"spec": {"roles": {"trainer": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2, "parallelism": {"data": 2}}}}}),
+    ("roles.trainer: a trainer the rebalancer resizes", {"spec": {"trainer": {"device": "cuda"}, "roles": {"trainer": {
+        "gpusPerPod": 4, "maxReplicas": 2, "parallelism": {"tensor": 2, "data": 2}}}}}),
     ("rollout.engine sglang needs", {"spec": {"rollout": {"engine": "sglang"}}}),
     ("trainer.device cuda needs", {"spec": {"trainer": {"device": "cuda"}}}),
     ("exceed gpuBudget", {"spec": {"gpuBudget": 0, "trainer": {"device": "cuda"}, "roles": {"trainer": {"gpusPerPod": 1}}}}),

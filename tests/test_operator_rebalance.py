@@ -15,8 +15,9 @@ from operator_fixtures import (  # noqa: F401  (fixtures)
     rljob,
 )
 
-from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.rebalance import Split, State, Totals, Verdict
+from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.rebalancing import limits_of, state_from_status, state_to_status, within_limits
 from areal_k8s.k8s_operator.validation import validate
 
@@ -159,3 +160,105 @@ async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_own
     await eventually(lambda: rollout_replicas(cluster) == 1, "roles.rollout.replicas back in charge")
     await eventually(lambda: "rebalance" not in cluster.rljob()["status"], "the rebalancer's state removed")
     assert (cluster.condition("Rebalancing")["status"], cluster.condition("Rebalancing")["reason"]) == ("False", "Disabled")
+
+
+STATEFULSETS = "apps/v1/statefulsets"
+PODS = f"/api/v1/namespaces/{NAMESPACE}/pods"
+
+
+def trainer_env(cluster: Cluster) -> dict[str, str]:
+    container = cluster.get(STATEFULSETS, "demo-trainer")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_the_trainer_bounds_come_from_roles_trainer_in_data_parallel_replicas():
+    spec = validate(rljob(
+        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl"},
+        roles={"rollout": {"replicas": 2, "maxReplicas": 4, "gpusPerPod": 1},
+               "trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpusPerPod": 4,
+                           "parallelism": {"tensor": 4, "data": 2}}})).spec
+    limits = limits_of(spec)
+    assert (limits.trainer_unit, limits.min_trainer, limits.max_trainer) == (4, 1, 6)  # one pod per tp=4 replica
+    assert within_limits(Split(2, 9), limits) == Split(2, 6)
+    job = validate(rljob(roles={"trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "parallelism": {"data": 2}}}))
+    assert (job.config.rebalance.min_trainer_replicas, job.config.rebalance.max_trainer_replicas) == (1, 3)
+
+
+class HandingOffTrainer(trainer_pb2_grpc.TrainerServicer):
+    """A real gRPC Trainer service that hands off at version 5, noting the trainer StatefulSet's size when asked."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster, self.asked = cluster, []
+
+    async def SaveCheckpoint(self, request, context):
+        self.asked.append((request.hand_off, self.cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"]))
+        return trainer_pb2.SaveCheckpointResponse(path="/checkpoints/v000005", version=5)
+
+
+@pytest.fixture
+async def handing_off_trainer(operator_context, cluster):
+    servicer = HandingOffTrainer(cluster)
+    server = grpc.aio.server()
+    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    operator_context.trainer_address = lambda namespace, name: f"127.0.0.1:{port}"
+    yield servicer
+    await server.stop(None)
+
+
+async def test_a_decision_that_moves_the_trainer_resizes_its_world_and_restarts_its_pods(
+        cluster: Cluster, scripted_controller: ScriptedController, handing_off_trainer: HandingOffTrainer, operator):
+    controller, trainer_rank_0 = scripted_controller, handing_off_trainer
+    controller.script(at=1000)
+    await cluster.create(rljob(staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
+                               roles={"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                                      "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2}},
+                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
+    await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
+    assert cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 1 and trainer_env(cluster)["WORLD_SIZE"] == "1"
+    rank = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-trainer-0", "namespace": NAMESPACE,
+                                                             "labels": names.labels("demo", "trainer")}}
+    assert (await cluster.server.post(PODS, json=rank)).status < 300  # (kmock runs no StatefulSet controller)
+
+    # Samples older than the band with neither side waiting: toward training, and the trainer may grow.
+    controller.script(at=1030, samples=100, mean=2.0)
+    await eventually(lambda: rebalance_status(cluster).get("trainer") == 2, "the trainer moved to 2 replicas")
+    trainer = cluster.get(STATEFULSETS, "demo-trainer")
+    assert trainer["spec"]["replicas"] == 2 and rollout_replicas(cluster) == 2
+    env = trainer_env(cluster)
+    assert (env["WORLD_SIZE"], env["NNODES"], env["AREAL_DATA_PARALLEL_SIZE"]) == ("2", "2", "2")
+    status = cluster.rljob()["status"]
+    assert status["rebalance"]["decision"]["code"] == "MovedToTraining"
+    assert "2 rollout / 1 trainer -> 2 rollout / 2 trainer" in status["lastRebalanceReason"]
+    note = "the trainer world restarts at 2 pods from the checkpoint it handed off at version 5"
+    assert note in status["lastRebalanceReason"] and note in status["rebalance"]["decision"]["message"]
+    assert note in cluster.condition("Rebalancing")["message"]
+    assert trainer_rank_0.asked == [(True, 1)]  # a hand-off, asked before the StatefulSet changed
+    await eventually(lambda: cluster.get("v1/pods", "demo-trainer-0") is None, "the old world's pod deleted")
+
+    # At maxReplicas of the trainer, the next move toward training takes a rollout pod instead; the trainer stays.
+    assert (await cluster.server.post(PODS, json=rank)).status < 300  # the StatefulSet's new pod
+    controller.script(at=1060, samples=200, mean=2.0)
+    await eventually(lambda: pool_at(cluster, 1), "a rollout pod less")
+    assert cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 2
+    assert cluster.get("v1/pods", "demo-trainer-0") is not None  # not restarted: the trainer did not move
+    assert len(trainer_rank_0.asked) == 1
+
+
+async def test_a_trainer_that_does_not_hand_off_restarts_from_its_latest_periodic_checkpoint(
+        cluster: Cluster, scripted_controller: ScriptedController, operator_context, operator):
+    controller = scripted_controller
+    operator_context.trainer_address = lambda namespace, name: "127.0.0.1:1"  # nothing listens: UNAVAILABLE
+    controller.script(at=1000)
+    await cluster.create(rljob(staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
+                               roles={"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                                      "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2}},
+                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
+    await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
+    controller.script(at=1030, samples=100, mean=2.0)
+    await eventually(lambda: cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 2, "the trainer at 2 pods")
+    reason = await eventually(lambda: cluster.rljob()["status"].get("lastRebalanceReason"), "the move's reason")
+    interval = validate(cluster.rljob()).config.trainer.checkpoint_interval
+    assert (f"the trainer world restarts at 2 pods from its latest periodic checkpoint (every {interval} steps; the "
+            "hand-off failed: UNAVAILABLE") in reason and "the steps trained since are trained again" in reason

@@ -18,9 +18,9 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
-from areal_k8s.cli.rebalancer import LocalRebalancer
+from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
 from areal_k8s.common.config import JobConfig, reward_verifier_args
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
@@ -192,14 +192,14 @@ class LocalRun:
             self.start_rollout(i)
         if self.job.rebalance.enabled:
             self.rebalancer = LocalRebalancer(self.job, self, self.run_dir / "rebalance.jsonl", self.notify)
-        self.start_trainer(ends, common)
+        self.start_trainer(self.job.trainer.replicas)
         return ends
 
-    def start_trainer(self, ends: Endpoints, common: list[str]) -> None:
-        """`trainer.replicas` processes forming one torch.distributed world, as torchrun would start them: rank 0
-        (`trainer`) serves the endpoints the run knows; ranks 1.. (`trainer-<rank>`) serve on ports of their own and
-        export no metrics (rank 0's are the step's)."""
-        ranks = self.job.trainer.replicas
+    def start_trainer(self, ranks: int) -> None:
+        """`ranks` processes forming one torch.distributed world, as torchrun would start them: rank 0 (`trainer`)
+        serves the endpoints the run knows; ranks 1.. (`trainer-<rank>`) serve on ports of their own and export no
+        metrics (rank 0's are the step's)."""
+        ends, common = self.endpoints, ["--job", str(self.run_dir / "job.yaml"), "--host", self.host]
         rendezvous = self.free_address()
         for rank in range(ranks):
             world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
@@ -230,7 +230,37 @@ class LocalRun:
             logs, 1,
         )
 
-    # -- the rollout pool, resized while the job runs (the staleness rebalancer) ---------------------------
+    # -- the pools, resized while the job runs (the staleness rebalancer) ---------------------------------
+
+    def trainer_ranks(self) -> int:
+        return sum(1 for s in self.services if s.name == "trainer" or s.name.startswith("trainer-"))
+
+    def resize_trainer(self, ranks: int, timeout: float = 600.0) -> int:
+        """Start the trainer world again with `ranks` ranks, at the step it reached. Rank 0 hands off (a checkpoint
+        between two steps, then its other ranks exit); the ranks are stopped, out of the supervisor's sight (a move
+        is no crash), and the new world resumes from that checkpoint: same version, optimizer state and RNG, and the
+        entries read but not trained are still pending in the stream for its rank 0 to claim. Raises
+        TrainerMoveRefused when the trainer is not between two steps of the run. Returns the version it handed off at."""
+        if self.service("trainer").exit_code is not None:
+            raise TrainerMoveRefused("the trainer's rank 0 is not running")
+        with grpc.insecure_channel(self.endpoints.trainer, options=CHANNEL_OPTIONS) as ch:
+            try:  # (it waits for the step in progress, its weight push and evaluation included)
+                handed = trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(hand_off=True),
+                                                                         timeout=timeout)
+            except grpc.RpcError as exc:
+                # not between two steps, or not serving yet (a world still forming): nothing was stopped
+                if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+                    raise TrainerMoveRefused(f"{exc.code().name}: {exc.details()}") from None
+                raise LaunchError(f"the trainer did not hand off ({exc.code().name}: {exc.details()})") from None
+        old = [s for s in self.services if s.name == "trainer" or s.name.startswith("trainer-")]
+        for service in sorted(old, key=lambda s: s.name == "trainer"):  # rank 0 last: the others are exiting already
+            self.supervisor.forget(service.name)
+            self.services.remove(service)
+            service.stop()
+        self.notify(f"trainer world handed off at version {handed.version} ({handed.path}): {len(old)} -> {ranks} ranks")
+        self.start_trainer(ranks)  # (the supervisor restarts its ranks if they die; the next move waits for it to serve)
+        return handed.version
+
 
     def rollout_workers(self) -> list[int]:
         """Indices of the rollout workers running now, oldest first."""
@@ -373,6 +403,7 @@ class LocalRun:
             "tokens_per_second": round(status.tokens_per_second, 1),
             "rollout_workers": self.job.rollout.workers,
             "rollout_workers_at_end": len(self.rollout_workers()),
+            "trainer_ranks_at_end": self.trainer_ranks(),
             "restarts": dict(self.supervisor.restarts),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -383,6 +383,13 @@ class RebalanceConfig(_Section):
     cores: Annotated[int, Field(ge=1)] | None = Field(
         None, description="`arealctl run`: the cores the rollout engines (`rollout.threads` each) and the trainer "
         "(`trainer.threads`) may use together; default: the machine's. (An RLJob's budget is `gpuBudget`.)")
+    min_trainer_replicas: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Fewest trainer ranks the rebalancer may shrink the trainer world to (it hands the world off "
+        "at a step's checkpoint and starts it again at the new size); default: `trainer.replicas`, a fixed size (an "
+        "RLJob sets it from `roles.trainer.minReplicas`).")
+    max_trainer_replicas: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Most trainer ranks the rebalancer may grow the trainer world to; default: "
+        "`trainer.replicas` (an RLJob sets it from `roles.trainer.maxReplicas`).")
 
 
 class JobConfig(_Section):
@@ -400,6 +407,12 @@ class JobConfig(_Section):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
 
+    @property
+    def trainer_bounds(self) -> tuple[int, int]:
+        """The trainer ranks the rebalancer may move between (both `trainer.replicas` unless the job says)."""
+        r, replicas = self.rebalance, self.trainer.replicas
+        return (r.min_trainer_replicas or replicas, r.max_trainer_replicas or replicas)
+
     @model_validator(mode="after")
     def _rebalancer_needs_a_band_and_a_pool_within_its_bounds(self) -> JobConfig:
         r = self.rebalance
@@ -410,6 +423,10 @@ class JobConfig(_Section):
         if not r.min_workers <= self.rollout.workers <= (r.max_workers or self.rollout.workers):
             raise ValueError(f"rebalance needs min_workers <= rollout.workers <= max_workers, got {r.min_workers} <= "
                              f"{self.rollout.workers} <= {r.max_workers}")
+        low, high = self.trainer_bounds
+        if not low <= self.trainer.replicas <= high:
+            raise ValueError(f"rebalance needs min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got "
+                             f"{low} <= {self.trainer.replicas} <= {high}")
         return self
 
     @model_validator(mode="after")

@@ -50,7 +50,7 @@ TRAINING, ROLLOUT = "training", "rollout"  # the move a measured split asks for
 @dataclass(frozen=True)
 class Split:
     rollout: int  # rollout units: inference engines (a pod and its GPUs; locally a worker and its engine)
-    trainer: int  # trainer units: data-parallel replicas (tp × pp GPUs each; locally trainer threads)
+    trainer: int  # trainer units: data-parallel replicas (tp × pp GPUs each; locally ranks of `trainer.threads` cores)
 
     def __str__(self) -> str:
         return f"{self.rollout} rollout / {self.trainer} trainer"

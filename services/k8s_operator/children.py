@@ -25,9 +25,10 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
 }
 
 
-def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | None = None) -> list[dict]:
+def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | None = None,
+                     trainer_replicas: int | None = None) -> list[dict]:
     """Every child of `job`; with `running` false (suspended or finished) the workloads have no pods.
-    `rollout_replicas` (the staleness rebalancer's) replaces roles.rollout.replicas."""
+    `rollout_replicas` and `trainer_replicas` (the staleness rebalancer's) replace roles.rollout/trainer.replicas."""
     return [
         config_map(job),
         service(job, "controller", [("grpc", names.CONTROLLER_PORT)]),
@@ -37,7 +38,7 @@ def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | No
         controller_deployment(job, running),
         reward_deployment(job, running),
         rollout_deployment(job, running, rollout_replicas),
-        trainer_statefulset(job, running),
+        trainer_statefulset(job, running, trainer_replicas),
         *([reward_network_policy(job)] if os.environ.get(names.NETWORK_POLICIES_ENV) == "1" else []),
     ]
 
@@ -387,11 +388,13 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
     return deployment(job, "rollout", (block["replicas"] if replicas is None else replicas) if running else 0, template)
 
 
-def trainer_statefulset(job: ValidJob, running: bool) -> dict:
+def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = None) -> dict:
     block, checkpoint = job.spec["roles"]["trainer"], job.spec["checkpoint"]
     parallel = block["parallelism"]
     name = names.child_name(job.name, "trainer")
     ranks_per_pod = max(block["gpusPerPod"], 1)
+    pods = block["replicas"] if replicas is None else replicas  # the rebalancer's size, when it moves the trainer
+    world_size = pods * ranks_per_pod
     config_vol, config_mount = config_volume(job)
     volumes, mounts = user_mounts(job)
     checkpoint_mount = {"name": names.CHECKPOINT_VOLUME, "mountPath": checkpoint["mountPath"]}
@@ -403,12 +406,12 @@ def trainer_statefulset(job: ValidJob, running: bool) -> dict:
         *plain_env({
             "MASTER_ADDR": f"{name}-0.{name}",
             "MASTER_PORT": str(names.TORCH_RENDEZVOUS_PORT),
-            "NNODES": str(block["replicas"]),
+            "NNODES": str(pods),
             "NPROC_PER_NODE": str(ranks_per_pod),
-            "WORLD_SIZE": str(job.config.trainer.replicas),  # replicas × ranks_per_pod
+            "WORLD_SIZE": str(world_size),  # pods × ranks_per_pod
             "AREAL_TENSOR_PARALLEL_SIZE": str(parallel["tensor"]),
             "AREAL_PIPELINE_PARALLEL_SIZE": str(parallel["pipeline"]),
-            "AREAL_DATA_PARALLEL_SIZE": str(parallel["data"]),
+            "AREAL_DATA_PARALLEL_SIZE": str(world_size // (parallel["tensor"] * parallel["pipeline"])),
         }),
         field_env("NODE_RANK", f"metadata.labels['{names.POD_INDEX_LABEL}']"),
     ]
@@ -423,7 +426,7 @@ def trainer_statefulset(job: ValidJob, running: bool) -> dict:
     if "claimName" in checkpoint:
         volumes.append({"name": names.CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint["claimName"]}})
     spec: dict = {
-        "replicas": block["replicas"] if running else 0,
+        "replicas": pods if running else 0,
         "serviceName": name,
         "podManagementPolicy": "Parallel",  # every rank must be up for the rendezvous; no point starting them in turn
         "selector": {"matchLabels": names.selector_labels(job.name, "trainer")},

@@ -20,18 +20,21 @@ import grpc
 import kopf
 from redis.exceptions import RedisError
 
-from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.apply import apply
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
-from areal_k8s.k8s_operator.rebalancing import rebalance
+from areal_k8s.k8s_operator.rebalancing import rebalance, restart_note
 from areal_k8s.k8s_operator.validation import InvalidSpec, ValidJob, validate
 
 log = logging.getLogger("areal.operator")
 
 STATUS_TIMEOUT_SECONDS = 3.0
+
+
+HAND_OFF_TIMEOUT_SECONDS = 120.0  # the trainer finishes the step in progress (its push and evaluation) first
 
 
 def read_job_status(address: str) -> controller_pb2.JobStatus:
@@ -43,6 +46,19 @@ def read_job_status(address: str) -> controller_pb2.JobStatus:
 
 def controller_service_address(namespace: str, name: str) -> str:
     return f"{names.child_name(name, 'controller')}.{namespace}.svc:{names.CONTROLLER_PORT}"
+
+
+def trainer_service_address(namespace: str, name: str) -> str:
+    trainer = names.child_name(name, "trainer")
+    return f"{trainer}-0.{trainer}.{namespace}.svc:{names.TRAINER_PORT}"  # rank 0's pod, by the headless Service
+
+
+def hand_off_trainer(address: str) -> int:
+    """Trainer.SaveCheckpoint with hand_off: a checkpoint at the next step boundary, after which the world trains no
+    more; returns its version. Raises grpc.RpcError when the trainer does not answer or refuses."""
+    with grpc.insecure_channel(address) as channel:
+        return trainer_pb2_grpc.TrainerStub(channel).SaveCheckpoint(
+            trainer_pb2.SaveCheckpointRequest(hand_off=True), timeout=HAND_OFF_TIMEOUT_SECONDS).version
 
 
 def delete_redis_keys(redis_url: str, job_key: str) -> int:
@@ -64,6 +80,8 @@ class Context:
     read_job_status: Callable[[str], controller_pb2.JobStatus] = read_job_status
     controller_address: Callable[[str, str], str] = controller_service_address  # (namespace, name) -> host:port
     delete_redis_keys: Callable[[str, str], int] = delete_redis_keys  # (url, job key) -> keys deleted
+    trainer_address: Callable[[str, str], str] = trainer_service_address  # (namespace, name) -> rank 0's host:port
+    hand_off_trainer: Callable[[str], int] = hand_off_trainer  # address -> the version it handed off at
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(timezone.utc))
     interval: float = 10.0  # seconds between level-triggered reconciles
 
@@ -111,8 +129,11 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         if autoscalers:
             observed.autoscaler_conflict = rebalancing.condition[2]
 
-    rollout_replicas = rebalancing.rollout_replicas if rebalancing else None
-    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas):
+    if rebalancing and rebalancing.trainer_moved and phase.running:
+        # Before the StatefulSet changes: its rolling update would start stopping ranks at once.
+        rebalancing = restart_note(rebalancing, hand_off(ctx, job), job.config.trainer.checkpoint_interval)
+    rollout_replicas, trainer_replicas = (rebalancing.rollout_replicas, rebalancing.trainer_replicas) if rebalancing else (None, None)
+    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas):
         try:
             live = apply(ctx.kube, child)
         except ApiError as exc:
@@ -123,6 +144,8 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         if child["kind"] in ("Deployment", "StatefulSet"):
             observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
 
+    if rebalancing and rebalancing.trainer_moved and phase.running:
+        restart_trainer_world(ctx, job)
     status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
                                   previous=previous, phase=phase, observed=observed, now=now,
                                   max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"],
@@ -135,6 +158,28 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
         ctx.kube.delete(rljob_path(job.namespace, job.name))
     return status
+
+
+def hand_off(ctx: Context, job: ValidJob) -> int | str:
+    """Ask the trainer to hand off before its world is restarted at another size: the version it did, or why not
+    (the world then resumes from its latest periodic checkpoint)."""
+    address = ctx.trainer_address(job.namespace, job.name)
+    try:
+        return ctx.hand_off_trainer(address)
+    except grpc.RpcError as exc:
+        log.warning("RLJob %s/%s: the trainer did not hand off (%s): restarting it from its latest periodic checkpoint",
+                    job.namespace, job.name, exc.code().name)
+        return f"{exc.code().name}: {exc.details()}"
+
+
+def restart_trainer_world(ctx: Context, job: ValidJob) -> None:
+    """The rebalancer moved the trainer: delete its pods, so the StatefulSet starts them all at once at the new size
+    (its rolling update would replace one at a time, waiting for each to be Ready, which a rank of a world that does
+    not form never is). They resume from the hand-off's checkpoint, or the latest periodic one."""
+    selector = f"{names.job_selector(job.name)},{names.LABEL_COMPONENT}=trainer"
+    for pod in ctx.kube.list(object_path("v1", "pods", job.namespace), selector):
+        ctx.kube.delete(object_path("v1", "pods", job.namespace, pod["metadata"]["name"]))
+    log.info("RLJob %s/%s: the rebalancer moved the trainer; its pods are restarted at the new size", job.namespace, job.name)
 
 
 def redis_url_of(ctx: Context, job: ValidJob) -> str:

@@ -3,13 +3,23 @@
 The policy itself is `areal_k8s.common.rebalance` (the same code runs locally and in the simulator). Here: its
 limits and settings read from the spec, its running totals from the controller's JobStatus, its state kept in
 `status.rebalance` (so an operator restart loses nothing), and the decision turned into the rollout replicas,
-the status fields, and the Rebalancing condition. The trainer's size stays as set: changing the data-parallel
-size of a running trainer is the distributed trainer's work, so the trainer is one fixed unit here.
+the status fields, and the Rebalancing condition.
+
+The trainer moves by data-parallel replicas between roles.trainer.minReplicas and maxReplicas (both its replicas by
+default: a fixed size). A move sets the trainer StatefulSet's pods and WORLD_SIZE, and the operator deletes the
+trainer's pods so that the whole world starts again at once (a rolling update replaces one pod at a time and waits
+for it to be Ready, which a rank waiting for a world of the other size never is). The new world resumes from the
+checkpoint the operator first asks rank 0 for (SaveCheckpoint with hand_off: at a step boundary, after which the
+world trains no more), so no step is trained twice; entries read but not trained stay pending in the stream for the
+new rank 0. A trainer that does not answer is restarted anyway, from its latest periodic checkpoint
+(`trainer.checkpoint_interval`): the steps trained since are trained again, their entries reclaimed from the
+consumer group as after a crash. The decision's message says which.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.rebalance import Limits, Split, State, Totals, Verdict, Window, advance, settings_for, totals_of
@@ -19,6 +29,8 @@ from areal_k8s.k8s_operator.validation import ValidJob
 @dataclass(frozen=True)
 class Outcome:
     rollout_replicas: int  # what the rollout Deployment gets
+    trainer_replicas: int  # what the trainer StatefulSet gets (pods)
+    trainer_moved: bool  # its size changed in this reconcile: the operator restarts the trainer world
     status: dict  # status fields to merge (rebalance, lastRebalanceTime, lastRebalanceReason)
     condition: tuple[bool, str, str]  # the Rebalancing condition: (status, reason, message)
 
@@ -35,10 +47,22 @@ def limits_of(spec: dict) -> Limits:
         trainer_unit=trainer["replicas"] * trainer["gpusPerPod"] // data_parallel,
         min_rollout=rollout.get("minReplicas", 1),
         max_rollout=rollout.get("maxReplicas"),
-        min_trainer=data_parallel,
-        max_trainer=data_parallel,
+        min_trainer=math.ceil(trainer.get("minReplicas", trainer["replicas"]) / pods_per_replica(trainer)),
+        max_trainer=int(trainer.get("maxReplicas", trainer["replicas"]) // pods_per_replica(trainer)),
         budget=budget,
     )
+
+
+def pods_per_replica(trainer: dict) -> float:
+    """Trainer pods one data-parallel replica (tensor × pipeline ranks) fills; whole where the trainer may move (a
+    rule says so), and with a fixed trainer only the bounds' default, its replicas, is divided by it."""
+    parallel = trainer["parallelism"]
+    return parallel["tensor"] * parallel["pipeline"] / max(trainer["gpusPerPod"], 1)
+
+
+def trainer_pods(spec: dict, data_parallel: int) -> int:
+    trainer = spec["roles"]["trainer"]
+    return round(data_parallel * pods_per_replica(trainer))
 
 
 # -- the state in status.rebalance, and back ---------------------------------------------------------------------
@@ -91,8 +115,10 @@ def state_to_status(state: State) -> dict:
 
 
 def within_limits(split: Split, limits: Limits) -> Split:
-    """The nearest split the (possibly edited) spec allows: the trainer at its set size, the pool in its bounds."""
-    trainer = limits.min_trainer
+    """The nearest split the (possibly edited) spec allows: the trainer and the pool in their bounds."""
+    trainer = max(split.trainer, limits.min_trainer)
+    if limits.max_trainer is not None:
+        trainer = min(trainer, limits.max_trainer)
     rollout = max(split.rollout, limits.min_rollout)
     if limits.max_rollout is not None:
         rollout = min(rollout, limits.max_rollout)
@@ -108,6 +134,7 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
     limits, settings = limits_of(spec), settings_for(job.config)
     start = Split(spec["roles"]["rollout"]["replicas"], spec["roles"]["trainer"]["parallelism"]["data"])
     state = state_from_status(previous.get("rebalance"), start)
+    was = state.split.trainer  # the trainer's size before this reconcile
     held = previous.get("rebalance") or {}
     status: dict = {}
     fitted = within_limits(state.split, limits)
@@ -133,4 +160,22 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
         last = held.get("decision")
         condition = (True, last["code"], last["message"]) if last else (True, "CollectingData", "measuring the first window")
     status["rebalance"] = {**held, **state_to_status(state)}
-    return Outcome(rollout_replicas=state.split.rollout, status=status, condition=condition)
+    return Outcome(rollout_replicas=state.split.rollout, trainer_replicas=trainer_pods(spec, state.split.trainer),
+                   status=status, condition=condition, trainer_moved=state.split.trainer != was)
+
+
+def restart_note(outcome: Outcome, handed: int | str, checkpoint_interval: int) -> Outcome:
+    """`outcome` of a trainer move, its message saying how the world restarts: from the checkpoint the trainer handed
+    off at (`handed`, a version), or, when it did not (`handed`, why not), from its latest periodic one."""
+    note = (f"; the trainer world restarts at {outcome.trainer_replicas} pods from the checkpoint it handed off at "
+            f"version {handed}" if isinstance(handed, int) else
+            f"; the trainer world restarts at {outcome.trainer_replicas} pods from its latest periodic checkpoint (every "
+            f"{checkpoint_interval} steps; the hand-off failed: {handed}): the steps trained since are trained again")
+    status = dict(outcome.status)
+    if "lastRebalanceReason" in status:
+        status["lastRebalanceReason"] += note
+    block = status["rebalance"]
+    if block.get("decision"):
+        status["rebalance"] = {**block, "decision": {**block["decision"], "message": block["decision"]["message"] + note}}
+    held, reason, message = outcome.condition
+    return replace(outcome, status=status, condition=(held, reason, message + note))

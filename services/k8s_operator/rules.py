@@ -67,6 +67,14 @@ RULES: list[Rule] = [
          lambda s: "targetBand" not in s or s["targetBand"]["max"] <= s["eta"]),
     *_replica_bounds("rollout"),
     *_replica_bounds("reward"),
+    *_replica_bounds("trainer"),
+    Rule(("spec", "roles", "trainer"),
+         "(!has(self.minReplicas) && !has(self.maxReplicas)) || "
+         "(self.parallelism.tensor * self.parallelism.pipeline) % (self.gpusPerPod > 0 ? self.gpusPerPod : 1) == 0",
+         "roles.trainer: a trainer the rebalancer resizes (minReplicas or maxReplicas) moves by data-parallel replicas, "
+         "so tensor × pipeline must fill whole pods (a multiple of gpusPerPod)",
+         lambda t: ("minReplicas" not in t and "maxReplicas" not in t)
+         or (t["parallelism"]["tensor"] * t["parallelism"]["pipeline"]) % max(t["gpusPerPod"], 1) == 0),
     Rule(("spec", "roles", "trainer"),
          "self.replicas * (self.gpusPerPod > 0 ? self.gpusPerPod : 1) == "
          "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data",

@@ -41,7 +41,8 @@ CRD_PATHS = (CRD_PATH, CHART_CRD_PATH)
 OPERATOR_OWNED = {
     "rollout": {"workers", "engine_urls"},  # roles.rollout.replicas; each worker's engine is beside it in its pod
     "algorithm": {"max_staleness", "staleness_target"},  # staleness.eta, staleness.targetBand
-    "rebalance": {"min_workers", "max_workers", "cores"},  # roles.rollout.minReplicas/maxReplicas; gpuBudget
+    # roles.rollout.minReplicas/maxReplicas, roles.trainer.minReplicas/maxReplicas; gpuBudget
+    "rebalance": {"min_workers", "max_workers", "min_trainer_replicas", "max_trainer_replicas", "cores"},
     "trainer": {"replicas"},  # roles.trainer: replicas × gpusPerPod ranks
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
@@ -56,7 +57,8 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
                   "and gpuBudget. While enabled it owns the rollout replicas: roles.rollout.replicas is only its "
                   "starting point, and no HorizontalPodAutoscaler (or KEDA ScaledObject) may target the RLJob (the "
                   "operator reports one as Degraded, reason AutoscalerConflict, and changes nothing while it exists). "
-                  "The trainer's size stays as set."),
+                  "The trainer's size stays as set unless roles.trainer.minReplicas/maxReplicas allow it to move: a move "
+                  "restarts the trainer world at the new size from a checkpoint it hands off at a step boundary."),
 }
 JOB_FIELDS = ("model", "tokenizer", "seed")
 
@@ -223,6 +225,13 @@ def roles_schema() -> dict:
         },
         default={},
     )
+    trainer_bounds = {
+        "minReplicas": integer("Fewest trainer pods the staleness rebalancer may shrink the trainer to (default: "
+                               "replicas, a fixed size). A move restarts the trainer world at the new size from a "
+                               "checkpoint it hands off at a step boundary.", minimum=1),
+        "maxReplicas": integer("Most trainer pods the staleness rebalancer may grow the trainer to (default: replicas).",
+                               minimum=1),
+    }
     parallelism = obj(
         "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count.",
         {
@@ -248,7 +257,7 @@ def roles_schema() -> dict:
                                 "rollout", "the tool_agent workflow's python tool sandbox", "the cluster's")}),
             "trainer": role("trainer", "The trainer StatefulSet (one pod per node; torch rendezvous via a headless Service).",
                             replicas="Trainer pods (nodes).", autoscaled=False, gpus="GPUs (ranks) per trainer pod.",
-                            extra={"parallelism": parallelism}),
+                            extra={"parallelism": parallelism, **trainer_bounds}),
         },
         default={},
     )
@@ -373,7 +382,8 @@ def rebalance_status_schema() -> dict:
     number = {"type": "number"}
     return obj("The rebalancer's state (spec.rebalance.enabled): the split it holds and what it measures.", {
         "rollout": integer("Rollout pods the rebalancer holds (the rollout Deployment's replicas)."),
-        "trainer": integer("Trainer data-parallel replicas."),
+        "trainer": integer("Trainer data-parallel replicas the rebalancer holds (the trainer StatefulSet's pods are "
+                           "these × tensor × pipeline ÷ ranks per pod)."),
         "decision": obj("The last decision.", {
             "code": string("WithinBand, MovedToRollout, MovedToTraining, SignalsDisagree, LatencyBound, AtLimit, "
                            "BandBetweenSplits, CollectingData or BoundsChanged."),

@@ -107,7 +107,10 @@ def compose_job_config(rljob: dict) -> JobConfig:
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
         "trainer": {**spec["trainer"], "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1)},
         "rebalance": {**spec["rebalance"], "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
-                      **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {})},
+                      **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {}),
+                      # the trainer's bounds in ranks, as its replicas
+                      **{f"{side}_trainer_replicas": trainer[f"{side}Replicas"] * max(trainer["gpusPerPod"], 1)
+                         for side in ("min", "max") if f"{side}Replicas" in trainer}},
         "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"],
                       **({"staleness_target": spec["staleness"]["targetBand"]} if "targetBand" in spec["staleness"] else {})},
         "rollout": {**spec["rollout"], "workers": workers,

@@ -1,9 +1,10 @@
-"""Trainer gRPC shell: status and on-demand checkpoints."""
+"""Trainer gRPC shell: status, on-demand checkpoints and hand-offs (handoff.py)."""
 
 from __future__ import annotations
 
 from areal_k8s.api.v1 import trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import rpc
+from areal_k8s.trainer.handoff import hand_off
 from areal_k8s.trainer.trainer import Trainer
 
 
@@ -31,5 +32,5 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @rpc
     async def SaveCheckpoint(self, request, context):
-        path = await self.trainer.save_now()
+        path = await (hand_off(self.trainer) if request.hand_off else self.trainer.save_now())
         return trainer_pb2.SaveCheckpointResponse(path=str(path), version=self.trainer.version)

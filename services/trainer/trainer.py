@@ -94,6 +94,7 @@ class StepRecord:
     behaviour_weight_mean: float = 1.0  # mean π_prox/π_behav: how far behind the behaviour policies were
     capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
     groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
+    world_size: int = 1  # trainer ranks that trained it
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
 
@@ -165,6 +166,7 @@ class Trainer:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
             groups = await self.next_batch()
+            # Held to the step's checkpoint: an on-demand one (handoff.py) falls between steps, never on an unreported one.
             async with self.lock:
                 self.phase = "training"
                 await asyncio.to_thread(self.world.send, TRAIN, groups)
@@ -174,27 +176,25 @@ class Trainer:
                 record.seconds["checkpoint"], checkpointed = checkpointed, 0.0
                 self.state.version += 1
                 self.unacked += [e for g in groups for e in g.entries]
-            self.phase = "pushing_weights"
-            pushed = time.monotonic()
-            record.weight_push, record.weights_verified = await self.push_weights()
-            await self.announce(restored=False)
-            self.metrics.phase_seconds.labels(phase="weight_push").inc(time.monotonic() - pushed)
-            if self.evaluation_due():
-                self.phase = "evaluating"
-                evaluated = time.monotonic()
-                record.eval_accuracy = await self.evaluate()
-                record.seconds["eval"] = time.monotonic() - evaluated
-            record.finished_at = time.time()
-            self.observe(record, step_seconds=time.monotonic() - waited)
-            await self.report(record, finished=self.version == total)
-            self.last = record
-            # Last: a step is done once its checkpoint is. A trainer killed before it trains the step again from the
-            # previous checkpoint, and its report is counted as a step re-done; one killed after it leaves nothing
-            # unreported (a checkpoint before the report could leave a trained step that no record names).
-            if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
-                async with self.lock:
+                self.phase = "pushing_weights"
+                pushed = time.monotonic()
+                record.weight_push, record.weights_verified = await self.push_weights()
+                await self.announce(restored=False)
+                self.metrics.phase_seconds.labels(phase="weight_push").inc(time.monotonic() - pushed)
+                if self.evaluation_due():
+                    self.phase = "evaluating"
+                    evaluated = time.monotonic()
+                    record.eval_accuracy = await self.evaluate()
+                    record.seconds["eval"] = time.monotonic() - evaluated
+                record.finished_at = time.time()
+                self.observe(record, step_seconds=time.monotonic() - waited)
+                await self.report(record, finished=self.version == total)
+                self.last = record
+                # Last: a step is done once its checkpoint is (a trainer killed before it trains the step again from
+                # the previous one, its report counted as a step re-done).
+                if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
                     checkpointed = await self.commit()
-                self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
+                    self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
         await asyncio.to_thread(self.world.send, STOP)
         self.phase = "finished"
 
@@ -339,7 +339,7 @@ class Trainer:
             learning_rate=lr,
             behaviour_weight_mean=stats.behaviour_weight_mean,
             capped_fraction=stats.capped_fraction,
-            groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards),
+            groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards), world_size=self.world.size,
         )
 
     def rows_to_train(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:

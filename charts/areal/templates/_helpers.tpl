@@ -117,10 +117,11 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, create, patch]
-# container restarts count against failurePolicy.maxRestarts
+# container restarts count against failurePolicy.maxRestarts; the rebalancer restarts the trainer's pods when it
+# moves the trainer (the whole world at once, at the new size)
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, delete]
 # with spec.rebalance.enabled, an autoscaler targeting the RLJob would fight the rebalancer: it is reported
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
