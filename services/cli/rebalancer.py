@@ -40,9 +40,6 @@ class Pools(Protocol):
         Raises TrainerMoveRefused when the trainer is not between two steps."""
 
 
-RolloutPool = Pools  # (its earlier name)
-
-
 def local_limits(job: JobConfig) -> Limits:
     r = job.rebalance
     low, high = job.trainer_bounds

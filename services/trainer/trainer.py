@@ -339,7 +339,7 @@ class Trainer:
             learning_rate=lr,
             behaviour_weight_mean=stats.behaviour_weight_mean,
             capped_fraction=stats.capped_fraction,
-            groups_without_signal=sum(not is_informative(group_rewards) for group_rewards in rewards), world_size=self.world.size,
+            groups_without_signal=sum(not is_informative(r) for r in rewards), world_size=self.world.size,
         )
 
     def rows_to_train(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
