@@ -1,6 +1,6 @@
-"""`make bench`: asynchronous vs synchronous RL on the demo task, side by side on this machine, then the staleness
-ablation. Results go to bench/results/ (JSON, with the async-over-sync time-to-accuracy ratio under `speedup`, and a
-PNG of held-out accuracy against training wall time).
+"""`make bench`: asynchronous vs synchronous RL on the demo task, side by side on this machine (the staleness
+ablation is bench/ablation.py). Results go to bench/results/ (JSON, with the async-over-sync time-to-accuracy
+ratio under `speedup`, and a PNG of held-out accuracy against training wall time).
 
 Both modes run the demo job (examples/demo.yaml): same model, data order (the job's seed), batch, group size and
 number of trained samples, and the same rollout pool (two single-threaded engines, one per core). They differ in the
@@ -38,7 +38,6 @@ from areal_k8s.rollout.cpu_engine.engine import DecodeBatch  # noqa: E402
 
 THRESHOLDS = (0.30, 0.40, 0.45, 0.50)
 ENGINES = 2  # one single-threaded engine per core, in both modes: processes scale better than intra-op threads
-STALENESS_LEVELS = (0, 1, 2, 4, 8)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -298,13 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assets", default=str(ROOT / ".cache" / "demo"))
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--runs", default=str(ROOT / "runs" / "bench"))
-    parser.add_argument("--steps", type=int, default=300, help="steps per comparison run (same recipe, the cosine schedule ends there)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run; default: the job's (its schedule ends there)")
     parser.add_argument("--seeds", default="0,1,2", help="one async and one sync run per seed (data order, sampling)")
     parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--smooth", type=int, default=3, help="evaluations in the trailing mean used for thresholds")
-    parser.add_argument("--ablation-steps", type=int, default=150,
-                        help="steps per ablation run (0 skips the ablation and keeps the one in the existing JSON)")
-    parser.add_argument("--ablation-only", action="store_true", help="keep the comparison in the existing JSON, run the ablation")
     parser.add_argument("--reanalyse", action="store_true", help="recompute the comparison and plot from the runs in the JSON, run nothing")
     parser.add_argument("--append", action="store_true",
                         help="run --seeds and analyse them together with the runs already in the JSON (more seeds, same file)")
@@ -313,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     build_demo_assets(args.assets)
     os.chdir(ROOT)  # the job's relative paths
     base = load_job_file(args.job)
+    args.steps = args.steps or base.algorithm.total_steps
     runs, out = Path(args.runs), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count()
@@ -328,65 +325,44 @@ def main(argv: list[str] | None = None) -> int:
         plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
         print_table(report, eta)
         return 0
-    if args.ablation_only:
-        report = json.loads(report_path.read_text())
-    else:
-        new_seeds = [int(s) for s in args.seeds.split(",")]
-        print(f"sync vs async on {cores} cores, {args.steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} "
-              f"samples, seeds {new_seeds}", flush=True)
-        asynchronous, synchronous, seeds = [], [], []
-        previous = json.loads(report_path.read_text()) if report_path.exists() else {}
-        if args.append:
-            if not previous:
-                parser.error(f"--append needs an existing {report_path}")
-            if previous["steps"] != args.steps or set(previous["seeds"]) & set(new_seeds):
-                parser.error(f"--append needs the same --steps ({previous['steps']}) and seeds not yet run ({previous['seeds']})")
-            asynchronous, synchronous = stored_runs(previous, args.smooth)
-            seeds = previous["seeds"]
-        for index, seed in enumerate(new_seeds, start=len(seeds)):  # alternating which mode goes first, across appends too
-            modes = [("async", eta, 1), ("sync", 0, 2)]
-            for mode, staleness, threads in modes if index % 2 == 0 else modes[::-1]:
-                result = run(configure(base, runs, f"{mode}-seed{seed}", seed=seed, max_staleness=staleness, decoupled=True,
-                                       trainer_threads=threads, steps=args.steps, eval_interval=args.eval_interval), args.smooth)
-                (asynchronous if mode == "async" else synchronous).append(result)
-        comparison = compare(asynchronous, synchronous, args.smooth)
-        report = {
-            **comparison,
-            "speedup_definition": (
-                "median over seeds of sync's training seconds to the target / the same for async; target = median over "
-                f"seeds of sync's final accuracy (mean of its last {args.smooth} evaluations); a run reaches it when the "
-                f"trailing mean of its last {args.smooth} evaluations does"
-            ),
-            "steps": args.steps,
-            "seeds": seeds + new_seeds,
-            "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
-            "core_split": {
-                "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
-                "sync": f"{ENGINES} engines × 1 thread, then the trainer with 2 threads, alternating",
-            },
-            "runs": {"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]},
-            "ablation": [],
-        }
-        if not args.ablation_steps:
-            report.update({key: previous[key] for key in ("ablation", "ablation_steps") if key in previous})
-        report_path.write_text(json.dumps(report, indent=2) + "\n")
-        plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
-        print_table(report, eta)
-
-    if args.ablation_steps:
-        print(f"staleness ablation, {args.ablation_steps} steps each", flush=True)
-        ablation = []
-        for staleness in STALENESS_LEVELS:
-            for decoupled in (True, False):
-                label = f"ablation-eta{staleness}-{'decoupled' if decoupled else 'naive'}"
-                result = run(configure(base, runs, label, seed=base.seed, max_staleness=staleness, decoupled=decoupled,
-                                       trainer_threads=1, steps=args.ablation_steps, eval_interval=0), args.smooth)
-                ablation.append({"max_staleness": staleness, "objective": "decoupled" if decoupled else "naive",
-                                 "final_accuracy": result.final_accuracy, "mean_staleness": result.mean_staleness,
-                                 "samples_per_second": result.samples_per_second})
-                report["ablation"], report["ablation_steps"] = ablation, args.ablation_steps
-                report_path.write_text(json.dumps(report, indent=2) + "\n")  # partial results survive an interruption
-        print_ablation(ablation)
+    new_seeds = [int(s) for s in args.seeds.split(",")]
+    print(f"sync vs async on {cores} cores, {args.steps} steps of {base.algorithm.batch_size}×{base.algorithm.group_size} "
+          f"samples, seeds {new_seeds}", flush=True)
+    asynchronous, synchronous, seeds = [], [], []
+    previous = json.loads(report_path.read_text()) if report_path.exists() else {}
+    if args.append:
+        if not previous:
+            parser.error(f"--append needs an existing {report_path}")
+        if previous["steps"] != args.steps or set(previous["seeds"]) & set(new_seeds):
+            parser.error(f"--append needs the same --steps ({previous['steps']}) and seeds not yet run ({previous['seeds']})")
+        asynchronous, synchronous = stored_runs(previous, args.smooth)
+        seeds = previous["seeds"]
+    for index, seed in enumerate(new_seeds, start=len(seeds)):  # alternating which mode goes first, across appends too
+        modes = [("async", eta, 1), ("sync", 0, 2)]
+        for mode, staleness, threads in modes if index % 2 == 0 else modes[::-1]:
+            result = run(configure(base, runs, f"{mode}-seed{seed}", seed=seed, max_staleness=staleness, decoupled=True,
+                                   trainer_threads=threads, steps=args.steps, eval_interval=args.eval_interval), args.smooth)
+            (asynchronous if mode == "async" else synchronous).append(result)
+    comparison = compare(asynchronous, synchronous, args.smooth)
+    report = {
+        **comparison,
+        "speedup_definition": (
+            "median over seeds of sync's training seconds to the target / the same for async; target = median over "
+            f"seeds of sync's final accuracy (mean of its last {args.smooth} evaluations); a run reaches it when the "
+            f"trailing mean of its last {args.smooth} evaluations does"
+        ),
+        "steps": args.steps,
+        "seeds": seeds + new_seeds,
+        "machine": {"cores": cores, "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
+        "core_split": {
+            "async": f"{ENGINES} engines × 1 thread and the trainer (1 thread) concurrently on {cores} cores",
+            "sync": f"{ENGINES} engines × 1 thread, then the trainer with 2 threads, alternating",
+        },
+        "runs": {"async": [asdict(r) for r in asynchronous], "sync": [asdict(r) for r in synchronous]},
+    }
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(asynchronous, synchronous, args.smooth, comparison["target_accuracy"], out / "accuracy_vs_time.png")
+    print_table(report, eta)
     return 0
 
 
@@ -442,20 +418,6 @@ def print_table(report: dict, eta: int) -> None:
         print(f"averaged curves (mean over seeds at each evaluation): final {finals['sync']:.1%} sync, {finals['async']:.1%} "
               f"async; seconds to sync's {averaged['target_accuracy']:.1%}: {fmt(times['sync'])} sync, {fmt(times['async'])} "
               f"async ({f'{speedup}×' if speedup else 'n/a'})")
-
-
-def print_ablation(ablation: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    grid = Table(title="staleness ablation: final held-out accuracy")
-    grid.add_column("η")
-    grid.add_column("decoupled PPO", justify="right")
-    grid.add_column("naive PPO", justify="right")
-    for eta in STALENESS_LEVELS:
-        row = {a["objective"]: a["final_accuracy"] for a in ablation if a["max_staleness"] == eta}
-        grid.add_row(str(eta), *(f"{row[k]:.1%}" if k in row else "" for k in ("decoupled", "naive")))
-    Console().print(grid)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,17 @@ def test_the_demo_figures_summarise_every_run():
     assert report["distinct_base_models"] == len({r["weights_sha256"] for r in report["runs"]})
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["algorithm"]
     assert report["job"]["steps"] == job["total_steps"] == report["runs"][0]["steps"]
+
+
+def test_the_ablation_runs_eta_zero_once_and_tabulates_medians_and_ranges():
+    """At η = 0 decoupled and naive PPO are one loss: that cell runs once per seed and fills both rows."""
+    module = load_bench("ablation")
+    assert module.cells([0, 2]) == [(0, "decoupled"), (2, "decoupled"), (2, "naive")]
+    runs = [{"max_staleness": eta, "objective": objective, "seed": seed, "accuracy": 0.3 + 0.01 * seed + 0.1 * eta,
+             "mean_staleness": eta / 2, "samples_per_second": 100.0 + seed}
+            for seed in (0, 1, 2) for eta, objective in module.cells([0, 2])]
+    report = module.report(runs, [0, 2], [0, 1, 2], 3, 200)
+    assert report["summary"]["2/naive"]["accuracy"] == module.spread([r for r in runs if r["objective"] == "naive"], "accuracy")
+    table = module.readme_block(report)
+    assert "| decoupled PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
+    assert "| naive PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
