@@ -38,12 +38,16 @@ def cells(levels: list[int]) -> list[tuple[int, str]]:
     return [(eta, objective) for eta in levels for objective in (OBJECTIVES[:1] if eta == 0 else OBJECTIVES)]
 
 
-def measure(levels: list[int], seeds: list[int], smooth: int, eval_interval: int) -> dict:
+def measure(levels: list[int], seeds: list[int], smooth: int, eval_interval: int, runs: list[dict]) -> dict:
+    """Run every cell for every seed not in `runs` yet (the runs of an earlier, interrupted or shorter, call)."""
     base = load_job_file(ROOT / "examples" / "demo.yaml", project_root=ROOT)
     build_demo_assets(Path(base.model).parent)
-    runs = []
+    done = {(r["max_staleness"], r["objective"], r["seed"]) for r in runs}
+    seeds = sorted({r["seed"] for r in runs} | set(seeds))
     for seed in seeds:
         for eta, objective in cells(levels):
+            if (eta, objective, seed) in done:
+                continue
             job = configure(base, ROOT / "runs" / "ablation", f"ablation-eta{eta}-{objective}-seed{seed}", seed=seed,
                             max_staleness=eta, decoupled=objective == "decoupled", trainer_threads=1,
                             steps=base.algorithm.total_steps, eval_interval=eval_interval)
@@ -104,10 +108,13 @@ def main() -> None:
     parser.add_argument("--smooth", type=int, default=3, help="evaluations averaged into a run's accuracy")
     parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--readme", action="store_true", help="only write the README's table from the results file")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the runs in the results file and run only the cells and seeds it lacks")
     args = parser.parse_args()
     if not args.readme:
         levels, seeds = [int(v) for v in args.levels.split(",")], [int(v) for v in args.seeds.split(",")]
-        measure(levels, seeds, args.smooth, args.eval_interval)
+        earlier = json.loads(RESULTS.read_text())["runs"] if args.append and RESULTS.exists() else []
+        measure(levels, seeds, args.smooth, args.eval_interval, earlier)
     write_between(ROOT / "README.md", README_BEGIN, README_END, readme_block(json.loads(RESULTS.read_text())))
 
 

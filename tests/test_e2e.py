@@ -143,16 +143,20 @@ def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, 
         run.stop()
 
 
-def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable):
+@pytest.mark.parametrize("kill_at", [4, 1], ids=["after-a-checkpoint", "before-the-first-checkpoint"])
+def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable, kill_at):
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 8}, trainer={"checkpoint_interval": 3})
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
         trainer = run.service("trainer")
-        # Killed as soon as a step after the checkpoint at 3 is recorded: its entries are trained but not acknowledged.
-        kill_after_step(run, 4, trainer.process)
+        # Killed as soon as a step after the checkpoint at 3 is recorded (its entries trained but not acknowledged),
+        # or one before the first checkpoint: the trainer starts again from the base model, and the controller,
+        # which had seen the step's report, follows it back to version 0.
+        kill_after_step(run, kill_at, trainer.process)
         before = read_steps(run.run_dir)
-        checkpointed = load_state(latest_checkpoint(run.run_dir / "checkpoints")).version
+        latest = latest_checkpoint(run.run_dir / "checkpoints")
+        checkpointed = load_state(latest).version if latest else 0
         uncheckpointed = {e for s in before if s["version"] > checkpointed for e in s["entries"]}
         client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
         stream = JobKeys(job.name).stream

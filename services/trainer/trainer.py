@@ -271,7 +271,8 @@ class Trainer:
             log.info("reclaimed %d pending stream entries", len(pending))
         self.phase = "pushing_weights"
         await self.push_weights()
-        await self.announce(restored=checkpoint is not None)
+        # (restored either way: a trainer killed before its first checkpoint restarts at 0, behind steps it reported)
+        await self.announce(restored=True)
         if checkpoint is None:
             self.phase = "evaluating"
             self.state.base_accuracy = await self.evaluate()
