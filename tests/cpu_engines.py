@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
+
+from areal_k8s.common.sglang import CpuEngineClient
 
 READY = re.compile(r"CPU engine ready on (http://\S+)")
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -34,6 +36,17 @@ def cpu_engine(model_path: Path, log_path: Path, *options: str) -> Iterator[str]
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@asynccontextmanager
+async def engine_client(url: str):
+    """A client of the engine at `url`, once it answers healthy; closed afterwards."""
+    client = CpuEngineClient(url, control_timeout=120)
+    await client.wait_until_healthy(60)
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def wait_for_ready_line(process: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:

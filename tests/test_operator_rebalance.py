@@ -2,6 +2,8 @@
 rollout pool from a gRPC controller stub that serves scripted job statuses (the controller's clock and totals
 are the script's, so every window and decision is determined)."""
 
+import contextlib
+
 import grpc
 import pytest
 from operator_fixtures import (  # noqa: F401  (fixtures)
@@ -67,16 +69,25 @@ class ScriptedController(controller_pb2_grpc.ControllerServicer):
             staleness_counts=[samples], trainer_wait_seconds=trainer_wait, held_by_staleness_seconds=held, workers=2)
 
 
+@contextlib.asynccontextmanager
+async def serving(add_to_server, servicer):
+    """`servicer` behind a real gRPC server on loopback; yields its address."""
+    server = grpc.aio.server()
+    add_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
 @pytest.fixture
 async def scripted_controller(operator_context):
     servicer = ScriptedController()
-    server = grpc.aio.server()
-    controller_pb2_grpc.add_ControllerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    operator_context.controller_address = lambda namespace, name: f"127.0.0.1:{port}"
-    yield servicer
-    await server.stop(None)
+    async with serving(controller_pb2_grpc.add_ControllerServicer_to_server, servicer) as address:
+        operator_context.controller_address = lambda namespace, name: address
+        yield servicer
 
 
 def rollout_replicas(cluster: Cluster) -> int:
@@ -198,13 +209,9 @@ class HandingOffTrainer(trainer_pb2_grpc.TrainerServicer):
 @pytest.fixture
 async def handing_off_trainer(operator_context, cluster):
     servicer = HandingOffTrainer(cluster)
-    server = grpc.aio.server()
-    trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    operator_context.trainer_address = lambda namespace, name: f"127.0.0.1:{port}"
-    yield servicer
-    await server.stop(None)
+    async with serving(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer) as address:
+        operator_context.trainer_address = lambda namespace, name: address
+        yield servicer
 
 
 async def test_a_decision_that_moves_the_trainer_resizes_its_world_and_restarts_its_pods(

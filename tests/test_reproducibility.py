@@ -11,10 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.cli.launcher import LocalRun
-from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.rollout.generation import generate_each, request_seed
 from areal_k8s.trainer.checkpoint import checkpoint_dir
-from cpu_engines import cpu_engine
+from cpu_engines import cpu_engine, engine_client
 from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
 
 STEPS = 3
@@ -31,8 +30,7 @@ async def test_seeded_requests_sample_the_same_tokens_however_they_are_batched(a
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     rids = ["g1-0", "g1-1", "g2-0"]
     with cpu_engine(assets / "model", tmp_path / "engine.log", "--threads", "1") as url:
-        client = CpuEngineClient(url, control_timeout=60)
-        try:
+        async with engine_client(url) as client:
             together = await generate_each(client, prompts, SAMPLING, rids, seed=7)
             # the same requests in the other order, beside another one the engine batches with them
             apart = await asyncio.gather(
@@ -40,8 +38,6 @@ async def test_seeded_requests_sample_the_same_tokens_however_they_are_batched(a
                 generate_each(client, [[4, 4, 4, 4, 4]], SAMPLING, ["g9-0"], seed=7),
             )
             other_seed = await generate_each(client, prompts, SAMPLING, rids, seed=8)
-        finally:
-            await client.close()
     assert [s.output_ids for s in together] == [s.output_ids for s in apart[0][::-1]]
     assert [s.output_ids for s in other_seed] != [s.output_ids for s in together]
 

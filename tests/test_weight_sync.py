@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
-from cpu_engines import SUBPROCESS_ENV, cpu_engine, wait_for_ready_line
+from cpu_engines import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
 from tiny_models import build_tiny_qwen2, perturbed
 
 torch.set_num_threads(1)
@@ -118,10 +118,8 @@ def engine_url(model_path, tmp_path_factory):
 
 @pytest.fixture
 async def client(engine_url):
-    client = CpuEngineClient(engine_url, control_timeout=120)
-    await client.wait_until_healthy(60)
-    yield client
-    await client.close()
+    async with engine_client(engine_url) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.config import JobFileError, MultiTurnConfig, parse_job
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.prompts import ConversationFormat, encode_prompt, stop_token_ids
-from areal_k8s.common.sglang import CpuEngineClient, sampling_params
+from areal_k8s.common.sglang import sampling_params
 from areal_k8s.common.store import JobKeys
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
@@ -27,7 +27,7 @@ from areal_k8s.rollout.workflows import EpisodeContext, WorkflowError, load_work
 from areal_k8s.rollout.workflows.multi_turn import MultiTurn
 from areal_k8s.rollout.workflows.tool_agent import TOOL_INSTRUCTIONS
 from areal_k8s.rollout.workflows.tools import calculate, parse_tool_calls
-from cpu_engines import cpu_engine
+from cpu_engines import cpu_engine, engine_client
 from e2e_jobs import make_job, read_steps
 from tiny_models import build_scripted_qwen2
 
@@ -64,10 +64,8 @@ def engine_url(model_path, tmp_path_factory):
 
 @pytest.fixture
 async def engine(engine_url):
-    client = CpuEngineClient(engine_url, control_timeout=120)
-    await client.wait_until_healthy(60)
-    yield client
-    await client.close()
+    async with engine_client(engine_url) as client:
+        yield client
 
 
 @pytest.fixture
