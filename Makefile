@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
 
 venv: $(VENV)/.installed
 
@@ -75,6 +75,10 @@ bench: demo-assets
 # the staleness bound η against decoupled and naive PPO on the demo job, several seeds per cell (bench/results/ablation.json)
 ablation: demo-assets
 	$(PY) bench/ablation.py
+
+# the staleness rebalancer on the demo job against the shipped static split, same seeds (bench/results/rebalance_local.json)
+bench-rebalance: demo-assets
+	$(PY) bench/rebalance_local.py
 
 # the demo job's samples/s on the real SGLang (CPU) against our CPU engine (bench/results/sglang_vs_cpu.json)
 bench-sglang: demo-assets sglang-env

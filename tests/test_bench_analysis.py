@@ -1,4 +1,5 @@
 """The benchmark's analysis of stored runs (bench/sync_vs_async.py): pure functions over accuracy curves."""
+import argparse
 import importlib.util
 import json
 import sys
@@ -115,3 +116,42 @@ def test_the_ablation_runs_eta_zero_once_and_tabulates_medians_and_ranges():
     table = module.readme_block(report)
     assert "| decoupled PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
     assert "| naive PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
+
+
+def test_the_rebalancer_benchmark_reads_band_share_and_split_over_training_time():
+    """Steps in the band count by their batch's mean staleness; a decision's time is on the training clock (the
+    evaluations before it left out), and only decisions that moved a side change the split."""
+    module = load_bench("rebalance_local")
+    steps = [{"staleness": [2, 2], "finished_at": 10.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}},
+             {"staleness": [1, 2], "finished_at": 20.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 5.0}},
+             {"staleness": [1, 1], "finished_at": 30.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}}]
+    assert module.steps_in_band(steps, (1.0, 1.5)) == 2 / 3
+    decisions = [{"at": 15.0, "moved": [], "rollout": 1, "trainer": 1, "code": "LatencyBound"},
+                 {"at": 25.0, "moved": ["rollout"], "rollout": 2, "trainer": 1, "code": "MovedToRollout"}]
+    timeline = module.split_over_time(steps, decisions, (1, 1))
+    # the first step began at 10 − 2 = 8 s; the move at 25 s comes after 5 s of evaluation: 25 − 8 − 5 = 12 s
+    assert timeline == [{"seconds": 0.0, "rollout": 1, "trainer": 1, "code": "start"},
+                        {"seconds": 12.0, "rollout": 2, "trainer": 1, "code": "MovedToRollout"}]
+
+
+def test_the_rebalancer_benchmark_tabulates_each_mode_against_the_static_split():
+    module = load_bench("rebalance_local")
+    args = argparse.Namespace(smooth=1, band=[1.0, 1.5], window=20.0, cooldown=10.0)
+
+    def run(mode: str, seed: int, seconds: float, final: float, moves: int) -> dict:
+        timeline = [{"seconds": 0.0, "rollout": 2, "trainer": 1, "code": "start"}] + [
+            {"seconds": 10.0 * (i + 1), "rollout": 1 + i % 2, "trainer": 1, "code": "MovedToRollout"} for i in range(moves)]
+        return {"mode": mode, "seed": seed, "training_seconds": seconds, "samples_per_second": 3200 / seconds,
+                "trainer_idle_fraction": 0.3, "mean_staleness": 1.9, "steps_in_band": 0.1, "smoothed_final": final,
+                "curve": [(0.0, 0.2), (seconds / 2, final - 0.1), (seconds, final)],
+                "decisions": [{"moved": ["rollout"]}] * moves, "split_over_time": timeline}
+
+    runs = [run("static", s, 100.0 + s, 0.5 + 0.01 * s, 0) for s in (0, 1, 2)] + [
+        run("rebalanced", s, 80.0 + s, 0.5 + 0.01 * s, 2) for s in (0, 1, 2)]
+    results = module.report(runs, [0, 1, 2], args, 200)
+    assert results["target_accuracy"] == 0.51
+    assert results["summary"]["static"]["reached_target"] == 2  # seeds 1 and 2 end at or above it
+    assert results["summary"]["rebalanced"]["seconds_to_target"] == 82.0  # 81, 82 and never: the middle one
+    table = module.readme_block(results)
+    assert "| training seconds (static ÷ mode) | 101 (100–102) | 81 (80–82) · 1.25× |" in table
+    assert "| rebalancer moves · final split (rollout:trainer) | 0 · 2:1 | 2 · 2:1 |" in table

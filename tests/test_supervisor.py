@@ -88,6 +88,41 @@ def test_a_killed_process_comes_back_with_its_identity_and_a_finished_one_stays_
         server.stop()
 
 
+def test_a_failed_rank_brings_back_the_ranks_of_its_world_that_had_finished(tmp_path):
+    """Rank 0 tells the other ranks to stop (a hand-off), they end with 0, then rank 0 dies before the launcher
+    restarts the world: rank 0 comes back, and so must they, or its world never forms again. A finished rank beside
+    a running rank 0 (the end of the job) and a finished process of no world stay down."""
+    lines: list[str] = []
+    world = {"trainer": "trainer", "trainer-1": "trainer"}.get
+    supervisor = Supervisor(RestartPolicy(budget=5, initial_backoff=0.0), lines.append, world_of=world)
+    rank0 = Service("trainer", ["http.server", "--bind", "127.0.0.1", "0"], tmp_path / "trainer.log", child_env(1))
+    rank1 = Service("trainer-1", ["this"], tmp_path / "trainer-1.log", child_env(1))  # prints a poem, ends with 0
+    other = Service("rollout-0", ["this"], tmp_path / "rollout-0.log", child_env(1))
+    for service in (rank0, rank1, other):
+        service.start()
+        supervisor.watch(service)
+    try:
+        first_rank1 = rank1.process
+        first_rank1.wait()
+        other.process.wait()
+        supervisor.tick()
+        assert supervisor.restarts == {} and not lines  # rank 0 runs: the finished rank ended with the job
+        first = rank0.process
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        deadline = time.monotonic() + HANG_GUARD_SECONDS
+        while rank0.process is first or rank1.process is first_rank1:
+            assert time.monotonic() < deadline
+            supervisor.tick()
+            time.sleep(0.05)
+        assert supervisor.restarts == {"trainer": 1, "trainer-1": 1}
+        assert lines == [f"trainer was killed by SIGKILL; restarting it with trainer-1 (one world) in 0 s (log: {rank0.log_path})"]
+        assert rank0.exit_code is None and other.process.returncode == 0
+    finally:
+        rank0.stop()
+        rank1.stop()
+
+
 def test_a_process_forgotten_before_it_is_stopped_is_not_restarted(tmp_path):
     """Scaling down: the launcher forgets a rollout worker, then stops it; its exit is no failure to repair."""
     supervisor = Supervisor(RestartPolicy(budget=5, initial_backoff=0.0), lambda line: None)

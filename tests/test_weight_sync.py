@@ -441,7 +441,7 @@ def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
     from areal_k8s.api.v1 import controller_pb2
     from areal_k8s.common.config import parse_job
     from areal_k8s.common.sglang import served_dtype
-    from areal_k8s.trainer.trainer import push_dtype_for
+    from areal_k8s.trainer.publishing import push_dtype_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float32"}))
     assert served_dtype({"dtype": "float32"}, tmp_path) == "float32"  # SGLang started with --dtype float32

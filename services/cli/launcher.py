@@ -49,6 +49,11 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
+def trainer_world(name: str) -> str | None:
+    """The trainer's ranks (`trainer`, `trainer-<rank>`) form one torch.distributed world."""
+    return "trainer" if name == "trainer" or name.startswith("trainer-") else None
+
+
 def job_failure(status: controller_pb2.JobStatus) -> str:
     return f"job {status.job} failed ({status.failure_reason}): {status.message}"
 
@@ -104,7 +109,7 @@ class LocalRun:
     def __init__(self, job: JobConfig, *, host: str = "127.0.0.1", restarts: RestartPolicy | None = None,
                  on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True)):
         self.job = job
-        self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart)
+        self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart, world_of=trainer_world)
         self.notify = on_restart
         self.rebalancer: LocalRebalancer | None = None
         self.last_status: controller_pb2.JobStatus | None = None
@@ -233,7 +238,7 @@ class LocalRun:
     # -- the pools, resized while the job runs (the staleness rebalancer) ---------------------------------
 
     def trainer_ranks(self) -> int:
-        return sum(1 for s in self.services if s.name == "trainer" or s.name.startswith("trainer-"))
+        return sum(1 for s in self.services if trainer_world(s.name))
 
     def resize_trainer(self, ranks: int, timeout: float = 600.0) -> int:
         """Start the trainer world again with `ranks` ranks, at the step it reached. Rank 0 hands off (a checkpoint
@@ -252,7 +257,7 @@ class LocalRun:
                 if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
                     raise TrainerMoveRefused(f"{exc.code().name}: {exc.details()}") from None
                 raise LaunchError(f"the trainer did not hand off ({exc.code().name}: {exc.details()})") from None
-        old = [s for s in self.services if s.name == "trainer" or s.name.startswith("trainer-")]
+        old = [s for s in self.services if trainer_world(s.name)]
         for service in sorted(old, key=lambda s: s.name == "trainer"):  # rank 0 last: the others are exiting already
             self.supervisor.forget(service.name)
             self.services.remove(service)

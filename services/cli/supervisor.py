@@ -145,12 +145,22 @@ class RestartBudgetSpent(RuntimeError):
     """A process died once more than the run's restart budget allows; the message is one readable line."""
 
 
+def no_world(name: str) -> str | None:
+    return None
+
+
 @dataclass
 class Supervisor:
-    """Watches processes; `tick()` restarts the dead ones when their back-off has passed."""
+    """Watches processes; `tick()` restarts the dead ones when their back-off has passed.
+
+    Processes of one distributed world (`world_of` names it) come back together: when one fails, those of its world
+    that had ended with 0 start again with it. A rank told to stop by a rank 0 that then died ended its work by
+    the book, yet the world cannot form again without it (a pod's container under `restartPolicy: Always` would be
+    restarted whatever its exit code)."""
 
     policy: RestartPolicy
     on_restart: Callable[[str], None] = print
+    world_of: Callable[[str], str | None] = no_world
     processes: list[Supervised] = field(default_factory=list)
     restarts: Counter = field(default_factory=Counter)  # process name -> restarts so far
     _due: dict[str, float] = field(default_factory=dict)  # process name -> when it is started again
@@ -189,7 +199,19 @@ class Supervisor:
                 )
             delay = self.policy.backoff(self.restarts[process.name])
             self._due[process.name] = now + delay
-            self.on_restart(f"{cause}; restarting it in {delay:.0f} s (log: {process.log_path})")
+            peers = self.finished_peers(process)
+            for peer in peers:
+                self._due[peer.name] = now + delay
+            alongside = f" with {', '.join(p.name for p in peers)} (one world)" if peers else ""
+            self.on_restart(f"{cause}; restarting it{alongside} in {delay:.0f} s (log: {process.log_path})")
+
+    def finished_peers(self, process: Supervised) -> list[Supervised]:
+        """The processes of `process`'s world that ended with 0 and wait for no restart."""
+        world = self.world_of(process.name)
+        if world is None:
+            return []
+        return [p for p in self.processes if p is not process and self.world_of(p.name) == world
+                and p.name not in self._due and p.exit_code == 0]
 
     def summary(self) -> str:
         return ", ".join(f"{name} {count}" for name, count in sorted(self.restarts.items())) or "no restarts"

@@ -62,7 +62,7 @@ def main() -> None:
             if await run_until_stopped(trainer.run(), stop):
                 await wait_if_asked(args.when_done, stop)
         finally:
-            await trainer.close_targets()
+            await trainer.publisher.close()
             await server.stop(grace=2)
             await asyncio.gather(controller_channel.close(), reward_channel.close())
             await redis_client.aclose()

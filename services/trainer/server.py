@@ -27,7 +27,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             base_accuracy=t.state.base_accuracy,
             trained_samples=t.state.trained_samples,
             trained_tokens=t.state.trained_tokens,
-            weight_targets=len(t.targets),
+            weight_targets=len(t.publisher.targets),
         )
 
     @rpc

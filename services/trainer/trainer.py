@@ -24,7 +24,6 @@ from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.common.rewards import is_informative
-from areal_k8s.common.weights import parse_dtype, weights_checksum
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.algorithm import (
     LossStats,
@@ -41,32 +40,12 @@ from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
 from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
-from areal_k8s.trainer.targets import RolloutTarget
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from areal_k8s.trainer.publishing import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_POLL_SECONDS = 1.0  # while waiting for data, how often to look for engines that joined since the last push
-FAILED_PUSH_BACKOFF = (2.0, 60.0)  # after a failed push, wait this long (doubling up to the second figure) to retry
-
-
-def push_dtype_for(job: JobConfig, workers: list[controller_pb2.WorkerInfo]) -> torch.dtype:
-    """`trainer.push_dtype`, or for `auto` the dtype the engines serve (as their workers registered it): weights
-    pushed in another dtype would be cast on arrival, and a behaviour policy rounded away from the trainer's. Engines
-    that disagree get float32, which every one of them casts from exactly; workers too old to say, the job's guess."""
-    if job.trainer.push_dtype != "auto":
-        return parse_dtype(job.trainer.push_dtype)
-    served = {w.engine_dtype for w in workers if w.engine_dtype}
-    if len(served) > 1:
-        return torch.float32
-    return parse_dtype(served.pop() if served else job.push_dtype)
-
-
-def membership(worker: controller_pb2.WorkerInfo) -> tuple[str, int, float]:
-    """What identifies a worker's place in the weight-update group: a new address, engine size or registration (a
-    restarted worker) needs the group formed again."""
-    return worker.address, max(worker.engine_ranks, 1), worker.registered_at
 
 
 @dataclass
@@ -120,7 +99,6 @@ class Trainer:
         self.tokenizer = tokenizer
         self.eval_items = eval_items
         self.consumer = consumer
-        self.master_address = master_address
         self.world = world or World()  # formed (joined) before the engines are made: they read their rank from it
         self.run_dir = Path(job.run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
@@ -128,7 +106,6 @@ class Trainer:
         self.engine: TrainEngine = make_engine(job)
         # The KL penalty's reference is the initial model, frozen.
         self.reference: TrainEngine | None = make_engine(job, trainable=False) if job.algorithm.kl_coef > 0 else None
-        self.push_dtype = parse_dtype(job.push_dtype)
         self.assembler = BatchAssembler(
             store,
             consumer,
@@ -137,11 +114,6 @@ class Trainer:
             group_size=job.algorithm.group_size,
             max_staleness=job.algorithm.max_staleness,
         )
-        self.sender: WeightSender | None = None
-        self.targets: dict[str, RolloutTarget] = {}
-        self.members: dict[str, tuple] = {}  # the workers the weight-update group was formed with, as registered
-        self.push_backoff = 0.0  # seconds to wait before pushing again after failed pushes (0: no failure)
-        self.push_retry_at = 0.0
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"
         self.lock = asyncio.Lock()  # a checkpoint never interleaves with a step
@@ -149,6 +121,7 @@ class Trainer:
         self.last: StepRecord | None = None
         self.metrics = metrics or TrainerMetrics(job.name)
         self.metrics.policy_version.set_function(lambda: self.version)
+        self.publisher = WeightPublisher(job, controller, master_address, self.metrics)
 
     @property
     def version(self) -> int:
@@ -222,7 +195,7 @@ class Trainer:
         try:
             while not batch.done():
                 await asyncio.wait({batch}, timeout=MEMBERSHIP_POLL_SECONDS)
-                if not batch.done() and time.monotonic() >= self.push_retry_at and await self.engines_behind():
+                if not batch.done() and self.publisher.retry_due() and await self.publisher.engines_behind(self.version):
                     log.info("rollout engines outside the weight-update group are behind version %d: pushing it", self.version)
                     await self.push_weights()
         finally:
@@ -438,83 +411,9 @@ class Trainer:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    async def list_workers(self) -> list[controller_pb2.WorkerInfo]:
-        return list((await self.controller.ListWorkers(controller_pb2.ListWorkersRequest())).workers)
-
-    async def engines_behind(self) -> bool:
-        """Is a worker outside the current group (registered since it was formed, or the group is gone after a
-        failed push) behind the current version?"""
-        return any(w.engine_version < self.version and self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
-
-    async def refresh_targets(self) -> None:
-        """Rebuild the weight-update group when rollout workers came, went or registered again (a restart)."""
-        workers = await self.list_workers()
-        wanted = {w.worker_id: membership(w) for w in workers}
-        if self.sender and wanted == self.members:
-            return
-        self.push_dtype = push_dtype_for(self.job, workers)
-        await self.close_targets()
-        if not wanted:
-            return
-        timeout = self.job.trainer.weight_sync_timeout_seconds
-        self.targets = {wid: RolloutTarget(wid, address, timeout) for wid, (address, _, _) in sorted(wanted.items())}
-        self.sender = WeightSender(
-            backend=self.job.trainer.weight_sync_backend,
-            master_address=self.master_address,
-            bucket_bytes=int(self.job.trainer.weight_bucket_mb * 2**20),
-            timeout=timeout,
-            pause_mode=self.job.rollout.interrupt,
-        )
-        await self.sender.connect(list(self.targets.values()), [wanted[wid][1] for wid in self.targets])
-        self.members = wanted
-        log.info("weight-update group: %s", ", ".join(self.targets))
-
     async def push_weights(self) -> tuple[dict, dict[str, bool]]:
-        """Push the current weights to every rollout engine (generation paused around it); verify if asked.
-
-        A push that fails twice (a worker died and its replacement is not up yet, or an engine hangs) does not stop
-        the training: the group is dropped, the controller gives engines behind the current version no work, and
-        they get the weights as soon as the trainer waits for data (`next_batch`) or at the next step."""
-        for attempt in (1, 2):
-            try:
-                await self.refresh_targets()
-                if not self.sender:
-                    return {}, {}
-                # streamed: converted to the push dtype a bucket at a time, never a second copy of the model
-                stats = await self.sender.push(self.engine.named_weights_for_push(self.push_dtype), self.version)
-                self.metrics.weight_sync_duration.observe(stats.seconds)
-                self.metrics.weight_sync_bytes.inc(stats.bytes)
-                self.metrics.weight_sync_buckets.inc(stats.buckets)
-                break
-            except WeightSyncError as exc:
-                # A worker died mid-push: rebuild the group from the workers the controller still lists.
-                log.warning("weight push failed (%s); rebuilding the group (attempt %d)", exc, attempt)
-                await self.close_targets()
-                if attempt == 2:
-                    self.metrics.weight_sync_failures.inc()
-                    low, high = FAILED_PUSH_BACKOFF
-                    self.push_backoff = min(2 * self.push_backoff, high) if self.push_backoff else low
-                    self.push_retry_at = time.monotonic() + self.push_backoff
-                    return {}, {}
-                await asyncio.sleep(1.0)
-        self.push_backoff = 0.0
-        verified = await self.verify_weights() if self.job.trainer.verify_weight_sync else {}
-        return asdict(stats), verified
-
-    async def verify_weights(self) -> dict[str, bool]:
-        # The pushed tensors, rounded to the push dtype: what the engines hold exactly.
-        _, expected = weights_checksum(self.engine.named_weights_for_push(self.push_dtype))
-        results = {wid: await target.weights_checksum() == expected for wid, target in self.targets.items()}
-        if not all(results.values()):
-            raise RuntimeError(f"engine weights differ from the trainer's after pushing version {self.version}: {results}")
-        return results
-
-    async def close_targets(self) -> None:
-        if self.sender:
-            await self.sender.close()
-        for target in self.targets.values():
-            await target.close()
-        self.sender, self.targets, self.members = None, {}, {}
+        """The current weights to every rollout engine (publishing.py)."""
+        return await self.publisher.push(self.engine.named_weights_for_push, self.version)
 
     async def announce(self, restored: bool) -> None:
         await self.controller.AnnounceVersion(common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored))
