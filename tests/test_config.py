@@ -35,7 +35,7 @@ def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
         ("algorithm:\n  batch_sise: 4\n", "algorithm.batch_sise: unknown field"),
         ("sampling:\n  temperature: hot\n", "sampling.temperature: Input should be a valid number"),
         ("rollout:\n  engine: vllm\n", "rollout.engine: Input should be 'cpu' or 'sglang'"),
-        ("trainer:\n  backend: deepspeed\n", "trainer.backend: Input should be 'torch' (got 'deepspeed')"),
+        ("trainer:\n  backend: deepspeed\n", "trainer.backend: Input should be 'torch' or 'megatron' (got 'deepspeed')"),
         ("trainer:\n  precision: fp16\n", "trainer.precision: Input should be 'fp32' or 'bf16' (got 'fp16')"),
         ("trainer:\n  logprob_chunk_tokens: 0\n", "trainer.logprob_chunk_tokens: Input should be greater than or equal to 1"),
         ("rollout:\n  engine: sglang\n  workers: 2\n  engine_urls: [http://a:30000]\n", "needs one entry in engine_urls per worker"),

@@ -16,7 +16,7 @@ from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.apply import apply, is_subset, merge_patch
 from areal_k8s.k8s_operator.children import config_hash, desired_children, to_yaml
 from areal_k8s.k8s_operator.kube import KubeApi
-from areal_k8s.k8s_operator.validation import validate
+from areal_k8s.k8s_operator.validation import InvalidSpec, validate
 from areal_k8s.reward.__main__ import parse_args as reward_args
 from areal_k8s.rollout.cpu_engine.__main__ import parse_args as engine_args
 
@@ -454,3 +454,14 @@ async def test_create_or_patch_against_an_apiserver(cluster: Cluster):
 async def call(fn, *args):
     """Run the operator's blocking client off the event loop that serves kmock."""
     return await asyncio.to_thread(fn, *args)
+
+
+def test_the_trainers_parallel_layout_reaches_the_job_file_the_ranks_read():
+    """roles.trainer.parallelism is the one place a layout is set: the ranks' job file gets its tensor and pipeline
+    sizes, and a split model on the torch backend (which only replicates) is refused with the reason."""
+    split = {"replicas": 2, "parallelism": {"tensor": 2, "pipeline": 1, "data": 1}}
+    valid = validate(rljob(trainer={"backend": "megatron"}, roles={**rljob()["spec"]["roles"], "trainer": split}))
+    assert (valid.config.trainer.backend, valid.config.trainer.replicas) == ("megatron", 2)
+    assert (valid.config.trainer.parallelism.tensor, valid.config.trainer.parallelism.pipeline) == (2, 1)
+    with pytest.raises(InvalidSpec, match="parallelism.tensor/pipeline > 1 needs backend: megatron"):
+        validate(rljob(roles={**rljob()["spec"]["roles"], "trainer": split}))

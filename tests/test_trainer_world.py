@@ -3,7 +3,6 @@ one-rank step on the same batch, each rank trains its own share, and rank 0 ackn
 checkpoint covers only once every rank is past the steps that trained them."""
 
 import asyncio
-import random
 import time
 from pathlib import Path
 
@@ -16,45 +15,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
-from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, StreamEntry, TrajectoryStore, connect
+from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, TrajectoryStore, connect
 from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_checkpoint
-from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import share_of_rank
 from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import COMMIT, STOP, World, WorldSpec
 from tiny_models import build_tiny_qwen2
+from trainer_batches import GROUP_SIZE, make_groups
 
-GROUP_SIZE = 4
 
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return build_tiny_qwen2(tmp_path_factory.mktemp("world"), seed=5)
-
-
-def make_groups(model_path: Path, count: int) -> list[Group]:
-    """Groups of varied lengths whose behaviour policy is a little stale; the last group has no reward signal."""
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    rng = random.Random(1)
-    groups = []
-    for g in range(count):
-        prompt = [rng.randrange(1, 200) for _ in range(rng.randint(2, 6))]
-        entries = []
-        for i in range(GROUP_SIZE):
-            tokens = prompt + [rng.randrange(1, 200) for _ in range(rng.randint(1, 14))]
-            with torch.no_grad():
-                scored = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024)[0]
-            trajectory = common_pb2.Trajectory(
-                trajectory_id=f"g{g}-{i}", group_id=f"g{g}", token_ids=tokens, prompt_length=len(prompt),
-                logprobs=[0.0] * len(prompt) + [float(x) - 0.05 for x in scored[len(prompt) - 1:]],
-                versions=[-1] * len(prompt) + [0] * (len(tokens) - len(prompt)),
-                loss_mask=[False] * len(prompt) + [True] * (len(tokens) - len(prompt)),
-                reward=1.0 if g == count - 1 else float((i + g) % 2),
-            )
-            entries.append(StreamEntry(f"{g}-{i}", f"g{g}", 0, 0, 0, g, trajectory))
-        groups.append(Group(f"g{g}", 0, g, tuple(entries)))
-    return groups
 
 
 def job_for(model_path: Path, run_dir: Path, trainer: dict | None = None, **algorithm):

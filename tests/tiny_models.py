@@ -130,3 +130,29 @@ def build_scripted_qwen2(path: Path, *, added_tokens: list[str], successors: dic
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def build_tiny_decoder(path: Path, model_type: str, *, seed: int = 0, vocab_size: int = 260,
+                       tie_word_embeddings: bool = False) -> Path:
+    """A random Qwen2, Qwen3 or Llama (GQA 4/2 heads) and the byte tokenizer, saved under `path`. The vocabulary
+    (default 260: the tokenizer's 259 tokens and one unused row) divides by 2 and 4, as tensor parallelism needs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = AutoConfig.for_model(
+        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "qwen3":  # the query/key norms start at 1: perturb them, or a swapped pair would pass unseen
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.add_(0.1 * torch.randn_like(layer.self_attn.q_norm.weight))
+                layer.self_attn.k_norm.weight.add_(0.1 * torch.randn_like(layer.self_attn.k_norm.weight))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

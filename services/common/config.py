@@ -295,10 +295,21 @@ class RolloutConfig(_Section):
         return self
 
 
+class ParallelismConfig(_Section):
+    tensor: Annotated[int, Field(ge=1)] = Field(
+        1, description="`megatron`: ranks each layer's tensors are split over (heads, key/value heads, vocabulary and "
+        "MLP width must divide by it); the data-parallel size is `replicas` / (tensor × pipeline).")
+    pipeline: Annotated[int, Field(ge=1, le=1)] = Field(
+        1, description="`megatron`: pipeline stages (only 1 so far: tensor and data parallelism are built).")
+
+
 class TrainerConfig(_Section):
-    backend: Literal["torch"] = Field(
-        "torch", description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM)."
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM, data "
+        "parallel) or `megatron` (a megatron-core GPTModel built from the Hugging Face config of a Qwen2/Qwen2.5, "
+        "Qwen3 or Llama model, tensor and data parallel: `parallelism`)."
     )
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="How the `megatron` backend splits the model over the trainer ranks.")
     replicas: Annotated[int, Field(ge=1)] = Field(
         1,
         description="Trainer ranks: processes forming one data-parallel torch.distributed world (gloo on CPU, NCCL on "
@@ -347,6 +358,15 @@ class TrainerConfig(_Section):
     keep_checkpoints: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
     eval_interval: Annotated[int, Field(ge=0)] = Field(10, description="Evaluate held-out accuracy every k steps (0: only at start and end).")
     eval_max_new_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Generation budget for evaluation; default sampling.max_new_tokens.")
+
+    @model_validator(mode="after")
+    def _layout_fits_the_ranks(self) -> TrainerConfig:
+        split = self.parallelism.tensor * self.parallelism.pipeline
+        if split > 1 and self.backend != "megatron":
+            raise ValueError("parallelism.tensor/pipeline > 1 needs backend: megatron (the torch backend is data parallel)")
+        if self.replicas % split:
+            raise ValueError(f"replicas ({self.replicas}) must be a multiple of parallelism.tensor × pipeline ({split})")
+        return self
 
 
 class RedisConfig(_Section):

@@ -43,7 +43,7 @@ OPERATOR_OWNED = {
     "algorithm": {"max_staleness", "staleness_target"},  # staleness.eta, staleness.targetBand
     # roles.rollout.minReplicas/maxReplicas, roles.trainer.minReplicas/maxReplicas; gpuBudget
     "rebalance": {"min_workers", "max_workers", "min_trainer_replicas", "max_trainer_replicas", "cores"},
-    "trainer": {"replicas"},  # roles.trainer: replicas × gpusPerPod ranks
+    "trainer": {"replicas", "parallelism"},  # roles.trainer: replicas × gpusPerPod ranks, split as its parallelism
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
     "dataset": (DatasetConfig, "The job file's `dataset` section."),
@@ -233,7 +233,8 @@ def roles_schema() -> dict:
                                minimum=1),
     }
     parallelism = obj(
-        "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count.",
+        "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count. Tensor (and pipeline, "
+        "only 1 so far) above 1 need trainer.backend: megatron.",
         {
             "tensor": integer("Tensor-parallel size.", minimum=1, default=1),
             "pipeline": integer("Pipeline-parallel size.", minimum=1, default=1),

@@ -105,7 +105,8 @@ def compose_job_config(rljob: dict) -> JobConfig:
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
         **{section: spec[section] for section in ("dataset", "reward", "sampling")},
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
-        "trainer": {**spec["trainer"], "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1)},
+        "trainer": {**spec["trainer"], "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1),
+                    "parallelism": {size: trainer["parallelism"][size] for size in ("tensor", "pipeline")}},
         "rebalance": {**spec["rebalance"], "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
                       **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {}),
                       # the trainer's bounds in ranks, as its replicas

@@ -28,7 +28,10 @@ MicroBatch = dict[str, torch.Tensor]
 # (log-probabilities [rows, L − 1] with gradient, the micro-batch on the engine's device) -> (loss, its stats)
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, LossStats]]
 
-ENGINES = {"torch": "areal_k8s.trainer.hf_engine:TorchEngine"}  # trainer.backend -> its TrainEngine
+ENGINES = {  # trainer.backend -> its TrainEngine
+    "torch": "areal_k8s.trainer.hf_engine:TorchEngine",
+    "megatron": "areal_k8s.trainer.megatron.engine:MegatronEngine",
+}
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,11 @@ class MinibatchResult:
 class TrainEngine(ABC):
     """A policy being trained, on one rank of the trainer world (`rank` of `world_size`).
 
-    Every rank calls `load`, `load_checkpoint` and `train_minibatch` in the same order (they may be collectives), and
-    `token_logprobs` on the rows it trains. The loop alone decides which rank talks to the outside world, and rank 0
-    alone calls the rest: it pushes the weights `named_weights_for_push` yields, writes the checkpoints, evaluates.
+    Every rank calls `load`, `load_checkpoint`, `train_minibatch`, `gather_for_push` and `save_checkpoint` in the same
+    order (they may be collectives), and `token_logprobs` on the rows it trains. The ranks of one data-parallel
+    replica (`data_rank` of `data_size`; a replica is one rank unless the engine splits the model) train the same
+    rows. The loop alone decides which rank talks to the outside world, and rank 0 alone calls the rest: it pushes
+    the weights `named_weights_for_push` yields and evaluates.
     """
 
     def __init__(self, job: JobConfig, *, trainable: bool = True):
@@ -56,6 +61,7 @@ class TrainEngine(ABC):
         self.job = job
         self.trainable = trainable
         self.rank, self.world_size = world_rank_and_size()
+        self.data_rank, self.data_size = self.rank, self.world_size  # engines that split the model set their own
 
     @abstractmethod
     def load(self, model_path: str | Path) -> None:
@@ -74,13 +80,19 @@ class TrainEngine(ABC):
         the gradients add up over the ranks, and the result (loss, stats) is the whole minibatch's on every rank. Every
         rank passes at least one micro-batch, or all pass none (nothing to learn: no gradient, the step is a no-op)."""
 
+    def gather_for_push(self) -> None:
+        """Every rank, after a step's last update and after loading: an engine whose ranks hold shards of the model
+        gathers the full weights onto rank 0, where `named_weights_for_push` and `save_checkpoint` read them. A
+        replicated model has nothing to gather."""
+
     @abstractmethod
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """The full weights under their Hugging Face names and shapes, in `dtype`, as the rollout engines load them."""
 
     @abstractmethod
-    def save_checkpoint(self, path: Path) -> None:
-        """Write model (Hugging Face format, readable by `load`), optimizer and RNG state into the folder `path`."""
+    def save_checkpoint(self, path: Path | None) -> None:
+        """Write model (Hugging Face format, readable by `load`), optimizer and RNG state into the folder `path`. Every
+        rank calls it: rank 0 with the folder, the others with None (their shards of the state go to rank 0)."""
 
     @abstractmethod
     def load_checkpoint(self, path: Path) -> None:

@@ -134,7 +134,9 @@ class TorchEngine(TrainEngine):
         for name, parameter in self.model.named_parameters():
             yield name, parameter.detach().to(dtype)
 
-    def save_checkpoint(self, path: Path) -> None:
+    def save_checkpoint(self, path: Path | None) -> None:
+        if path is None:  # the other ranks hold replicas of rank 0's state
+            return
         # No scheduler state: the learning rate is a pure function of the step (algorithm.learning_rate).
         self.model.save_pretrained(path)
         torch.save(self.optimizer.state_dict(), path / OPTIMIZER_FILE)

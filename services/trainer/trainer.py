@@ -183,7 +183,8 @@ class Trainer:
                 self.last = await asyncio.to_thread(self.train_step, *payload)
                 self.state.version += 1
                 log.info("rank %d trained its share of version %d", self.world.rank, self.version)
-            elif command == COMMIT:
+            elif command == COMMIT:  # rank 0 writes the checkpoint; the engine's shards of it go there
+                await asyncio.to_thread(self.engine.save_checkpoint, None)
                 await asyncio.to_thread(self.world.barrier)
         self.phase = "finished"
 
@@ -234,6 +235,7 @@ class Trainer:
                          checkpoint, self.version, self.state.world_size, self.world.size)
             else:
                 await asyncio.to_thread(self.engine.load, self.job.model)
+            await asyncio.to_thread(self.engine.gather_for_push)
             self.state.world_size = self.world.size
         if not self.world.leads:
             return
@@ -292,6 +294,7 @@ class Trainer:
             micro_batches = self.micro_batches(batch, share, lengths, masked)
             results.append(self.engine.train_minibatch(micro_batches, self.loss_fn(normaliser), lr=lr))
             clock.add(results[-1].seconds)
+        self.engine.gather_for_push()  # (every rank) the weights rank 0 pushes next
         stats = merge_loss_stats([stats for result in results for stats in result.stats])
         total_tokens = int(batch["loss_mask"].sum())
         self.state.trained_samples += len(trajectories)
@@ -324,7 +327,8 @@ class Trainer:
             rows = [i for i in rows if batch["advantages"][i, 0] != 0]
         if not rows:  # nothing to learn, on any rank: no rank runs a backward, so none waits for an all-reduce
             return [], False
-        share = share_of_rank(rows, lengths, self.job.algorithm.group_size, self.world.rank, self.world.size)
+        # every rank of a data-parallel replica (a model split over ranks) trains the same rows
+        share = share_of_rank(rows, lengths, self.job.algorithm.group_size, self.engine.data_rank, self.engine.data_size)
         if share:
             return share, False
         # A rank without a share still joins the gradient all-reduce: one row whose loss is masked out adds zero.

@@ -1,0 +1,85 @@
+"""A megatron-core GPTModel from a Hugging Face config, on this rank's share of the tensor-parallel layout.
+
+The local (Megatron-core only) layer spec everywhere: it runs on CPU and GPU alike without Transformer Engine, and its
+parameter names are the ones convert/ maps. Dropout is off (RL fine-tuning trains without it, and the rollout
+engines sample without it), and every fusion that needs a CUDA kernel is off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from areal_k8s.trainer.megatron.convert import family_of, rope_base
+from areal_k8s.trainer.megatron.convert.common import Family, Shape
+
+
+class LayoutError(ValueError):
+    """A parallel layout the model or the world cannot take; the message says which sizes disagree."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the trainer world's ranks split the model: tensor × pipeline × data = world size."""
+
+    tensor: int = 1
+    pipeline: int = 1
+
+    def data(self, world_size: int) -> int:
+        return world_size // (self.tensor * self.pipeline)
+
+    def check(self, config, world_size: int) -> None:
+        """Refuse a layout the model cannot be split into, naming the sizes."""
+        if world_size % (self.tensor * self.pipeline):
+            raise LayoutError(f"{world_size} trainer ranks are not a multiple of tensor ({self.tensor}) × pipeline "
+                              f"({self.pipeline}) parallel")
+        if self.pipeline != 1:
+            raise LayoutError("pipeline parallel > 1 is not built yet: use tensor and data parallelism")
+        shape = Shape.of(config)
+        for what, count in (("attention heads", shape.heads), ("key/value heads", shape.groups),
+                            ("MLP features", config.intermediate_size)):
+            if count % self.tensor:
+                raise LayoutError(f"{count} {what} do not split over tensor parallel {self.tensor}")
+
+
+def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    shape = Shape.of(config)
+    return TransformerConfig(
+        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=shape.heads, num_query_groups=shape.groups, kv_channels=shape.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
+        tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+        # (initialised, then overwritten by the loaded weights: initialising is what marks a parameter's shards)
+        params_dtype=dtype, use_cpu_initialization=on_cpu,
+        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+
+
+def build_gpt(config, layout: Layout, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The GPTModel for a Hugging Face config (its family checked), with this rank's shards, randomly initialised."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    family = family_of(config)
+    return GPTModel(
+        config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
+        vocab_size=Shape.of(config).padded_vocab(layout.tensor), max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=rope_base(config),
+        share_embeddings_and_output_weights=Shape.of(config).tied, parallel_output=True,
+    )
+
+
+def attention_mask(attention: torch.Tensor) -> torch.Tensor:
+    """megatron-core's boolean mask [rows, 1, L, L] (True: not attended) from a [rows, L] padding mask: causal, and
+    no query attends to padding. Passed in always: the default causal mask is built on "cuda"."""
+    length = attention.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention.device).triu(1)
+    return causal[None, None] | ~attention.bool()[:, None, None, :]

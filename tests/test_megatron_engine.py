@@ -1,0 +1,227 @@
+"""The `megatron` backend (issue 17, part 2): a megatron-core GPTModel built from tiny Qwen2, Qwen3 and Llama
+configs with their Hugging Face weights, on CPU and gloo, one or two real processes. Its log-probabilities equal the
+Hugging Face model's, its weights convert back bit for bit, and one RL step moves the weights as the `torch` backend
+moves them, at tensor parallel 1 and 2."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from areal_k8s.common.config import parse_job
+from areal_k8s.common.redis_server import free_port
+from areal_k8s.trainer.checkpoint import TrainerState, save_checkpoint
+from areal_k8s.trainer.engine import make_engine
+from areal_k8s.trainer.logprobs import token_logprobs
+from areal_k8s.trainer.megatron.convert import UnsupportedModel, family_of
+from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron
+from areal_k8s.trainer.megatron.model import Layout, LayoutError
+from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.world import World, WorldSpec
+from tiny_models import build_tiny_decoder
+from trainer_batches import make_groups
+
+pytest.importorskip("megatron.core")
+
+# Qwen2's vocabulary is the tokenizer's 259 tokens, which two tensor-parallel ranks split only once it is padded.
+VOCABULARY = {"qwen2": 259, "qwen3": 260, "llama": 260}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> the tiny model's directory, built on first use."""
+    built: dict[str, Path] = {}
+
+    def model(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_decoder(tmp_path_factory.mktemp(family), family, seed=3, vocab_size=VOCABULARY[family])
+        return built[family]
+
+    return model
+
+
+def partition_dim(name: str, tensor: torch.Tensor) -> int | None:
+    """How megatron-core splits a tensor over tensor-parallel ranks: norms whole, the output projections (row
+    parallel) by input column, everything else (column parallel) by output row."""
+    if tensor.dim() == 1 and not name.endswith("bias"):
+        return None
+    return 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
+
+
+def batch() -> dict[str, torch.Tensor]:
+    """Right-padded rows of unequal lengths, as the trainer collates them."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [9, 5, 12]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.randint(1, 259, (length,), generator=generator)
+        mask[row, :length] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("family", list(VOCABULARY))
+def test_the_conversion_round_trips_bit_for_bit_through_every_tensor_parallel_split(models, family):
+    model_path = models(family)
+    config = AutoConfig.from_pretrained(model_path)
+    family, shape = family_of(config), Shape.of(config)
+    hf = load_file(model_path / "model.safetensors")
+    megatron = to_megatron(hf, family, shape)
+    # the fused tensors are stacked per key/value group, not concatenated whole
+    qkv = megatron["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.shape == (shape.groups * (shape.per_group + 2) * shape.head_dim, shape.hidden)
+    assert torch.equal(qkv[: shape.per_group * shape.head_dim], hf["model.layers.0.self_attn.q_proj.weight"][: shape.per_group * shape.head_dim])
+    assert torch.equal(qkv[shape.per_group * shape.head_dim: (shape.per_group + 1) * shape.head_dim],
+                       hf["model.layers.0.self_attn.k_proj.weight"][: shape.head_dim])
+    for size in (1, 2):
+        padded = to_megatron(hf, family, shape, shape.padded_vocab(size))
+        assert padded["embedding.word_embeddings.weight"].shape[0] % size == 0
+        rejoined = {}
+        for name, full in padded.items():
+            dim = partition_dim(name, full)
+            rejoined[name] = join_shards(name, [shard_of(name, full, dim, rank, size) for rank in range(size)], dim)
+        back = dict(to_hf(rejoined, family, shape))
+        assert back.keys() == hf.keys()
+        for name, tensor in hf.items():
+            assert torch.equal(back[name], tensor), name
+
+
+def test_a_model_or_layout_the_backend_cannot_take_is_refused_with_the_reason(tmp_path):
+    config = AutoConfig.for_model("gpt2")
+    with pytest.raises(UnsupportedModel, match="converts model_type qwen2, qwen3, llama, not 'gpt2'"):
+        family_of(config)
+    scaled = AutoConfig.for_model("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 8192})
+    with pytest.raises(UnsupportedModel, match="rope_type 'llama3' is not converted"):
+        family_of(scaled)
+    qwen = AutoConfig.from_pretrained(build_tiny_decoder(tmp_path / "m", "qwen2"))
+    with pytest.raises(LayoutError, match="2 key/value heads do not split over tensor parallel 4"):
+        Layout(tensor=4).check(qwen, 4)
+    with pytest.raises(LayoutError, match="3 trainer ranks are not a multiple of tensor \\(2\\)"):
+        Layout(tensor=2).check(qwen, 3)
+
+
+def job_for(model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, **algorithm):
+    return parse_job({
+        "name": "megatron", "model": str(model_path), "run_dir": str(run_dir), "dataset": {"train": "t.jsonl"},
+        "sampling": {"temperature": 0.7, "max_new_tokens": 14},
+        "algorithm": {"batch_size": 4, "group_size": 4, "lr": 1.0, **algorithm},
+        # several micro-batches per rank: the gradients accumulate
+        "trainer": {"backend": backend, "replicas": replicas, "parallelism": {"tensor": tensor}, "micro_batch_tokens": 40},
+    })
+
+
+def join(rank: int, size: int, port: int) -> World:
+    torch.set_num_threads(1)
+    return World(WorldSpec(rank, size, 0, "127.0.0.1", port)).join("cpu")
+
+
+def score_on_rank(rank: int, size: int, port: int, job, out: Path) -> None:
+    join(rank, size, port)
+    engine = make_engine(job)
+    engine.load(job.model)
+    torch.save(engine.token_logprobs(batch()), out / f"logprobs{rank}.pt")
+
+
+# every family on one rank; on two, the padded vocabulary (Qwen2) and the query/key norms applied per head (Qwen3)
+@pytest.mark.parametrize("family,tensor", [("qwen2", 1), ("qwen3", 1), ("llama", 1), ("qwen2", 2), ("qwen3", 2)])
+def test_its_log_probabilities_equal_the_hugging_face_models(models, tmp_path, family, tensor):
+    model_path = models(family)
+    job = job_for(model_path, tmp_path / "run", "megatron", tensor=tensor, replicas=tensor)
+    mp.spawn(score_on_rank, args=(tensor, free_port("127.0.0.1"), job, tmp_path), nprocs=tensor)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    inputs = batch()
+    with torch.no_grad():
+        expected = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], 0.7, 1024)
+    real = inputs["attention_mask"][:, 1:].bool()
+    for rank in range(tensor):
+        got = torch.load(tmp_path / f"logprobs{rank}.pt")
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
+
+
+def step(job, groups, world: World) -> dict:
+    """One training step from the initial model with plain SGD at lr 1 (the weights move by the gradient): the loss,
+    the gradient norm and, on rank 0, the updated weights under their Hugging Face names."""
+    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
+                      eval_items=[], consumer="trainer-0", world=world)
+    trainer.engine.load(job.model)
+    trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
+    record = trainer.train_step(groups)
+    weights = dict(trainer.engine.named_weights_for_push(torch.float32)) if world.leads else None
+    return {"weights": weights, "loss": record.loss, "grad_norm": record.grad_norm}
+
+
+def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> None:
+    torch.save(step(job, groups, join(rank, size, port)), out / f"step{rank}.pt")
+
+
+@pytest.mark.parametrize("family,tensor,replicas", [
+    ("qwen2", 1, 1), ("qwen2", 2, 2), ("qwen2", 1, 2), ("llama", 1, 1),
+    ("qwen3", 2, 2),  # each rank's share of the query/key norms' gradient summed over the ranks
+], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-dp2", "llama-tp1", "qwen3-tp2"])
+def test_one_rl_step_moves_the_weights_as_the_torch_backend_does(models, tmp_path, family, tensor, replicas):
+    """The same batch, initial weights and objective (decoupled PPO with GRPO advantages; several micro-batches per
+    rank) give the same loss, gradient norm and updated weights on the `torch` backend on one rank and on the
+    `megatron` backend split over tensor-parallel or data-parallel ranks."""
+    model_path = models(family)
+    groups = make_groups(model_path, 4)
+    torch.set_num_threads(1)
+    expected = step(job_for(model_path, tmp_path / "torch", "torch"), groups, World())
+    job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, replicas=replicas)
+    mp.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
+    ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
+    initial = load_file(model_path / "model.safetensors")
+    got = ranks[0]["weights"]
+    assert got.keys() == expected["weights"].keys()
+    for name, weight in expected["weights"].items():
+        assert not torch.equal(weight, initial[name])  # the step moved it
+        # the weights move by the gradient (lr 1): float-summation order differs between the two models
+        torch.testing.assert_close(got[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    for rank in ranks:  # the whole batch's figures on every rank
+        assert rank["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
+        assert rank["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+
+
+def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path) -> None:
+    """Train a step with AdamW (from `checkpoint`, or from the model and then checkpoint it), then one more step."""
+    world = join(rank, size, port)
+    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
+                      eval_items=[], consumer="trainer-0", world=world)
+    if checkpoint is None:
+        trainer.engine.load(job.model)
+        trainer.train_step(groups[:2])
+        if world.leads:
+            save_checkpoint(out / "checkpoints", trainer.engine, TrainerState(version=1), keep=1)
+        else:
+            trainer.engine.save_checkpoint(None)
+    else:  # rank 1 reads nothing: rank 0's copy of the checkpoint reaches it
+        trainer.engine.load_checkpoint(checkpoint if world.leads else out / "elsewhere")
+        trainer.engine.gather_for_push()
+    trainer.train_step(groups[2:])
+    if world.leads:
+        torch.save(dict(trainer.engine.named_weights_for_push(torch.float32)), out / f"resumed-{size}.pt")
+
+
+def test_a_checkpoint_resumes_on_another_tensor_parallel_layout(tmp_path):
+    """Written by two tensor-parallel ranks (AdamW's moments gathered, the model in Hugging Face format), resumed on
+    one rank and on two: the next step is the same as the uninterrupted one's. The odd vocabulary is padded on two
+    ranks and not on one: the checkpoint holds neither padding."""
+    model_path = build_tiny_decoder(tmp_path / "model", "qwen2", seed=4, vocab_size=259)
+    groups = make_groups(model_path, 4)
+    job = job_for(model_path, tmp_path / "run", "megatron", tensor=2, replicas=2, batch_size=2, lr=1e-2)
+    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), job, groups, None, tmp_path), nprocs=2)
+    uninterrupted = torch.load(tmp_path / "resumed-2.pt")
+    (checkpoint,) = (tmp_path / "checkpoints").glob("v*")
+    assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None  # a Hugging Face model, as it says
+    for size in (2, 1):
+        layout = job_for(model_path, tmp_path / "run", "megatron", tensor=size, replicas=size, batch_size=2, lr=1e-2)
+        mp.spawn(resume_on_rank, args=(size, free_port("127.0.0.1"), layout, groups, checkpoint, tmp_path), nprocs=size)
+        resumed = torch.load(tmp_path / f"resumed-{size}.pt")
+        for name, weight in uninterrupted.items():
+            # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step
+            torch.testing.assert_close(resumed[name], weight, rtol=1e-4, atol=1e-5, msg=name)
