@@ -97,6 +97,26 @@ def test_cli_exits_non_zero_with_one_readable_line(tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout
 
 
+def test_settings_on_the_command_line_go_over_the_file_and_are_validated_as_its_own(tmp_path):
+    """`--set section.field=value` (values read as YAML), as `helm --set`: the demo on the megatron backend is one
+    command, and a misspelt or mistyped setting fails with one line naming it."""
+    good = write(tmp_path, MINIMAL)
+    job = load_job_file(good, overrides=["trainer.backend=megatron", "trainer.replicas=2", "trainer.parallelism.tensor=2",
+                                         "algorithm.lr=1e-5", "name=other"])
+    assert (job.trainer.backend, job.trainer.replicas, job.trainer.parallelism.tensor, job.name) == ("megatron", 2, 2, "other")
+    assert job.algorithm.lr == 1e-5
+    cases = [
+        ("trainer.replicaz=2", f"{good} with --set: trainer.replicaz: unknown field"),
+        ("trainer.replicas=two", f"{good} with --set: trainer.replicas: Input should be a valid integer, unable to parse string as an integer (got 'two')"),
+        ("trainer.replicas", "--set 'trainer.replicas': expected KEY=VALUE, e.g. trainer.replicas=2"),
+        ("name.first=x", "--set name.first: name is a value, not a section"),
+    ]
+    for setting, line in cases:
+        result = subprocess.run([sys.executable, "-m", "areal_k8s.cli.main", "validate", str(good), "--set", setting],
+                                capture_output=True, text=True)
+        assert (result.returncode, result.stderr.strip()) == (2, f"arealctl: error: {line}")
+
+
 def test_readme_job_reference_is_generated_from_the_schema():
     from areal_k8s.cli.main import REFERENCE_END, REFERENCE_START
     from areal_k8s.common.config import reference_markdown

@@ -20,7 +20,7 @@ def fail(message: str, code: int) -> int:
 
 
 def cmd_validate(args) -> int:
-    job = load_job_file(args.job)
+    job = load_job_file(args.job, overrides=args.set)
     print(f"{args.job}: ok (job {job.name}, {job.algorithm.total_steps} steps, η = {job.algorithm.max_staleness})")
     return 0
 
@@ -33,7 +33,7 @@ def cmd_run(args) -> int:
 
     from areal_k8s.cli.supervisor import RestartPolicy
 
-    job = load_job_file(args.job)
+    job = load_job_file(args.job, overrides=args.set)
     run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
     # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
     # would otherwise outlive arealctl. SIGINT is set too: a shell starts a background command with SIGINT ignored,
@@ -186,12 +186,19 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def add_overrides(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="set a job-file field over the file's, e.g. --set trainer.backend=megatron (repeatable; "
+                              "the value is read as YAML)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="arealctl", description="areal-k8s: asynchronous RL for reasoning LLMs")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a job on this machine: every service as a local process")
     run.add_argument("job", help="job file (YAML)")
+    add_overrides(run)
     again = run.add_mutually_exclusive_group()
     again.add_argument("--fresh", action="store_true", help="delete the job's run directory first")
     again.add_argument("--resume", action="store_true", help="continue the run in the job's run directory")
@@ -209,6 +216,7 @@ def parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a job file and exit")
     validate.add_argument("job")
+    add_overrides(validate)
     validate.set_defaults(func=cmd_validate)
 
     reference = sub.add_parser("reference", help="print the job-file reference (Markdown)")

@@ -7,6 +7,7 @@ Every field's description is the job-file reference (the README's table is gener
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -530,10 +531,34 @@ def read_yaml_file(path: Path, what: str = "job file") -> object:
         raise JobFileError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
 
 
-def load_job_file(path: str | Path, project_root: Path | None = None) -> JobConfig:
-    """Read, validate and resolve a job file. Relative paths are taken against `project_root` (default: cwd)."""
+def apply_overrides(data: object, overrides: Sequence[str]) -> object:
+    """A job file's mapping with `section.field=value` settings over it (a value is read as YAML: 2, true, [a, b]);
+    the job is validated after, so a misspelt field is named as in the file."""
+    for item in overrides:
+        key, equals, text = item.partition("=")
+        if not equals or not key:
+            raise JobFileError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.replicas=2")
+        if not isinstance(data, dict):
+            break  # parse_job names the problem
+        *sections, field = key.split(".")
+        node = data
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise JobFileError(f"--set {key}: {section} is a value, not a section")
+        try:
+            node[field] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise JobFileError(f"--set {item!r}: the value is not valid YAML") from None
+    return data
+
+
+def load_job_file(path: str | Path, project_root: Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read, validate and resolve a job file, `overrides` (`section.field=value`) set over it. Relative paths are
+    taken against `project_root` (default: cwd)."""
     path = Path(path)
-    return parse_job(read_yaml_file(path), str(path)).resolve_paths(project_root or Path.cwd())
+    data = apply_overrides(read_yaml_file(path), overrides)
+    return parse_job(data, str(path) + (" with --set" if overrides else "")).resolve_paths(project_root or Path.cwd())
 
 
 def reference_markdown() -> str:
