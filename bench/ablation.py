@@ -9,7 +9,8 @@ of its last `--smooth` held-out evaluations (one evaluation moves by a few point
 
 Per cell the results hold every run and the median, min and max over seeds of that accuracy, the mean staleness
 the trained samples actually had (η is only the bound) and samples/s. bench/results/ablation.json keeps them; the
-README's table is written from it (`--readme`), and tests/test_bench_analysis.py checks that they agree.
+README's table is written from it (`--readme`: accuracy and staleness; throughput against η is `make bench`'s
+question, asked there side by side), and tests/test_bench_analysis.py checks that they agree.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def report(runs: list[dict], levels: list[int], seeds: list[int], smooth: int, s
         mine = [r for r in runs if (r["max_staleness"], r["objective"]) == (eta, objective)]
         if mine:
             summary[f"{eta}/{objective}"] = {key: spread(mine, key) for key in FIGURES} | {"runs": len(mine)}
+    # the seeds some run has finished (an interrupted call's later seeds have none yet)
+    seeds = sorted({r["seed"] for r in runs} & set(seeds))
     return {"machine": {"cores": os.cpu_count()}, "steps": steps, "seeds": seeds, "levels": levels, "smooth": smooth,
             "summary": summary, "runs": runs}
 
@@ -96,7 +99,6 @@ def readme_block(results: dict) -> str:
         "| decoupled PPO | " + " | ".join(cell(eta, "decoupled") for eta in levels) + " |",
         "| naive PPO | " + " | ".join(cell(eta, "naive") for eta in levels) + " |",
         "| mean staleness trained (decoupled · naive) | " + " | ".join(other(eta, "mean_staleness", ".2f") for eta in levels) + " |",
-        "| samples/s (decoupled · naive) | " + " | ".join(other(eta, "samples_per_second", ".0f") for eta in levels) + " |",
         README_END,
     ])
 

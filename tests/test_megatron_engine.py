@@ -14,7 +14,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.trainer.checkpoint import TrainerState, save_checkpoint
-from areal_k8s.trainer.engine import make_engine
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.megatron.convert import UnsupportedModel, family_of
 from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron
@@ -120,40 +119,17 @@ def join(rank: int, size: int, port: int) -> World:
     return World(WorldSpec(rank, size, 0, "127.0.0.1", port)).join("cpu")
 
 
-def score_on_rank(rank: int, size: int, port: int, job, out: Path) -> None:
-    join(rank, size, port)
-    engine = make_engine(job)
-    engine.load(job.model)
-    torch.save(engine.token_logprobs(batch()), out / f"logprobs{rank}.pt")
-
-
-# every family on one rank; on two, the padded vocabulary (Qwen2) and the query/key norms applied per head (Qwen3)
-@pytest.mark.parametrize("family,tensor", [("qwen2", 1), ("qwen3", 1), ("llama", 1), ("qwen2", 2), ("qwen3", 2)])
-def test_its_log_probabilities_equal_the_hugging_face_models(models, tmp_path, family, tensor):
-    model_path = models(family)
-    job = job_for(model_path, tmp_path / "run", "megatron", tensor=tensor, replicas=tensor)
-    mp.spawn(score_on_rank, args=(tensor, free_port("127.0.0.1"), job, tmp_path), nprocs=tensor)
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    inputs = batch()
-    with torch.no_grad():
-        expected = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], 0.7, 1024)
-    real = inputs["attention_mask"][:, 1:].bool()
-    for rank in range(tensor):
-        got = torch.load(tmp_path / f"logprobs{rank}.pt")
-        assert got.shape == expected.shape
-        torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-4)
-
-
 def step(job, groups, world: World) -> dict:
-    """One training step from the initial model with plain SGD at lr 1 (the weights move by the gradient): the loss,
-    the gradient norm and, on rank 0, the updated weights under their Hugging Face names."""
+    """The initial model's log-probabilities of `batch()`, then one training step with plain SGD at lr 1 (the weights
+    move by the gradient): the loss, the gradient norm and, on rank 0, the updated weights under Hugging Face names."""
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
     trainer.engine.load(job.model)
+    logprobs = trainer.engine.token_logprobs(batch())
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
     record = trainer.train_step(groups)
     weights = dict(trainer.engine.named_weights_for_push(torch.float32)) if world.leads else None
-    return {"weights": weights, "loss": record.loss, "grad_norm": record.grad_norm}
+    return {"logprobs": logprobs, "weights": weights, "loss": record.loss, "grad_norm": record.grad_norm}
 
 
 def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> None:
@@ -161,13 +137,15 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
 
 
 @pytest.mark.parametrize("family,tensor,replicas", [
-    ("qwen2", 1, 1), ("qwen2", 2, 2), ("qwen2", 1, 2), ("llama", 1, 1),
-    ("qwen3", 2, 2),  # each rank's share of the query/key norms' gradient summed over the ranks
-], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-dp2", "llama-tp1", "qwen3-tp2"])
-def test_one_rl_step_moves_the_weights_as_the_torch_backend_does(models, tmp_path, family, tensor, replicas):
-    """The same batch, initial weights and objective (decoupled PPO with GRPO advantages; several micro-batches per
-    rank) give the same loss, gradient norm and updated weights on the `torch` backend on one rank and on the
-    `megatron` backend split over tensor-parallel or data-parallel ranks."""
+    ("qwen2", 1, 1), ("llama", 1, 1), ("qwen2", 1, 2),
+    ("qwen2", 2, 2),  # the vocabulary (259) padded to split over the ranks
+    ("qwen3", 2, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
+], ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2"])
+def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(models, tmp_path, family, tensor, replicas):
+    """Split over tensor- or data-parallel ranks, the `megatron` backend's log-probabilities equal the Hugging Face
+    model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO advantages,
+    several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch` backend on one
+    rank."""
     model_path = models(family)
     groups = make_groups(model_path, 4)
     torch.set_num_threads(1)
@@ -175,6 +153,12 @@ def test_one_rl_step_moves_the_weights_as_the_torch_backend_does(models, tmp_pat
     job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, replicas=replicas)
     mp.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    inputs = batch()
+    with torch.no_grad():
+        exact = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], 0.7, 1024)
+    real = inputs["attention_mask"][:, 1:].bool()
     initial = load_file(model_path / "model.safetensors")
     got = ranks[0]["weights"]
     assert got.keys() == expected["weights"].keys()
@@ -182,12 +166,13 @@ def test_one_rl_step_moves_the_weights_as_the_torch_backend_does(models, tmp_pat
         assert not torch.equal(weight, initial[name])  # the step moved it
         # the weights move by the gradient (lr 1): float-summation order differs between the two models
         torch.testing.assert_close(got[name], weight, rtol=1e-4, atol=1e-5, msg=name)
-    for rank in ranks:  # the whole batch's figures on every rank
+    for rank in ranks:  # every rank scores the whole rows, and reports the whole batch's figures
+        torch.testing.assert_close(rank["logprobs"][real], exact[real], rtol=0, atol=1e-4)
         assert rank["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
         assert rank["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
 
 
-def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path) -> None:
+def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path, label: str) -> None:
     """Train a step with AdamW (from `checkpoint`, or from the model and then checkpoint it), then one more step."""
     world = join(rank, size, port)
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
@@ -204,24 +189,22 @@ def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Pat
         trainer.engine.gather_for_push()
     trainer.train_step(groups[2:])
     if world.leads:
-        torch.save(dict(trainer.engine.named_weights_for_push(torch.float32)), out / f"resumed-{size}.pt")
+        torch.save(dict(trainer.engine.named_weights_for_push(torch.float32)), out / f"{label}.pt")
 
 
-def test_a_checkpoint_resumes_on_another_tensor_parallel_layout(tmp_path):
-    """Written by two tensor-parallel ranks (AdamW's moments gathered, the model in Hugging Face format), resumed on
-    one rank and on two: the next step is the same as the uninterrupted one's. The odd vocabulary is padded on two
-    ranks and not on one: the checkpoint holds neither padding."""
+def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path):
+    """Written by two tensor-parallel ranks (AdamW's moments gathered, the model in Hugging Face format), resumed by
+    two data-parallel ranks, rank 1 reading nothing (rank 0's copy reaches it): the next step is the same as the
+    uninterrupted one's. The odd vocabulary is padded when split and not otherwise: the checkpoint holds neither."""
     model_path = build_tiny_decoder(tmp_path / "model", "qwen2", seed=4, vocab_size=259)
     groups = make_groups(model_path, 4)
-    job = job_for(model_path, tmp_path / "run", "megatron", tensor=2, replicas=2, batch_size=2, lr=1e-2)
-    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), job, groups, None, tmp_path), nprocs=2)
-    uninterrupted = torch.load(tmp_path / "resumed-2.pt")
+    split = job_for(model_path, tmp_path / "run", "megatron", tensor=2, replicas=2, batch_size=2, lr=1e-2)
+    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), split, groups, None, tmp_path, "uninterrupted"), nprocs=2)
     (checkpoint,) = (tmp_path / "checkpoints").glob("v*")
     assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None  # a Hugging Face model, as it says
-    for size in (2, 1):
-        layout = job_for(model_path, tmp_path / "run", "megatron", tensor=size, replicas=size, batch_size=2, lr=1e-2)
-        mp.spawn(resume_on_rank, args=(size, free_port("127.0.0.1"), layout, groups, checkpoint, tmp_path), nprocs=size)
-        resumed = torch.load(tmp_path / f"resumed-{size}.pt")
-        for name, weight in uninterrupted.items():
-            # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step
-            torch.testing.assert_close(resumed[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    replicated = job_for(model_path, tmp_path / "run", "megatron", tensor=1, replicas=2, batch_size=2, lr=1e-2)
+    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), replicated, groups, checkpoint, tmp_path, "resumed"), nprocs=2)
+    uninterrupted, resumed = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "resumed.pt")
+    for name, weight in uninterrupted.items():
+        # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step
+        torch.testing.assert_close(resumed[name], weight, rtol=1e-4, atol=1e-5, msg=name)
