@@ -34,7 +34,7 @@ WORKLOADS = [(DEPLOYMENTS, "demo-controller"), (DEPLOYMENTS, "demo-reward"), (DE
 
 GPU_JOB = {
     "rollout": {"engine": "sglang"},
-    "trainer": {"device": "cuda", "weight_sync_backend": "nccl"},
+    "trainer": {"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},  # tensor parallel 2 below
     "gpuBudget": 8,
     "roles": {
         "rollout": {"replicas": 2, "gpusPerPod": 2, "image": "registry.test/rollout:1", "engine": {"image": "registry.test/sglang:1"},

@@ -31,10 +31,10 @@ HPAS = "/apis/autoscaling/v2/namespaces/rl/horizontalpodautoscalers"
 
 def test_the_spec_gives_the_units_the_bounds_and_what_the_budget_leaves_for_rollout_and_training():
     spec = validate(rljob(
-        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl"}, gpuBudget=16,
-        roles={"rollout": {"replicas": 3, "minReplicas": 2, "maxReplicas": 6, "gpusPerPod": 2},
-               "reward": {"replicas": 1, "gpusPerPod": 1},
-               "trainer": {"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 2, "pipeline": 2, "data": 2}}})).spec
+        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
+        gpuBudget=16, roles={"rollout": {"replicas": 3, "minReplicas": 2, "maxReplicas": 6, "gpusPerPod": 2},
+                             "reward": {"replicas": 1, "gpusPerPod": 1},
+                             "trainer": {"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 4, "pipeline": 1, "data": 2}}})).spec
     limits = limits_of(spec)
     assert (limits.rollout_unit, limits.trainer_unit, limits.budget) == (2, 4, 15)  # a data-parallel replica: tp × pp
     assert (limits.min_rollout, limits.max_rollout, limits.min_trainer, limits.max_trainer) == (2, 6, 2, 2)
@@ -184,7 +184,7 @@ def trainer_env(cluster: Cluster) -> dict[str, str]:
 
 def test_the_trainer_bounds_come_from_roles_trainer_in_data_parallel_replicas():
     spec = validate(rljob(
-        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl"},
+        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
         roles={"rollout": {"replicas": 2, "maxReplicas": 4, "gpusPerPod": 1},
                "trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpusPerPod": 4,
                            "parallelism": {"tensor": 4, "data": 2}}})).spec
