@@ -21,7 +21,7 @@ from areal_k8s.trainer.megatron.model import Layout, LayoutError
 from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import World, WorldSpec
 from tiny_models import build_tiny_decoder
-from trainer_batches import make_groups
+from trainer_batches import make_groups, padded_batch
 
 pytest.importorskip("megatron.core")
 
@@ -48,18 +48,6 @@ def partition_dim(name: str, tensor: torch.Tensor) -> int | None:
     if tensor.dim() == 1 and not name.endswith("bias"):
         return None
     return 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
-
-
-def batch() -> dict[str, torch.Tensor]:
-    """Right-padded rows of unequal lengths, as the trainer collates them."""
-    generator = torch.Generator().manual_seed(0)
-    lengths = [9, 5, 12]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, :length] = torch.randint(1, 259, (length,), generator=generator)
-        mask[row, :length] = 1
-    return {"input_ids": ids, "attention_mask": mask}
 
 
 @pytest.mark.parametrize("family", list(VOCABULARY))
@@ -120,12 +108,13 @@ def join(rank: int, size: int, port: int) -> World:
 
 
 def step(job, groups, world: World) -> dict:
-    """The initial model's log-probabilities of `batch()`, then one training step with plain SGD at lr 1 (the weights
-    move by the gradient): the loss, the gradient norm and, on rank 0, the updated weights under Hugging Face names."""
+    """The initial model's log-probabilities of `padded_batch()`, then one training step with plain SGD at lr 1 (the
+    weights move by the gradient): the loss, the gradient norm and, on rank 0, the updated weights under Hugging Face
+    names."""
     trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
     trainer.engine.load(job.model)
-    logprobs = trainer.engine.token_logprobs(batch())
+    logprobs = trainer.engine.token_logprobs(padded_batch())
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
     record = trainer.train_step(groups)
     weights = dict(trainer.engine.named_weights_for_push(torch.float32)) if world.leads else None
@@ -155,10 +144,10 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(mode
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
 
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    inputs = batch()
+    inputs = padded_batch()
     with torch.no_grad():
         exact = token_logprobs(model, inputs["input_ids"], inputs["attention_mask"], 0.7, 1024)
-    real = inputs["attention_mask"][:, 1:].bool()
+    real = inputs["loss_mask"]
     initial = load_file(model_path / "model.safetensors")
     got = ranks[0]["weights"]
     assert got.keys() == expected["weights"].keys()

@@ -14,6 +14,7 @@ from areal_k8s.trainer.engine import ENGINES, make_engine
 from areal_k8s.trainer.hf_engine import TorchEngine
 from areal_k8s.trainer.logprobs import token_logprobs
 from tiny_models import build_tiny_qwen2, tiny_llama
+from trainer_batches import padded_batch
 
 CHUNK = 5
 
@@ -21,18 +22,6 @@ CHUNK = 5
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def model_path(request, tmp_path_factory):
     return build_tiny_qwen2(tmp_path_factory.mktemp("engine"), seed=5, tie_word_embeddings=request.param)
-
-
-def padded_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Three right-padded rows of different lengths."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = [11, 7, 4]
-    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, n in enumerate(lengths):
-        input_ids[row, :n] = torch.randint(1, 250, (n,), generator=g)
-        attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": attention_mask[:, 1:].bool()}
 
 
 def full_logits_logprobs(model, batch, temperature):

@@ -37,3 +37,16 @@ def make_groups(model_path: Path, count: int) -> list[Group]:
             entries.append(StreamEntry(f"{g}-{i}", f"g{g}", 0, 0, 0, g, trajectory))
         groups.append(Group(f"g{g}", 0, g, tuple(entries)))
     return groups
+
+
+def padded_batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Three right-padded rows of different lengths, as the trainer collates them (token ids below 250: every tiny
+    test model's vocabulary has them)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [11, 7, 4]
+    input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, :n] = torch.randint(1, 250, (n,), generator=g)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": attention_mask[:, 1:].bool()}

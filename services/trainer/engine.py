@@ -12,6 +12,7 @@ and `attention_mask` are what an engine reads; the rest goes to the loss functio
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -62,6 +63,24 @@ class TrainEngine(ABC):
         self.trainable = trainable
         self.rank, self.world_size = world_rank_and_size()
         self.data_rank, self.data_size = self.rank, self.world_size  # engines that split the model set their own
+        self.device = torch.device(job.trainer.device)
+        if self.device.type == "cuda":  # this rank's GPU (the world selected it: LOCAL_RANK)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    # -- what every backend shares -------------------------------------------------------------------------------
+
+    def _compute(self):
+        """`trainer.precision: bf16`: forward and backward under bfloat16 autocast over float32 master weights."""
+        if self.job.trainer.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _on_device(self, micro_batch: MicroBatch) -> MicroBatch:
+        return {name: tensor.to(self.device) for name, tensor in micro_batch.items()}
+
+    def _new_optimizer(self, parameters) -> torch.optim.Optimizer:
+        algorithm = self.job.algorithm
+        return torch.optim.AdamW(parameters, lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay)
 
     @abstractmethod
     def load(self, model_path: str | Path) -> None:

@@ -51,9 +51,6 @@ class _Scorer(torch.nn.Module):
 class TorchEngine(TrainEngine):
     def __init__(self, job, *, trainable: bool = True):
         super().__init__(job, trainable=trainable)
-        self.device = torch.device(job.trainer.device)
-        if self.device.type == "cuda":  # this rank's GPU (the world selected it: LOCAL_RANK)
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = None  # the Hugging Face model (its parameters are the replica DDP keeps in step)
         self.replicated: DistributedDataParallel | None = None  # with several ranks: what a training forward runs
         self.optimizer: torch.optim.Optimizer | None = None
@@ -75,15 +72,7 @@ class TorchEngine(TrainEngine):
                 _Scorer(self.model, self), device_ids=[self.device] if self.device.type == "cuda" else None,
                 forward_sync_buffers=False,
             )
-        algorithm = self.job.algorithm
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
-        )
-
-    def _compute(self):
-        if self.job.trainer.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        self.optimizer = self._new_optimizer(self.model.parameters())
 
     def _logprobs(self, micro_batch: MicroBatch, model=None) -> torch.Tensor:
         with self._compute():
@@ -91,9 +80,6 @@ class TorchEngine(TrainEngine):
                 self.model if model is None else model, micro_batch["input_ids"], micro_batch["attention_mask"],
                 self.job.sampling.temperature, self.job.trainer.logprob_chunk_tokens,
             )
-
-    def _on_device(self, micro_batch: MicroBatch) -> MicroBatch:
-        return {name: tensor.to(self.device) for name, tensor in micro_batch.items()}
 
     @torch.no_grad()
     def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:

@@ -20,7 +20,6 @@ they resume on any tensor-parallel layout. Pipeline parallelism is refused (mode
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from transformers import AutoConfig
 from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
 from areal_k8s.trainer.megatron import cpu
 from areal_k8s.trainer.megatron.convert import family_of
-from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, pad_vocab, shard_of, to_hf, to_megatron
+from areal_k8s.trainer.megatron.convert.common import Family, Shape, join_shards, pad_vocab, shard_of, to_hf, to_megatron
 from areal_k8s.trainer.megatron.model import Layout, attention_mask, build_gpt
 from areal_k8s.trainer.stepping import PhaseClock
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
@@ -72,9 +71,6 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state
 
         cpu.apply_if_needed()
-        self.device = torch.device(job.trainer.device)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
         parallelism = job.trainer.parallelism
         self.layout = Layout(tensor=parallelism.tensor, pipeline=parallelism.pipeline)
         initialise_parallel_state(self.layout)
@@ -82,7 +78,9 @@ class MegatronEngine(TrainEngine):
         self.tensor_rank = parallel_state.get_tensor_model_parallel_rank()
         self.data_group = parallel_state.get_data_parallel_group()
         self.data_rank, self.data_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        self.config = None  # the Hugging Face config
+        self.config = None  # the Hugging Face config, its family and sizes
+        self.family: Family | None = None
+        self.shape: Shape | None = None
         self.model = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.gathered: dict[str, torch.Tensor] | None = None  # rank 0: the full Megatron-named weights
@@ -94,20 +92,17 @@ class MegatronEngine(TrainEngine):
 
     def _build(self, config, hf_weights: dict[str, torch.Tensor]) -> None:
         """The model for `config` holding this rank's shards of the Hugging Face weights, and a fresh optimizer."""
-        self.config = config
+        self.config, self.family, self.shape = config, family_of(config), Shape.of(config)
         self.layout.check(config, self.world_size)
         self.model = build_gpt(config, self.layout, self.device).to(self.device)
         self._load_full(self._to_megatron(hf_weights))
         if not self.trainable:
             self.model.eval().requires_grad_(False)
             return
-        algorithm = self.job.algorithm
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algorithm.lr, betas=algorithm.betas,
-                                           weight_decay=algorithm.weight_decay)
+        self.optimizer = self._new_optimizer(self.model.parameters())
 
     def _to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        shape = Shape.of(self.config)
-        return to_megatron(hf, family_of(self.config), shape, shape.padded_vocab(self.layout.tensor))
+        return to_megatron(hf, self.family, self.shape, self.shape.padded_vocab(self.layout.tensor))
 
     def _partition_dim(self, parameter: torch.Tensor) -> int | None:
         return parameter.partition_dim if getattr(parameter, "tensor_model_parallel", False) else None
@@ -148,15 +143,10 @@ class MegatronEngine(TrainEngine):
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         if self.gathered is None:
             raise RuntimeError("named_weights_for_push before gather_for_push (rank 0 holds the gathered weights)")
-        for name, tensor in to_hf(self.gathered, family_of(self.config), Shape.of(self.config)):
+        for name, tensor in to_hf(self.gathered, self.family, self.shape):
             yield name, tensor.to(dtype)
 
     # -- scoring and training --------------------------------------------------------------------------------------
-
-    def _compute(self):
-        if self.job.trainer.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         """log π(token_t | tokens_<t) at the sampling temperature, [rows, L − 1], computed vocab-parallel."""
@@ -175,10 +165,7 @@ class MegatronEngine(TrainEngine):
     def _vocab_padding(self, rows_here: int) -> int:
         """How many of this rank's output rows pad the vocabulary (they all sit at the end of the last rank's)."""
         start = self.tensor_rank * rows_here
-        return max(0, min(rows_here, start + rows_here - Shape.of(self.config).vocab))
-
-    def _on_device(self, micro_batch: MicroBatch) -> MicroBatch:
-        return {name: tensor.to(self.device) for name, tensor in micro_batch.items()}
+        return max(0, min(rows_here, start + rows_here - self.shape.vocab))
 
     @torch.no_grad()
     def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
@@ -259,7 +246,7 @@ class MegatronEngine(TrainEngine):
         vocabulary's padding stripped: any layout resumes them)."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         state = {names[id(p)]: s for p, s in self.optimizer.state.items()}
-        vocab = Shape.of(self.config).vocab
+        vocab = self.shape.vocab
         moments = {key: {name: pad_vocab(name, t, vocab).cpu()
                          for name, t in self._gather({name: s[key] for name, s in state.items()}).items()}
                    for key in ("exp_avg", "exp_avg_sq")}
@@ -272,7 +259,7 @@ class MegatronEngine(TrainEngine):
         if self.gathered is None:
             raise RuntimeError("save_checkpoint before gather_for_push (rank 0 holds the gathered weights)")
         self.config.save_pretrained(path)
-        weights = dict(to_hf(self.gathered, family_of(self.config), Shape.of(self.config)))
+        weights = dict(to_hf(self.gathered, self.family, self.shape))
         save_file({name: t.contiguous() for name, t in weights.items()}, path / WEIGHTS_FILE)
         torch.save(state, path / OPTIMIZER_FILE)
         torch.save({"cpu": torch.get_rng_state()}, path / RNG_FILE)
@@ -295,7 +282,7 @@ class MegatronEngine(TrainEngine):
 
     def _load_optimizer_state(self, optimizer: dict) -> None:
         """AdamW's moments as `_optimizer_state` wrote them, each rank taking its shards."""
-        rows = Shape.of(self.config).padded_vocab(self.layout.tensor)
+        rows = self.shape.padded_vocab(self.layout.tensor)
         for name, parameter in self.model.named_parameters():
             if name not in optimizer["step"]:  # no update reached it yet
                 continue
@@ -314,8 +301,8 @@ class MegatronEngine(TrainEngine):
         from areal_k8s.rollout.cpu_engine.engine import generate_batch
 
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
-        model.load_state_dict(dict(self.named_weights_for_push(torch.float32)), strict=not Shape.of(self.config).tied)
-        if Shape.of(self.config).tied:
+        model.load_state_dict(dict(self.named_weights_for_push(torch.float32)), strict=not self.shape.tied)
+        if self.shape.tied:
             model.tie_weights()
         with torch.no_grad():
             outputs = generate_batch(model.eval(), prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
