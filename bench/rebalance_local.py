@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -89,8 +90,10 @@ def one_run(base: JobConfig, mode: str, seed: int, args: argparse.Namespace) -> 
     result = run(job, args.smooth)
     run_dir = Path(job.run_dir)
     steps, decisions = read_steps(run_dir), read_decisions(run_dir)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return asdict(result) | {
         "mode": mode,
+        "commit": commit,  # the code that ran (`--keep` re-runs some modes beside older runs of the others)
         "steps_in_band": round(steps_in_band(steps, tuple(args.band)), 3),
         "decisions": [{k: d[k] for k in ("code", "message", "rollout", "trainer", "moved")} for d in decisions],
         "split_over_time": split_over_time(steps, decisions, (job.rollout.workers, job.trainer.replicas)),
@@ -205,16 +208,20 @@ def main() -> None:
     parser.add_argument("--smooth", type=int, default=3)
     parser.add_argument("--eval-interval", type=int, default=20)
     parser.add_argument("--readme", action="store_true", help="only write the README's table from the results file")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the results file's runs but those of --modes × --seeds (which run again)")
     args = parser.parse_args()
     args.band = [float(v) for v in args.band.split(",")]
     if not args.readme:
         base = load_job_file(ROOT / "examples" / "demo.yaml", project_root=ROOT)
         build_demo_assets(Path(base.model).parent)
-        modes, seeds, runs = args.modes.split(","), [int(s) for s in args.seeds.split(",")], []
+        modes, seeds = args.modes.split(","), [int(s) for s in args.seeds.split(",")]
+        earlier = json.loads(RESULTS.read_text())["runs"] if args.keep else []
+        runs = [r for r in earlier if r["mode"] not in modes or r["seed"] not in seeds]
         for index, seed in enumerate(seeds):
             for mode in modes[index % len(modes):] + modes[:index % len(modes)]:
                 runs.append(one_run(base, mode, seed, args))
-                results = report(runs, seeds, args, base.algorithm.total_steps)
+                results = report(runs, sorted({r["seed"] for r in runs}), args, base.algorithm.total_steps)
                 RESULTS.write_text(json.dumps(results, indent=1) + "\n")
         plot(results, PLOT)
     write_between(ROOT / "README.md", README_BEGIN, README_END, readme_block(json.loads(RESULTS.read_text())))

@@ -62,9 +62,26 @@ def test_a_trainer_at_its_maximum_gives_way_to_releasing_an_engine():
     assert toward_training(Split(2, 1), limits) is None
 
 
-def test_below_the_band_while_the_bound_holds_the_pool_the_split_stays():
-    below_but_held, _ = decide(window(0.5, trainer_idle=0.5, rollout_held=0.5), Split(4, 2), Limits(), SETTINGS)
+def test_below_the_band_while_the_bound_holds_the_pool_and_the_trainer_is_busy_the_split_stays():
+    below_but_held, _ = decide(window(0.5, trainer_idle=0.1, rollout_held=0.5), Split(4, 2), Limits(), SETTINGS)
     assert (below_but_held.split, below_but_held.code) == (None, "SignalsDisagree")
+
+
+def test_below_the_band_with_both_sides_waiting_one_engine_more_is_tried_and_kept_only_if_it_pays():
+    """Fresh samples, the trainer waiting, the workers refused more work: the engines' queues hold the whole
+    admission window (make bench-rebalance's one-engine start: a worker takes 24 groups, 192 samples, for an engine
+    that runs 128 at once). The bound looks full, but another engine would finish the window sooner."""
+    limits = Limits(budget=3)
+    starved = replace(window(0.7, trainer_idle=0.6, rollout_held=0.9), trained_per_second=71.0)
+    decision, memory = decide(starved, Split(1, 1), limits, SETTINGS)
+    assert (decision.split, decision.code) == (Split(2, 1), "MovedToRollout")
+    assert "the trainer waits for data" in decision.message and memory[-1].latency_bound
+    faster = replace(window(1.2, trainer_idle=0.3, rollout_held=0.9), trained_per_second=82.0)
+    kept, _ = decide(faster, Split(2, 1), limits, SETTINGS, memory)
+    assert kept.code == "WithinBand"
+    slower = replace(window(0.8, trainer_idle=0.5, rollout_held=0.9), trained_per_second=60.0)
+    back, _ = decide(slower, Split(2, 1), limits, SETTINGS, memory)
+    assert (back.split, back.code) == (Split(1, 1), "MovedToTraining")
 
 
 def latency_bound(rate: float, **fields) -> Window:

@@ -385,11 +385,12 @@ class RebalanceConfig(_Section):
         600.0, description="After a change, how long measurements are discarded while the pool settles.")
     trainer_idle_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
         0.2, description="Share of a window the trainer waits for data above which it counts as starved: staleness "
-        "above the band then reads how long responses take, and the samples trained per second decide, one unit "
-        "at a time (1 turns the check off).")
+        "above the band, or below it with rollout held back, then reads how long responses take, and the samples "
+        "trained per second decide, one unit at a time (1 turns the check off).")
     rollout_held_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
         0.2, description="Share of the workers' time the staleness bound holds them above which rollout counts as "
-        "held back: staleness below the band then moves nothing; with samples about η old, the trainer is behind "
+        "held back: staleness below the band then moves nothing while the trainer is busy; with samples about η old, "
+        "the trainer is behind "
         "(1 turns the check off).")
     min_samples: Annotated[int, Field(ge=1)] = Field(
         16, description="Fewer trained samples than this in a window give no verdict (the window stays open).")

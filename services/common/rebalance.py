@@ -19,11 +19,13 @@ instead: one unit at a time, kept only while it raises the samples trained per s
 Rules, in order (each decision names its rule in `code`):
 - too few samples trained in the window: hold (`CollectingData`);
 - mean staleness inside the band: hold (`WithinBand`);
-- below the band while the rollout pool is held by the bound: hold (`SignalsDisagree`);
-- above the band while the trainer waits for data, or samples about η old (the bound full): the staleness reads
-  the generation's latency, not the balance, so the samples trained per second decide (`by_throughput`): a split
-  remembered faster by `gain_tolerance` is taken; else one unit toward the side the other waits for, unless that
-  split was measured already; else hold (`LatencyBound`: a larger η or shorter responses help, not the split);
+- below the band while the rollout pool is held by the bound and the trainer is busy: hold (`SignalsDisagree`);
+- the trainer waiting for data while samples arrive above the band, or while the bound holds the pool back (below
+  it: the engines' queues hold the whole admission window, as when a worker takes more groups than its engine runs
+  at once), or samples about η old (the bound full): the staleness reads the generation's latency, not the
+  balance, so the samples trained per second decide (`by_throughput`): a split remembered faster by
+  `gain_tolerance` is taken; else one unit toward the side the other waits for, unless that split was measured
+  already; else hold (`LatencyBound`: a larger η or shorter responses help, not the split);
 - above the band: toward training (`MovedToTraining`); below: toward rollout (`MovedToRollout`). A move corrects
   `step_fraction` of the imbalance the window measured (the surplus the bound held back, or the shortfall the
   trainer waited for), in single-unit steps, at least one;
@@ -178,7 +180,7 @@ class Verdict:
     side: str  # above | inside | below
     mean_staleness: float
     tokens_per_sample: float = 0.0  # the workload it was measured under (0: unknown)
-    latency_bound: bool = False  # above the band while the trainer waited for data
+    latency_bound: bool = False  # the trainer waited for data, above the band or with the pool held back
     trained_per_second: float = 0.0  # samples
 
     @property
@@ -256,7 +258,10 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
         return Decision(None, "CollectingData", f"{window.samples} samples trained in the window, fewer than "
                         f"{max(settings.min_samples, 1)}: no verdict", window), memory
     side = side_of(window.mean_staleness, band)
-    latency_bound = side == ABOVE and window.trainer_idle > settings.trainer_idle_threshold
+    held = window.rollout_held > settings.rollout_held_threshold
+    # the trainer starves while samples arrive old, or while the pool may take no more work: either way responses
+    # take long to come back, and only the throughput tells whether another engine shortens that
+    latency_bound = window.trainer_idle > settings.trainer_idle_threshold and (side == ABOVE or (side == BELOW and held))
     verdict = Verdict(split, side, window.mean_staleness, window.tokens_per_sample, latency_bound,
                       window.trained_per_second)
     memory = remember(memory, verdict, settings.tolerance, settings.length_tolerance)
@@ -264,9 +269,9 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
     band_text = f"[{band[0]:g}, {band[1]:g}]"
     if side == INSIDE:
         return Decision(None, "WithinBand", f"{seen}: inside the band {band_text}", window), memory
-    if side == BELOW and window.rollout_held > settings.rollout_held_threshold:
+    if side == BELOW and held and not latency_bound:
         return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
-                        "the rollout pool back, so more rollout would not be used", window), memory
+                        "the rollout pool back and the trainer is busy, so more rollout would not be used", window), memory
     # (with the held check off, as a threshold of 1 turns it, there is no signal to climb by: the staleness rules)
     saturated = (side == ABOVE and settings.max_staleness is not None and settings.rollout_held_threshold < 1
                  and window.mean_staleness >= settings.max_staleness - settings.saturation_margin)
@@ -289,8 +294,10 @@ def decide(window: Window, split: Split, limits: Limits, settings: Settings,
 
 def by_throughput(window: Window, split: Split, limits: Limits, settings: Settings, memory: tuple[Verdict, ...],
                   latency_bound: bool) -> Decision:
-    """Where the staleness reads about η whatever the split (the bound full: responses take longer to generate
-    than η training steps), the samples trained per second decide, one unit at a time: a split measured faster
+    """Where the staleness reads the generation's latency, not the balance (the bound full: responses take longer
+    to generate than η training steps; or the trainer waits while the pool may take no more work: the engines'
+    queues hold the whole admission window), the samples trained per second decide, one unit at a time: a split
+    measured faster
     under this workload is taken; otherwise the waiting side's partner grows (the trainer waits: rollout; the bound
     holds the pool: training), unless that split was measured already or the last unit moved that way did not
     raise the rate by `gain_tolerance`; with neither side waiting, it stays."""
@@ -326,8 +333,9 @@ def by_throughput(window: Window, split: Split, limits: Limits, settings: Settin
         return Decision(None, "LatencyBound", f"{seen}: the last unit of {wants} did not pay ({came_from.split}: "
                         f"{came_from.trained_per_second:.3g} samples/s), so {advice}; staying", window)
     code = "MovedToTraining" if wants == TRAINING else "MovedToRollout"
-    return Decision(first, code, f"{seen}: samples train about η old; one unit more {wants} to see whether it "
-                    f"pays, {split} -> {first}", window)
+    why = "the trainer waits for data" if latency_bound else "samples train about η old"
+    return Decision(first, code, f"{seen}: {why}; one unit more {wants} to see whether it pays, {split} -> {first}",
+                    window)
 
 
 def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Settings, side: str) -> float:
