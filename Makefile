@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang
+.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
 
 venv: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ test: proto
 # the real-SGLang tests on NVIDIA GPUs with NCCL (needs a GPU and PyPI; not run in CI, which has no GPU)
 gpu-sglang:
 	bash scripts/gpu-sglang.sh
+
+# the megatron trainer (NCCL, bf16) steps and pushes its weights to an engine on another GPU: checksums and
+# log-probabilities checked, timings printed (needs CUDA and tensor + 1 GPUs; ARGS="--tensor 2" for more ranks)
+gpu-smoke: proto
+	$(PY) scripts/gpu_smoke.py $(ARGS)
 
 # the container images of images/ (needs a Docker engine; IMAGES="cpu operator" for a subset, PUSH=1 to push)
 images:

@@ -132,3 +132,27 @@ def test_nothing_at_the_repository_root_shadows_the_standard_library():
     root = Path(__file__).resolve().parent.parent
     importable = {p.stem for p in root.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
     assert importable & set(sys.stdlib_module_names) == set()
+
+
+def test_a_job_file_may_build_on_another_and_names_a_loop(tmp_path):
+    """`base: other.yaml` (relative to the file): sections merge field by field, the file's own values win, `--set`
+    goes over both; a file based on itself, however indirectly, is refused with one line."""
+    write(tmp_path, MINIMAL + "trainer:\n  micro_batch_tokens: 2048\n")
+    (tmp_path / "split.yaml").write_text("base: job.yaml\nname: split\ntrainer:\n  backend: megatron\n  replicas: 2\n"
+                                         "  parallelism: {tensor: 2}\n")
+    job = load_job_file(tmp_path / "split.yaml", overrides=["trainer.replicas=4"])
+    minimal = load_job_file(tmp_path / "job.yaml")
+    assert (job.name, job.trainer.backend, job.trainer.replicas, job.trainer.parallelism.tensor) == ("split", "megatron", 4, 2)
+    assert job.model_dump(exclude={"name", "trainer", "run_dir"}) == minimal.model_dump(exclude={"name", "trainer", "run_dir"})
+    assert job.trainer.micro_batch_tokens == 2048  # the section merged, not replaced
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nname: a\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nname: b\n")
+    with pytest.raises(JobFileError, match=r"b.yaml: its base .*a.yaml leads back to this file"):
+        load_job_file(tmp_path / "a.yaml")
+
+
+def test_the_megatron_demo_is_the_demo_on_two_tensor_parallel_ranks():
+    examples = Path(__file__).parent.parent / "examples"
+    demo, megatron = load_job_file(examples / "demo.yaml"), load_job_file(examples / "demo-megatron.yaml")
+    assert (megatron.trainer.backend, megatron.trainer.replicas, megatron.trainer.parallelism.tensor) == ("megatron", 2, 2)
+    assert megatron.algorithm == demo.algorithm and megatron.rollout == demo.rollout and megatron.dataset == demo.dataset

@@ -3,6 +3,9 @@ configs with their Hugging Face weights, on CPU and gloo, one or two real proces
 Hugging Face model's, its weights convert back bit for bit, and one RL step moves the weights as the `torch` backend
 moves them, at tensor parallel 1 and 2."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +114,7 @@ def step(job, groups, world: World) -> dict:
     """The initial model's log-probabilities of `padded_batch()`, then one training step with plain SGD at lr 1 (the
     weights move by the gradient): the loss, the gradient norm and, on rank 0, the updated weights under Hugging Face
     names."""
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
     trainer.engine.load(job.model)
     logprobs = trainer.engine.token_logprobs(padded_batch())
@@ -164,7 +167,7 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(mode
 def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path, label: str) -> None:
     """Train a step with AdamW (from `checkpoint`, or from the model and then checkpoint it), then one more step."""
     world = join(rank, size, port)
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
     if checkpoint is None:
         trainer.engine.load(job.model)
@@ -197,3 +200,29 @@ def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path):
     for name, weight in uninterrupted.items():
         # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step
         torch.testing.assert_close(resumed[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+
+
+SMOKE = Path(__file__).resolve().parent.parent / "scripts" / "gpu_smoke.py"
+
+
+def test_the_gpu_smoke_runs_its_whole_path_on_gloo(tmp_path):
+    """`make gpu-smoke` (scripts/gpu_smoke.py) with `--device cpu`: two tensor-parallel megatron ranks step, rank 0
+    pushes to a real engine process through its weight-update routes, and the engine holds exactly the export (its
+    checksum), which the Hugging Face model scores as the megatron model does, before and after the step."""
+    result = subprocess.run([sys.executable, str(SMOKE), "--device", "cpu", "--tensor", "2", "--hidden", "64",
+                             "--layers", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    smoke = json.loads((tmp_path / "smoke.json").read_text())
+    assert smoke["receiver_checksum_equal"] is True
+    assert smoke["tensor_parallel"] == 2 and smoke["precision"] == "fp32"
+    assert max(smoke["max_logprob_error_initial"], smoke["max_logprob_error_trained"]) <= 1e-4
+    assert [push["bytes"] for push in smoke["pushes"]] == [smoke["parameters"] * 4] * 2
+    assert "gpu-smoke: passed: cpu, tensor parallel 2" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
+def test_the_gpu_smoke_refuses_a_machine_without_enough_gpus_in_one_line():
+    result = subprocess.run([sys.executable, str(SMOKE), "--tensor", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("gpu-smoke: needs 3 CUDA GPUs (the trainer's 2 and the receiver's; NCCL refuses two "
+                                     "ranks of one group on one GPU), found 0")

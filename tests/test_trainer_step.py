@@ -59,7 +59,7 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
         "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
         "trainer": options,
     })
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="test")
     trainer.engine.load(model_path)
     # plain SGD at lr 1: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
@@ -136,7 +136,7 @@ def test_a_step_splits_its_time_and_exports_its_figures(model_path):
 
     record.seconds["wait"] = 0.25
     job = parse_job({"name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"}})
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=None, eval_items=[], consumer="test")
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=None, eval_items=[], consumer="test")
     trainer.observe(record, step_seconds=2.0)
     m = trainer.metrics
 

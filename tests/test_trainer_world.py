@@ -44,7 +44,7 @@ def job_for(model_path: Path, run_dir: Path, trainer: dict | None = None, **algo
 def step(job, groups: list[Group], world: World, checkpoint: Path | None = None) -> dict:
     """One training step from the initial model with plain SGD at lr 1 (the parameter change is the gradient), or
     from `checkpoint` with its AdamW state."""
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
                       eval_items=[], consumer="trainer-0", world=world)
     if checkpoint:
         trainer.engine.load_checkpoint(checkpoint)
@@ -97,7 +97,7 @@ def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, t
     """Model, AdamW moments and RNG come from rank 0's checkpoint on every rank: the next step is the one-rank one."""
     groups = make_groups(model_path, 4)
     job = job_for(model_path, tmp_path / "run", batch_size=len(groups), lr=1e-2)
-    trainer = Trainer(job=job, store=None, controller=None, reward=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
                       eval_items=[], consumer="trainer-0")
     trainer.engine.load(model_path)
     trainer.train_step(groups)
@@ -142,7 +142,7 @@ def trajectory(group: str, index: int) -> common_pb2.Trajectory:
 def commit_on_rank(rank: int, size: int, port: int, job, redis_url: str, seen: dict) -> None:
     """Rank 0 commits the entries it read; rank 1 looks at the stream while it holds back the commit's barrier."""
     world = join(rank, size, port)
-    trainer = Trainer(job=job, store=TrajectoryStore(connect(redis_url), job.name), controller=None, reward=None,
+    trainer = Trainer(job=job, store=TrajectoryStore(connect(redis_url), job.name), controller=None,
                       tokenizer=None, eval_items=[], consumer="trainer-0", world=world)
     trainer.engine.load(job.model)
     if rank == 0:

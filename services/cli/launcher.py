@@ -212,7 +212,7 @@ class LocalRun:
             port, metrics = (ends.trainer, ends.metrics["trainer"]) if rank == 0 else (self.free_address(), ":0")
             self.spawn(
                 "trainer" if rank == 0 else f"trainer-{rank}",
-                ["areal_k8s.trainer", *common, "--port", port_of(port), "--controller", ends.controller, "--reward", ends.reward,
+                ["areal_k8s.trainer", *common, "--port", port_of(port), "--controller", ends.controller,
                  "--redis-url", self.redis_url, "--metrics-port", port_of(metrics)],
                 self.run_dir / "logs", self.job.trainer.threads, world,
             )

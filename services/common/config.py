@@ -357,7 +357,9 @@ class TrainerConfig(_Section):
         1, description="Checkpoint every k steps; stream entries are acknowledged only once their step is checkpointed."
     )
     keep_checkpoints: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
-    eval_interval: Annotated[int, Field(ge=0)] = Field(10, description="Evaluate held-out accuracy every k steps (0: only at start and end).")
+    eval_interval: Annotated[int, Field(ge=0)] = Field(
+        10, description="Evaluate held-out accuracy every k steps (0: only at start and end): greedy episodes of the "
+        "job's workflow on the rollout engines, scored by the reward service, never trained on.")
     eval_max_new_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Generation budget for evaluation; default sampling.max_new_tokens.")
 
     @model_validator(mode="after")
@@ -554,11 +556,29 @@ def apply_overrides(data: object, overrides: Sequence[str]) -> object:
     return data
 
 
+def read_job_mapping(path: Path, within: tuple[Path, ...] = ()) -> object:
+    """A job file's content over the job file its `base:` names (a path relative to it, itself possibly based on
+    another): sections merge field by field, and the file's own values win, as `--set` does over the file."""
+    data = read_yaml_file(path)
+    if not isinstance(data, dict) or "base" not in data:
+        return data
+    base = path.parent / str(data.pop("base"))
+    if base.resolve() in (*within, path.resolve()):
+        raise JobFileError(f"{path}: its base {base} leads back to this file")
+    return merged(read_job_mapping(base, (*within, path.resolve())), data)
+
+
+def merged(base: object, over: object) -> object:
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{key: merged(base.get(key), value) for key, value in over.items()}}
+    return over
+
+
 def load_job_file(path: str | Path, project_root: Path | None = None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Read, validate and resolve a job file, `overrides` (`section.field=value`) set over it. Relative paths are
-    taken against `project_root` (default: cwd)."""
+    """Read (over its `base:`), validate and resolve a job file, `overrides` (`section.field=value`) set over it.
+    Relative paths are taken against `project_root` (default: cwd)."""
     path = Path(path)
-    data = apply_overrides(read_yaml_file(path), overrides)
+    data = apply_overrides(read_job_mapping(path), overrides)
     return parse_job(data, str(path) + (" with --set" if overrides else "")).resolve_paths(project_root or Path.cwd())
 
 

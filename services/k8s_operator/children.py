@@ -418,8 +418,7 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
     main = container(
         "trainer", image_of(job, "trainer"), "areal_k8s.trainer",
         ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.TRAINER_PORT), "--when-done", "wait",
-         "--controller", address(job, "controller", names.CONTROLLER_PORT),
-         "--reward", address(job, "reward", names.REWARD_PORT)],
+         "--controller", address(job, "controller", names.CONTROLLER_PORT)],
         block=block, env=env, port=("grpc", names.TRAINER_PORT), readiness=grpc_readiness(names.TRAINER_PORT, "areal.v1.Trainer"),
         mounts=[config_mount, checkpoint_mount, *mounts], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
     )

@@ -1,4 +1,4 @@
-"""python -m areal_k8s.trainer --job JOB.yaml --controller ADDR --reward ADDR --redis-url URL"""
+"""python -m areal_k8s.trainer --job JOB.yaml --controller ADDR --redis-url URL"""
 
 import asyncio
 import logging
@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, trainer_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2_grpc, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel, start_server
 from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import TrainerMetrics
@@ -24,7 +24,6 @@ def main() -> None:
     parser = base_parser("trainer", default_port=50054)
     add_when_done(parser)
     parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
-    parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
     parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
     parser.add_argument("--consumer", default=env("AREAL_CONSUMER", "trainer-0"), help="stream consumer name")
     parser.add_argument("--master-address", default=env("AREAL_MASTER_ADDRESS", "127.0.0.1"),
@@ -40,12 +39,11 @@ def main() -> None:
 
     async def run(stop: asyncio.Event) -> None:
         redis_client = connect(args.redis_url)
-        controller_channel, reward_channel = dependency_channel(args.controller), dependency_channel(args.reward)
+        controller_channel = dependency_channel(args.controller)
         trainer = Trainer(
             job=job,
             store=TrajectoryStore(redis_client, job.name),
             controller=controller_pb2_grpc.ControllerStub(controller_channel),
-            reward=reward_pb2_grpc.RewardStub(reward_channel),
             tokenizer=load_tokenizer(job.tokenizer_path),
             eval_items=eval_items,
             consumer=args.consumer,
@@ -64,7 +62,7 @@ def main() -> None:
         finally:
             await trainer.publisher.close()
             await server.stop(grace=2)
-            await asyncio.gather(controller_channel.close(), reward_channel.close())
+            await controller_channel.close()
             await redis_client.aclose()
 
     run_service("trainer", run)

@@ -53,7 +53,7 @@ class TrainEngine(ABC):
     order (they may be collectives), and `token_logprobs` on the rows it trains. The ranks of one data-parallel
     replica (`data_rank` of `data_size`; a replica is one rank unless the engine splits the model) train the same
     rows. The loop alone decides which rank talks to the outside world, and rank 0 alone calls the rest: it pushes
-    the weights `named_weights_for_push` yields and evaluates.
+    the weights `named_weights_for_push` yields.
     """
 
     def __init__(self, job: JobConfig, *, trainable: bool = True):
@@ -116,11 +116,6 @@ class TrainEngine(ABC):
     @abstractmethod
     def load_checkpoint(self, path: Path) -> None:
         """Restore what `save_checkpoint` wrote: training goes on exactly as if it had not stopped."""
-
-    @abstractmethod
-    def generate_greedy(self, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: list[int]) -> list[list[int]]:
-        """Greedy completions (token ids) of the current policy, for the held-out evaluation. Temporary: evaluation
-        moves to the rollout engines (issue 17, part 4) and this method goes with it."""
 
 
 def make_engine(job: JobConfig, *, trainable: bool = True) -> TrainEngine:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.rollout.cpu_engine.engine import generate_batch
 from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import PhaseClock
@@ -150,8 +149,3 @@ class TorchEngine(TrainEngine):
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng and self.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
-
-    def generate_greedy(self, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: list[int]) -> list[list[int]]:
-        with torch.no_grad():
-            outputs = generate_batch(self.model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
-        return [list(output.output_ids) for output in outputs]

@@ -69,6 +69,10 @@ class WeightPublisher:
         failed push) behind `version`?"""
         return any(w.engine_version < version and self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
 
+    async def outsiders(self) -> bool:
+        """Is a registered worker outside the current group (new, restarted, or the group is gone)?"""
+        return any(self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
+
     async def refresh(self) -> None:
         """Form the weight-update group again when rollout workers came, went or registered again (a restart)."""
         workers = await self.list_workers()

@@ -1,5 +1,5 @@
 """The trainer's view of a rollout worker as a weight-sync target (`common.sglang.WeightTarget`), over the Rollout
-gRPC service.
+gRPC service, and as the evaluator's engine (`generate`).
 
 The worker passes each call to its engine (SGLang or ours), so the trainer never needs to know which engine
 runs behind it; the tensors themselves travel engine-side over the torch.distributed group. Every call has a
@@ -8,7 +8,7 @@ deadline; the worker gives its engine call what is left of it.
 
 from __future__ import annotations
 
-from areal_k8s.api.v1 import rollout_pb2, rollout_pb2_grpc
+from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 
 
@@ -74,6 +74,11 @@ class RolloutTarget:
 
     async def destroy_weights_update_group(self, group_name: str):
         await self._call(self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name))
+
+    async def generate(self, group: common_pb2.PromptGroup, timeout: float) -> list[common_pb2.Trajectory]:
+        """The worker's episodes of `group`, scored and returned, not written to the stream (evaluation.py)."""
+        reply = await self.stub.Generate(rollout_pb2.GenerateRequest(group=group), timeout=timeout)
+        return list(reply.trajectories)
 
     async def weights_checksum(self) -> str:
         reply = await self._call(self.stub.GetWeightsChecksum, rollout_pb2.GetWeightsChecksumRequest())

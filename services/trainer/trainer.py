@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2
+from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
-from areal_k8s.common.prompts import encode_prompt, stop_token_ids
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.common.rewards import is_informative
 from areal_k8s.data.dataset import DatasetItem
@@ -40,6 +39,7 @@ from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
 from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
+from areal_k8s.trainer.evaluation import Evaluator
 from areal_k8s.trainer.publishing import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
@@ -84,7 +84,6 @@ class Trainer:
         job: JobConfig,
         store: TrajectoryStore,
         controller,
-        reward,
         tokenizer,
         eval_items: list[DatasetItem],
         consumer: str,
@@ -95,7 +94,6 @@ class Trainer:
         self.job = job
         self.store = store
         self.controller = controller
-        self.reward = reward
         self.tokenizer = tokenizer
         self.eval_items = eval_items
         self.consumer = consumer
@@ -122,6 +120,8 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics(job.name)
         self.metrics.policy_version.set_function(lambda: self.version)
         self.publisher = WeightPublisher(job, controller, master_address, self.metrics)
+        self.evaluator = Evaluator(job, eval_items, targets=lambda: list(self.publisher.targets.values()),
+                                   catch_up=self.bring_engines_in)
 
     @property
     def version(self) -> int:
@@ -429,32 +429,18 @@ class Trainer:
         return bool(self.eval_items) and (self.version == self.job.algorithm.total_steps or (interval and self.version % interval == 0))
 
     async def evaluate(self) -> float:
-        """Greedy held-out accuracy of the trainer's current policy, scored by the reward service."""
+        """Greedy held-out accuracy of the current version, on the rollout engines (evaluation.py)."""
         if not self.eval_items:
             return -1.0
-        template = self.job.rollout.prompt_template
-        prompts = [encode_prompt(self.tokenizer, item.prompt, template) for item in self.eval_items]
-        max_new_tokens = self.job.trainer.eval_max_new_tokens or self.job.sampling.max_new_tokens
-        outputs = await asyncio.to_thread(
-            self.engine.generate_greedy, prompts, max_new_tokens=max_new_tokens, eos_token_ids=stop_token_ids(self.tokenizer)
-        )
-        scores = await self.reward.Score(
-            reward_pb2.ScoreRequest(
-                items=[
-                    reward_pb2.ScoreItem(
-                        item_id=item.id,
-                        verifier=self.job.reward.verifier or item.verifier,
-                        prompt=item.prompt,
-                        response=self.tokenizer.decode(output, skip_special_tokens=True),
-                        reference=item.reference,
-                    )
-                    for item, output in zip(self.eval_items, outputs)
-                ]
-            )
-        )
-        accuracy = sum(r.reward for r in scores.results) / len(scores.results)
-        self.metrics.heldout_accuracy.set(accuracy)
+        accuracy = await self.evaluator.accuracy(self.version)
+        if accuracy >= 0:
+            self.metrics.heldout_accuracy.set(accuracy)
         return accuracy
+
+    async def bring_engines_in(self) -> None:
+        """While no engine serves the version to evaluate: push it to the workers outside the weight-update group."""
+        if self.publisher.retry_due() and await self.publisher.outsiders():
+            await self.push_weights()
 
     def observe(self, record: StepRecord, step_seconds: float) -> None:
         """Export a finished step (its weight-push time was counted as it happened)."""

@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="where the model lives: cpu, or cuda[:N] (make gpu-smoke receives weights there over NCCL)")
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.threads,
         seed=args.seed,
         weight_version=args.weight_version,
+        device=args.device,
     )
     app = create_app(engine)
 

@@ -720,6 +720,7 @@ class CpuEngine:
         seed: int = 0,
         weight_version: str = "default",
         weight_update_timeout: float = 600.0,
+        device: str = "cpu",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -727,7 +728,7 @@ class CpuEngine:
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype)).to(device).eval()
         self.max_batch_size = max_batch_size
         self.weight_update_timeout = weight_update_timeout
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
@@ -918,9 +919,8 @@ class CpuEngine:
                 group = self._groups.get(group_name)
                 if group is None:
                     raise WeightUpdateError(f"no weight update group named {group_name!r}")
-                tensors = _receive_broadcast(
-                    group, torch_dtypes, shapes, flattened=load_format is not None, timeout=self.weight_update_timeout
-                )
+                tensors = _receive_broadcast(group, torch_dtypes, shapes, flattened=load_format is not None,
+                                             timeout=self.weight_update_timeout, device=self.model.device)
                 load = functools.partial(self._load_weights, list(zip(names, tensors)), weight_version)
                 self._submit_command(load).result()
 
@@ -953,7 +953,7 @@ class CpuEngine:
 
     def server_info(self) -> dict[str, Any]:
         """SGLang's /server_info, as far as it describes this engine: one process, no parallelism."""
-        return {"model_path": self.model_path, "tp_size": 1, "pp_size": 1, "dp_size": 1, "device": "cpu",
+        return {"model_path": self.model_path, "tp_size": 1, "pp_size": 1, "dp_size": 1, "device": self.model.device.type,
                 "dtype": str(self.model.dtype).removeprefix("torch."),
                 "max_running_requests": self.max_batch_size, "weight_version": self.weight_version,
                 "disable_radix_cache": True}  # no KV outlives its request
@@ -1184,16 +1184,17 @@ class CpuEngine:
 
 
 def _receive_broadcast(
-    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool, timeout: float
+    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool, timeout: float,
+    device: torch.device,
 ) -> list[torch.Tensor]:
     """Receive what group rank 0 broadcasts: one tensor per name, or one flattened bucket of bytes in `names` order
-    (common/weights.py, SGLang's layout)."""
+    (common/weights.py, SGLang's layout), onto the model's device (NCCL receives on a GPU)."""
     if not flattened:
-        tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+        tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]
         for tensor in tensors:
             broadcast_within(tensor, group, timeout)
         return tensors
-    bucket = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8)
+    bucket = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=device)
     broadcast_within(bucket, group, timeout)
     return unflatten_bucket(bucket, dtypes, shapes)
 

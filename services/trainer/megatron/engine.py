@@ -40,10 +40,12 @@ from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
 WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE = "model.safetensors", "optimizer.pt", "rng.pt"
 
 
-def initialise_parallel_state(layout: Layout) -> None:
+def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -> None:
     """Megatron's process groups over the trainer world, once per process (the policy and the KL reference share
-    them). A world of one forms a process group of one: megatron-core's layers need one."""
-    from megatron.core import parallel_state
+    them). A world of one forms a process group of one: megatron-core's layers need one. On a GPU, the CUDA RNG
+    tracker's model-parallel state too: megatron-core forks it around weight initialisation and attention dropout,
+    and refuses a fork of a state never added (on the CPU the shim makes the fork a no-op)."""
+    from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
         return
@@ -53,6 +55,8 @@ def initialise_parallel_state(layout: Layout) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
         distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.total_seconds() // 60))
+    if device.type == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -73,7 +77,7 @@ class MegatronEngine(TrainEngine):
         cpu.apply_if_needed()
         parallelism = job.trainer.parallelism
         self.layout = Layout(tensor=parallelism.tensor, pipeline=parallelism.pipeline)
-        initialise_parallel_state(self.layout)
+        initialise_parallel_state(self.layout, job.seed, self.device)
         self.tensor_group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_rank = parallel_state.get_tensor_model_parallel_rank()
         self.data_group = parallel_state.get_data_parallel_group()
@@ -292,18 +296,3 @@ class MegatronEngine(TrainEngine):
                 **{key: shard_of(name, pad_vocab(name, optimizer["moments"][key][name], rows), dim, self.tensor_rank,
                                  self.layout.tensor).to(self.device).clone() for key in ("exp_avg", "exp_avg_sq")},
             }
-
-    def generate_greedy(self, prompts: list[list[int]], *, max_new_tokens: int, eos_token_ids: list[int]) -> list[list[int]]:
-        """Rank 0's held-out decoding on a Hugging Face model of the gathered weights (until evaluation moves to the
-        rollout engines, issue 17 part 4)."""
-        from transformers import AutoModelForCausalLM
-
-        from areal_k8s.rollout.cpu_engine.engine import generate_batch
-
-        model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
-        model.load_state_dict(dict(self.named_weights_for_push(torch.float32)), strict=not self.shape.tied)
-        if self.shape.tied:
-            model.tie_weights()
-        with torch.no_grad():
-            outputs = generate_batch(model.eval(), prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids)
-        return [list(output.output_ids) for output in outputs]
