@@ -107,13 +107,22 @@ async def push_twice(weights, url: str, backend: str, bucket_bytes: int) -> tupl
 
 
 def rank_main(rank: int, size: int, port: int, job, receiver_url: str, push_dtype: str, bucket_bytes: int, out: Path) -> None:
+    from areal_k8s.trainer.world import World, WorldSpec
+
+    world = World(WorldSpec(rank, size, rank, "127.0.0.1", port)).join(job.trainer.device)
+    smoke_on_rank(world, job, receiver_url, push_dtype, bucket_bytes, out)
+    # the ranks leave together, the process group destroyed first: a rank exiting with it alive while its peer still
+    # works can be aborted in its C++ teardown
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def smoke_on_rank(world, job, receiver_url: str, push_dtype: str, bucket_bytes: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from areal_k8s.trainer.logprobs import token_logprobs
     from areal_k8s.trainer.trainer import Trainer
-    from areal_k8s.trainer.world import World, WorldSpec
 
-    world = World(WorldSpec(rank, size, rank, "127.0.0.1", port)).join(job.trainer.device)
     groups = make_groups(Path(job.model), 4)
     batch = scored_batch(groups)
     seconds: dict[str, float] = {}
@@ -154,7 +163,7 @@ def rank_main(rank: int, size: int, port: int, job, receiver_url: str, push_dtyp
                                                     bucket_bytes))
     result = {
         "device": torch.cuda.get_device_name() if job.trainer.device == "cuda" else "cpu",
-        "tensor_parallel": size, "precision": job.trainer.precision, "push_dtype": push_dtype,
+        "tensor_parallel": world.size, "precision": job.trainer.precision, "push_dtype": push_dtype,
         "parameters": sum(p.numel() for p in hf_model.parameters()), "loss": record.loss, "grad_norm": record.grad_norm,
         "max_logprob_error_initial": initial_error, "max_logprob_error_trained": trained_error,
         "tolerance": TOLERANCE[job.trainer.precision], "receiver_checksum_equal": checksum_equal,

@@ -124,8 +124,16 @@ def step(job, groups, world: World) -> dict:
     return {"logprobs": logprobs, "weights": weights, "loss": record.loss, "grad_norm": record.grad_norm}
 
 
+def leave() -> None:
+    """The ranks leave together, the process group destroyed first: a rank that exited with it alive and its peer
+    still working was once aborted in its C++ teardown ("terminate called without an active exception")."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> None:
     torch.save(step(job, groups, join(rank, size, port)), out / f"step{rank}.pt")
+    leave()
 
 
 @pytest.mark.parametrize("family,tensor,replicas", [
@@ -182,6 +190,7 @@ def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Pat
     trainer.train_step(groups[2:])
     if world.leads:
         torch.save(dict(trainer.engine.named_weights_for_push(torch.float32)), out / f"{label}.pt")
+    leave()
 
 
 def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path):
