@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from cpu_engines import cpu_engine  # noqa: E402  (the test suite's engine launcher)
 from tiny_models import build_tokenizer  # noqa: E402  (the test suite's byte-level tokenizer)
 from trainer_batches import make_groups  # noqa: E402  (the synthetic groups the step tests train on)
 
@@ -57,22 +57,6 @@ def build_model(path: Path, hidden: int, layers: int) -> Path:
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
-def start_receiver(model: Path, device: str, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model),
-                                "--port", "0", "--device", device, "--dtype", dtype],
-                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if "CPU engine ready on " in line:
-                return process, line.rsplit(" ", 1)[-1]
-        if process.poll() is not None:
-            raise SystemExit(f"gpu-smoke: the receiver exited ({process.returncode}); its log: {log}")
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit(f"gpu-smoke: the receiver was not ready after 300 s; its log: {log}")
 
 
 def scored_batch(groups) -> dict[str, torch.Tensor]:
@@ -190,8 +174,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(args.out / "model", args.hidden, args.layers)
     push_dtype = "bfloat16" if precision == "bf16" else "float32"
-    receiver, url = start_receiver(model, f"cuda:{args.tensor}" if args.device == "cuda" else "cpu", push_dtype,
-                                   args.out / "receiver.log")
     job = parse_job({
         "name": "gpu-smoke", "model": str(model), "run_dir": str(args.out / "run"), "dataset": {"train": "unused.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 16},
@@ -199,12 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         "trainer": {"backend": "megatron", "replicas": args.tensor, "parallelism": {"tensor": args.tensor},
                     "device": args.device, "precision": precision},
     })
-    try:
+    receiver = ("--device", f"cuda:{args.tensor}" if args.device == "cuda" else "cpu", "--dtype", push_dtype)
+    with cpu_engine(model, args.out / "receiver.log", *receiver) as url:
         mp.spawn(rank_main, args=(args.tensor, free_port("127.0.0.1"), job, url, push_dtype, int(args.bucket_mb * 2**20), args.out),
                  nprocs=args.tensor)
-    finally:
-        receiver.terminate()
-        receiver.wait(timeout=60)
     result = json.loads((args.out / "smoke.json").read_text())
     print(json.dumps(result, indent=1))
     passed = result["receiver_checksum_equal"] and max(result["max_logprob_error_initial"],
