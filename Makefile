@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
+.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
 
 venv: $(VENV)/.installed
 
@@ -96,6 +96,11 @@ chaos: venv
 # peak memory of per-token log-probabilities over a 152k vocabulary, full logits against chunked (bench/results/logprob_memory.json)
 bench-logprobs: proto
 	$(PY) bench/logprob_memory.py
+
+# the trainer's bucketed weight push against a raw broadcast of the same bytes, from the demo's model up to Qwen2.5-0.5B's
+# shape (bench/results/weight_push.json; ~5 min, needs a quiet machine)
+bench-weights: proto
+	$(PY) bench/weight_push.py
 
 # executions/s of a trivial program through the code verifier's sandbox (bubblewrap) against a bare subprocess
 # (bench/results/code_sandbox.json)

@@ -85,7 +85,7 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
 
 
 @pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory", "calibrate", "demo_runs", "ablation", "sync_vs_async",
-                                    "rebalance_local"])
+                                    "rebalance_local", "weight_push"])
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
     """README lines written by a benchmark script from its committed results file (`python bench/<script>.py --readme`)."""
     module = load_bench(script)

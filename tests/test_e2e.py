@@ -90,7 +90,8 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
 @pytest.mark.parametrize("backend", [
     {"backend": "torch"},  # two data-parallel replicas
     {"backend": "megatron", "parallelism": {"tensor": 2}},  # one model split over both ranks (its vocabulary padded)
-], ids=["torch-dp2", "megatron-tp2"])
+    {"backend": "megatron", "parallelism": {"pipeline": 2}},  # two stages of two layers each
+], ids=["torch-dp2", "megatron-tp2", "megatron-pp2"])
 def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_importable, backend):
     """trainer.replicas: 2 starts two trainer processes that form one gloo world: rank 0 alone reads the stream (one
     consumer), acknowledges and pushes; both ranks train every step; the engines end with the final checkpoint's

@@ -1,7 +1,7 @@
 """The `megatron` backend (issue 17, part 2): a megatron-core GPTModel built from tiny Qwen2, Qwen3 and Llama
-configs with their Hugging Face weights, on CPU and gloo, one or two real processes. Its log-probabilities equal the
+configs with their Hugging Face weights, on CPU and gloo, one to four real processes. Its log-probabilities equal the
 Hugging Face model's, its weights convert back bit for bit, and one RL step moves the weights as the `torch` backend
-moves them, at tensor parallel 1 and 2."""
+moves them, at tensor parallel 1 and 2, pipeline parallel 2 (megatron-core's 1F1B schedule), and both."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ from areal_k8s.trainer.checkpoint import TrainerState, save_checkpoint
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.megatron.convert import UnsupportedModel, family_of
 from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron
-from areal_k8s.trainer.megatron.model import Layout, LayoutError
+from areal_k8s.trainer.megatron.model import Layout, LayoutError, Stage
 from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import World, WorldSpec
 from tiny_models import build_tiny_decoder
@@ -34,13 +34,14 @@ VOCABULARY = {"qwen2": 259, "qwen3": 260, "llama": 260}
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """family -> the tiny model's directory, built on first use."""
-    built: dict[str, Path] = {}
+    """(family, tied embeddings) -> the tiny model's directory, built on first use."""
+    built: dict[tuple[str, bool], Path] = {}
 
-    def model(family: str) -> Path:
-        if family not in built:
-            built[family] = build_tiny_decoder(tmp_path_factory.mktemp(family), family, seed=3, vocab_size=VOCABULARY[family])
-        return built[family]
+    def model(family: str, tied: bool = False) -> Path:
+        if (family, tied) not in built:
+            built[family, tied] = build_tiny_decoder(tmp_path_factory.mktemp(family), family, seed=3,
+                                                     vocab_size=VOCABULARY[family], tie_word_embeddings=tied)
+        return built[family, tied]
 
     return model
 
@@ -93,15 +94,30 @@ def test_a_model_or_layout_the_backend_cannot_take_is_refused_with_the_reason(tm
         Layout(tensor=4).check(qwen, 4)
     with pytest.raises(LayoutError, match="3 trainer ranks are not a multiple of tensor \\(2\\)"):
         Layout(tensor=2).check(qwen, 3)
+    with pytest.raises(LayoutError, match="2 layers do not split evenly into 4 pipeline stages"):
+        Layout(pipeline=4).check(qwen, 4)
 
 
-def job_for(model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, **algorithm):
+def test_a_stage_names_its_parameters_as_the_whole_model_does():
+    """Stage-local layer numbers map to the whole model's; the last stage's copy of a tied embedding is the embedding."""
+    last = Stage(index=2, count=3, layers=4, tied=True)
+    assert last.global_name("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.9.mlp.linear_fc1.weight"
+    assert last.global_name("output_layer.weight") == "embedding.word_embeddings.weight"
+    assert last.global_name("decoder.final_layernorm.weight") == "decoder.final_layernorm.weight"
+    untied = Stage(index=1, count=2, layers=2, tied=False)
+    assert untied.global_name("output_layer.weight") == "output_layer.weight"
+    assert Stage(index=0, count=1, layers=2, tied=True).holds_tied_copy is False  # one stage: one weight
+
+
+def job_for(model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, pipeline: int = 1,
+            **algorithm):
     return parse_job({
         "name": "megatron", "model": str(model_path), "run_dir": str(run_dir), "dataset": {"train": "t.jsonl"},
         "sampling": {"temperature": 0.7, "max_new_tokens": 14},
         "algorithm": {"batch_size": 4, "group_size": 4, "lr": 1.0, **algorithm},
         # several micro-batches per rank: the gradients accumulate
-        "trainer": {"backend": backend, "replicas": replicas, "parallelism": {"tensor": tensor}, "micro_batch_tokens": 40},
+        "trainer": {"backend": backend, "replicas": replicas, "parallelism": {"tensor": tensor, "pipeline": pipeline},
+                    "micro_batch_tokens": 40},
     })
 
 
@@ -136,21 +152,25 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
     leave()
 
 
-@pytest.mark.parametrize("family,tensor,replicas", [
-    ("qwen2", 1, 1), ("llama", 1, 1), ("qwen2", 1, 2),
-    ("qwen2", 2, 2),  # the vocabulary (259) padded to split over the ranks
-    ("qwen3", 2, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
-], ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2"])
-def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(models, tmp_path, family, tensor, replicas):
-    """Split over tensor- or data-parallel ranks, the `megatron` backend's log-probabilities equal the Hugging Face
-    model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO advantages,
-    several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch` backend on one
-    rank."""
-    model_path = models(family)
+@pytest.mark.parametrize("family,tied,tensor,pipeline,replicas", [
+    ("qwen2", False, 1, 1, 1), ("llama", False, 1, 1, 1), ("qwen2", False, 1, 1, 2),
+    ("qwen2", False, 2, 1, 2),  # the vocabulary (259) padded to split over the ranks
+    ("qwen3", False, 2, 1, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
+    ("llama", True, 1, 2, 2),  # one layer per stage, several micro-batches in flight (1F1B); the tied embedding
+    # held by both end stages, their gradients summed
+    ("qwen3", False, 2, 2, 4),  # tensor × pipeline: four ranks
+], ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2", "llama-tied-pp2", "qwen3-tp2-pp2"])
+def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(models, tmp_path, family, tied, tensor,
+                                                                            pipeline, replicas):
+    """Split over tensor-, pipeline- or data-parallel ranks, the `megatron` backend's log-probabilities equal the
+    Hugging Face model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO
+    advantages, several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch`
+    backend on one rank."""
+    model_path = models(family, tied)
     groups = make_groups(model_path, 4)
     torch.set_num_threads(1)
     expected = step(job_for(model_path, tmp_path / "torch", "torch"), groups, World())
-    job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, replicas=replicas)
+    job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, pipeline=pipeline, replicas=replicas)
     mp.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
 
@@ -193,18 +213,23 @@ def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Pat
     leave()
 
 
-def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path):
-    """Written by two tensor-parallel ranks (AdamW's moments gathered, the model in Hugging Face format), resumed by
-    two data-parallel ranks, rank 1 reading nothing (rank 0's copy reaches it): the next step is the same as the
-    uninterrupted one's. The odd vocabulary is padded when split and not otherwise: the checkpoint holds neither."""
-    model_path = build_tiny_decoder(tmp_path / "model", "qwen2", seed=4, vocab_size=259)
+@pytest.mark.parametrize("written,resumed,tied", [
+    ({"tensor": 2}, {"tensor": 1}, False),
+    ({"pipeline": 2}, {"tensor": 2}, True),
+], ids=["tp2-to-dp2", "pp2-to-tp2-tied"])
+def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path, written, resumed, tied):
+    """Written by two tensor- or pipeline-parallel ranks (AdamW's moments gathered from the shards and the stages, the
+    model in Hugging Face format), resumed by two ranks of another layout, rank 1 reading nothing (rank 0's copy
+    reaches it): the next step is the same as the uninterrupted one's. The odd vocabulary is padded when split and not
+    otherwise: the checkpoint holds neither; a tied embedding is one tensor in it, whichever stages held it."""
+    model_path = build_tiny_decoder(tmp_path / "model", "qwen2", seed=4, vocab_size=259, tie_word_embeddings=tied)
     groups = make_groups(model_path, 4)
-    split = job_for(model_path, tmp_path / "run", "megatron", tensor=2, replicas=2, batch_size=2, lr=1e-2)
+    split = job_for(model_path, tmp_path / "run", "megatron", replicas=2, batch_size=2, lr=1e-2, **written)
     mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), split, groups, None, tmp_path, "uninterrupted"), nprocs=2)
     (checkpoint,) = (tmp_path / "checkpoints").glob("v*")
     assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None  # a Hugging Face model, as it says
-    replicated = job_for(model_path, tmp_path / "run", "megatron", tensor=1, replicas=2, batch_size=2, lr=1e-2)
-    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), replicated, groups, checkpoint, tmp_path, "resumed"), nprocs=2)
+    other = job_for(model_path, tmp_path / "run", "megatron", replicas=2, batch_size=2, lr=1e-2, **resumed)
+    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), other, groups, checkpoint, tmp_path, "resumed"), nprocs=2)
     uninterrupted, resumed = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "resumed.pt")
     for name, weight in uninterrupted.items():
         # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step

@@ -2,7 +2,10 @@
 tokens and rewards, and the same updates. Each request carries a sampling seed derived from the job's seed and
 its id, so the engine samples the same tokens however it batched the requests; the trainer orders a batch by
 admission. What is not promised is bit-equality: the engine's logprobs are computed in whatever batch the
-requests landed in, and a row's float sums depend on its batch's padding, hence the tolerance on the losses."""
+requests landed in, and a row's float sums depend on its batch's padding, hence the tolerance on the losses. The
+weights are compared by their updates: AdamW divides each weight's first moment by the root of its second, so a
+weight whose gradients are nearly zero can take a visibly different step from a difference in the last bits of
+those gradients (a CI run once had one weight of 8,192 off by 5e-6), while the update as a whole agrees."""
 
 import asyncio
 
@@ -70,11 +73,13 @@ def test_a_synchronous_run_with_one_worker_is_reproducible_for_a_seed(assets, tm
         assert one["staleness"] == two["staleness"] == [0] * len(one["staleness"])
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    initial = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32).state_dict()
+    updates = {name: (weight - initial[name]).norm() for name, weight in first_weights.items()}
+    assert all(update > 0 for update in updates.values())
     for name, weight in first_weights.items():
-        torch.testing.assert_close(again_weights[name], weight, rtol=1e-4, atol=1e-6)
+        assert (again_weights[name] - weight).norm() <= 1e-3 * updates[name], name
 
     # and the seed is what fixes them: another seed samples other responses and trains other weights
     assert [s["tokens"] for s in other] != [s["tokens"] for s in first] or \
         [s["reward_mean"] for s in other] != [s["reward_mean"] for s in first]
-    assert any(not torch.allclose(other_weights[name], weight, rtol=1e-4, atol=1e-6)
-               for name, weight in first_weights.items())
+    assert any((other_weights[name] - weight).norm() > 0.1 * updates[name] for name, weight in first_weights.items())

@@ -300,8 +300,9 @@ class ParallelismConfig(_Section):
     tensor: Annotated[int, Field(ge=1)] = Field(
         1, description="`megatron`: ranks each layer's tensors are split over (heads, key/value heads, vocabulary and "
         "MLP width must divide by it); the data-parallel size is `replicas` / (tensor × pipeline).")
-    pipeline: Annotated[int, Field(ge=1, le=1)] = Field(
-        1, description="`megatron`: pipeline stages (only 1 so far: tensor and data parallelism are built).")
+    pipeline: Annotated[int, Field(ge=1)] = Field(
+        1, description="`megatron`: pipeline stages, each holding an equal share of the layers (the layer count must "
+        "divide by it), run under megatron-core's 1F1B schedule.")
 
 
 class TrainerConfig(_Section):

@@ -233,8 +233,8 @@ def roles_schema() -> dict:
                                minimum=1),
     }
     parallelism = obj(
-        "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count. Tensor (and pipeline, "
-        "only 1 so far) above 1 need trainer.backend: megatron.",
+        "Megatron-style parallel sizes; tensor × pipeline × data is the trainer's rank count. Tensor or pipeline "
+        "above 1 needs trainer.backend: megatron.",
         {
             "tensor": integer("Tensor-parallel size.", minimum=1, default=1),
             "pipeline": integer("Pipeline-parallel size.", minimum=1, default=1),

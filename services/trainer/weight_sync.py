@@ -9,8 +9,9 @@ Protocol (SGLang's `update_weights_from_distributed`, the recipe slime and AReaL
 2. `push`: pause generation on every engine (mode "abort" or "retract": in-flight requests come back, or wait, with
    their tokens so far). Then per bucket: announce names/dtypes/shapes over HTTP with
    `load_format="flattened_bucket"` and broadcast the bucket's bytes (common/weights.py) from rank 0, waiting for
-   every answer. `weight_version` goes with the last bucket only, so an engine never reports the new version while
-   holding half of it. Generation is continued on every engine even when a bucket failed.
+   every answer. The next bucket is flattened (copied into one buffer) while this one is on the wire, so at most two
+   buckets' buffers exist at once. `weight_version` goes with the last bucket only, so an engine never reports the
+   new version while holding half of it. Generation is continued on every engine even when a bucket failed.
 3. Every step has a deadline (`timeout`): a target that does not answer, or a broadcast that does not complete (with
    NCCL the broadcast is asynchronous: the host waits on it with the deadline), fails the push. After any failure
    the group is aborted and must be rebuilt (`close`, then `connect`) and the full weights pushed again: an engine
@@ -148,14 +149,20 @@ class WeightSender:
         started = time.perf_counter()
         buckets = plan_buckets(named_tensors, self.bucket_bytes)  # taken one ahead: the last one carries the version
         sent_bytes = sent_buckets = 0
+        flattening = None
         try:
             await self._on_all_targets("pause_generation", lambda target: target.pause_generation(self.pause_mode))
             bucket = next(buckets, None)
+            flattening = self._flatten(bucket)
             while bucket is not None:
+                flat = await flattening
                 following = next(buckets, None)
-                sent_bytes += await self._push_bucket(bucket, None if following else str(version))
+                flattening = self._flatten(following)  # in a worker thread, while this bucket is broadcast
+                sent_bytes += await self._push_bucket(bucket, flat, None if following else str(version))
                 bucket, sent_buckets = following, sent_buckets + 1
         except BaseException:
+            if flattening is not None:
+                flattening.add_done_callback(_consume_exception)
             self._failed = True
             await self._continue_all(after_failure=True)
             raise
@@ -181,10 +188,15 @@ class WeightSender:
                 log.warning("destroy_weights_update_group on %s failed: %s", _describe(target), answer)
         destroy_side_group(group, abort=failed)
 
-    async def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> int:
-        """Announce and broadcast one bucket; returns the bytes sent."""
+    def _flatten(self, bucket: list[tuple[str, torch.Tensor]] | None) -> asyncio.Future | None:
+        """The bucket's bytes in one buffer on the broadcast's device, made in a worker thread (None: no bucket)."""
+        if bucket is None:
+            return None
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        flat = flatten_bucket((tensor for _, tensor in bucket), device)
+        return asyncio.ensure_future(asyncio.to_thread(flatten_bucket, [tensor for _, tensor in bucket], device))
+
+    async def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], flat: torch.Tensor, version: str | None) -> int:
+        """Announce one bucket and broadcast its flattened bytes; returns the bytes sent."""
         names = [name for name, _ in bucket]
         dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
         shapes = [list(tensor.shape) for _, tensor in bucket]

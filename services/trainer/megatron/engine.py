@@ -1,11 +1,14 @@
-"""The `megatron` TrainEngine: a megatron-core GPTModel, tensor- and data-parallel over the trainer world.
+"""The `megatron` TrainEngine: a megatron-core GPTModel, tensor-, pipeline- and data-parallel over the trainer world.
 
-The world's ranks form Megatron's groups (`parallel_state`, ranks ordered tensor-first): a tensor-parallel group
-holds one replica of the model split across its ranks, and the replicas make the data-parallel group. The training
-loop hands every rank of a tensor-parallel group the same rows (`data_rank`, `data_size`), and after each backward
-the gradients of the data-parallel replicas are summed (the losses are already divided by the whole minibatch's
-normaliser). The log-probabilities are computed vocab-parallel (megatron-core's cross-entropy over the sharded
-output layer): a rank holds the logits of its slice of the vocabulary only.
+The world's ranks form Megatron's groups (`parallel_state`, ranks ordered tensor, then data, then pipeline): the
+ranks of a tensor-parallel group split every layer of one stage, the pipeline stages hold consecutive layers, and a
+replica (one rank per tensor shard and stage) holds the whole model; the replicas make the data-parallel group. The
+training loop hands every rank of a replica the same rows (`data_rank`, `data_size`). Forward and backward run under
+megatron-core's own schedule (1F1B across stages; one micro-batch after another without pipelining), its loss
+function on the last stage calling the loop's; after the backward the gradients of the data-parallel replicas are
+summed (the losses are already divided by the whole minibatch's normaliser). The log-probabilities are computed
+vocab-parallel (megatron-core's cross-entropy over the sharded output layer): a rank holds the logits of its slice
+of the vocabulary only.
 
 The optimizer is torch's AdamW over each rank's shards, with the gradient norm taken over the whole model (the
 tensor-parallel shards' squares summed over their group, replicated tensors once). megatron-core's own optimizer is
@@ -13,13 +16,14 @@ not used: it hard-codes CUDA tensors (`FP32Optimizer`), and AdamW on shards is w
 distributed-optimizer sharding of state over the data-parallel ranks.
 
 What rank 0 hands the rest of the job (the push, the checkpoint) is Hugging Face-named and full: after every update and
-load, `gather_for_push` (a collective on every rank) gathers the tensor-parallel shards onto rank 0, which converts
-them (convert/). Checkpoints hold the model in Hugging Face format and AdamW's state unsharded under Megatron names, so
-they resume on any tensor-parallel layout. Pipeline parallelism is refused (model.Layout) until it is built.
+load, `gather_for_push` (a collective on every rank) gathers the tensor-parallel shards, and then the later stages'
+tensors, onto rank 0, which converts them (convert/). Checkpoints hold the model in Hugging Face format and AdamW's
+state unsharded under the whole model's Megatron names, so they resume on any layout.
 """
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,7 +37,7 @@ from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainE
 from areal_k8s.trainer.megatron import cpu
 from areal_k8s.trainer.megatron.convert import family_of
 from areal_k8s.trainer.megatron.convert.common import Family, Shape, join_shards, pad_vocab, shard_of, to_hf, to_megatron
-from areal_k8s.trainer.megatron.model import Layout, attention_mask, build_gpt
+from areal_k8s.trainer.megatron.model import Layout, Stage, attention_mask, build_gpt
 from areal_k8s.trainer.stepping import PhaseClock
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
 
@@ -81,10 +85,13 @@ class MegatronEngine(TrainEngine):
         self.tensor_group = parallel_state.get_tensor_model_parallel_group()
         self.tensor_rank = parallel_state.get_tensor_model_parallel_rank()
         self.data_group = parallel_state.get_data_parallel_group()
+        self.pipeline_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.data_rank, self.data_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.config = None  # the Hugging Face config, its family and sizes
         self.family: Family | None = None
         self.shape: Shape | None = None
+        self.stage: Stage | None = None
         self.model = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.gathered: dict[str, torch.Tensor] | None = None  # rank 0: the full Megatron-named weights
@@ -98,7 +105,9 @@ class MegatronEngine(TrainEngine):
         """The model for `config` holding this rank's shards of the Hugging Face weights, and a fresh optimizer."""
         self.config, self.family, self.shape = config, family_of(config), Shape.of(config)
         self.layout.check(config, self.world_size)
-        self.model = build_gpt(config, self.layout, self.device).to(self.device)
+        self.stage = Stage.of(config, self.layout, self.pipeline_rank)
+        with cpu.on_cpu():  # a tied output layer on the last stage is moved to "cuda" for its first all-reduce
+            self.model = build_gpt(config, self.layout, self.stage, self.device).to(self.device)
         self._load_full(self._to_megatron(hf_weights))
         if not self.trainable:
             self.model.eval().requires_grad_(False)
@@ -113,12 +122,14 @@ class MegatronEngine(TrainEngine):
 
     @torch.no_grad()
     def _load_full(self, full: dict[str, torch.Tensor]) -> None:
-        """This rank's shard of each full Megatron tensor into the model; every parameter must be given."""
+        """This rank's shard of each full Megatron tensor (the whole model's names) into its stage; every parameter
+        must be given."""
         parameters = dict(self.model.named_parameters())
-        if missing := parameters.keys() - full.keys():
+        if missing := {self.stage.global_name(name) for name in parameters} - full.keys():
             raise KeyError(f"the converted weights lack {sorted(missing)[:5]}")
         for name, parameter in parameters.items():
-            shard = shard_of(name, full[name], self._partition_dim(parameter), self.tensor_rank, self.layout.tensor)
+            tensor = full[self.stage.global_name(name)]
+            shard = shard_of(name, tensor, self._partition_dim(parameter), self.tensor_rank, self.layout.tensor)
             parameter.copy_(shard)
 
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,12 +148,57 @@ class MegatronEngine(TrainEngine):
             full[name] = join_shards(name, [s.cpu() for s in shards], dim)
         return full
 
+    def _gather_model(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The whole model's full tensors under its Megatron names, on the CPU of its first stage's tensor rank 0,
+        from every rank's shards (keyed by parameter name); None on the other ranks. Every rank of the replica calls
+        it. A tied output layer's copy on the last stage is left out: the embedding is the first stage's."""
+        full = self._gather(tensors)
+        if self.tensor_rank != 0:
+            return None
+        own = {self.stage.global_name(name): tensor for name, tensor in full.items()
+               if not (self.stage.holds_tied_copy and name == "output_layer.weight")}
+        if self.stage.first:
+            whole = {name: tensor.cpu() for name, tensor in own.items()}
+            for source in range(1, self.layout.pipeline):  # then each later stage's, tensor by tensor
+                (listing,) = self._exchange_object(None, source)
+                for name, shape, dtype in listing:
+                    received = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(received, group_src=source, group=self.pipeline_group)
+                    whole[name] = received.cpu()
+            return whole
+        self._exchange_object([(name, tuple(t.shape), t.dtype) for name, t in own.items()], None)
+        for tensor in own.values():
+            dist.send(tensor.to(self.device).contiguous(), group_dst=0, group=self.pipeline_group)
+        return None
+
+    def _exchange_object(self, sent, source: int | None) -> list:
+        """A picklable object from a later stage to the first: the sender passes it (`source` None), the first stage
+        passes `source` and gets it back."""
+        box = [sent]
+        if source is None:
+            dist.send_object_list(box, group_dst=0, group=self.pipeline_group)
+        else:
+            dist.recv_object_list(box, group_src=source, group=self.pipeline_group)
+        return box
+
+    def _stages_merged(self, part: dict) -> dict | None:
+        """Every stage's dict merged on the first stage's tensor rank 0 (None elsewhere), over the pipeline group."""
+        if self.tensor_rank != 0:
+            return None
+        if not self.stage.first:
+            self._exchange_object(part, None)
+            return None
+        merged = dict(part)
+        for source in range(1, self.layout.pipeline):
+            merged |= self._exchange_object(None, source)[0]
+        return merged
+
     def gather_for_push(self) -> None:
-        # Only the replica rank 0 belongs to gathers: the others hold the same values.
+        # Only the ranks of the replica rank 0 belongs to gather: the others hold the same values.
         if self.data_rank != 0:
             return
-        full = self._gather({name: p.detach() for name, p in self.model.named_parameters()})
-        self.gathered = {name: t.cpu() for name, t in full.items()} if self.rank == 0 else None
+        full = self._gather_model({name: p.detach() for name, p in self.model.named_parameters()})
+        self.gathered = full if self.rank == 0 else None
 
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         if self.gathered is None:
@@ -152,14 +208,18 @@ class MegatronEngine(TrainEngine):
 
     # -- scoring and training --------------------------------------------------------------------------------------
 
-    def _logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
-        """log π(token_t | tokens_<t) at the sampling temperature, [rows, L − 1], computed vocab-parallel."""
-        from megatron.core import tensor_parallel
-
+    def _forward(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """This stage's output: the next stage's input, or on the last stage the logits (this rank's vocabulary
+        slice). A later stage takes its input from the schedule, not from `input_ids`."""
         input_ids, attention = micro_batch["input_ids"], micro_batch["attention_mask"]
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         with self._compute():
-            logits = self.model(input_ids, positions, attention_mask(attention))
+            return self.model(input_ids, positions, attention_mask(attention))
+
+    def _logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """log π(token_t | tokens_<t) at the sampling temperature, [rows, L − 1], computed vocab-parallel."""
+        from megatron.core import tensor_parallel
+
         logits = logits[:, :-1].float() / self.job.sampling.temperature
         padding = self._vocab_padding(logits.shape[-1])
         if padding:  # the padded rows are no tokens: no probability
@@ -171,26 +231,57 @@ class MegatronEngine(TrainEngine):
         start = self.tensor_rank * rows_here
         return max(0, min(rows_here, start + rows_here - self.shape.vocab))
 
+    def _schedule(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn | None) -> list:
+        """megatron-core's forward-backward schedule over the micro-batches; without `loss_fn`, forward only. On the
+        last stage each micro-batch's logits become log-probabilities and, when training, the loop's loss, whose
+        backward the schedule runs back through the stages. Returns, on every rank of the pipeline, what the last
+        stage reported per micro-batch: (loss, stats) when training, else the log-probabilities on the CPU."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batches = [self._on_device(micro_batch) for micro_batch in micro_batches]
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            return self._forward(micro_batch), functools.partial(self._report, micro_batch, loss_fn)
+
+        with cpu.on_cpu():
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+                num_microbatches=len(batches), forward_only=loss_fn is None,
+                # the shapes of each micro-batch's activations go along with them (variable_seq_lengths)
+                seq_length=batches[0]["input_ids"].shape[1], micro_batch_size=batches[0]["input_ids"].shape[0])
+        if self.layout.pipeline > 1:
+            shared = [reports if self.stage.last else None]
+            dist.broadcast_object_list(shared, group_src=self.layout.pipeline - 1, group=self.pipeline_group)
+            reports = shared[0]
+        return reports
+
+    def _report(self, micro_batch: MicroBatch, loss_fn: LossFn | None, logits: torch.Tensor):
+        """The schedule's loss function: (loss, a token count the schedule only adds up, what it keeps for us).
+        The loss is not divided by the schedule (calculate_per_token_loss): the loop's is batch-wide already."""
+        logprobs = self._logprobs(logits, micro_batch["input_ids"])
+        count = torch.tensor(1, dtype=torch.int)
+        if loss_fn is None:
+            return logprobs.new_zeros(()), count, logprobs.cpu()
+        loss, stats = loss_fn(logprobs, micro_batch)
+        return loss, count, (loss.item(), stats)
+
     @torch.no_grad()
     def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         self.model.eval()
-        return self._logprobs(self._on_device(micro_batch)).cpu()
+        (logprobs,) = self._schedule([micro_batch], None)
+        return logprobs
 
     def train_minibatch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, lr: float) -> MinibatchResult:
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         clock = PhaseClock()
-        losses, stats = [], []
-        for micro_batch in micro_batches:
-            with clock("forward_backward"):
-                micro_batch = self._on_device(micro_batch)
-                loss, loss_stats = loss_fn(self._logprobs(micro_batch), micro_batch)
-                loss.backward()
-            losses.append(loss.item())
-            stats.append(loss_stats)
         with clock("forward_backward"):
+            reports = self._schedule(micro_batches, loss_fn) if micro_batches else []
+            losses, stats = [loss for loss, _ in reports], [loss_stats for _, loss_stats in reports]
             self._complete_replicated_gradients()
+            self._sum_tied_embedding_gradients()
             self._sum_gradients_over_replicas()
             if self.data_size > 1:  # the result is the whole minibatch's (every rank of a replica has the same)
                 replicas: list = [None] * self.data_size
@@ -217,6 +308,19 @@ class MegatronEngine(TrainEngine):
             elif "q_layernorm" in name or "k_layernorm" in name:
                 dist.all_reduce(parameter.grad, group=self.tensor_group)
 
+    def _sum_tied_embedding_gradients(self) -> None:
+        """Tied embeddings split over stages: the first stage's input embedding and the last stage's output layer are
+        one weight held twice, so their gradients are summed over megatron-core's embedding group (as its
+        finalize_model_grads does) and both copies take the same update."""
+        from megatron.core import parallel_state
+
+        if not (self.stage.tied and self.layout.pipeline > 1) or not (self.stage.first or self.stage.last):
+            return
+        weight = self.model.embedding.word_embeddings.weight if self.stage.first else self.model.output_layer.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+
     def _sum_gradients_over_replicas(self) -> None:
         if self.data_size == 1:
             return
@@ -227,16 +331,18 @@ class MegatronEngine(TrainEngine):
             gradient.copy_(summed)
 
     def _clip_gradients(self, max_norm: float) -> float:
-        """Clip to `max_norm` by the norm of the whole model's gradient; returns the norm before clipping."""
+        """Clip to `max_norm` by the norm of the whole model's gradient (every stage's, each tensor once: a tied
+        output layer's copy not counted); returns the norm before clipping."""
+        from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=self.device)
         for p in parameters:
-            if param_is_not_tensor_parallel_duplicate(p):
+            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
                 squares += p.grad.float().pow(2).sum()
-        if self.layout.tensor > 1:
-            dist.all_reduce(squares, group=self.tensor_group)
+        if self.layout.tensor * self.layout.pipeline > 1:
+            dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
         norm = float(squares.sqrt())
         if norm > max_norm:
             for p in parameters:
@@ -245,16 +351,18 @@ class MegatronEngine(TrainEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict:
-        """AdamW's state keyed by parameter name, its moments full (gathered over the tensor-parallel group, the
-        vocabulary's padding stripped: any layout resumes them)."""
+    def _optimizer_state(self) -> dict | None:
+        """AdamW's state keyed by the whole model's parameter names, its moments full (gathered over the tensor-parallel
+        group and the stages, the vocabulary's padding stripped: any layout resumes them), on rank 0."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         state = {names[id(p)]: s for p, s in self.optimizer.state.items()}
+        moments = {key: self._gather_model({name: s[key] for name, s in state.items()}) for key in ("exp_avg", "exp_avg_sq")}
+        steps = self._stages_merged({self.stage.global_name(name): float(s["step"]) for name, s in state.items()})
+        if steps is None:
+            return None
         vocab = self.shape.vocab
-        moments = {key: {name: pad_vocab(name, t, vocab).cpu()
-                         for name, t in self._gather({name: s[key] for name, s in state.items()}).items()}
-                   for key in ("exp_avg", "exp_avg_sq")}
-        return {"moments": moments, "step": {name: float(s["step"]) for name, s in state.items()}}
+        return {"moments": {key: {name: pad_vocab(name, t, vocab) for name, t in full.items()} for key, full in moments.items()},
+                "step": steps}
 
     def save_checkpoint(self, path: Path | None) -> None:
         state = self._optimizer_state() if self.data_rank == 0 else None
@@ -288,11 +396,12 @@ class MegatronEngine(TrainEngine):
         """AdamW's moments as `_optimizer_state` wrote them, each rank taking its shards."""
         rows = self.shape.padded_vocab(self.layout.tensor)
         for name, parameter in self.model.named_parameters():
-            if name not in optimizer["step"]:  # no update reached it yet
+            whole = self.stage.global_name(name)
+            if whole not in optimizer["step"]:  # no update reached it yet
                 continue
             dim = self._partition_dim(parameter)
             self.optimizer.state[parameter] = {
-                "step": torch.tensor(optimizer["step"][name]),
-                **{key: shard_of(name, pad_vocab(name, optimizer["moments"][key][name], rows), dim, self.tensor_rank,
+                "step": torch.tensor(optimizer["step"][whole]),
+                **{key: shard_of(name, pad_vocab(name, optimizer["moments"][key][whole], rows), dim, self.tensor_rank,
                                  self.layout.tensor).to(self.device).clone() for key in ("exp_avg", "exp_avg_sq")},
             }

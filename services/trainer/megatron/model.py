@@ -1,4 +1,5 @@
-"""A megatron-core GPTModel from a Hugging Face config, on this rank's share of the tensor-parallel layout.
+"""A megatron-core GPTModel from a Hugging Face config, on this rank's share of the tensor- and pipeline-parallel
+layout.
 
 The local (Megatron-core only) layer spec everywhere: it runs on CPU and GPU alike without Transformer Engine, and its
 parameter names are the ones convert/ maps. Dropout is off (RL fine-tuning trains without it, and the rollout
@@ -35,13 +36,56 @@ class Layout:
         if world_size % (self.tensor * self.pipeline):
             raise LayoutError(f"{world_size} trainer ranks are not a multiple of tensor ({self.tensor}) × pipeline "
                               f"({self.pipeline}) parallel")
-        if self.pipeline != 1:
-            raise LayoutError("pipeline parallel > 1 is not built yet: use tensor and data parallelism")
         shape = Shape.of(config)
+        if shape.layers % self.pipeline:
+            raise LayoutError(f"{shape.layers} layers do not split evenly into {self.pipeline} pipeline stages")
         for what, count in (("attention heads", shape.heads), ("key/value heads", shape.groups),
                             ("MLP features", config.intermediate_size)):
             if count % self.tensor:
                 raise LayoutError(f"{count} {what} do not split over tensor parallel {self.tensor}")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage's part of the model: layers [offset, offset + layers), the embedding on the first stage,
+    the final norm and the output layer on the last. Its parameters carry stage-local layer numbers; `global_name`
+    gives the whole model's Megatron name (what convert/ maps), so the weights, the push and the checkpoint never
+    depend on the layout."""
+
+    index: int
+    count: int
+    layers: int  # per stage
+    tied: bool
+
+    @classmethod
+    def of(cls, config, layout: Layout, index: int) -> Stage:
+        shape = Shape.of(config)
+        return cls(index=index, count=layout.pipeline, layers=shape.layers // layout.pipeline, tied=shape.tied)
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    @property
+    def holds_tied_copy(self) -> bool:
+        """The last stage of a split model with tied embeddings holds its own copy of the input embedding as its
+        output layer (megatron-core keeps the two equal by summing their gradients)."""
+        return self.tied and self.last and not self.first
+
+    def global_name(self, name: str) -> str:
+        if name.startswith(LAYERS):
+            index, rest = name[len(LAYERS):].split(".", 1)
+            return f"{LAYERS}{int(index) + self.index * self.layers}.{rest}"
+        if name == "output_layer.weight" and self.holds_tied_copy:
+            return "embedding.word_embeddings.weight"
+        return name
+
+
+LAYERS = "decoder.layers."
 
 
 def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool):
@@ -55,6 +99,12 @@ def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtyp
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
         tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+        # Stages exchange the residual stream, which stays in the parameters' dtype under autocast. Micro-batches
+        # differ in rows and length (packed by tokens), so their shapes go along; the token dispatcher named is
+        # the one megatron-core allows with variable lengths (this model has no experts to dispatch to). Each
+        # micro-batch's loss is already divided by the batch-wide normaliser: the schedule must not average it.
+        pipeline_dtype=dtype, variable_seq_lengths=layout.pipeline > 1, moe_token_dispatcher_type="alltoall",
+        calculate_per_token_loss=True,
         # (initialised, then overwritten by the loaded weights: initialising is what marks a parameter's shards)
         params_dtype=dtype, use_cpu_initialization=on_cpu,
         bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
@@ -62,8 +112,9 @@ def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtyp
     )
 
 
-def build_gpt(config, layout: Layout, device: torch.device, dtype: torch.dtype = torch.float32):
-    """The GPTModel for a Hugging Face config (its family checked), with this rank's shards, randomly initialised."""
+def build_gpt(config, layout: Layout, stage: Stage, device: torch.device, dtype: torch.dtype = torch.float32):
+    """The GPTModel for a Hugging Face config (its family checked), with this rank's shards of its stage's layers,
+    randomly initialised."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -74,6 +125,7 @@ def build_gpt(config, layout: Layout, device: torch.device, dtype: torch.dtype =
         vocab_size=Shape.of(config).padded_vocab(layout.tensor), max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=rope_base(config),
         share_embeddings_and_output_weights=Shape.of(config).tied, parallel_output=True,
+        pre_process=stage.first, post_process=stage.last,
     )
 
 
