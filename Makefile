@@ -56,7 +56,7 @@ gpu-sglang:
 	bash scripts/gpu-sglang.sh
 
 # the megatron trainer (NCCL, bf16) steps and pushes its weights to an engine on another GPU: checksums and
-# log-probabilities checked, timings printed (needs CUDA and tensor + 1 GPUs; ARGS="--tensor 2" for more ranks)
+# log-probabilities checked, timings printed (needs CUDA and tensor × pipeline + 1 GPUs; ARGS="--tensor 2 --pipeline 2")
 gpu-smoke: proto
 	$(PY) scripts/gpu_smoke.py $(ARGS)
 

@@ -4,7 +4,7 @@
    saved with `save_pretrained`.
 2. A receiver: our engine (`python -m areal_k8s.rollout.cpu_engine --device cuda:T`) serves that model on the GPU
    after the trainer's, behind SGLang's weight-update routes.
-3. The trainer world: `--tensor` ranks of the megatron backend, one GPU and one NCCL rank each (`--precision bf16`:
+3. The trainer world: `--tensor` × `--pipeline` ranks of the megatron backend, one GPU and one NCCL rank each (`--precision bf16`:
    bf16 compute over fp32 master weights). Each rank loads the model, scores a batch (rank 0 compares it with the
    Hugging Face model's log-probabilities), trains one RL step (decoupled PPO, GRPO advantages, on the test suite's
    synthetic groups) and joins the gather.
@@ -14,7 +14,7 @@
    the Hugging Face model loaded with the exported weights scores the batch as the megatron model does. Timings
    are printed and written to `--out`/smoke.json.
 
-NCCL refuses two ranks of one group on one GPU, so the smoke needs `--tensor` + 1 GPUs. `--device cpu` runs the
+NCCL refuses two ranks of one group on one GPU, so the smoke needs `--tensor` × `--pipeline` + 1 GPUs. `--device cpu` runs the
 same path on gloo (the test suite does, so the script keeps working where no GPU is).
 """
 
@@ -147,7 +147,8 @@ def smoke_on_rank(world, job, receiver_url: str, push_dtype: str, bucket_bytes: 
                                                     bucket_bytes))
     result = {
         "device": torch.cuda.get_device_name() if job.trainer.device == "cuda" else "cpu",
-        "tensor_parallel": world.size, "precision": job.trainer.precision, "push_dtype": push_dtype,
+        "tensor_parallel": job.trainer.parallelism.tensor, "pipeline_parallel": job.trainer.parallelism.pipeline,
+        "precision": job.trainer.precision, "push_dtype": push_dtype,
         "parameters": sum(p.numel() for p in hf_model.parameters()), "loss": record.loss, "grad_norm": record.grad_norm,
         "max_logprob_error_initial": initial_error, "max_logprob_error_trained": trained_error,
         "tolerance": TOLERANCE[job.trainer.precision], "receiver_checksum_equal": checksum_equal,
@@ -159,7 +160,8 @@ def smoke_on_rank(world, job, receiver_url: str, push_dtype: str, bucket_bytes: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel trainer ranks (one GPU each)")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages (tensor × pipeline ranks, one GPU each)")
     parser.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -167,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-smoke")
     args = parser.parse_args(argv)
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    if args.device == "cuda" and torch.cuda.device_count() < args.tensor + 1:
-        print(f"gpu-smoke: needs {args.tensor + 1} CUDA GPUs (the trainer's {args.tensor} and the receiver's; NCCL "
+    ranks = args.tensor * args.pipeline
+    if args.device == "cuda" and torch.cuda.device_count() < ranks + 1:
+        print(f"gpu-smoke: needs {ranks + 1} CUDA GPUs (the trainer's {ranks} and the receiver's; NCCL "
               f"refuses two ranks of one group on one GPU), found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
@@ -178,19 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         "name": "gpu-smoke", "model": str(model), "run_dir": str(args.out / "run"), "dataset": {"train": "unused.jsonl"},
         "sampling": {"temperature": 1.0, "max_new_tokens": 16},
         "algorithm": {"batch_size": 4, "group_size": 4, "lr": 1e-5},
-        "trainer": {"backend": "megatron", "replicas": args.tensor, "parallelism": {"tensor": args.tensor},
+        "trainer": {"backend": "megatron", "replicas": ranks, "parallelism": {"tensor": args.tensor, "pipeline": args.pipeline},
                     "device": args.device, "precision": precision},
     })
-    receiver = ("--device", f"cuda:{args.tensor}" if args.device == "cuda" else "cpu", "--dtype", push_dtype)
+    receiver = ("--device", f"cuda:{ranks}" if args.device == "cuda" else "cpu", "--dtype", push_dtype)
     with cpu_engine(model, args.out / "receiver.log", *receiver) as url:
-        mp.spawn(rank_main, args=(args.tensor, free_port("127.0.0.1"), job, url, push_dtype, int(args.bucket_mb * 2**20), args.out),
-                 nprocs=args.tensor)
+        mp.spawn(rank_main, args=(ranks, free_port("127.0.0.1"), job, url, push_dtype, int(args.bucket_mb * 2**20), args.out),
+                 nprocs=ranks)
     result = json.loads((args.out / "smoke.json").read_text())
     print(json.dumps(result, indent=1))
     passed = result["receiver_checksum_equal"] and max(result["max_logprob_error_initial"],
                                                        result["max_logprob_error_trained"]) <= result["tolerance"]
     print(f"gpu-smoke: {'passed' if passed else 'FAILED'}: {result['device']}, tensor parallel {result['tensor_parallel']}, "
-          f"{result['precision']}; step {result['seconds']['train_step']:.2f} s; push "
+          f"pipeline parallel {result['pipeline_parallel']}, {result['precision']}; step {result['seconds']['train_step']:.2f} s; push "
           f"{result['pushes'][-1]['bytes'] / 2**20:.0f} MiB in {result['pushes'][-1]['seconds']:.3f} s "
           f"({result['pushes'][-1]['bytes_per_second'] / 2**30:.2f} GiB/s)")
     return 0 if passed else 1

@@ -72,3 +72,24 @@ def test_with_no_engine_serving_the_version_it_catches_up_then_gives_the_evaluat
     evaluator = Evaluator(JOB, ITEMS, lambda: [], catch_up=catch_up, wait_seconds=1.5)
     assert asyncio.run(evaluator.accuracy(2)) == -1.0
     assert pushes  # it asked for the weights to be pushed to workers outside the group while it waited
+
+
+def test_a_worker_whose_engine_went_back_is_caught_up_before_its_items_are_dealt_again():
+    """The only worker's engine restarted (back at its initial weights) while the worker stayed in the group: the
+    evaluator has the current weights pushed to it (catch_up) instead of dealing it the items until it gives up, which
+    once stalled a run's final evaluation for the whole `wait_seconds`."""
+    caught_up = []
+
+    def answer(group):
+        if not caught_up:
+            raise RuntimeError("EngineWentBack: the engine sampled with weight version 0, older than the group's admission")
+        return sample(group, 4, reward_of(group))
+
+    restarted = Worker("restarted", answer)
+
+    async def catch_up():
+        caught_up.append(1)
+
+    evaluator = Evaluator(JOB, ITEMS, lambda: [restarted], catch_up=catch_up, wait_seconds=30)
+    assert asyncio.run(evaluator.accuracy(4)) == 0.5
+    assert len(caught_up) == 1 and len(restarted.groups) == 2 * len(ITEMS)  # one failed round, one scored

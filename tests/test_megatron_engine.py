@@ -256,7 +256,8 @@ def test_the_gpu_smoke_runs_its_whole_path_on_gloo(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
 def test_the_gpu_smoke_refuses_a_machine_without_enough_gpus_in_one_line():
-    result = subprocess.run([sys.executable, str(SMOKE), "--tensor", "2"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(SMOKE), "--tensor", "2", "--pipeline", "2"], capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip() == ("gpu-smoke: needs 3 CUDA GPUs (the trainer's 2 and the receiver's; NCCL refuses two "
+    assert result.stderr.strip() == ("gpu-smoke: needs 5 CUDA GPUs (the trainer's 4 and the receiver's; NCCL refuses two "
                                      "ranks of one group on one GPU), found 0")
