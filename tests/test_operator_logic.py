@@ -193,6 +193,13 @@ def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
         str(ranks), str(roles["trainer"]["gpusPerPod"]), str(roles["trainer"]["parallelism"]["tensor"]))
     assert validate(body).config.trainer.replicas == ranks  # the job file the ranks read names the same world
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": f"metadata.labels['{names.POD_INDEX_LABEL}']"}}
+    # eight ranks per pod: torchrun starts one process per GPU from the variables above (Kubernetes expands them)
+    assert container(trainer, "trainer")["command"] == [
+        "torchrun", "--nnodes=$(NNODES)", "--nproc-per-node=$(NPROC_PER_NODE)", "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "-m", "areal_k8s.trainer"]
+    demo = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == "rljob-demo-cpu.yaml").read_text()))
+    demo_trainer = next(w for (kind, name), w in demo.items() if kind == "StatefulSet" and name.endswith("-trainer"))
+    assert container(demo_trainer, "trainer")["command"] == ["python", "-m", "areal_k8s.trainer"]  # a rank per pod
     pod = trainer["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == names.GPU_RESOURCE
     assert {v["name"]: v["image"]["reference"] for v in pod["volumes"] if "image" in v}["model"].endswith("qwen2.5-1.5b-instruct:1")

@@ -3,6 +3,10 @@ one-rank step on the same batch, each rank trains its own share, and rank 0 ackn
 checkpoint covers only once every rank is past the steps that trained them."""
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -132,6 +136,28 @@ def test_the_rank_comes_from_torchrun_or_from_the_pod_ordinal():
         WorldSpec.from_env({"NODE_RANK": "1", "NPROC_PER_NODE": "2", "WORLD_SIZE": "4"})
     with pytest.raises(ValueError, match="outside the world"):
         WorldSpec.from_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_the_ranks_torchrun_starts_in_one_pod_form_the_world_through_its_store_on_ports_of_their_own(tmp_path):
+    """A trainer pod with two GPUs as the operator starts it: torchrun with the pod's variables (NNODES,
+    NPROC_PER_NODE, NODE_RANK, MASTER_ADDR/PORT) starts two processes; they take their ranks from it, join the world
+    through the store torchrun's agent hosts at the master port, and the second listens on the ports after the
+    pod's."""
+    port = free_port("127.0.0.1")
+    pod = {**os.environ, "NNODES": "1", "NPROC_PER_NODE": "2", "NODE_RANK": "0", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "seen.json"
+    launcher = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [str(launcher), "--nnodes=1", "--nproc-per-node=2", "--node-rank=0", "--master-addr=127.0.0.1",
+         f"--master-port={port}", str(Path(__file__).parent / "torchrun_rank.py"), str(out)],
+        env=pod, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(out.read_text()) == [
+        {"rank": 0, "local_rank": 0, "size": 2, "grpc_port": 50054},
+        {"rank": 1, "local_rank": 1, "size": 2, "grpc_port": 50055},
+    ]
+    assert WorldSpec(local_rank=1).port_for(0) == 0  # a port that is off stays off
 
 
 def trajectory(group: str, index: int) -> common_pb2.Trajectory:

@@ -422,6 +422,11 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
         block=block, env=env, port=("grpc", names.TRAINER_PORT), readiness=grpc_readiness(names.TRAINER_PORT, "areal.v1.Trainer"),
         mounts=[config_mount, checkpoint_mount, *mounts], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
     )
+    if ranks_per_pod > 1:
+        # one process per GPU, as the trainer requires: torchrun starts them (LOCAL_RANK, RANK) from the variables
+        # above and hosts the world's rendezvous store on pod 0, which the ranks join (their world reads it)
+        main["command"] = ["torchrun", "--nnodes=$(NNODES)", "--nproc-per-node=$(NPROC_PER_NODE)", "--node-rank=$(NODE_RANK)",
+                           "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "-m", "areal_k8s.trainer"]
     if "claimName" in checkpoint:
         volumes.append({"name": names.CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint["claimName"]}})
     spec: dict = {

@@ -34,7 +34,8 @@ def main() -> None:
     require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
     torch.set_num_threads(job.trainer.threads)
     # Formed before the engines are made (they read their rank from it); every rank waits here for the others.
-    world = World(WorldSpec.from_env()).join(job.trainer.device)
+    spec = WorldSpec.from_env()
+    world = World(spec).join(job.trainer.device)
     eval_items = load_items(job.dataset.eval, job.dataset)[: job.dataset.eval_limit] if job.dataset.eval else []
 
     async def run(stop: asyncio.Event) -> None:
@@ -51,9 +52,11 @@ def main() -> None:
             metrics=TrainerMetrics(job.name),
             world=world,
         )
-        trainer.metrics.serve(args.host, args.metrics_port)
+        # the ranks torchrun starts in one pod listen on the ports after the pod's (probes and scrapes see rank 0's)
+        trainer.metrics.serve(args.host, spec.port_for(args.metrics_port))
         server, port, _health = await start_server(
-            [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer), "areal.v1.Trainer")], f"{args.host}:{args.port}"
+            [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer), "areal.v1.Trainer")],
+            f"{args.host}:{spec.port_for(args.port)}"
         )
         log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
         try:

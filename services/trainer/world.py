@@ -3,7 +3,8 @@
 Rank and size come from the environment as torchrun sets them (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`),
 or, in a trainer pod, from the StatefulSet ordinal the operator passes as `NODE_RANK` (one rank per pod; a pod with
 several GPUs needs one process per GPU, started by torchrun, which sets `LOCAL_RANK` and `RANK`). The rendezvous is
-rank 0's address: the headless Service's name of pod 0, or the loopback in `arealctl run`.
+rank 0's address: the headless Service's name of pod 0, or the loopback in `arealctl run`. Rank 0 hosts the store
+there, or, under torchrun, its agent does and every rank joins it (torch.distributed sees TORCHELASTIC_USE_AGENT_STORE).
 
 This group is the default process group, and it is not the weight-update group the rollout engines join
 (common/distributed.py builds that one apart, on rank 0 only). Only rank 0 talks to the rest of the job: it reads the
@@ -42,6 +43,11 @@ class WorldSpec:
     local_rank: int = 0
     master_address: str = "127.0.0.1"
     master_port: int = 29500
+
+    def port_for(self, port: int) -> int:
+        """A port a service of this process listens on: the base port for a pod's first rank, the next ones for the
+        others that torchrun starts beside it (0, off, stays off)."""
+        return port + self.local_rank if port else 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorldSpec:
