@@ -12,6 +12,7 @@ What differs from a real build, and why (each image's own list is in its failure
   build (for the trainer too, whose image has CUDA 13.0 wheels). The images that install torch share one copy of
   it (.cache/image-envs/torch-<hash>, on a .pth line in each environment): pip finds it installed and still
   resolves its dependencies into the environment, and a fresh clone's run needs one copy of the 760 MB, not three.
+  Its console scripts (torchrun) are written into each environment's bin, as pip would have written them.
 - megatron-core: releases after 0.16 require Python >= 3.12; on 3.11 the trainer's explicit pin is dropped and the
   package's `megatron` extra resolves it (0.16.x).
 - pip: the environment is made without pip and this project's pip installs into it (`pip --python`), so the
@@ -45,7 +46,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib.metadata import version
+from importlib.metadata import distributions, version
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -155,8 +156,8 @@ def build_step(image: Dockerfile, segment: str, shell: dict[str, str], plan: Pla
 
 def runtime_step(segment: str, plan: Plan) -> None:
     argv = shlex.split(segment)
-    if argv[0] == "python":
-        plan.checks[tuple(argv)] = "the image's RUN import check"
+    if argv[0] in ("python", "torchrun"):
+        plan.checks[tuple(argv)] = "the image's RUN check"
     elif argv[0] not in ("groupadd", "useradd", "mkdir", "apt-get", "rm"):  # users, folders, system packages
         raise ValueError(f"images/{plan.image}/Dockerfile: a final-stage command this test does not know: {segment}")
 
@@ -221,8 +222,16 @@ def operator_commands() -> dict[str, set[tuple[str, ...]]]:
                 pod = child.get("spec", {}).get("template", {}).get("spec", {})
                 for container in pod.get("initContainers", []) + pod.get("containers", []):
                     component = container["image"].rpartition("/")[2].partition(":")[0]
-                    out[component].add(tuple(container["command"]))
+                    out[component].update(runnable_here(container["command"]))
     return out
+
+
+def runnable_here(command: list[str]) -> list[tuple[str, ...]]:
+    """A container command as it can be checked here: torchrun's options name the pod's variables (`$(NNODES)`), which
+    only Kubernetes expands, so a torchrun command is checked as the launcher and the module it starts."""
+    if command[0] != "torchrun":
+        return [tuple(command)]
+    return [("torchrun",), ("python", *command[command.index("-m"):])]
 
 
 OPERATOR_COMMANDS = operator_commands()
@@ -365,6 +374,17 @@ def shared_torch() -> Path:
     return folder
 
 
+def write_shared_torch_scripts(venv: Path) -> None:
+    """The console scripts pip writes when it installs torch (torchrun), for an environment that shares the copy:
+    each runs its entry point with the environment's python."""
+    for distribution in distributions(path=[str(shared_torch())]):
+        for entry in distribution.entry_points.select(group="console_scripts"):
+            script = venv / "bin" / entry.name
+            script.write_text(f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom {entry.module} import {entry.attr}\n"
+                              f"sys.exit({entry.attr}())\n")
+            script.chmod(0o755)
+
+
 def site_packages(venv: Path) -> Path:
     return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 
@@ -391,6 +411,8 @@ def environment_of(plan: Plan, snapshot: dict[str, bytes]) -> Path:
     venv, package = CACHE / f"{plan.image}-{key}", CACHE / f"{plan.image}-{key}" / ".package"
     with locked(plan.image, keep=venv):
         build_once(venv, lambda folder: build_environment(plan, wheel, folder))
+        if installs_torch(plan):
+            write_shared_torch_scripts(venv)
         if package.read_text() != str(wheel):
             pip_install(venv, ["--no-deps", "--force-reinstall", str(wheel)])
             package.write_text(str(wheel))
