@@ -160,37 +160,35 @@ class MegatronEngine(TrainEngine):
         if self.stage.first:
             whole = {name: tensor.cpu() for name, tensor in own.items()}
             for source in range(1, self.layout.pipeline):  # then each later stage's, tensor by tensor
-                (listing,) = self._exchange_object(None, source)
-                for name, shape, dtype in listing:
+                for name, shape, dtype in self._receive_from_stage(source):
                     received = torch.empty(shape, dtype=dtype, device=self.device)
                     dist.recv(received, group_src=source, group=self.pipeline_group)
                     whole[name] = received.cpu()
             return whole
-        self._exchange_object([(name, tuple(t.shape), t.dtype) for name, t in own.items()], None)
+        self._send_to_first_stage([(name, tuple(t.shape), t.dtype) for name, t in own.items()])
         for tensor in own.values():
             dist.send(tensor.to(self.device).contiguous(), group_dst=0, group=self.pipeline_group)
         return None
 
-    def _exchange_object(self, sent, source: int | None) -> list:
-        """A picklable object from a later stage to the first: the sender passes it (`source` None), the first stage
-        passes `source` and gets it back."""
-        box = [sent]
-        if source is None:
-            dist.send_object_list(box, group_dst=0, group=self.pipeline_group)
-        else:
-            dist.recv_object_list(box, group_src=source, group=self.pipeline_group)
-        return box
+    def _send_to_first_stage(self, value) -> None:
+        """A picklable value from this (later) stage to the first, which takes it with `_receive_from_stage`."""
+        dist.send_object_list([value], group_dst=0, group=self.pipeline_group)
+
+    def _receive_from_stage(self, source: int):
+        box = [None]
+        dist.recv_object_list(box, group_src=source, group=self.pipeline_group)
+        return box[0]
 
     def _stages_merged(self, part: dict) -> dict | None:
         """Every stage's dict merged on the first stage's tensor rank 0 (None elsewhere), over the pipeline group."""
         if self.tensor_rank != 0:
             return None
         if not self.stage.first:
-            self._exchange_object(part, None)
+            self._send_to_first_stage(part)
             return None
         merged = dict(part)
         for source in range(1, self.layout.pipeline):
-            merged |= self._exchange_object(None, source)[0]
+            merged |= self._receive_from_stage(source)
         return merged
 
     def gather_for_push(self) -> None:
