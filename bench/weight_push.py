@@ -103,9 +103,11 @@ def build_model(shape: ModelShape, path: Path) -> Qwen2ForCausalLM:
 def receive(args: argparse.Namespace) -> None:
     """The raw baseline's receiver (a process of its own, as the engine is): joins as rank 1 and receives
     `--nbytes` bytes `--repeats` times, confirming each with a one-element all-reduce."""
+    device = torch.device(args.device)
+    if device.type == "cuda":  # NCCL works on the process's current device
+        torch.cuda.set_device(device)
     store = connect_to_rendezvous(args.address, args.port, 2, TIMEOUT)
     group = init_side_group(args.backend, args.address, args.port, 2, 1, RAW_GROUP, TIMEOUT, store=store)
-    device = torch.device(args.device)
     buffer = torch.empty(args.nbytes, dtype=torch.uint8, device=device)
     for _ in range(WARMUP + args.repeats):
         broadcast_within(buffer, group, TIMEOUT)
