@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
-STUBS  := services/api/v1/.generated
+STUBS  := services/areal_k8s/api/v1/.generated
 
 .PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
 
@@ -24,12 +24,12 @@ $(STUBS): $(PROTOS) proto/generate.py $(VENV)/.installed
 	$(PY) proto/generate.py
 	touch $@
 
-# the Grafana dashboards the chart ships are generated from services/observability/dashboards.py; a test checks them
+# the Grafana dashboards the chart ships are generated from services/areal_k8s/observability/dashboards.py; a test checks them
 dashboards: proto
 	$(PY) -m areal_k8s.observability.dashboards --write
 	$(PY) -m areal_k8s.common.metrics --write README.md
 
-# the RLJob CRD is generated from the job schema (services/common/config.py); a test checks it is current
+# the RLJob CRD is generated from the job schema (services/areal_k8s/common/config.py); a test checks it is current
 crd: proto
 	$(PY) -m areal_k8s.k8s_operator.schema --write
 
@@ -116,4 +116,4 @@ bench-sim: proto
 	$(PY) bench/simulated.py --seeds 3
 
 clean:
-	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/api/v1/*_pb2*.py* $(STUBS)
+	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/areal_k8s/api/v1/*_pb2*.py* $(STUBS)

@@ -16,6 +16,6 @@ class BuildPyWithStubs(build_py):
 
 
 setup(
-    packages=["areal_k8s"] + ["areal_k8s." + p for p in find_packages("services")],
+    packages=find_packages("services"),
     cmdclass={"build_py": BuildPyWithStubs},
 )

@@ -1,5 +1,5 @@
 """`make bench-sandbox`: executions per second of a trivial passing program through the code verifier's sandbox
-(services/common/sandbox.py: bubblewrap, the harness, rlimits) against a bare subprocess of the same interpreter,
+(services/areal_k8s/common/sandbox.py: bubblewrap, the harness, rlimits) against a bare subprocess of the same interpreter,
 and through the whole `code` verifier (one stdin/stdout case: extraction, the sandboxed run, the comparison).
 
 Each repetition runs `--runs` executions of each mode, interleaved one by one (so that load from elsewhere on the

@@ -57,7 +57,7 @@ TIMEOUT = 600.0
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Qwen2-architecture shape; `demo` is the demo job's own model (services/demo/build.py)."""
+    """A Qwen2-architecture shape; `demo` is the demo job's own model (services/areal_k8s/demo/build.py)."""
 
     name: str
     hidden: int = 0

@@ -1,6 +1,6 @@
 """Generate the Python gRPC stubs from proto/ (run by the package build and by `make proto`).
 
-proto/areal_k8s/api/v1/x.proto -> services/api/v1/x_pb2.py, importable as areal_k8s.api.v1.x_pb2.
+proto/areal_k8s/api/v1/x.proto -> services/areal_k8s/api/v1/x_pb2.py, importable as areal_k8s.api.v1.x_pb2.
 The generated files are build outputs: never edited, never committed.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-STUB_DIR = ROOT / "services" / "api" / "v1"
+STUB_DIR = ROOT / "services" / "areal_k8s" / "api" / "v1"
 
 
 def generate_stubs() -> list[Path]:

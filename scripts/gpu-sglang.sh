@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 \
   || { echo "gpu-sglang: no NVIDIA GPU here (nvidia-smi -L failed)" >&2; exit 2; }
 PYTHON=${PYTHON:-python3}
-SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\(.*\)"$/\1/p' services/common/sglang.py)
+SGLANG_VERSION=$(sed -n 's/^SGLANG_VERSION = "\(.*\)"$/\1/p' services/areal_k8s/common/sglang.py)
 TORCH_VERSION=$(sed -n 's/^  "torch==\(.*\)",$/\1/p' pyproject.toml)
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cu130}   # the CUDA of images/sglang and images/trainer
 

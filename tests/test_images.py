@@ -223,7 +223,7 @@ def test_the_build_context_holds_what_the_dockerfiles_copy(name):
         probe = source if (ROOT / source).is_file() else next(str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*") if p.is_file())
         assert dockerignore_admits(probe), f"{name}: .dockerignore leaves {source} out of the context"
     assert not dockerignore_admits(".venv/bin/python") and not dockerignore_admits("runs/demo/summary.json")
-    assert not dockerignore_admits("services/api/v1/controller_pb2.py"), "generated stubs are rebuilt, never copied"
+    assert not dockerignore_admits("services/areal_k8s/api/v1/controller_pb2.py"), "generated stubs are rebuilt, never copied"
 
 
 # -- the slim images ------------------------------------------------------------------------------------------

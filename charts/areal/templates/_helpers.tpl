@@ -37,7 +37,7 @@ app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 app.kubernetes.io/part-of: areal-k8s
 {{- end -}}
 
-{{/* The labels the operator puts on every pod of an RLJob (services/k8s_operator/names.py: labels()). */}}
+{{/* The labels the operator puts on every pod of an RLJob (services/areal_k8s/k8s_operator/names.py: labels()). */}}
 {{- define "areal.jobPodLabels" -}}
 app.kubernetes.io/name: areal-k8s
 app.kubernetes.io/managed-by: areal-k8s-operator

@@ -1,5 +1,5 @@
 """The rollout worker: pull admitted prompt groups, run the job's workflow on each (generation, tools, scoring:
-services/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight pushes,
+services/areal_k8s/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight pushes,
 every token keeping its policy version (generation.py).
 """
 

@@ -9,7 +9,7 @@ Fields (`dataset.code`): the problem is the first of `prompt_fields` present, th
   `assert f(*args) == result` (APPS wraps each result in a one-element list: that list is unwrapped);
 - assert-style: a list of assert statements (MBPP's `test_list`), or `{"asserts": [...]}`.
 The item's reference is the verifier's JSON (`[{"input", "output"}]` or `{"asserts": [...]}`, see
-services/reward/code_verifier.py), its verifier `code`, its prompt the problem followed by `instruction`.
+services/areal_k8s/reward/code_verifier.py), its verifier `code`, its prompt the problem followed by `instruction`.
 """
 
 from __future__ import annotations

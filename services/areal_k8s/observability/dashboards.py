@@ -21,7 +21,7 @@ from grafana_foundation_sdk.models.common import StackingMode
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "charts" / "areal" / "dashboards"
+DASHBOARD_DIR = Path(__file__).resolve().parents[3] / "charts" / "areal" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 SEL = 'namespace=~"$namespace", rljob=~"$job"'  # every query's job filter
 RATE = "$__rate_interval"

@@ -45,7 +45,7 @@ class DatasetConfig(_Section):
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch (deterministic by `seed`).")
 
 
-BUILTIN_VERIFIERS = ("math", "addition", "exact", "code")  # the reward service's built-ins (services/reward/verifiers.py)
+BUILTIN_VERIFIERS = ("math", "addition", "exact", "code")  # the reward service's built-ins (services/areal_k8s/reward/verifiers.py)
 CUSTOM_VERIFIER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -205,7 +205,7 @@ class AlgorithmConfig(_Section):
         return self.max_concurrent_rollouts or self.batch_size * (self.max_staleness + 1)
 
 
-BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/rollout/workflows/
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/areal_k8s/rollout/workflows/
 CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -256,7 +256,7 @@ class RolloutConfig(_Section):
     prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
     workflow: str = Field(
         "single_turn",
-        description="What one episode is (services/rollout/workflows/): `single_turn` (prompt, response, reward), "
+        description="What one episode is (services/areal_k8s/rollout/workflows/): `single_turn` (prompt, response, reward), "
         "`multi_turn` (answer, verifier feedback, answer again: `rollout.multi_turn`), `tool_agent` (the model calls "
         "tools, their results are appended: `rollout.tool_agent`), or `package.module:Class`, a RolloutWorkflow of "
         "your own (the rollout image must be able to import it).",

@@ -32,7 +32,7 @@ from areal_k8s.k8s_operator.rules import RULES
 # The committed CRD lives in the repository's operator/ folder, and the Helm chart carries an identical copy in its
 # crds/ folder (Helm installs it on first install; upgrades apply it with kubectl, see charts/areal/README.md).
 # --write writes both, --check verifies both; they work in a checkout.
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 CRD_PATH = REPO_ROOT / "operator" / "crd" / "rljobs.yaml"
 CHART_CRD_PATH = REPO_ROOT / "charts" / "areal" / "crds" / "rljobs.yaml"
 CRD_PATHS = (CRD_PATH, CHART_CRD_PATH)

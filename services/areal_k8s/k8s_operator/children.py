@@ -1,7 +1,7 @@
 """The Kubernetes objects an RLJob owns, as a pure function of the checked job.
 
 The operator applies these; `arealctl manifests` prints them. The wiring mirrors the local launcher
-(services/cli/launcher.py): the same modules, flags and ports, with Services in place of loopback addresses.
+(services/areal_k8s/cli/launcher.py): the same modules, flags and ports, with Services in place of loopback addresses.
 """
 
 from __future__ import annotations
