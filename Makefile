@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
+.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
 
 venv: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ SGLANG_CPU := scripts/sglang-cpu
 sglang-env: .cache/sglang-env/.built
 .cache/sglang-env/.built: $(addprefix $(SGLANG_CPU)/,build.py check_env.py requirements.txt constraints.txt)
 	$(PYTHON) $(SGLANG_CPU)/build.py
+
+# ruff's lint rules and format check over the whole tree ([tool.ruff] in pyproject.toml); `ruff format .` fixes the format
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # a failed SGLang build does not stop the tests: those on the real server skip, with its reason
 # (.ci/run sets AREAL_REQUIRE_SGLANG=1, under which they fail instead)

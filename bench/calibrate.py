@@ -48,8 +48,9 @@ EXPERIMENTS = ((1, 96), (8, 96), (32, 96), (64, 64), (128, 48), (128, 112))
 TOLERANCE = 0.15  # the issue's bar: relative for samples/s, absolute (shares) for idle and the staleness distribution
 
 
-async def engine_experiments(url: str, prompts: list[list[int]], temperature: float, max_new_tokens: int,
-                             length_samples: int) -> tuple[list[dict], list[int]]:
+async def engine_experiments(
+    url: str, prompts: list[list[int]], temperature: float, max_new_tokens: int, length_samples: int
+) -> tuple[list[dict], list[int]]:
     """Counter deltas of each fixed-length experiment, and the lengths of responses sampled as the demo samples."""
     client = SGLangClient(url)
     try:
@@ -57,18 +58,33 @@ async def engine_experiments(url: str, prompts: list[list[int]], temperature: fl
         for batch, tokens in EXPERIMENTS:
             before = engine_load([url])[0]
             params = {"max_new_tokens": tokens, "temperature": temperature, "ignore_eos": True}
-            await client.generate([prompts[i % len(prompts)] for i in range(batch)], [params] * batch,
-                                  return_logprob=False)
+            await client.generate(
+                [prompts[i % len(prompts)] for i in range(batch)], [params] * batch, return_logprob=False
+            )
             after = engine_load([url])[0]
-            deltas.append({"batch": batch, "tokens": tokens,
-                           **{k: after[k] - before[k] for k in ("decode_seconds", "decode_steps", "decode_rows",
-                                                                "decode_context_positions", "prefill_seconds",
-                                                                "prefill_tokens")}})
+            deltas.append(
+                {
+                    "batch": batch,
+                    "tokens": tokens,
+                    **{
+                        k: after[k] - before[k]
+                        for k in (
+                            "decode_seconds",
+                            "decode_steps",
+                            "decode_rows",
+                            "decode_context_positions",
+                            "prefill_seconds",
+                            "prefill_tokens",
+                        )
+                    },
+                }
+            )
         params = {"max_new_tokens": max_new_tokens, "temperature": temperature}
         lengths = []
         for start in range(0, length_samples, 64):
-            replies = await client.generate([prompts[i % len(prompts)] for i in range(start, start + 64)],
-                                            [params] * 64, return_logprob=False)
+            replies = await client.generate(
+                [prompts[i % len(prompts)] for i in range(start, start + 64)], [params] * 64, return_logprob=False
+            )
             lengths += [r["meta_info"]["completion_tokens"] for r in replies]
         return deltas, lengths
     finally:
@@ -80,18 +96,37 @@ def engine_costs(job: JobConfig) -> dict:
     tokenizer = load_tokenizer(job.tokenizer_path)
     items = load_dataset(job.dataset.train)[:256]
     prompts = [encode_prompt(tokenizer, item.prompt, job.rollout.prompt_template) for item in items]
-    process = subprocess.Popen([sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", job.model,
-                                "--port", "0", "--threads", "1", "--max-batch-size", "128", "--seed", str(job.seed)],
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_k8s.rollout.cpu_engine",
+            "--model-path",
+            job.model,
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--max-batch-size",
+            "128",
+            "--seed",
+            str(job.seed),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = next(line.split(" on ")[1].strip() for line in process.stderr if "CPU engine ready on" in line)
-        deltas, lengths = asyncio.run(engine_experiments(url, prompts, job.sampling.temperature,
-                                                         job.sampling.max_new_tokens, length_samples=512))
+        deltas, lengths = asyncio.run(
+            engine_experiments(url, prompts, job.sampling.temperature, job.sampling.max_new_tokens, length_samples=512)
+        )
     finally:
         process.terminate()
         process.wait(timeout=60)
     # decode_seconds = base·steps + per_sequence·rows + per_context·context positions, one equation per experiment
-    terms = np.array([[d["decode_steps"], d["decode_rows"], d["decode_context_positions"]] for d in deltas], dtype=float)
+    terms = np.array(
+        [[d["decode_steps"], d["decode_rows"], d["decode_context_positions"]] for d in deltas], dtype=float
+    )
     seconds = np.array([d["decode_seconds"] for d in deltas])
     (base, per_sequence, per_context), *_ = np.linalg.lstsq(terms, seconds, rcond=None)
     fitted = terms @ np.array([base, per_sequence, per_context])
@@ -100,7 +135,8 @@ def engine_costs(job: JobConfig) -> dict:
         "step_base_seconds": max(float(base), 0.0),
         "step_per_sequence_seconds": max(float(per_sequence), 0.0),
         "step_per_context_token_seconds": max(float(per_context), 0.0),
-        "prefill_per_token_seconds": sum(d["prefill_seconds"] for d in deltas) / sum(d["prefill_tokens"] for d in deltas),
+        "prefill_per_token_seconds": sum(d["prefill_seconds"] for d in deltas)
+        / sum(d["prefill_tokens"] for d in deltas),
         "fit_worst_error": round(float(max(abs(fitted / seconds - 1))), 4),
         "experiments": deltas,
         "length_sigma": statistics.pstdev(logs),
@@ -124,23 +160,43 @@ def measured_staleness(job: JobConfig) -> list[int]:
 
 def scenario_for(job: JobConfig, engine: dict, costs: dict) -> Scenario:
     """The simulator's picture of `job` on this machine: the engine's measured costs and the synchronous run's."""
-    return Scenario.model_validate({
-        "name": f"calibration-{job.seed}", "seed": job.seed,
-        "job": {"batch_size": job.algorithm.batch_size, "group_size": job.algorithm.group_size,
-                "max_staleness": job.algorithm.max_staleness, "total_steps": job.algorithm.total_steps,
-                "groups_per_engine": job.rollout.groups_per_worker},
-        "split": {"rollout": job.rollout.workers, "trainer": 1},
-        "engine": {k: engine[k] for k in ("step_base_seconds", "step_per_sequence_seconds",
-                                          "step_per_context_token_seconds", "prefill_per_token_seconds")}
-        | {"threads": job.rollout.threads, "max_steps_per_event": 8, "start_seconds": 0},
-        "trainer": {"gpu_seconds_per_token": costs["train_seconds_per_token"], "threads": job.trainer.threads},
-        "push": {"seconds": costs["push_seconds"], "retract": job.rollout.interrupt == "retract"},
-        "workload": {"prompt_tokens": engine["prompt_tokens"], "completion_seconds": costs["completion_seconds"],
-                     "response": {"mean": costs["response_tokens_mean"], "sigma": engine["length_sigma"],
-                                  "max": job.sampling.max_new_tokens}},
-        "cores": os.cpu_count(),
-        "background_threads": costs["background_threads"],
-    })
+    return Scenario.model_validate(
+        {
+            "name": f"calibration-{job.seed}",
+            "seed": job.seed,
+            "job": {
+                "batch_size": job.algorithm.batch_size,
+                "group_size": job.algorithm.group_size,
+                "max_staleness": job.algorithm.max_staleness,
+                "total_steps": job.algorithm.total_steps,
+                "groups_per_engine": job.rollout.groups_per_worker,
+            },
+            "split": {"rollout": job.rollout.workers, "trainer": 1},
+            "engine": {
+                k: engine[k]
+                for k in (
+                    "step_base_seconds",
+                    "step_per_sequence_seconds",
+                    "step_per_context_token_seconds",
+                    "prefill_per_token_seconds",
+                )
+            }
+            | {"threads": job.rollout.threads, "max_steps_per_event": 8, "start_seconds": 0},
+            "trainer": {"gpu_seconds_per_token": costs["train_seconds_per_token"], "threads": job.trainer.threads},
+            "push": {"seconds": costs["push_seconds"], "retract": job.rollout.interrupt == "retract"},
+            "workload": {
+                "prompt_tokens": engine["prompt_tokens"],
+                "completion_seconds": costs["completion_seconds"],
+                "response": {
+                    "mean": costs["response_tokens_mean"],
+                    "sigma": engine["length_sigma"],
+                    "max": job.sampling.max_new_tokens,
+                },
+            },
+            "cores": os.cpu_count(),
+            "background_threads": costs["background_threads"],
+        }
+    )
 
 
 def synchronous_costs(job: JobConfig, result, engine: dict) -> dict:
@@ -175,9 +231,13 @@ def predict(job: JobConfig, engine: dict, costs: dict) -> dict:
     """The simulator's figures for the asynchronous `job` from the engine's and the synchronous run's costs."""
     scenario = scenario_for(job, engine, costs)
     figures = simulate(scenario).figures()
-    return {"samples_per_second": figures["samples_per_second"], "trainer_idle": figures["trainer_idle"],
-            "rollout_idle": figures["rollout_idle"], "staleness": staleness_shares(figures["staleness_counts"]),
-            "scenario": scenario.model_dump()}
+    return {
+        "samples_per_second": figures["samples_per_second"],
+        "trainer_idle": figures["trainer_idle"],
+        "rollout_idle": figures["rollout_idle"],
+        "staleness": staleness_shares(figures["staleness_counts"]),
+        "scenario": scenario.model_dump(),
+    }
 
 
 def compare(measured: dict, predicted: dict) -> dict:
@@ -188,7 +248,9 @@ def compare(measured: dict, predicted: dict) -> dict:
         "trainer_idle": round(predicted["trainer_idle"] - measured["trainer_idle"], 4),
         "rollout_idle": round(predicted["rollout_idle"] - measured["rollout_idle"], 4),
         # total variation distance between the two staleness distributions
-        "staleness": round(sum(abs(a - b) for a, b in zip(pad(measured["staleness"]), pad(predicted["staleness"]))) / 2, 4),
+        "staleness": round(
+            sum(abs(a - b) for a, b in zip(pad(measured["staleness"]), pad(predicted["staleness"]))) / 2, 4
+        ),
     }
 
 
@@ -201,28 +263,59 @@ def measure(seeds: int, steps: int) -> dict:
     run_root = ROOT / ".cache" / "calibration"
     runs = []
     for seed in range(seeds):
-        quiet = dict(seed=seed, decoupled=True, steps=steps, eval_interval=0)
+        quiet = {"seed": seed, "decoupled": True, "steps": steps, "eval_interval": 0}
         sync_job = configure(base, run_root, f"calibration-sync-{seed}", max_staleness=0, trainer_threads=1, **quiet)
-        async_job = configure(base, run_root, f"calibration-async-{seed}", max_staleness=base.algorithm.max_staleness,
-                              trainer_threads=base.trainer.threads, **quiet)
+        async_job = configure(
+            base,
+            run_root,
+            f"calibration-async-{seed}",
+            max_staleness=base.algorithm.max_staleness,
+            trainer_threads=base.trainer.threads,
+            **quiet,
+        )
         sync_job.trainer.checkpoint_interval = async_job.trainer.checkpoint_interval = steps  # not modelled
         sync_run = run(sync_job, smooth=1)
         async_run = run(async_job, smooth=1)
         costs = synchronous_costs(sync_job, sync_run, engine)
-        engines_busy = async_run.engines.get("busy_seconds", 0.0) / (async_run.training_seconds * async_job.rollout.workers)
-        measured = {"samples_per_second": async_run.samples_per_second, "trainer_idle": async_run.trainer_idle_fraction,
-                    "rollout_idle": round(max(0.0, 1 - engines_busy), 4),  # over the training time, as simulated
-                    "staleness": staleness_shares(measured_staleness(async_job))}
+        engines_busy = async_run.engines.get("busy_seconds", 0.0) / (
+            async_run.training_seconds * async_job.rollout.workers
+        )
+        measured = {
+            "samples_per_second": async_run.samples_per_second,
+            "trainer_idle": async_run.trainer_idle_fraction,
+            "rollout_idle": round(max(0.0, 1 - engines_busy), 4),  # over the training time, as simulated
+            "staleness": staleness_shares(measured_staleness(async_job)),
+        }
         predicted = predict(async_job, engine, costs)
         errors = compare(measured, predicted)
-        print(f"seed {seed}: measured {measured}, predicted { {k: v for k, v in predicted.items() if k != 'scenario'} }, "
-              f"errors {errors}", flush=True)
-        runs.append({"seed": seed, "costs": costs, "measured": measured, "predicted": predicted, "errors": errors,
-                     "cpu_seconds": {"sync": sync_run.cpu_seconds, "async": async_run.cpu_seconds}})
-    summary = {key: spread([{key: abs(r["errors"][key])} for r in runs], key)
-               for key in ("samples_per_second", "trainer_idle", "rollout_idle", "staleness")}
-    return {"machine": {"cores": os.cpu_count()}, "steps": steps, "seeds": seeds, "tolerance": TOLERANCE,
-            "engine": engine, "summary": summary, "runs": runs}
+        print(
+            f"seed {seed}: measured {measured}, predicted { {k: v for k, v in predicted.items() if k != 'scenario'} }, "
+            f"errors {errors}",
+            flush=True,
+        )
+        runs.append(
+            {
+                "seed": seed,
+                "costs": costs,
+                "measured": measured,
+                "predicted": predicted,
+                "errors": errors,
+                "cpu_seconds": {"sync": sync_run.cpu_seconds, "async": async_run.cpu_seconds},
+            }
+        )
+    summary = {
+        key: spread([{key: abs(r["errors"][key])} for r in runs], key)
+        for key in ("samples_per_second", "trainer_idle", "rollout_idle", "staleness")
+    }
+    return {
+        "machine": {"cores": os.cpu_count()},
+        "steps": steps,
+        "seeds": seeds,
+        "tolerance": TOLERANCE,
+        "engine": engine,
+        "summary": summary,
+        "runs": runs,
+    }
 
 
 def readme_block(report: dict) -> str:
@@ -234,17 +327,19 @@ def readme_block(report: dict) -> str:
         return f"{unit(f['median'])} ({unit(f['min'])} to {unit(f['max'])})"
 
     within = all(s[k]["max"] <= report["tolerance"] for k in s)
-    return "\n".join([
-        README_BEGIN,
-        f"Calibration (`make bench-calibrate`, {report['seeds']} seeds of {report['steps']} steps on "
-        f"{report['machine']['cores']} cores): fed the costs measured on this machine (the CPU engine alone, and a "
-        f"synchronous run of the same job), the simulator predicts the asynchronous demo with these errors, median "
-        f"(range) over seeds: samples/s {figure('samples_per_second', True)}, trainer idle "
-        f"{figure('trainer_idle', False)}, engines idle {figure('rollout_idle', False)}, staleness distribution "
-        f"{figure('staleness', False)} (total variation). "
-        + ("Every figure is within the 15% bar." if within else "Not every figure is within the 15% bar."),
-        README_END,
-    ])
+    return "\n".join(
+        [
+            README_BEGIN,
+            f"Calibration (`make bench-calibrate`, {report['seeds']} seeds of {report['steps']} steps on "
+            f"{report['machine']['cores']} cores): fed the costs measured on this machine (the CPU engine alone, and a "
+            f"synchronous run of the same job), the simulator predicts the asynchronous demo with these errors, median "
+            f"(range) over seeds: samples/s {figure('samples_per_second', True)}, trainer idle "
+            f"{figure('trainer_idle', False)}, engines idle {figure('rollout_idle', False)}, staleness distribution "
+            f"{figure('staleness', False)} (total variation). "
+            + ("Every figure is within the 15% bar." if within else "Not every figure is within the 15% bar."),
+            README_END,
+        ]
+    )
 
 
 def main() -> None:

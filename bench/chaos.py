@@ -31,11 +31,21 @@ def run_once(seed: int, results: Path) -> bool:
     """One chaos run; True if the test passed (its figures are then the last line of `results`)."""
     env = {**os.environ, "AREAL_CHAOS_SEED": str(seed), "AREAL_CHAOS_RESULTS": str(results)}
     test = "tests/test_chaos.py::test_a_run_survives_one_kill_of_every_process"
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT, env=env).returncode == 0
+    return (
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT, env=env
+        ).returncode
+        == 0
+    )
 
 
 def summarize(runs: list[dict], attempted: int) -> dict:
-    return {"runs": attempted, "passed": len(runs), "eta": runs[0]["eta"], **{key: spread(runs, key) for key in FIGURES}}
+    return {
+        "runs": attempted,
+        "passed": len(runs),
+        "eta": runs[0]["eta"],
+        **{key: spread(runs, key) for key in FIGURES},
+    }
 
 
 def readme_block(report: dict) -> str:
@@ -48,7 +58,8 @@ def readme_block(report: dict) -> str:
 
     return (
         f"{README_BEGIN}\n"
-        f"Measured by `make chaos` ({s['runs']} runs, each killing all six once at seeded steps of a 16-step job with two "
+        f"Measured by `make chaos` ({s['runs']} runs, each killing all six once at seeded steps of a 16-step job with "
+        "two "
         f"rollout workers and η = {s['eta']}): {s['passed']} of {s['runs']} completed on their own with no group lost "
         f"or trained twice and no sample staler than η (the largest seen: {s['max_staleness_seen']['max']:g}). "
         f"Wall time {spread('wall_seconds', ' s')} on 2 cores; steps trained again after the trainer's restore "

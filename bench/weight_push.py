@@ -70,12 +70,15 @@ class ModelShape:
 
 
 SHAPES = {
-    shape.name: shape for shape in [
+    shape.name: shape
+    for shape in [
         ModelShape("demo"),
         ModelShape("qwen2-50m", hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=2, vocab=32000),
         ModelShape("qwen2-150m", hidden=768, intermediate=2048, layers=16, heads=12, kv_heads=4, vocab=32000),
         # Qwen2.5-0.5B's config: 494M parameters, tied embeddings
-        ModelShape("qwen2.5-0.5b", hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True),
+        ModelShape(
+            "qwen2.5-0.5b", hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True
+        ),
     ]
 }
 
@@ -88,12 +91,21 @@ def build_model(shape: ModelShape, path: Path) -> Qwen2ForCausalLM:
     else:
         tokenizer = build_tokenizer()
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=max(shape.vocab, len(tokenizer)), hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-            num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-            max_position_embeddings=2048, tie_word_embeddings=shape.tied, eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
-        ))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=max(shape.vocab, len(tokenizer)),
+                hidden_size=shape.hidden,
+                intermediate_size=shape.intermediate,
+                num_hidden_layers=shape.layers,
+                num_attention_heads=shape.heads,
+                num_key_value_heads=shape.kv_heads,
+                max_position_embeddings=2048,
+                tie_word_embeddings=shape.tied,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=None,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
     model = model.to(torch.bfloat16).eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -123,9 +135,23 @@ class RawBroadcast:
         self.buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         self.store = create_rendezvous_store("127.0.0.1", 0, 2, TIMEOUT)
         self.receiver = subprocess.Popen(
-            [sys.executable, __file__, "--receive", "--address", "127.0.0.1", "--port", str(self.store.port),
-             "--nbytes", str(nbytes), "--repeats", str(args.repeats), "--backend", args.backend,
-             "--device", args.receiver_device],
+            [
+                sys.executable,
+                __file__,
+                "--receive",
+                "--address",
+                "127.0.0.1",
+                "--port",
+                str(self.store.port),
+                "--nbytes",
+                str(nbytes),
+                "--repeats",
+                str(args.repeats),
+                "--backend",
+                args.backend,
+                "--device",
+                args.receiver_device,
+            ],
             env=SUBPROCESS_ENV,
         )
         client = connect_to_rendezvous("127.0.0.1", self.store.port, 2, TIMEOUT)
@@ -166,10 +192,15 @@ async def measure_model(args: argparse.Namespace, shape: ModelShape, scratch: Pa
                     stats = await sender.push(weights, repeat)
                     held = await client.weights_checksum()
                     if held["combined"] != weights_checksum(weights)[1] or held["weight_version"] != str(repeat):
-                        raise RuntimeError(f"{shape.name}: the engine does not hold push {repeat} (checksum or version)")
+                        raise RuntimeError(
+                            f"{shape.name}: the engine does not hold push {repeat} (checksum or version)"
+                        )
                     assert stats.bytes == nbytes, (stats.bytes, nbytes)
-                    print(f"  {repeat}: push {stats.seconds:.3f} s ({stats.buckets} buckets), raw {raw_seconds:.3f} s"
-                          f"{' (warm-up)' if repeat <= WARMUP else ''}", flush=True)
+                    print(
+                        f"  {repeat}: push {stats.seconds:.3f} s ({stats.buckets} buckets), raw {raw_seconds:.3f} s"
+                        f"{' (warm-up)' if repeat <= WARMUP else ''}",
+                        flush=True,
+                    )
                     if repeat > WARMUP:
                         pushes.append(stats.seconds)
                         raws.append(raw_seconds)
@@ -178,8 +209,12 @@ async def measure_model(args: argparse.Namespace, shape: ModelShape, scratch: Pa
                 await sender.close()
     raw.close()
     return {
-        "model": shape.name, "parameters": parameters, "bytes": nbytes, "buckets": sorted(buckets),
-        "push_seconds": pushes, "raw_seconds": raws,
+        "model": shape.name,
+        "parameters": parameters,
+        "bytes": nbytes,
+        "buckets": sorted(buckets),
+        "push_seconds": pushes,
+        "raw_seconds": raws,
     }
 
 
@@ -201,7 +236,8 @@ def readme_block(report: dict) -> str:
         README_BEGIN,
         f"Weight push against a raw broadcast of the same bytes (`make bench-weights`, bench/results/weight_push.json; "
         f"{report['backend']} on loopback, {report['machine_note']}, buckets of {report['bucket_mb']:g} MiB, bfloat16; "
-        f"median (min–max) of {report['repeats']} alternating repeats; the engine's checksum matched after every push):",
+        f"median (min–max) of {report['repeats']} alternating repeats; the engine's checksum matched after every "
+        "push):",
         "",
         "| model | parameters | MiB | buckets | push MiB/s | raw broadcast MiB/s | push / raw |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -225,11 +261,21 @@ async def compare(args: argparse.Namespace) -> None:
             runs.append(await measure_model(args, SHAPES[name], Path(scratch)))
             print(json.dumps({name: summarise(runs[-1])}), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "backend": args.backend, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
-        "machine_note": args.machine_note, "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "runs": runs,
-    }, indent=2) + "\n")
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "backend": args.backend,
+                "bucket_mb": args.bucket_mb,
+                "repeats": args.repeats,
+                "machine_note": args.machine_note,
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "runs": runs,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {RESULTS}")
     write_between(ROOT / "README.md", README_BEGIN, README_END, readme_block(json.loads(RESULTS.read_text())))
 
@@ -238,12 +284,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--bucket-mb", type=float, default=TrainerConfig.model_fields["weight_bucket_mb"].default,
-                        help="the push's bucket size (default: the job's, trainer.weight_bucket_mb)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
-                        help="nccl needs two GPUs: the sender on cuda:0, the engine and the raw receiver on cuda:1")
-    parser.add_argument("--machine-note", default=f"{os.cpu_count()} cores",
-                        help="what the README says the figures were measured on")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=TrainerConfig.model_fields["weight_bucket_mb"].default,
+        help="the push's bucket size (default: the job's, trainer.weight_bucket_mb)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default="gloo",
+        help="nccl needs two GPUs: the sender on cuda:0, the engine and the raw receiver on cuda:1",
+    )
+    parser.add_argument(
+        "--machine-note", default=f"{os.cpu_count()} cores", help="what the README says the figures were measured on"
+    )
     parser.add_argument("--readme", action="store_true", help="only write the README's table from the results file")
     parser.add_argument("--receive", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)

@@ -21,7 +21,15 @@ def generate_stubs() -> list[Path]:
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in (PROTO_ROOT / "areal_k8s" / "api" / "v1").glob("*.proto"))
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as out:
-        args = ["protoc", f"-I{PROTO_ROOT}", f"-I{well_known}", f"--python_out={out}", f"--pyi_out={out}", f"--grpc_python_out={out}", *protos]
+        args = [
+            "protoc",
+            f"-I{PROTO_ROOT}",
+            f"-I{well_known}",
+            f"--python_out={out}",
+            f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            *protos,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit(f"protoc failed for {protos}")
         written = []

@@ -4,7 +4,10 @@ import pytest
 import redis
 
 from areal_k8s.common.redis_server import EmbeddedRedis
-from sglang_server import sglang_model, sglang_server  # noqa: F401  (fixtures: one real SGLang server per session)
+
+# Fixture modules shared by several test files: one real SGLang server per session, the e2e jobs' assets, the
+# operator's kmock cluster and controller.
+pytest_plugins = ("sglang_server", "e2e_jobs", "operator_fixtures")
 
 # Tests and the processes they start share two cores: one torch thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

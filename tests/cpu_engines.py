@@ -24,8 +24,19 @@ def cpu_engine(model_path: Path, log_path: Path, *options: str) -> Iterator[str]
     """An engine serving `model_path`; yields its URL once it is ready, ends it afterwards."""
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model_path), "--port", "0", *options],
-            stdout=log_file, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV,
+            [
+                sys.executable,
+                "-m",
+                "areal_k8s.rollout.cpu_engine",
+                "--model-path",
+                str(model_path),
+                "--port",
+                "0",
+                *options,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=SUBPROCESS_ENV,
         )
     try:
         yield wait_for_ready_line(process, log_path)

@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_models import build_tiny_qwen2
 
 from areal_k8s.common.config import parse_job
-from tiny_models import build_tiny_qwen2
 
 TESTS = Path(__file__).parent
 
@@ -19,7 +19,10 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e-assets")
     # A small init scale keeps sampling diverse, so groups disagree and every step changes the weights.
     build_tiny_qwen2(root / "model", hidden_size=64, num_layers=2, initializer_range=0.02)
-    rows = [{"id": f"p{i}", "prompt": f"say something #{i}:", "answer": "-", "verifier": "e2e_fixtures:coin_flip"} for i in range(40)]
+    rows = [
+        {"id": f"p{i}", "prompt": f"say something #{i}:", "answer": "-", "verifier": "e2e_fixtures:coin_flip"}
+        for i in range(40)
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
     return root
@@ -66,8 +69,16 @@ def kill_after_step(run, step: int, *processes, deadline: float | None = None) -
         process.wait()
 
 
-def final_history(records: list[dict], *, total_steps: int, batch_size: int, group_size: int, max_staleness: int,
-                  checkpoint_interval: int, context: str = "") -> tuple[dict[int, dict], int]:
+def final_history(
+    records: list[dict],
+    *,
+    total_steps: int,
+    batch_size: int,
+    group_size: int,
+    max_staleness: int,
+    checkpoint_interval: int,
+    context: str = "",
+) -> tuple[dict[int, dict], int]:
     """Check the trainer's step records of a run that lost processes on the way, and return its final history
     (each version's last record: a step trained again after a restore replaces the earlier one) and the number of
     steps trained again. Holds: every version once in the history, versions going back only to just after a
@@ -77,7 +88,9 @@ def final_history(records: list[dict], *, total_steps: int, batch_size: int, gro
     assert sorted(history) == list(range(1, total_steps + 1)), context
     rollbacks = [r["version"] for i, r in enumerate(records) if i and r["version"] <= records[i - 1]["version"]]
     assert all((v - 1) % checkpoint_interval == 0 for v in rollbacks), (rollbacks, context)
-    redone = sum(1 for i, r in enumerate(records) if r["version"] <= max((p["version"] for p in records[:i]), default=0))
+    redone = sum(
+        1 for i, r in enumerate(records) if r["version"] <= max((p["version"] for p in records[:i]), default=0)
+    )
     assert max(x for r in records for x in r["staleness"]) <= max_staleness, context
     groups = [g for r in history.values() for g in r["groups"]]
     assert len(groups) == len(set(groups)) == total_steps * batch_size, context

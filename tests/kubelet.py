@@ -40,21 +40,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kubelet_node import NodeAgent
 
 from areal_k8s.api.v1 import controller_pb2
-from kubelet_node import NodeAgent
 
 NETNS_PREFIX = "akt"  # + the test process's pid: namespaces of a run that died are found and removed
 SUBNET = "10.244.0"  # private to the test's namespaces, so it clashes with nothing on the host
 NODE_IP = f"{SUBNET}.1"
 CLUSTER_DOMAIN = "cluster.local"
-PROBE_DEFAULTS = {"initialDelaySeconds": 0, "periodSeconds": 10, "timeoutSeconds": 1, "successThreshold": 1, "failureThreshold": 3}
+PROBE_DEFAULTS = {
+    "initialDelaySeconds": 0,
+    "periodSeconds": 10,
+    "timeoutSeconds": 1,
+    "successThreshold": 1,
+    "failureThreshold": 3,
+}
 BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 10, 300
 # The image every container runs: this machine's filesystem with the ENV, USER and WORKDIR of images/cpu/Dockerfile,
 # and the repository's virtual environment in place of the image's /opt/areal.
 IMAGE_ENV = {
     "PATH": f"{sys.prefix}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp/home", "HF_HUB_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "HOME": "/tmp/home",
+    "HF_HUB_OFFLINE": "1",
 }
 IMAGE_USER, IMAGE_WORKDIR = 10001, "/tmp"
 REPOSITORY = Path(__file__).resolve().parents[1]  # the editable install's source: part of the "image"
@@ -141,15 +150,31 @@ class Pod:
     def object(self) -> dict:
         """The Pod as the apiserver would show it."""
         ready = "True" if self.ready else "False"
-        statuses = [{"name": c.spec["name"], "ready": c.ready, "started": c.started, "restartCount": c.restarts,
-                     "state": c.state, "lastState": c.last_state} for c in self.containers]
+        statuses = [
+            {
+                "name": c.spec["name"],
+                "ready": c.ready,
+                "started": c.started,
+                "restartCount": c.restarts,
+                "state": c.state,
+                "lastState": c.last_state,
+            }
+            for c in self.containers
+        ]
         return {
-            "apiVersion": "v1", "kind": "Pod",
+            "apiVersion": "v1",
+            "kind": "Pod",
             "metadata": {"name": self.name, "namespace": self.namespace, "uid": self.uid, "labels": dict(self.labels)},
             "spec": self.spec,
-            "status": {"phase": "Running" if any("waiting" not in c.state or c.restarts for c in self.containers) else "Pending",
-                       "podIP": self.ip, "podIPs": [{"ip": self.ip}], "containerStatuses": statuses,
-                       "conditions": [{"type": "Ready", "status": ready}, {"type": "ContainersReady", "status": ready}]},
+            "status": {
+                "phase": "Running"
+                if any("waiting" not in c.state or c.restarts for c in self.containers)
+                else "Pending",
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "containerStatuses": statuses,
+                "conditions": [{"type": "Ready", "status": ready}, {"type": "ContainersReady", "status": ready}],
+            },
         }
 
 
@@ -172,7 +197,9 @@ class Cluster:
     async def __aenter__(self) -> Cluster:
         missing = [tool for tool in ("ip", "unshare", "nsenter", "setpriv", "chroot") if not shutil.which(tool)]
         if missing:
-            raise RuntimeError(f"the kubelet harness needs {', '.join(missing)} (Debian: iproute2, util-linux, coreutils)")
+            raise RuntimeError(
+                f"the kubelet harness needs {', '.join(missing)} (Debian: iproute2, util-linux, coreutils)"
+            )
         sweep_namespaces()
         node = f"{self.prefix}-node"
         added = run("ip", "netns", "add", node, check=False)
@@ -180,7 +207,12 @@ class Cluster:
             pytest.skip(f"cannot create network namespaces (`ip netns add`: {added.stderr.strip()}); pods need root")
         self.namespaces.append(node)
         try:
-            for command in ("link set lo up", "link add br0 type bridge", f"addr add {NODE_IP}/24 dev br0", "link set br0 up"):
+            for command in (
+                "link set lo up",
+                "link add br0 type bridge",
+                f"addr add {NODE_IP}/24 dev br0",
+                "link set br0 up",
+            ):
                 run("ip", "-n", node, *command.split())
             for directory in ("logs", "pods", "claims"):
                 (self.root / directory).mkdir(parents=True, exist_ok=True)
@@ -223,7 +255,9 @@ class Cluster:
         return obj
 
     def pods_of(self, namespace: str, selector: dict[str, str]) -> list[dict]:
-        return [pod.object() for pod in self.pods.values() if pod.namespace == namespace and matches(selector, pod.labels)]
+        return [
+            pod.object() for pod in self.pods.values() if pod.namespace == namespace and matches(selector, pod.labels)
+        ]
 
     def reconcile_workload(self, key: tuple[str, str, str]) -> list[Pod]:
         """What the Deployment and StatefulSet controllers do, but for rolling updates; returns the workload's pods."""
@@ -260,13 +294,26 @@ class Cluster:
             spec.update(hostname=name, subdomain=workload["serviceName"])
             for claim in workload.get("volumeClaimTemplates", []):
                 claim_name = f"{claim['metadata']['name']}-{name}"
-                spec["volumes"] = [*spec.get("volumes", []), {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim_name}}]
+                spec["volumes"] = [
+                    *spec.get("volumes", []),
+                    {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim_name}},
+                ]
                 if claim_name not in self.claims:  # a provisioner binds a fresh volume to it
                     self.claims[claim_name] = self.root / "claims" / claim_name
                     self.claims[claim_name].mkdir()
         index = next(self.indices)
-        pod = Pod(name=name, namespace=owner[1], labels=labels, spec=spec, owner=owner, template_hash=template_hash,
-                  ordinal=ordinal, ip=f"{SUBNET}.{index}", netns=f"{self.prefix}-{index}", directory=self.root / "pods" / name)
+        pod = Pod(
+            name=name,
+            namespace=owner[1],
+            labels=labels,
+            spec=spec,
+            owner=owner,
+            template_hash=template_hash,
+            ordinal=ordinal,
+            ip=f"{SUBNET}.{index}",
+            netns=f"{self.prefix}-{index}",
+            directory=self.root / "pods" / name,
+        )
         pod.containers = [Container(c) for c in spec["containers"]]
         self.namespaces.append(pod.netns)
         self.pods[(pod.namespace, name)] = pod
@@ -275,18 +322,27 @@ class Cluster:
 
     async def run_pod(self, pod: Pod, index: int) -> None:
         node = f"{self.prefix}-node"
-        for command in (f"netns add {pod.netns}", f"-n {node} link add veth{index} type veth peer name eth0 netns {pod.netns}",
-                        f"-n {node} link set veth{index} master br0 up", f"-n {pod.netns} addr add {pod.ip}/24 dev eth0",
-                        f"-n {pod.netns} link set eth0 up", f"-n {pod.netns} link set lo up",
-                        f"-n {pod.netns} route add default via {NODE_IP}"):
+        for command in (
+            f"netns add {pod.netns}",
+            f"-n {node} link add veth{index} type veth peer name eth0 netns {pod.netns}",
+            f"-n {node} link set veth{index} master br0 up",
+            f"-n {pod.netns} addr add {pod.ip}/24 dev eth0",
+            f"-n {pod.netns} link set eth0 up",
+            f"-n {pod.netns} link set lo up",
+            f"-n {pod.netns} route add default via {NODE_IP}",
+        ):
             await asyncio.to_thread(run, "ip", *command.split())
         pod.directory.mkdir(parents=True)
         subdomain = pod.spec.get("subdomain")
         fqdn = f"{pod.hostname}.{subdomain}.{pod.namespace}.svc.{CLUSTER_DOMAIN}\t" if subdomain else ""
-        (pod.directory / "hosts").write_text("# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
-                                             f"::1\tlocalhost ip6-localhost ip6-loopback\n{pod.ip}\t{fqdn}{pod.hostname}\n")
-        (pod.directory / "resolv.conf").write_text(f"search {pod.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} "
-                                                   f"{CLUSTER_DOMAIN}\nnameserver {NODE_IP}\noptions ndots:5\n")
+        (pod.directory / "hosts").write_text(
+            "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
+            f"::1\tlocalhost ip6-localhost ip6-loopback\n{pod.ip}\t{fqdn}{pod.hostname}\n"
+        )
+        (pod.directory / "resolv.conf").write_text(
+            f"search {pod.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} "
+            f"{CLUSTER_DOMAIN}\nnameserver {NODE_IP}\noptions ndots:5\n"
+        )
         (pod.directory / "hostname").write_text(pod.hostname + "\n")
         await asyncio.gather(*(self.run_container(pod, c) for c in pod.containers))
 
@@ -294,7 +350,9 @@ class Cluster:
         """Take the pod out of its Services at once, then stop its containers (SIGTERM, the grace period, SIGKILL)
         and remove its namespace."""
         if not pod.deleted:
-            pod.deleted = asyncio.create_task(self.terminate(pod, pod.spec.get("terminationGracePeriodSeconds", 30) if grace is None else grace))
+            pod.deleted = asyncio.create_task(
+                self.terminate(pod, pod.spec.get("terminationGracePeriodSeconds", 30) if grace is None else grace)
+            )
             self.publish()
 
     async def terminate(self, pod: Pod, grace: float) -> None:
@@ -318,7 +376,11 @@ class Cluster:
             path.mkdir(parents=True)
             path.chmod(0o777)
         elif "configMap" in volume or "secret" in volume:
-            kind, name = ("ConfigMap", volume["configMap"]["name"]) if "configMap" in volume else ("Secret", volume["secret"]["secretName"])
+            kind, name = (
+                ("ConfigMap", volume["configMap"]["name"])
+                if "configMap" in volume
+                else ("Secret", volume["secret"]["secretName"])
+            )
             if (kind, pod.namespace, name) not in self.objects:
                 raise PodConfigError(f"{kind} {name} not found (volume {volume['name']})")
             path.mkdir(parents=True)
@@ -330,10 +392,21 @@ class Cluster:
                 raise PodConfigError(f"PersistentVolumeClaim {claim} is not bound (volume {volume['name']})")
             path = self.claims[claim]
         else:
-            raise ValueError(f"volume {volume['name']}: only emptyDir, configMap, secret and persistentVolumeClaim are emulated")
+            raise ValueError(
+                f"volume {volume['name']}: only emptyDir, configMap, secret and persistentVolumeClaim are emulated"
+            )
         fs_group = pod.spec.get("securityContext", {}).get("fsGroup")
-        read_only = any(m["name"] == volume["name"] and m.get("readOnly") for c in pod.spec["containers"] for m in c.get("volumeMounts", []))
-        if fs_group is not None and not read_only and ("emptyDir" in volume or "persistentVolumeClaim" in volume) and path.stat().st_gid != fs_group:
+        read_only = any(
+            m["name"] == volume["name"] and m.get("readOnly")
+            for c in pod.spec["containers"]
+            for m in c.get("volumeMounts", [])
+        )
+        if (
+            fs_group is not None
+            and not read_only
+            and ("emptyDir" in volume or "persistentVolumeClaim" in volume)
+            and path.stat().st_gid != fs_group
+        ):
             os.chown(path, -1, fs_group)  # fsGroupChangePolicy OnRootMismatch; setgid: new files get the group
             path.chmod(path.stat().st_mode | 0o2070)
         pod.volumes[volume["name"]] = path
@@ -342,31 +415,46 @@ class Cluster:
     @staticmethod
     def data_of(obj: dict) -> dict[str, str]:
         if obj["kind"] == "Secret":
-            return {**{k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()}, **(obj.get("stringData") or {})}
+            return {
+                **{k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()},
+                **(obj.get("stringData") or {}),
+            }
         return dict(obj.get("data") or {})
 
     def env_value(self, pod: Pod, source: dict) -> str | None:
         """The value of an env var's valueFrom (None: an optional key that is missing)."""
         if "fieldRef" in source:
             path = source["fieldRef"]["fieldPath"]
-            fields = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "metadata.uid": pod.uid,
-                      "status.podIP": pod.ip, "status.hostIP": NODE_IP, "spec.nodeName": "node-0"}
+            fields = {
+                "metadata.name": pod.name,
+                "metadata.namespace": pod.namespace,
+                "metadata.uid": pod.uid,
+                "status.podIP": pod.ip,
+                "status.hostIP": NODE_IP,
+                "spec.nodeName": "node-0",
+            }
             label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
             if path not in fields and not label:
                 raise ValueError(f"fieldRef {path} is not emulated")
             return pod.labels.get(label.group(1), "") if label else fields[path]
-        kind, ref = ("Secret", source["secretKeyRef"]) if "secretKeyRef" in source else ("ConfigMap", source["configMapKeyRef"])
+        kind, ref = (
+            ("Secret", source["secretKeyRef"]) if "secretKeyRef" in source else ("ConfigMap", source["configMapKeyRef"])
+        )
         found = self.objects.get((kind, pod.namespace, ref["name"]))
         value = None if found is None else self.data_of(found).get(ref["key"])
         if value is None and not ref.get("optional"):
-            raise PodConfigError(f"{kind} {ref['name']} has no key {ref['key']!r}" if found else f"{kind} {ref['name']} not found")
+            raise PodConfigError(
+                f"{kind} {ref['name']} has no key {ref['key']!r}" if found else f"{kind} {ref['name']} not found"
+            )
         return value
 
     def container_env(self, pod: Pod, spec: dict) -> dict[str, str]:
         """The container's own variables in order, each expanding `$(NAME)` of those before it."""
         env: dict[str, str] = {}
         for var in spec.get("env", []):
-            value = expand(var.get("value", ""), env) if "valueFrom" not in var else self.env_value(pod, var["valueFrom"])
+            value = (
+                expand(var.get("value", ""), env) if "valueFrom" not in var else self.env_value(pod, var["valueFrom"])
+            )
             if value is not None:
                 env[var["name"]] = value
         return env
@@ -380,7 +468,12 @@ class Cluster:
         if context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) and uid == 0:
             raise PodConfigError("container has runAsNonRoot and would run as root")
         groups = [g for g in [pod_context.get("fsGroup"), *pod_context.get("supplementalGroups", [])] if g is not None]
-        args = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
+        args = [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+        ]
         if context.get("allowPrivilegeEscalation") is False:
             args.append("--no-new-privs")
         if "ALL" in context.get("capabilities", {}).get("drop", []):
@@ -392,8 +485,11 @@ class Cluster:
         changes in a tmpfs) and volumes, then its hostname."""
         q = shlex.quote
         root, layer = q(str(base / "root")), q(str(base / "layer"))
-        lines = [f"mount -t tmpfs tmpfs {layer}", f"mkdir {layer}/upper {layer}/work",
-                 f"mount -t overlay overlay -o lowerdir=/,upperdir={layer}/upper,workdir={layer}/work {root}"]
+        lines = [
+            f"mount -t tmpfs tmpfs {layer}",
+            f"mkdir {layer}/upper {layer}/work",
+            f"mount -t overlay overlay -o lowerdir=/,upperdir={layer}/upper,workdir={layer}/work {root}",
+        ]
         lines += [f"mount --rbind /{d} {root}/{d}" for d in ("proc", "sys", "dev")]
         # the image's interpreter is usable by the image's user (the host's Python may live under a private /root)
         for path in {Path(os.path.realpath(sys.executable)), Path(sys.prefix), Path(__file__).resolve()}:
@@ -402,15 +498,21 @@ class Cluster:
             lines.append(f"rm -f {root}/etc/{name} && cp {q(str(pod.directory / name))} {root}/etc/{name}")
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for mount in sorted(spec.get("volumeMounts", []), key=lambda m: m["mountPath"]):
-            source, target = self.volume_dir(pod, volumes[mount["name"]]) / mount.get("subPath", ""), root + q(mount["mountPath"])
+            source, target = (
+                self.volume_dir(pod, volumes[mount["name"]]) / mount.get("subPath", ""),
+                root + q(mount["mountPath"]),
+            )
             lines += [f"mkdir -p {target}", f"mount --bind {q(str(source))} {target}"]
             if mount.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {target}")
         # The image's own files stay visible whatever the volumes cover: in an image they live in /opt/areal, here a
         # checkout under /tmp (CI's, say) would be hidden by the /tmp emptyDir.
         for path in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPOSITORY)}):
-            lines += [f"mkdir -p {root}{q(path)}", f"mount --bind {q(path)} {root}{q(path)}",
-                      f"mount -o remount,bind,ro {root}{q(path)}"]
+            lines += [
+                f"mkdir -p {root}{q(path)}",
+                f"mount --bind {q(path)} {root}{q(path)}",
+                f"mount -o remount,bind,ro {root}{q(path)}",
+            ]
         if spec.get("securityContext", {}).get("readOnlyRootFilesystem"):
             lines.append(f"mount -o remount,bind,ro {root}")
         return [*lines, f"hostname {q(pod.hostname)}"]
@@ -426,15 +528,43 @@ class Cluster:
         base = pod.directory / f"{spec['name']}.rootfs"
         for directory in ("root", "layer"):
             (base / directory).mkdir(parents=True, exist_ok=True)
-        launch = [*container.security, "env", "-i", "-C", spec.get("workingDir", IMAGE_WORKDIR),
-                  *(f"{k}={v}" for k, v in container.env.items()), *argv]
-        script = "\n".join(["set -e", *self.mount_script(pod, spec, base), f"exec chroot {shlex.quote(str(base / 'root'))} {shlex.join(launch)}"])
+        launch = [
+            *container.security,
+            "env",
+            "-i",
+            "-C",
+            spec.get("workingDir", IMAGE_WORKDIR),
+            *(f"{k}={v}" for k, v in container.env.items()),
+            *argv,
+        ]
+        script = "\n".join(
+            [
+                "set -e",
+                *self.mount_script(pod, spec, base),
+                f"exec chroot {shlex.quote(str(base / 'root'))} {shlex.join(launch)}",
+            ]
+        )
         with (self.root / "logs" / f"{pod.name}_{spec['name']}.log").open("ab") as log:
             log.write(f"--- start {container.restarts}\n".encode())
             log.flush()
             process = await asyncio.create_subprocess_exec(
-                "ip", "netns", "exec", pod.netns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script,
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                "ip",
+                "netns",
+                "exec",
+                pod.netns,
+                "unshare",
+                "--mount",
+                "--uts",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         # The runtime reports the container running once its process is in the container's root, mounts done.
         while process.returncode is None:
             with contextlib.suppress(OSError):
@@ -466,7 +596,11 @@ class Cluster:
                 container.state = container.last_state
                 return
             container.restarts += 1
-            delay = 0 if container.restarts == 1 else min(BACKOFF_SECONDS * 2 ** (container.restarts - 2), MAX_BACKOFF_SECONDS)
+            delay = (
+                0
+                if container.restarts == 1
+                else min(BACKOFF_SECONDS * 2 ** (container.restarts - 2), MAX_BACKOFF_SECONDS)
+            )
             container.state = {"waiting": {"reason": "CrashLoopBackOff" if delay else "Restarting"}}
             await asyncio.sleep(delay)
 
@@ -485,7 +619,7 @@ class Cluster:
             process.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(process.wait()), grace)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill_group(container)
 
     # -- probes -------------------------------------------------------------------------------------------------
@@ -501,7 +635,13 @@ class Cluster:
             if "readinessProbe" not in spec:
                 container.ready = True
                 self.publish()
-            await asyncio.gather(*(self.probe_loop(pod, container, kind, started_at) for kind in ("readiness", "liveness") if f"{kind}Probe" in spec))
+            await asyncio.gather(
+                *(
+                    self.probe_loop(pod, container, kind, started_at)
+                    for kind in ("readiness", "liveness")
+                    if f"{kind}Probe" in spec
+                )
+            )
         except Exception as exc:  # a fault of the harness: say so where a failing test looks
             container.events.append(f"prober failed: {exc!r}")
             raise
@@ -538,7 +678,9 @@ class Cluster:
         network = {k: dict(v) for k, v in probe.items() if k in ("httpGet", "grpc", "tcpSocket")}
         for action in network.values():  # a named port is the container's port of that name
             if isinstance(action.get("port"), str):
-                action["port"] = next(p["containerPort"] for p in container.spec.get("ports", []) if p.get("name") == action["port"])
+                action["port"] = next(
+                    p["containerPort"] for p in container.spec.get("ports", []) if p.get("name") == action["port"]
+                )
         reply = await self.node.call("probe", probe={**network, "timeoutSeconds": probe["timeoutSeconds"]}, ip=pod.ip)
         if "error" in reply:
             raise RuntimeError(f"node agent: {reply['error']}")
@@ -550,12 +692,26 @@ class Cluster:
         literal = {var["name"]: var["value"] for var in container.spec.get("env", []) if "value" in var}
         command = [expand(part, literal) for part in probe["exec"]["command"]]
         process = await asyncio.create_subprocess_exec(
-            "nsenter", f"--target={container.process.pid}", "--mount", "--uts", "--net", "--root", "--wd",
-            *container.security, "env", "-i", *(f"{k}={v}" for k, v in container.env.items()), *command,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            "nsenter",
+            f"--target={container.process.pid}",
+            "--mount",
+            "--uts",
+            "--net",
+            "--root",
+            "--wd",
+            *container.security,
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in container.env.items()),
+            *command,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             output, _ = await asyncio.wait_for(process.communicate(), probe["timeoutSeconds"])
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             await process.wait()
@@ -572,8 +728,17 @@ class Cluster:
             spec = service["spec"]
             headless = spec.get("clusterIP") == "None"
             everyone = headless and spec.get("publishNotReadyAddresses", False)
-            members = sorted((p for p in self.pods.values() if p.namespace == namespace and not p.deleted
-                              and matches(spec.get("selector", {}), p.labels) and (p.ready or everyone)), key=lambda p: p.name)
+            members = sorted(
+                (
+                    p
+                    for p in self.pods.values()
+                    if p.namespace == namespace
+                    and not p.deleted
+                    and matches(spec.get("selector", {}), p.labels)
+                    and (p.ready or everyone)
+                ),
+                key=lambda p: p.name,
+            )
             records[f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}"] = [p.ip for p in members]
             for pod in members:
                 if headless and pod.spec.get("subdomain") == name:
@@ -610,8 +775,12 @@ class Cluster:
 
     def describe(self, lines: int = 15) -> str:
         """Every pod's containers (state, readiness, restarts, last probe events) and the end of every log."""
-        out = [f"{pod.name}/{c.spec['name']} ip={pod.ip} state={c.state} ready={c.ready} restarts={c.restarts} events={c.events[-3:]}"
-               for pod in self.pods.values() for c in pod.containers]
+        out = [
+            f"{pod.name}/{c.spec['name']} ip={pod.ip} state={c.state} ready={c.ready} restarts={c.restarts} "
+            f"events={c.events[-3:]}"
+            for pod in self.pods.values()
+            for c in pod.containers
+        ]
         for path in sorted((self.root / "logs").glob("*.log")):
             out += [f"--- {path.name}", *path.read_text(errors="replace").splitlines()[-lines:]]
         return "\n".join(out)

@@ -52,7 +52,11 @@ class ClusterDns(asyncio.DatagramProtocol):
         qtype = struct.unpack("!H", data[end + 1 : end + 3])[0]
         question = data[12 : end + 5]
         addresses = RECORDS.get(".".join(labels))
-        answers = [b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0, 4) + socket.inet_aton(ip) for ip in addresses or []] if qtype == 1 else []
+        answers = (
+            [b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 0, 4) + socket.inet_aton(ip) for ip in addresses or []]
+            if qtype == 1
+            else []
+        )
         rcode = 3 if addresses is None else 0
         header = struct.pack("!HHHHHH", ident, 0x8400 | (flags & 0x0100) | 0x0080 | rcode, 1, len(answers), 0, 0)
         self.transport.sendto(header + question + b"".join(answers), addr)
@@ -64,21 +68,27 @@ async def probe(spec: dict, ip: str) -> tuple[bool, str]:
         if "httpGet" in spec:
             get = spec["httpGet"]
             url = f"{get.get('scheme', 'HTTP').lower()}://{get.get('host') or ip}:{get['port']}{get.get('path', '/')}"
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-                async with session.get(url, allow_redirects=False) as reply:
-                    return 200 <= reply.status < 400, f"HTTP {reply.status}"
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+                session.get(url, allow_redirects=False) as reply,
+            ):
+                return 200 <= reply.status < 400, f"HTTP {reply.status}"
         if "grpc" in spec:
             async with grpc.aio.insecure_channel(f"{ip}:{spec['grpc']['port']}") as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", "")), timeout=timeout)
-                return reply.status == health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                    health_pb2.HealthCheckRequest(service=spec["grpc"].get("service", "")), timeout=timeout
+                )
+                return (
+                    reply.status == health_pb2.HealthCheckResponse.SERVING,
+                    health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status),
+                )
         if "tcpSocket" in spec:
             _, writer = await asyncio.wait_for(asyncio.open_connection(ip, spec["tcpSocket"]["port"]), timeout)
             writer.close()
             return True, "connected"
     except grpc.aio.AioRpcError as exc:
         return False, f"{exc.code().name}: {exc.details()}"
-    except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+    except (TimeoutError, OSError, aiohttp.ClientError) as exc:
         return False, f"{type(exc).__name__}: {exc}"
     raise ValueError(f"probe kind not sent to the node: {sorted(spec)}")
 
@@ -126,12 +136,27 @@ class NodeAgent:
     async def start(cls, netns: str, ip: str, resolv_conf: Path, log: Path) -> NodeAgent:
         """Run the agent in `netns`, serving DNS at `ip`, with `resolv_conf` (the cluster's search domains) as its
         /etc/resolv.conf."""
-        script = f"mount --bind {shlex.quote(str(resolv_conf))} /etc/resolv.conf && exec {shlex.quote(sys.executable)} " \
-                 f"{shlex.quote(str(Path(__file__).resolve()))} {ip}"
+        script = (
+            f"mount --bind {shlex.quote(str(resolv_conf))} /etc/resolv.conf && exec {shlex.quote(sys.executable)} "
+            f"{shlex.quote(str(Path(__file__).resolve()))} {ip}"
+        )
         with log.open("ab") as errors:
             process = await asyncio.create_subprocess_exec(
-                "ip", "netns", "exec", netns, "unshare", "--mount", "--propagation", "private", "sh", "-c", script,
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=errors)
+                "ip",
+                "netns",
+                "exec",
+                netns,
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=errors,
+            )
         agent = cls(process)
         await asyncio.wait_for(agent.waiting[0], 60)  # it serves DNS
         return agent

@@ -97,8 +97,14 @@ def rljob(name: str = "demo", *, redis_url: str = "redis://redis.rl.svc:6379/0",
             "reward": {"verifier": "addition", "workers": 1},
             "mounts": [{"name": "assets", "mountPath": "/assets", "persistentVolumeClaim": {"claimName": "assets"}}],
             "redis": {"url": redis_url},
-            "roles": {"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4,
-                                  "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}}}},
+            "roles": {
+                "rollout": {
+                    "replicas": 2,
+                    "minReplicas": 1,
+                    "maxReplicas": 4,
+                    "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
+                }
+            },
         },
     }
     body["spec"].update(copy.deepcopy(spec))
@@ -112,7 +118,9 @@ def with_changes(body: dict, changes: dict) -> dict:
         if value is None:
             out.pop(key, None)
         else:
-            out[key] = with_changes(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+            out[key] = (
+                with_changes(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+            )
     return out
 
 
@@ -120,8 +128,11 @@ def resource_info(crd: dict) -> kmock.ResourceInfo:
     """What discovery says about the CRD's resource, from the CRD itself."""
     spec, served = crd["spec"], crd["spec"]["versions"][0]
     return kmock.ResourceInfo(
-        kind=spec["names"]["kind"], singular=spec["names"]["singular"], namespaced=spec["scope"] == "Namespaced",
-        shortnames=set(spec["names"]["shortNames"]), subresources=set(served["subresources"]),
+        kind=spec["names"]["kind"],
+        singular=spec["names"]["singular"],
+        namespaced=spec["scope"] == "Namespaced",
+        shortnames=set(spec["names"]["shortNames"]),
+        subresources=set(served["subresources"]),
         verbs={"list", "watch", "get", "patch", "create", "delete", "update"},
     )
 
@@ -164,12 +175,15 @@ class Cluster:
 
     async def create(self, body: dict) -> None:
         meta = body["metadata"]
-        response = await self.server.post(f"/apis/{RLJOBS.rsplit('/', 1)[0]}/namespaces/{meta['namespace']}/{names.PLURAL}", json=body)
+        response = await self.server.post(
+            f"/apis/{RLJOBS.rsplit('/', 1)[0]}/namespaces/{meta['namespace']}/{names.PLURAL}", json=body
+        )
         assert response.status < 300, await response.text()
 
     async def update_spec(self, name: str, spec_changes: dict) -> None:
-        response = await self.server.patch(self.rljob_path(name), json={"spec": spec_changes},
-                                           headers={"Content-Type": "application/merge-patch+json"})
+        response = await self.server.patch(
+            self.rljob_path(name), json={"spec": spec_changes}, headers={"Content-Type": "application/merge-patch+json"}
+        )
         assert response.status < 300, await response.text()
 
     async def delete(self, path: str) -> None:
@@ -201,8 +215,9 @@ async def controller(redis_url):
     job = validate(rljob(redis_url=redis_url)).config  # the configuration the operator writes for `rljob()`
     items = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(8)]
     client = connect(redis_url)
-    server, port, _servicer, reaper = await serve(ControllerCore(job, items), TrajectoryStore(client, job.name), "127.0.0.1:0",
-                                                  reap_interval=3600)
+    server, port, _servicer, reaper = await serve(
+        ControllerCore(job, items), TrajectoryStore(client, job.name), "127.0.0.1:0", reap_interval=3600
+    )
     grpc_channel = channel(f"127.0.0.1:{port}")
     yield LoopbackController(f"127.0.0.1:{port}", controller_pb2_grpc.ControllerStub(grpc_channel))
     reaper.cancel()

@@ -8,6 +8,7 @@ Where the env is not built they skip, with the reason the build left; with AREAL
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -85,7 +86,13 @@ class SGLangServer:
     """
 
     def __init__(
-        self, model_path: Path, log_path: Path, *, seed: int = 0, max_total_tokens: int = 4096, extra_args: tuple[str, ...] = (),
+        self,
+        model_path: Path,
+        log_path: Path,
+        *,
+        seed: int = 0,
+        max_total_tokens: int = 4096,
+        extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -102,7 +109,11 @@ class SGLangServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        device = ["--device", "cuda"] if GPU else ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
+        device = (
+            ["--device", "cuda"]
+            if GPU
+            else ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
+        )
         return [
             str(SGLANG_PYTHON), "-m", "sglang.launch_server",
             "--model-path", str(self.model_path), *device,
@@ -186,10 +197,8 @@ class SGLangServer:
             return
         group = self.process.pid  # the launcher leads the group, from start_new_session
         self.process.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while _signal_group(group, 0) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -56,8 +56,14 @@ def test_ppo_loss_matches_hand_computation_with_clipping():
 
 def test_negative_advantage_is_clipped_from_below():
     loss, _ = decoupled_ppo_loss(
-        torch.tensor([[math.log(0.2)]]), None, torch.tensor([[math.log(0.4)]]), torch.tensor([[-1.0]]),
-        torch.tensor([[True]]), eps_clip=0.2, normaliser=1.0, decoupled=False,
+        torch.tensor([[math.log(0.2)]]),
+        None,
+        torch.tensor([[math.log(0.4)]]),
+        torch.tensor([[-1.0]]),
+        torch.tensor([[True]]),
+        eps_clip=0.2,
+        normaliser=1.0,
+        decoupled=False,
     )
     assert float(loss) == pytest.approx(0.8, abs=1e-6)  # ratio 0.5 → max(0.5, 0.8)
 
@@ -146,9 +152,16 @@ def test_behaviour_cap_mask_sequence():
 
 
 def test_cap_is_ignored_by_naive_ppo_and_unknown_modes_raise():
-    loss, stats = decoupled_ppo_loss(
-        CAP_PROX, CAP_PROX, CAP_BEHAV, CLIP_ADV, ALL, normaliser=6.0, decoupled=False,
-        behaviour_weight_cap=3.0, cap_mode="mask_sequence",
+    _, stats = decoupled_ppo_loss(
+        CAP_PROX,
+        CAP_PROX,
+        CAP_BEHAV,
+        CLIP_ADV,
+        ALL,
+        normaliser=6.0,
+        decoupled=False,
+        behaviour_weight_cap=3.0,
+        cap_mode="mask_sequence",
     )
     assert stats.capped_fraction == 0.0 and stats.behaviour_weight_mean == 1.0
     with pytest.raises(ValueError):
@@ -174,8 +187,12 @@ def test_naive_ppo_clips_against_the_behaviour_policy():
     # row 0: max(−2.75, −1.2) = −1.2 (clipped); −0.9; −1.  row 1: max(0.44, 0.8) = 0.8 (clipped); 1; 1
     assert float(loss) == pytest.approx((-1.2 - 0.9 - 1 + 0.8 + 1 + 1) / 6, abs=1e-6)
     assert stats.clip_fraction == pytest.approx(2 / 6)
-    assert stats.approx_kl == pytest.approx((math.log(0.2 / 0.55) + math.log(0.5 / 0.45) + math.log(0.5 / 0.22)) / 6, abs=1e-6)
-    without_proximal, same_stats = decoupled_ppo_loss(NAIVE_LOGP, None, NAIVE_BEHAV, CLIP_ADV, ALL, normaliser=6.0, decoupled=False)
+    assert stats.approx_kl == pytest.approx(
+        (math.log(0.2 / 0.55) + math.log(0.5 / 0.45) + math.log(0.5 / 0.22)) / 6, abs=1e-6
+    )
+    without_proximal, same_stats = decoupled_ppo_loss(
+        NAIVE_LOGP, None, NAIVE_BEHAV, CLIP_ADV, ALL, normaliser=6.0, decoupled=False
+    )
     assert float(without_proximal) == pytest.approx(float(loss), abs=1e-7) and same_stats == stats
 
 
@@ -185,7 +202,9 @@ def test_decoupled_ppo_clips_against_the_proximal_policy_and_reweights():
     # row 0: −1.1·2.5 = −2.75; −1.125·0.8 = −0.9; −1.  row 1: 0.88·0.5 = 0.44; 1; 1
     assert float(loss) == pytest.approx((-2.75 - 0.9 - 1 + 0.44 + 1 + 1) / 6, abs=1e-6)
     assert stats.clip_fraction == 0.0
-    assert stats.approx_kl == pytest.approx((math.log(0.5 / 0.55) + math.log(0.4 / 0.45) + math.log(0.25 / 0.22)) / 6, abs=1e-6)
+    assert stats.approx_kl == pytest.approx(
+        (math.log(0.5 / 0.55) + math.log(0.4 / 0.45) + math.log(0.25 / 0.22)) / 6, abs=1e-6
+    )
     assert stats.behaviour_weight_mean == pytest.approx((2.5 + 0.8 + 1 + 0.5 + 1 + 1) / 6, abs=1e-6)
 
 
@@ -343,7 +362,8 @@ def test_overlong_penalty():
         overlong_penalty(lengths, max_new_tokens=10, buffer=4), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
     )
     assert torch.allclose(
-        overlong_penalty(lengths, max_new_tokens=10, buffer=4, factor=0.5), torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+        overlong_penalty(lengths, max_new_tokens=10, buffer=4, factor=0.5),
+        torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]),
     )
     with pytest.raises(ValueError):
         overlong_penalty(lengths, max_new_tokens=10, buffer=0)
@@ -388,7 +408,9 @@ def test_learning_rate_schedules():
     assert [learning_rate(s, 5, 2.0, schedule="linear") for s in range(5)] == pytest.approx([2.0, 1.5, 1.0, 0.5, 0.0])
     # cos(π·k/4) for k = 0..4: 1, √2/2, 0, −√2/2, −1
     half = math.sqrt(2) / 2
-    assert [learning_rate(s, 5, 2.0, schedule="cosine") for s in range(5)] == pytest.approx([2.0, 1 + half, 1.0, 1 - half, 0.0])
+    assert [learning_rate(s, 5, 2.0, schedule="cosine") for s in range(5)] == pytest.approx(
+        [2.0, 1 + half, 1.0, 1 - half, 0.0]
+    )
     # warm-up: 1/3, 2/3, 3/3 of the peak; the decay starts at the peak and reaches min_ratio·peak at the last step
     warm = [learning_rate(s, 6, 3.0, schedule="linear", warmup_steps=3, min_ratio=0.5) for s in range(7)]
     assert warm == pytest.approx([1.0, 2.0, 3.0, 3.0, 2.25, 1.5, 1.5])

@@ -1,4 +1,5 @@
 """The benchmark's analysis of stored runs (bench/sync_vs_async.py): pure functions over accuracy curves."""
+
 import argparse
 import importlib.util
 import json
@@ -25,15 +26,35 @@ bench = load_bench("sync_vs_async")
 
 
 def result(seed: int, curve: list[tuple[float, float]]) -> "bench.RunResult":
-    return bench.RunResult(label=f"seed{seed}", seed=seed, max_staleness=0, decoupled=True, trainer_threads=1, steps=len(curve) - 1,
-                           base_accuracy=curve[0][1], final_accuracy=curve[-1][1], curve=curve, training_seconds=curve[-1][0],
-                           samples_per_second=1.0, tokens_per_second=1.0, trainer_idle_fraction=0.0, rollout_idle_fraction=0.0,
-                           mean_staleness=0.0)
+    return bench.RunResult(
+        label=f"seed{seed}",
+        seed=seed,
+        max_staleness=0,
+        decoupled=True,
+        trainer_threads=1,
+        steps=len(curve) - 1,
+        base_accuracy=curve[0][1],
+        final_accuracy=curve[-1][1],
+        curve=curve,
+        training_seconds=curve[-1][0],
+        samples_per_second=1.0,
+        tokens_per_second=1.0,
+        trainer_idle_fraction=0.0,
+        rollout_idle_fraction=0.0,
+        mean_staleness=0.0,
+    )
 
 
 def test_averaged_curve_means_accuracy_per_evaluation_at_the_median_time():
-    runs = [result(0, [(0, 0.1), (10, 0.3), (20, 0.5)]), result(1, [(0, 0.1), (12, 0.5), (26, 0.2)]), result(2, [(0, 0.1), (11, 0.4)])]
-    assert bench.averaged_curve(runs) == [(0, pytest.approx(0.1)), (11, pytest.approx(0.4))]  # the shortest run bounds it
+    runs = [
+        result(0, [(0, 0.1), (10, 0.3), (20, 0.5)]),
+        result(1, [(0, 0.1), (12, 0.5), (26, 0.2)]),
+        result(2, [(0, 0.1), (11, 0.4)]),
+    ]
+    assert bench.averaged_curve(runs) == [
+        (0, pytest.approx(0.1)),
+        (11, pytest.approx(0.4)),
+    ]  # the shortest run bounds it
 
 
 def test_averaged_curves_compare_where_each_reaches_syncs_averaged_final():
@@ -55,9 +76,12 @@ def test_the_readme_carries_the_sglang_benchmark_as_measured():
 
     sglang_bench = load_bench("sglang_vs_cpu")
     report = json.loads(sglang_bench.RESULTS.read_text())
-    assert sglang_bench.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/sglang_vs_cpu.py --readme`"
-    assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"]["median"] \
-        == pytest.approx(report["samples_per_second_ratio"], abs=1e-3)
+    assert sglang_bench.readme_block(report) in (ROOT / "README.md").read_text(), (
+        "run `python bench/sglang_vs_cpu.py --readme`"
+    )
+    assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"][
+        "median"
+    ] == pytest.approx(report["samples_per_second_ratio"], abs=1e-3)
 
 
 def test_the_readme_carries_the_chaos_figures_as_measured():
@@ -78,16 +102,30 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
     simulated = load_bench("simulated")
     report = json.loads(simulated.RESULTS.read_text())
     assert report["simulated"] is True
-    assert simulated.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/simulated.py --readme`"
+    assert simulated.readme_block(report) in (ROOT / "README.md").read_text(), (
+        "run `python bench/simulated.py --readme`"
+    )
     for name, runs in report["runs"].items():
         assert len(runs) == report["seeds"]
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
 
 
-@pytest.mark.parametrize("script", ["code_sandbox", "logprob_memory", "calibrate", "demo_runs", "ablation", "sync_vs_async",
-                                    "rebalance_local", "weight_push"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "code_sandbox",
+        "logprob_memory",
+        "calibrate",
+        "demo_runs",
+        "ablation",
+        "sync_vs_async",
+        "rebalance_local",
+        "weight_push",
+    ],
+)
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
-    """README lines written by a benchmark script from its committed results file (`python bench/<script>.py --readme`)."""
+    """README lines written by a benchmark script from its committed results file
+    (`python bench/<script>.py --readme`)."""
     module = load_bench(script)
     report = json.loads(module.RESULTS.read_text())
     assert module.readme_block(report) in (ROOT / "README.md").read_text(), f"run `python bench/{script}.py --readme`"
@@ -109,11 +147,22 @@ def test_the_ablation_runs_eta_zero_once_and_tabulates_medians_and_ranges():
     """At η = 0 decoupled and naive PPO are one loss: that cell runs once per seed and fills both rows."""
     module = load_bench("ablation")
     assert module.cells([0, 2]) == [(0, "decoupled"), (2, "decoupled"), (2, "naive")]
-    runs = [{"max_staleness": eta, "objective": objective, "seed": seed, "accuracy": 0.3 + 0.01 * seed + 0.1 * eta,
-             "mean_staleness": eta / 2, "samples_per_second": 100.0 + seed}
-            for seed in (0, 1, 2) for eta, objective in module.cells([0, 2])]
+    runs = [
+        {
+            "max_staleness": eta,
+            "objective": objective,
+            "seed": seed,
+            "accuracy": 0.3 + 0.01 * seed + 0.1 * eta,
+            "mean_staleness": eta / 2,
+            "samples_per_second": 100.0 + seed,
+        }
+        for seed in (0, 1, 2)
+        for eta, objective in module.cells([0, 2])
+    ]
     report = module.report(runs, [0, 2], [0, 1, 2], 3, 200)
-    assert report["summary"]["2/naive"]["accuracy"] == module.spread([r for r in runs if r["objective"] == "naive"], "accuracy")
+    assert report["summary"]["2/naive"]["accuracy"] == module.spread(
+        [r for r in runs if r["objective"] == "naive"], "accuracy"
+    )
     table = module.readme_block(report)
     assert "| decoupled PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
     assert "| naive PPO | 31.0% (30.0%–32.0%) | 51.0% (50.0%–52.0%) |" in table
@@ -123,16 +172,22 @@ def test_the_rebalancer_benchmark_reads_band_share_and_split_over_training_time(
     """Steps in the band count by their batch's mean staleness; a decision's time is on the training clock (the
     evaluations before it left out), and only decisions that moved a side change the split."""
     module = load_bench("rebalance_local")
-    steps = [{"staleness": [2, 2], "finished_at": 10.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}},
-             {"staleness": [1, 2], "finished_at": 20.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 5.0}},
-             {"staleness": [1, 1], "finished_at": 30.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}}]
+    steps = [
+        {"staleness": [2, 2], "finished_at": 10.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}},
+        {"staleness": [1, 2], "finished_at": 20.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 5.0}},
+        {"staleness": [1, 1], "finished_at": 30.0, "seconds": {"wait": 1.0, "train": 1.0, "eval": 0.0}},
+    ]
     assert module.steps_in_band(steps, (1.0, 1.5)) == 2 / 3
-    decisions = [{"at": 15.0, "moved": [], "rollout": 1, "trainer": 1, "code": "LatencyBound"},
-                 {"at": 25.0, "moved": ["rollout"], "rollout": 2, "trainer": 1, "code": "MovedToRollout"}]
+    decisions = [
+        {"at": 15.0, "moved": [], "rollout": 1, "trainer": 1, "code": "LatencyBound"},
+        {"at": 25.0, "moved": ["rollout"], "rollout": 2, "trainer": 1, "code": "MovedToRollout"},
+    ]
     timeline = module.split_over_time(steps, decisions, (1, 1))
     # the first step began at 10 − 2 = 8 s; the move at 25 s comes after 5 s of evaluation: 25 − 8 − 5 = 12 s
-    assert timeline == [{"seconds": 0.0, "rollout": 1, "trainer": 1, "code": "start"},
-                        {"seconds": 12.0, "rollout": 2, "trainer": 1, "code": "MovedToRollout"}]
+    assert timeline == [
+        {"seconds": 0.0, "rollout": 1, "trainer": 1, "code": "start"},
+        {"seconds": 12.0, "rollout": 2, "trainer": 1, "code": "MovedToRollout"},
+    ]
 
 
 def test_the_rebalancer_benchmark_tabulates_each_mode_against_the_static_split():
@@ -141,14 +196,26 @@ def test_the_rebalancer_benchmark_tabulates_each_mode_against_the_static_split()
 
     def run(mode: str, seed: int, seconds: float, final: float, moves: int) -> dict:
         timeline = [{"seconds": 0.0, "rollout": 2, "trainer": 1, "code": "start"}] + [
-            {"seconds": 10.0 * (i + 1), "rollout": 1 + i % 2, "trainer": 1, "code": "MovedToRollout"} for i in range(moves)]
-        return {"mode": mode, "seed": seed, "training_seconds": seconds, "samples_per_second": 3200 / seconds,
-                "trainer_idle_fraction": 0.3, "mean_staleness": 1.9, "steps_in_band": 0.1, "smoothed_final": final,
-                "curve": [(0.0, 0.2), (seconds / 2, final - 0.1), (seconds, final)],
-                "decisions": [{"moved": ["rollout"]}] * moves, "split_over_time": timeline}
+            {"seconds": 10.0 * (i + 1), "rollout": 1 + i % 2, "trainer": 1, "code": "MovedToRollout"}
+            for i in range(moves)
+        ]
+        return {
+            "mode": mode,
+            "seed": seed,
+            "training_seconds": seconds,
+            "samples_per_second": 3200 / seconds,
+            "trainer_idle_fraction": 0.3,
+            "mean_staleness": 1.9,
+            "steps_in_band": 0.1,
+            "smoothed_final": final,
+            "curve": [(0.0, 0.2), (seconds / 2, final - 0.1), (seconds, final)],
+            "decisions": [{"moved": ["rollout"]}] * moves,
+            "split_over_time": timeline,
+        }
 
     runs = [run("static", s, 100.0 + s, 0.5 + 0.01 * s, 0) for s in (0, 1, 2)] + [
-        run("rebalanced", s, 80.0 + s, 0.5 + 0.01 * s, 2) for s in (0, 1, 2)]
+        run("rebalanced", s, 80.0 + s, 0.5 + 0.01 * s, 2) for s in (0, 1, 2)
+    ]
     results = module.report(runs, [0, 1, 2], args, 200)
     assert results["target_accuracy"] == 0.51
     assert results["summary"]["static"]["reached_target"] == 2  # seeds 1 and 2 end at or above it

@@ -14,7 +14,6 @@ import functools
 import json
 import re
 import shutil
-from pathlib import Path
 
 import helm_python as helm
 import jsonschema
@@ -47,35 +46,78 @@ current-context: none
 
 # prometheus-operator's PodMonitor is not a built-in kind: this is the part of monitoring.coreos.com/v1 the chart
 # uses, field names and types as in prometheus-operator's CRD, unknown fields rejected (so a typo fails here).
-DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
+DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
 LABEL_SELECTOR = {
-    "type": "object", "additionalProperties": False,
+    "type": "object",
+    "additionalProperties": False,
     "properties": {
         "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-        "matchExpressions": {"type": "array", "items": {
-            "type": "object", "required": ["key", "operator"], "additionalProperties": False,
-            "properties": {"key": {"type": "string"}, "operator": {"type": "string"},
-                           "values": {"type": "array", "items": {"type": "string"}}}}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["key", "operator"],
+                "additionalProperties": False,
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"type": "string"},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
     },
 }
 POD_MONITOR_SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
         "apiVersion": {"const": "monitoring.coreos.com/v1"},
         "kind": {"const": "PodMonitor"},
-        "metadata": {"type": "object", "required": ["name", "namespace"], "properties": {
-            "name": {"type": "string"}, "namespace": {"type": "string"},
-            "labels": {"type": "object", "additionalProperties": {"type": "string"}}}},
-        "spec": {"type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"], "properties": {
-            "selector": LABEL_SELECTOR,
-            "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
-                "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
-            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "additionalProperties": False, "properties": {
-                    "port": {"type": "string"}, "path": {"type": "string"},
-                    "scheme": {"type": "string", "enum": ["http", "https", "HTTP", "HTTPS"]},
-                    "interval": DURATION, "scrapeTimeout": DURATION, "honorLabels": {"type": "boolean"}}}},
-        }},
+        "metadata": {
+            "type": "object",
+            "required": ["name", "namespace"],
+            "properties": {
+                "name": {"type": "string"},
+                "namespace": {"type": "string"},
+                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            },
+        },
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": LABEL_SELECTOR,
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "scheme": {"type": "string", "enum": ["http", "https", "HTTP", "HTTPS"]},
+                            "interval": DURATION,
+                            "scrapeTimeout": DURATION,
+                            "honorLabels": {"type": "boolean"},
+                        },
+                    },
+                },
+            },
+        },
     },
 }
 CUSTOM_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA}
@@ -95,7 +137,9 @@ def render_files(values: dict, *, chart_obj: helm.Chart | None = None, namespace
 
 def documents(files: dict[str, str]) -> list[dict]:
     """Every manifest of a render (NOTES.txt is not YAML; a disabled template renders as blank)."""
-    return [doc for path, text in sorted(files.items()) if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc for path, text in sorted(files.items()) if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc
+    ]
 
 
 @functools.cache
@@ -117,8 +161,13 @@ def of_kind(docs: list[dict], kind: str) -> list[dict]:
 
 
 def one(docs: list[dict], kind: str, name: str, namespace: str | None = None) -> dict:
-    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name
-                and (namespace is None or d["metadata"].get("namespace") == namespace)]
+    (found,) = [
+        d
+        for d in docs
+        if d["kind"] == kind
+        and d["metadata"]["name"] == name
+        and (namespace is None or d["metadata"].get("namespace") == namespace)
+    ]
     return found
 
 
@@ -135,7 +184,7 @@ def permissions(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 def test_the_required_value_sets_exist():
-    assert REQUIRED_VALUE_SETS <= VALUE_SETS.keys()
+    assert VALUE_SETS.keys() >= REQUIRED_VALUE_SETS
 
 
 # -- lint and schemas ----------------------------------------------------------------------------------------
@@ -143,8 +192,13 @@ def test_the_required_value_sets_exist():
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_helm_lint_strict_is_clean(value_set):
-    result = helm.lint(str(CHART), copy.deepcopy(VALUE_SETS[value_set]), strict=True, namespace=NAMESPACE,
-                       kube_version=f"v{KUBE_VERSIONS[0]}.0")
+    result = helm.lint(
+        str(CHART),
+        copy.deepcopy(VALUE_SETS[value_set]),
+        strict=True,
+        namespace=NAMESPACE,
+        kube_version=f"v{KUBE_VERSIONS[0]}.0",
+    )
     assert result["errors"] == []
     # severity 1 is INFO ("icon is recommended"); warnings and errors fail strict lint
     assert [m for m in result["messages"] if m["severity"] > 1] == []
@@ -251,15 +305,33 @@ def test_the_schema_covers_every_value_and_closes_every_object():
 REJECTED = [
     ("unknown key", {"operatr": {}}, "additional properties 'operatr' not allowed"),
     ("cluster-wide by a wildcard", {"operator": {"watchNamespaces": ["*"]}}, "at '/operator/watchNamespaces/0'"),
-    ("no reconcile interval", {"operator": {"reconcileInterval": 0}}, "at '/operator/reconcileInterval': exclusiveMinimum"),
-    ("root operator", {"operator": {"podSecurityContext": {"runAsNonRoot": False}}},
-     "at '/operator/podSecurityContext/runAsNonRoot'"),
-    ("privileged operator", {"operator": {"securityContext": {"privileged": True}}}, "at '/operator/securityContext/privileged'"),
-    ("privileged Redis", {"redis": {"securityContext": {"allowPrivilegeEscalation": True}}},
-     "at '/redis/securityContext/allowPrivilegeEscalation'"),
+    (
+        "no reconcile interval",
+        {"operator": {"reconcileInterval": 0}},
+        "at '/operator/reconcileInterval': exclusiveMinimum",
+    ),
+    (
+        "root operator",
+        {"operator": {"podSecurityContext": {"runAsNonRoot": False}}},
+        "at '/operator/podSecurityContext/runAsNonRoot'",
+    ),
+    (
+        "privileged operator",
+        {"operator": {"securityContext": {"privileged": True}}},
+        "at '/operator/securityContext/privileged'",
+    ),
+    (
+        "privileged Redis",
+        {"redis": {"securityContext": {"allowPrivilegeEscalation": True}}},
+        "at '/redis/securityContext/allowPrivilegeEscalation'",
+    ),
     ("fsync policy", {"redis": {"appendfsync": "sometimes"}}, "at '/redis/appendfsync'"),
     ("password not URL-safe", {"redis": {"auth": {"password": "p@ss word"}}}, "at '/redis/auth/password'"),
-    ("external URL scheme", {"redis": {"enabled": False, "external": {"url": "http://redis:6379"}}}, "at '/redis/external/url'"),
+    (
+        "external URL scheme",
+        {"redis": {"enabled": False, "external": {"url": "http://redis:6379"}}},
+        "at '/redis/external/url'",
+    ),
     ("digest", {"operator": {"image": {"digest": "sha256:abc"}}}, "at '/operator/image/digest'"),
     ("bad quantity", {"redis": {"persistence": {"size": "lots"}}}, "at '/redis/persistence/size'"),
     ("memory size", {"redis": {"maxmemory": "1 GB"}}, "at '/redis/maxmemory'"),
@@ -279,12 +351,21 @@ def test_values_that_break_the_schema_are_rejected_with_the_place(values, messag
 
 
 CROSS_FIELD = [
-    ("no Redis at all", {"redis": {"enabled": False}},
-     "redis.enabled is false: set redis.external.url or redis.external.existingSecret"),
-    ("two external Redis sources", {"redis": {"enabled": False, "external": {"url": "redis://r:6379/0", "existingSecret": "s"}}},
-     "redis.external: set only one of url and existingSecret"),
-    ("two passwords", {"redis": {"auth": {"password": "abc", "existingSecret": "s"}}},
-     "redis.auth: set only one of password and existingSecret"),
+    (
+        "no Redis at all",
+        {"redis": {"enabled": False}},
+        "redis.enabled is false: set redis.external.url or redis.external.existingSecret",
+    ),
+    (
+        "two external Redis sources",
+        {"redis": {"enabled": False, "external": {"url": "redis://r:6379/0", "existingSecret": "s"}}},
+        "redis.external: set only one of url and existingSecret",
+    ),
+    (
+        "two passwords",
+        {"redis": {"auth": {"password": "abc", "existingSecret": "s"}}},
+        "redis.auth: set only one of password and existingSecret",
+    ),
 ]
 
 
@@ -320,7 +401,10 @@ def test_the_operator_runs_one_replica_with_flags_it_accepts(value_set):
 
 
 def test_job_images_follow_the_values_through_the_operators_environment():
-    env = {e["name"]: e["value"] for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"]
+        for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env[names.IMAGE_REPOSITORY_ENV] == "registry.example.com/areal-k8s"
     assert env[names.IMAGE_TAG_ENV] == "0.1.0"
     default_env = operator_deployment(rendered("default"))["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -328,30 +412,45 @@ def test_job_images_follow_the_values_through_the_operators_environment():
 
 
 def test_the_reward_runtime_class_follows_the_values_through_the_operators_environment(monkeypatch):
-    env = {e["name"]: e["value"] for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["value"]
+        for e in operator_deployment(rendered("hardened"))["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env[names.REWARD_RUNTIME_CLASS_ENV] == "gvisor"
     default_env = operator_deployment(rendered("default"))["spec"]["template"]["spec"]["containers"][0]["env"]
     assert names.REWARD_RUNTIME_CLASS_ENV not in {e["name"] for e in default_env}
     # what the operator does with it: the reward pods only, and an RLJob's own choice wins
     monkeypatch.setenv(names.REWARD_RUNTIME_CLASS_ENV, env[names.REWARD_RUNTIME_CLASS_ENV])
     example = yaml.safe_load(EXAMPLES[0].read_text())
-    classes = {c["metadata"]["name"].rsplit("-", 1)[1]: c["spec"]["template"]["spec"].get("runtimeClassName")
-               for c in desired_children(validate(example), running=True) if c["kind"] in ("Deployment", "StatefulSet")}
+    classes = {
+        c["metadata"]["name"].rsplit("-", 1)[1]: c["spec"]["template"]["spec"].get("runtimeClassName")
+        for c in desired_children(validate(example), running=True)
+        if c["kind"] in ("Deployment", "StatefulSet")
+    }
     assert classes == {"controller": None, "reward": "gvisor", "rollout": None, "trainer": None}
     example["spec"].setdefault("roles", {}).setdefault("reward", {})["runtimeClassName"] = "kata"
-    reward = next(c for c in desired_children(validate(example), running=True) if c["metadata"]["name"].endswith("-reward")
-                  and c["kind"] == "Deployment")
+    reward = next(
+        c
+        for c in desired_children(validate(example), running=True)
+        if c["metadata"]["name"].endswith("-reward") and c["kind"] == "Deployment"
+    )
     assert reward["spec"]["template"]["spec"]["runtimeClassName"] == "kata"
 
 
 def test_hardened_values_pin_the_image_by_digest_and_pull_with_the_secret():
     docs, values = rendered("hardened"), VALUE_SETS["hardened"]
     image = values["operator"]["image"]
-    assert operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["image"] == f"{image['repository']}@{image['digest']}"
+    assert (
+        operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"{image['repository']}@{image['digest']}"
+    )
     for name, pod in pod_specs(docs):
         assert pod["imagePullSecrets"] == values["imagePullSecrets"], name
     (test_pod,) = [d for d in of_kind(docs, "Pod") if is_hook(d)]
-    assert test_pod["spec"]["containers"][0]["image"] == f"{values['tests']['image']['repository']}:{values['tests']['image']['tag']}"
+    assert (
+        test_pod["spec"]["containers"][0]["image"]
+        == f"{values['tests']['image']['repository']}:{values['tests']['image']['tag']}"
+    )
     assert operator_deployment(docs)["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
 
 
@@ -368,14 +467,20 @@ def test_cluster_wide_rbac_is_exactly_operator_rbac_yaml():
 def test_watched_namespaces_get_roles_whose_union_with_the_cluster_part_is_operator_rbac_yaml():
     docs, watched = rendered("multi-namespace"), VALUE_SETS["multi-namespace"]["operator"]["watchNamespaces"]
     (cluster_role,) = [r for r in of_kind(docs, "ClusterRole") if not is_hook(r)]
-    assert permissions(cluster_role["rules"]) == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+    assert permissions(cluster_role["rules"]) == {
+        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
+    }
     roles = {r["metadata"]["namespace"]: r for r in of_kind(docs, "Role") if not is_hook(r)}
     assert sorted(roles) == sorted(watched)
     expected = permissions(operator_rbac()["rules"])
     for namespace, role in roles.items():
         assert permissions(cluster_role["rules"]) | permissions(role["rules"]) == expected, namespace
         binding = one(docs, "RoleBinding", role["metadata"]["name"], namespace)
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
         assert binding["subjects"][0]["namespace"] == NAMESPACE
 
 
@@ -384,14 +489,21 @@ def test_rbac_has_no_wildcards_and_no_escalation_verbs(value_set):
     for doc in of_kind(rendered(value_set), "ClusterRole") + of_kind(rendered(value_set), "Role"):
         for rule in doc["rules"]:
             for field in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
-                assert "*" not in rule.get(field, []) and not any("*" in item for item in rule.get(field, [])), (doc["metadata"]["name"], rule)
+                assert "*" not in rule.get(field, []) and not any("*" in item for item in rule.get(field, [])), (
+                    doc["metadata"]["name"],
+                    rule,
+                )
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
         assert "aggregationRule" not in doc
 
 
 def test_rbac_off_means_no_rbac_objects_of_the_operator():
-    docs = documents(render_files({"rbac": {"create": False}, "operator": {"serviceAccount": {"create": False, "name": "mine"}}}))
-    assert [d for d in docs if d["kind"] in ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding") and not is_hook(d)] == []
+    docs = documents(
+        render_files({"rbac": {"create": False}, "operator": {"serviceAccount": {"create": False, "name": "mine"}}})
+    )
+    assert [
+        d for d in docs if d["kind"] in ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding") and not is_hook(d)
+    ] == []
     assert operator_deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
     assert [d for d in of_kind(docs, "ServiceAccount") if not is_hook(d)] == []
 
@@ -441,9 +553,16 @@ def test_every_pod_the_operator_creates_runs_unprivileged_too(example):
     made = desired_children(validate(yaml.safe_load((ROOT / "examples" / example).read_text())), running=True)
     for name, pod in pod_specs(made):
         context = pod["securityContext"]
-        assert context["runAsNonRoot"] is True and context["runAsUser"] != 0 and context["seccompProfile"]["type"] == "RuntimeDefault"
+        assert (
+            context["runAsNonRoot"] is True
+            and context["runAsUser"] != 0
+            and context["seccompProfile"]["type"] == "RuntimeDefault"
+        )
         for c in pod["containers"]:
-            assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert (
+                c["securityContext"]["readOnlyRootFilesystem"] is True
+                and c["securityContext"]["allowPrivilegeEscalation"] is False
+            )
             assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
     # and they are valid Kubernetes (image volumes, in the GPU example, arrived in 1.31)
     for doc in made:
@@ -460,8 +579,12 @@ def selects(selector: dict | None, labels: dict) -> bool:
         return False
     for expression in selector.get("matchExpressions", []):
         key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
-        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
-              "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        ok = {
+            "In": labels.get(key) in values,
+            "NotIn": labels.get(key) not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[operator]
         if not ok:
             return False
     return True
@@ -471,30 +594,43 @@ def peer_admits(peer: dict, policy_namespace: str, source_namespace: str, source
     namespace_labels = {"kubernetes.io/metadata.name": source_namespace}
     if "ipBlock" in peer:
         return False
-    in_namespace = (selects(peer["namespaceSelector"], namespace_labels) if "namespaceSelector" in peer
-                    else source_namespace == policy_namespace)
+    in_namespace = (
+        selects(peer["namespaceSelector"], namespace_labels)
+        if "namespaceSelector" in peer
+        else source_namespace == policy_namespace
+    )
     return in_namespace and ("podSelector" not in peer or selects(peer["podSelector"], source_labels))
 
 
 def admitted(docs: list[dict], target: tuple[str, dict], port: tuple[str, int], source: tuple[str, dict]) -> bool:
     """Does the cluster let `source` (namespace, pod labels) open `port` (name, number) on `target`?"""
     (target_ns, target_labels), (source_ns, source_labels) = target, source
-    policies = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["namespace"] == target_ns
-                and selects(p["spec"]["podSelector"], target_labels) and "Ingress" in p["spec"]["policyTypes"]]
+    policies = [
+        p
+        for p in of_kind(docs, "NetworkPolicy")
+        if p["metadata"]["namespace"] == target_ns
+        and selects(p["spec"]["podSelector"], target_labels)
+        and "Ingress" in p["spec"]["policyTypes"]
+    ]
     if not policies:
         return True  # not isolated
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
             ports_ok = "ports" not in rule or any(p.get("port") in port for p in rule["ports"])
             peers_ok = "from" not in rule or any(
-                peer_admits(peer, target_ns, source_ns, source_labels) for peer in rule["from"])
+                peer_admits(peer, target_ns, source_ns, source_labels) for peer in rule["from"]
+            )
             if ports_ok and peers_ok:
                 return True
     return False
 
 
 def chart_pod(component: str) -> dict:
-    return {"app.kubernetes.io/name": "areal", "app.kubernetes.io/instance": RELEASE, "app.kubernetes.io/component": component}
+    return {
+        "app.kubernetes.io/name": "areal",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": component,
+    }
 
 
 def job_pod(role: str, job: str = "demo") -> dict:
@@ -516,7 +652,9 @@ def test_redis_admits_only_the_job_pods_and_the_operator():
     assert admitted(docs, redis, REDIS, (NAMESPACE, chart_pod("operator")))  # the finalizer deletes a job's keys
     assert admitted(docs, redis, REDIS, ("elsewhere", job_pod("trainer")))  # cluster-wide: jobs anywhere
     assert not admitted(docs, redis, REDIS, (NAMESPACE, STRANGER))
-    assert not admitted(docs, redis, REDIS, (NAMESPACE, {"app.kubernetes.io/name": "areal-k8s"}))  # not the operator's pod
+    assert not admitted(
+        docs, redis, REDIS, (NAMESPACE, {"app.kubernetes.io/name": "areal-k8s"})
+    )  # not the operator's pod
     multi = rendered("multi-namespace")
     assert admitted(multi, redis, REDIS, ("team-b", job_pod("reward")))
     assert not admitted(multi, redis, REDIS, ("elsewhere", job_pod("reward")))
@@ -525,17 +663,26 @@ def test_redis_admits_only_the_job_pods_and_the_operator():
 @pytest.mark.parametrize("value_set", ["default", "multi-namespace", "monitoring", "external-redis"])
 def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
     docs = rendered(value_set)
-    namespaces = (VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
-                  or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])
-    policies = {p["metadata"]["namespace"] for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == f"{RELEASE}-jobs"}
+    namespaces = (
+        VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
+        or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces")
+        or [NAMESPACE]
+    )
+    policies = {
+        p["metadata"]["namespace"] for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == f"{RELEASE}-jobs"
+    }
     assert policies == set(namespaces)
     for ns in namespaces:
         controller = (ns, job_pod("controller"))
         assert admitted(docs, controller, CONTROLLER_GRPC, (ns, job_pod("rollout")))
         assert admitted(docs, (ns, job_pod("rollout")), ("grpc", names.ROLLOUT_PORT), (ns, job_pod("trainer")))
-        assert admitted(docs, (ns, job_pod("trainer")), ("rendezvous", names.TORCH_RENDEZVOUS_PORT), (ns, job_pod("trainer")))
+        assert admitted(
+            docs, (ns, job_pod("trainer")), ("rendezvous", names.TORCH_RENDEZVOUS_PORT), (ns, job_pod("trainer"))
+        )
         assert admitted(docs, controller, CONTROLLER_GRPC, (NAMESPACE, chart_pod("operator")))  # the job's status
-        assert not admitted(docs, (ns, job_pod("trainer")), ("grpc", names.TRAINER_PORT), (NAMESPACE, chart_pod("operator")))
+        assert not admitted(
+            docs, (ns, job_pod("trainer")), ("grpc", names.TRAINER_PORT), (NAMESPACE, chart_pod("operator"))
+        )
         assert not admitted(docs, controller, CONTROLLER_GRPC, (ns, STRANGER))
         assert not admitted(docs, controller, CONTROLLER_GRPC, ("elsewhere", job_pod("rollout")))
         assert admitted(docs, (ns, job_pod("trainer")), METRICS, PROMETHEUS)
@@ -555,10 +702,17 @@ def reward_policies_of_the_operator(namespace: str, *jobs: str) -> list[dict]:
 @pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
 def test_reward_pods_admit_only_their_own_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set, monkeypatch):
     docs = rendered(value_set)
-    env = {e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]}
-    monkeypatch.setenv(names.NETWORK_POLICIES_ENV, env[names.NETWORK_POLICIES_ENV])  # the chart switches the operator's on
-    namespaces = (VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
-                  or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])
+    env = {
+        e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    monkeypatch.setenv(
+        names.NETWORK_POLICIES_ENV, env[names.NETWORK_POLICIES_ENV]
+    )  # the chart switches the operator's on
+    namespaces = (
+        VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
+        or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces")
+        or [NAMESPACE]
+    )
     scoring = ("grpc", names.REWARD_PORT)
     for ns in namespaces:
         cluster = docs + reward_policies_of_the_operator(ns, "demo", "other")
@@ -567,22 +721,36 @@ def test_reward_pods_admit_only_their_own_jobs_pods_on_the_scoring_port_and_reac
             assert admitted(cluster, reward, scoring, (ns, job_pod(role, "demo")))
             assert not admitted(cluster, reward, scoring, (ns, job_pod(role, "other")))  # another job's pods
         assert admitted(cluster, (ns, job_pod("reward", "other")), scoring, (ns, job_pod("rollout", "other")))
-        assert not admitted(cluster, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout", "demo")))  # its only port
+        assert not admitted(
+            cluster, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout", "demo"))
+        )  # its only port
         assert not admitted(cluster, reward, scoring, (ns, STRANGER))
-        assert not admitted(cluster, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout")))
+        assert not admitted(
+            cluster, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout"))
+        )
         assert not admitted(cluster, reward, scoring, (NAMESPACE, chart_pod("operator")))
         assert admitted(cluster, reward, METRICS, PROMETHEUS)
         # the other job pods keep their policy
         assert admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
-        egress = [p for p in of_kind(cluster, "NetworkPolicy") if p["metadata"]["namespace"] == ns
-                  and selects(p["spec"]["podSelector"], job_pod("reward")) and "Egress" in p["spec"]["policyTypes"]]
+        egress = [
+            p
+            for p in of_kind(cluster, "NetworkPolicy")
+            if p["metadata"]["namespace"] == ns
+            and selects(p["spec"]["podSelector"], job_pod("reward"))
+            and "Egress" in p["spec"]["policyTypes"]
+        ]
         assert [p["spec"]["egress"] for p in egress] == [[]]  # isolated for egress, and no rule lets anything out
-        assert not any("Egress" in p["spec"]["policyTypes"] for p in of_kind(cluster, "NetworkPolicy")
-                       if selects(p["spec"]["podSelector"], job_pod("trainer")))
+        assert not any(
+            "Egress" in p["spec"]["policyTypes"]
+            for p in of_kind(cluster, "NetworkPolicy")
+            if selects(p["spec"]["podSelector"], job_pod("trainer"))
+        )
 
 
 def test_without_the_charts_network_policies_the_operator_creates_none(monkeypatch):
-    env = operator_deployment(documents(render_files({"networkPolicy": {"enabled": False}})))["spec"]["template"]["spec"]["containers"][0]["env"]
+    env = operator_deployment(documents(render_files({"networkPolicy": {"enabled": False}})))["spec"]["template"][
+        "spec"
+    ]["containers"][0]["env"]
     assert names.NETWORK_POLICIES_ENV not in {e["name"] for e in env}
     monkeypatch.delenv(names.NETWORK_POLICIES_ENV, raising=False)
     assert reward_policies_of_the_operator(NAMESPACE, "demo") == []
@@ -604,8 +772,12 @@ def test_network_policies_can_be_turned_off():
 
 
 def secrets(docs: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
-    return {(s["metadata"]["namespace"], s["metadata"]["name"]): {k: base64.b64decode(v).decode() for k, v in s["data"].items()}
-            for s in of_kind(docs, "Secret")}
+    return {
+        (s["metadata"]["namespace"], s["metadata"]["name"]): {
+            k: base64.b64decode(v).decode() for k, v in s["data"].items()
+        }
+        for s in of_kind(docs, "Secret")
+    }
 
 
 def test_in_chart_redis_is_a_persistent_valkey_with_aof_a_generated_password_and_limits():
@@ -634,13 +806,19 @@ def test_in_chart_redis_is_a_persistent_valkey_with_aof_a_generated_password_and
 
 def test_a_given_password_and_a_password_secret():
     given = secrets(documents(render_files({"redis": {"auth": {"password": "s3cret-Pass"}}})))
-    assert given[(NAMESPACE, f"{RELEASE}-redis")]["url"] == f"redis://:s3cret-Pass@{RELEASE}-redis.{NAMESPACE}.svc:6379/0"
+    assert (
+        given[(NAMESPACE, f"{RELEASE}-redis")]["url"] == f"redis://:s3cret-Pass@{RELEASE}-redis.{NAMESPACE}.svc:6379/0"
+    )
     docs = rendered("hardened")
     assert secrets(docs) == {}  # the password is the user's: the chart writes no Secret, the notes say what to create
     (container,) = one(docs, "StatefulSet", f"{RELEASE}-redis")["spec"]["template"]["spec"]["containers"]
-    assert {e["name"]: e for e in container["env"]}["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis-password"
+    assert {e["name"]: e for e in container["env"]}["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"][
+        "name"
+    ] == "my-redis-password"
     assert "redis://:PASSWORD@" in notes("hardened")
-    volumes = {v["name"]: v for v in one(docs, "StatefulSet", f"{RELEASE}-redis")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {
+        v["name"]: v for v in one(docs, "StatefulSet", f"{RELEASE}-redis")["spec"]["template"]["spec"]["volumes"]
+    }
     assert volumes["data"] == {"name": "data", "emptyDir": {}}
 
 
@@ -649,10 +827,19 @@ def test_external_redis_replaces_the_in_chart_one():
     assert not of_kind(docs, "StatefulSet")
     assert not [d for d in of_kind(docs, "Service") if d["metadata"]["name"].endswith("-redis")]
     url = VALUE_SETS["external-redis"]["redis"]["external"]["url"]
-    assert secrets(docs) == {("areal", f"{RELEASE}-redis"): {"url": url}, ("research", f"{RELEASE}-redis"): {"url": url}}
-    own = documents(render_files({"redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "uri"}}}))
+    assert secrets(docs) == {
+        ("areal", f"{RELEASE}-redis"): {"url": url},
+        ("research", f"{RELEASE}-redis"): {"url": url},
+    }
+    own = documents(
+        render_files(
+            {"redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "uri"}}}
+        )
+    )
     assert secrets(own) == {}
-    text = render_files({"redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "uri"}}})
+    text = render_files(
+        {"redis": {"enabled": False, "external": {"existingSecret": "team-redis", "existingSecretKey": "uri"}}}
+    )
     assert "urlSecretRef: {name: team-redis, key: uri}" in text[f"{CHART.name}/templates/NOTES.txt"]
 
 
@@ -674,14 +861,21 @@ def test_the_pod_monitor_scrapes_the_metrics_port_of_the_job_pods():
     made = desired_children(validate(yaml.safe_load(EXAMPLES[0].read_text())), running=True)
     scraped = set()
     for name, pod in pod_specs(made):
-        template = next(d for d in made if d["metadata"]["name"] == name and d["kind"] in ("Deployment", "StatefulSet"))["spec"]["template"]
+        template = next(
+            d for d in made if d["metadata"]["name"] == name and d["kind"] in ("Deployment", "StatefulSet")
+        )["spec"]["template"]
         assert selects(monitor["spec"]["selector"], template["metadata"]["labels"]), name
-        scraped |= {c["name"] for c in pod["containers"]
-                    if any(p["name"] == monitor["spec"]["podMetricsEndpoints"][0]["port"] for p in c["ports"])}
+        scraped |= {
+            c["name"]
+            for c in pod["containers"]
+            if any(p["name"] == monitor["spec"]["podMetricsEndpoints"][0]["port"] for p in c["ports"])
+        }
     assert scraped == {"controller", "reward", "rollout", "trainer"}
     assert monitor["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
     assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "15s"
-    namespaced = documents(render_files({"monitoring": {"podMonitor": {"enabled": True}}, "jobs": {"namespaces": ["a", "b"]}}))
+    namespaced = documents(
+        render_files({"monitoring": {"podMonitor": {"enabled": True}}, "jobs": {"namespaces": ["a", "b"]}})
+    )
     assert of_kind(namespaced, "PodMonitor")[0]["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
     assert of_kind(rendered("default"), "PodMonitor") == []
 
@@ -711,10 +905,16 @@ def test_dashboards_are_read_from_the_folder_whatever_it_holds(tmp_path):
     for name, board in boards.items():
         (copy_of_chart / "dashboards" / name).write_text(json.dumps(board))
     (copy_of_chart / "dashboards" / "notes.txt").write_text("not a dashboard")
-    values = {"monitoring": {"dashboards": {"enabled": True, "folder": "", "annotations": {"k8s-sidecar-target-directory": "/x"}}}}
+    values = {
+        "monitoring": {
+            "dashboards": {"enabled": True, "folder": "", "annotations": {"k8s-sidecar-target-directory": "/x"}}
+        }
+    }
     maps = dashboard_config_maps(documents(render_files(values, chart_obj=helm.Chart.load(str(copy_of_chart)))))
     assert {m["metadata"]["name"]: json.loads(next(iter(m["data"].values()))) for m in maps} == {
-        f"{RELEASE}-dashboard-job-overview": boards["Job_Overview.json"], f"{RELEASE}-dashboard-staleness": boards["staleness.json"]}
+        f"{RELEASE}-dashboard-job-overview": boards["Job_Overview.json"],
+        f"{RELEASE}-dashboard-staleness": boards["staleness.json"],
+    }
     assert all(m["metadata"]["annotations"] == {"k8s-sidecar-target-directory": "/x"} for m in maps)
     (copy_of_chart / "dashboards" / "Job_Overview.json").unlink()
     (copy_of_chart / "dashboards" / "staleness.json").unlink()
@@ -743,7 +943,8 @@ def test_chart_metadata():
     assert meta["apiVersion"] == "v2" and meta["type"] == "application"
     assert meta["kubeVersion"] == f">={KUBE_VERSIONS[0]}.0-0"
     assert helm.dependency_list(str(CHART)) in ([], None) or all(
-        d["status"] in ("ok", "unpacked") for d in helm.dependency_list(str(CHART)))
+        d["status"] in ("ok", "unpacked") for d in helm.dependency_list(str(CHART))
+    )
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
@@ -776,6 +977,12 @@ def test_helm_test_checks_the_crd_and_the_operator():
     script = one(docs, "ConfigMap", f"{RELEASE}-test")["data"]["helm-test.py"]
     compile(script, "helm-test.py", "exec")
     assert script.rstrip() == (CHART / "files" / "helm-test.py").read_text().rstrip()
-    (cluster_role,) = [r for r in of_kind(hooks, "ClusterRole")]
-    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-                                      "resourceNames": [names.CRD_NAME], "verbs": ["get"]}]
+    (cluster_role,) = list(of_kind(hooks, "ClusterRole"))
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "resourceNames": [names.CRD_NAME],
+            "verbs": ["get"],
+        }
+    ]

@@ -18,12 +18,14 @@ import pytest
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common import sandbox as sandbox_module
-from areal_k8s.reward.code_verifier import extract_program, normalised_lines, parse_tests
 from areal_k8s.common.sandbox import NOBODY, Sandbox, SandboxError, SandboxLimits
+from areal_k8s.reward.code_verifier import extract_program, normalised_lines, parse_tests
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"),
+    pytest.mark.skipif(
+        shutil.which("bwrap") is None, reason="bubblewrap is not installed (apt-get install bubblewrap)"
+    ),
 ]
 
 OK, ERROR = reward_pb2.ScoreResult.OK, reward_pb2.ScoreResult.ERROR
@@ -61,7 +63,9 @@ def service():
 
 def code_item(item_id: str, program: str, tests, **metadata) -> reward_pb2.ScoreItem:
     response = f"Here is my solution:\n```python\n{program}\n```\n"
-    return reward_pb2.ScoreItem(item_id=item_id, verifier="code", response=response, reference=json.dumps(tests), metadata=metadata)
+    return reward_pb2.ScoreItem(
+        item_id=item_id, verifier="code", response=response, reference=json.dumps(tests), metadata=metadata
+    )
 
 
 def score(service, *items: reward_pb2.ScoreItem) -> dict[str, reward_pb2.ScoreResult]:
@@ -109,8 +113,11 @@ def test_correct_programs_score_1_in_both_test_shapes(service):
 
 def test_score_is_the_fraction_passed_or_all_or_nothing_with_the_first_failure_as_reason(service):
     wrong_at_zero = "def add(a, b):\n    return a + b if a else 1\n"
-    results = score(service, code_item("fraction", wrong_at_zero, ADD_ASSERTS),
-                    code_item("all", wrong_at_zero, ADD_ASSERTS, scoring="all"))
+    results = score(
+        service,
+        code_item("fraction", wrong_at_zero, ADD_ASSERTS),
+        code_item("all", wrong_at_zero, ADD_ASSERTS, scoring="all"),
+    )
     assert results["fraction"].reward == pytest.approx(2 / 3)
     assert results["fraction"].message == "2/3 tests passed; test 2: AssertionError"
     assert (results["all"].reward, results["all"].message) == (0.0, "2/3 tests passed; test 2: AssertionError")
@@ -118,10 +125,16 @@ def test_score_is_the_fraction_passed_or_all_or_nothing_with_the_first_failure_a
 
 def test_stdout_is_compared_line_by_line_whitespace_normalised(service):
     tests = [{"input": "", "output": "1 2\n3\n"}]
-    results = score(service, code_item("spaced", "print('  1   2 ')\nprint('3')\nprint()", tests),
-                    code_item("wrong", "print('1 2 3')", tests))
+    results = score(
+        service,
+        code_item("spaced", "print('  1   2 ')\nprint('3')\nprint()", tests),
+        code_item("wrong", "print('1 2 3')", tests),
+    )
     assert results["spaced"].reward == 1.0
-    assert (results["wrong"].reward, results["wrong"].message) == (0.0, "0/1 tests passed; test 0: wrong output: expected '1 2\\n3\\n', got '1 2 3\\n'")
+    assert (results["wrong"].reward, results["wrong"].message) == (
+        0.0,
+        "0/1 tests passed; test 0: wrong output: expected '1 2\\n3\\n', got '1 2 3\\n'",
+    )
 
 
 def test_the_job_start_check_runs_a_program_in_the_sandbox(service):
@@ -141,7 +154,9 @@ def test_a_reference_that_is_not_tests_is_an_error_not_a_zero(service):
 
 def test_infinite_loop_is_killed(service):
     # by its 1 s CPU limit (the wall-clock limit is far off)
-    assert_hostile_scores_0_and_the_next_item_1(service, "while True:\n    pass", ADD_STDIO, "test 0: killed by SIGXCPU")
+    assert_hostile_scores_0_and_the_next_item_1(
+        service, "while True:\n    pass", ADD_STDIO, "test 0: killed by SIGXCPU"
+    )
 
 
 def test_fork_bomb_is_contained_and_leaves_no_process_behind(service):
@@ -160,7 +175,9 @@ def test_memory_hog_fails_at_its_address_space_limit(service):
 
 
 def test_huge_print_is_killed_at_the_output_cap(service):
-    assert_hostile_scores_0_and_the_next_item_1(service, "while True:\n    print('x' * 10000)", ADD_STDIO, "printed more than 65536 bytes")
+    assert_hostile_scores_0_and_the_next_item_1(
+        service, "while True:\n    print('x' * 10000)", ADD_STDIO, "printed more than 65536 bytes"
+    )
 
 
 def test_reading_files_outside_its_directory_finds_nothing(service, tmp_path):
@@ -169,10 +186,16 @@ def test_reading_files_outside_its_directory_finds_nothing(service, tmp_path):
     secret.chmod(0o644)  # readable by anyone on the host: only the sandbox's mounts keep it out
     # the secret, the host's password files, the service's own code
     paths = [str(secret), "/etc/shadow", "/etc/passwd", sandbox_module.__file__]
-    program = (f"for path in {paths!r}:\n    try:\n        print(open(path).read())\n"
-               "    except OSError as exc:\n        print(type(exc).__name__)")
-    message = assert_hostile_scores_0_and_the_next_item_1(service, program, [{"input": "", "output": SECRET}], "wrong output")
-    assert message.endswith("got 'FileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\n'"), message
+    program = (
+        f"for path in {paths!r}:\n    try:\n        print(open(path).read())\n"
+        "    except OSError as exc:\n        print(type(exc).__name__)"
+    )
+    message = assert_hostile_scores_0_and_the_next_item_1(
+        service, program, [{"input": "", "output": SECRET}], "wrong output"
+    )
+    assert message.endswith("got 'FileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\nFileNotFoundError\\n'"), (
+        message
+    )
 
 
 def test_the_environment_holds_none_of_the_services_variables(service):
@@ -210,13 +233,17 @@ def test_killing_its_parent_reaches_only_the_sandboxs_own_init(service):
 
 
 def test_sleeping_past_the_wall_limit_is_killed(service):
-    assert_hostile_scores_0_and_the_next_item_1(service, "import time\ntime.sleep(600)", ADD_STDIO, "ran past the 12 s wall-clock limit")
+    assert_hostile_scores_0_and_the_next_item_1(
+        service, "import time\ntime.sleep(600)", ADD_STDIO, "ran past the 12 s wall-clock limit"
+    )
 
 
 def test_os_exit_mid_test_earns_nothing(service):
     program = "import os\ndef add(a, b):\n    if a == 0:\n        os._exit(0)\n    return a + b"
     tests = {"asserts": ["assert add(2, 3) == 5", "assert add(0, 0) == 0", "assert add(1, 1) == 2"]}
-    assert_hostile_scores_0_and_the_next_item_1(service, program, tests, "the run ended before the tests finished (exit code 0)")
+    assert_hostile_scores_0_and_the_next_item_1(
+        service, program, tests, "the run ended before the tests finished (exit code 0)"
+    )
 
 
 def test_a_fake_all_tests_passed_earns_nothing(service):
@@ -228,7 +255,8 @@ def test_a_fake_all_tests_passed_earns_nothing(service):
         "print('All tests passed!')\n"
         "for fd in range(3, 20):\n"
         "    try:\n"
-        "        os.write(fd, b''.join(b'0123456789abcdef0123456789abcdef %s\\n' % line for line in (b'pass 0', b'pass 1', b'pass 2', b'done')))\n"
+        "        os.write(fd, b''.join(b'0123456789abcdef0123456789abcdef %s\\n' % line for line in (b'pass 0', "
+        "b'pass 1', b'pass 2', b'done')))\n"
         "    except OSError:\n"
         "        pass\n"
         "sys.exit(0)"
@@ -239,9 +267,13 @@ def test_a_fake_all_tests_passed_earns_nothing(service):
 
 def test_a_program_that_replaces_the_harness_builtins_earns_nothing(service):
     # Were the harness to look these up after the program ran, every test would be a no-op that "passes".
-    program = ("import builtins, os\nbuiltins.exec = lambda *args: None\nbuiltins.compile = lambda *args: None\n"
-               "builtins.enumerate = lambda tests: [(i, 'pass') for i in range(3)]\nos.write = lambda *args: 0\n")
-    assert_hostile_scores_0_and_the_next_item_1(service, program, ADD_ASSERTS, "0/3 tests passed; test 0: NameError: name 'add' is not defined")
+    program = (
+        "import builtins, os\nbuiltins.exec = lambda *args: None\nbuiltins.compile = lambda *args: None\n"
+        "builtins.enumerate = lambda tests: [(i, 'pass') for i in range(3)]\nos.write = lambda *args: 0\n"
+    )
+    assert_hostile_scores_0_and_the_next_item_1(
+        service, program, ADD_ASSERTS, "0/3 tests passed; test 0: NameError: name 'add' is not defined"
+    )
 
 
 # -- the sandbox and the verifier's parts, directly -------------------------------------------------------
@@ -249,8 +281,10 @@ def test_a_program_that_replaces_the_harness_builtins_earns_nothing(service):
 
 def test_the_process_limit_stops_forks_at_the_sandboxs_own_count():
     sandbox = Sandbox(SandboxLimits(max_processes=8))
-    program = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(5)\n"
-               "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)")
+    program = (
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(5)\n"
+        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print(n)"
+    )
     result = sandbox.run_program(program)
     assert result.returncode == 0, result.stderr
     assert 0 < int(result.stdout) < 8
@@ -278,5 +312,7 @@ def test_the_program_is_the_last_fenced_block_or_the_whole_response():
 def test_a_sandbox_that_cannot_start_is_an_error_not_a_zero():
     # bwrap fails before the program exists (here: no such interpreter; in a pod: user namespaces refused)
     broken = Sandbox(python="/usr/bin/no-such-python3")
-    with pytest.raises(SandboxError, match="bubblewrap cannot start the sandbox: bwrap: execvp /usr/bin/no-such-python3"):
+    with pytest.raises(
+        SandboxError, match="bubblewrap cannot start the sandbox: bwrap: execvp /usr/bin/no-such-python3"
+    ):
         broken.check()

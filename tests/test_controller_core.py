@@ -24,7 +24,9 @@ class Clock:
 
 def make_job(**algorithm):
     algorithm = {"batch_size": 2, "group_size": 1, "max_staleness": 1, "total_steps": 50, **algorithm}
-    return parse_job({"name": "t", "model": "m", "dataset": {"train": "x.jsonl", "shuffle": False}, "algorithm": algorithm})
+    return parse_job(
+        {"name": "t", "model": "m", "dataset": {"train": "x.jsonl", "shuffle": False}, "algorithm": algorithm}
+    )
 
 
 def make_core(clock=None, items=5, **algorithm):
@@ -36,10 +38,30 @@ def make_core(clock=None, items=5, **algorithm):
 
 def test_capacity_is_areals_formula():
     # (η + v + 1)·B − (accepted + running) = (2 + 3 + 1)·4 − (17 + 3) = 4; concurrency 10 − 3 = 7
-    assert admission_capacity(version=3, running=3, accepted=17, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000) == 4
-    assert admission_capacity(version=3, running=9, accepted=5, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000) == 1
-    assert admission_capacity(version=3, running=0, accepted=0, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=3) == 3
-    assert admission_capacity(version=0, running=5, accepted=5, batch_size=4, max_staleness=0, max_concurrent=10, total_groups=100) == 0
+    assert (
+        admission_capacity(
+            version=3, running=3, accepted=17, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000
+        )
+        == 4
+    )
+    assert (
+        admission_capacity(
+            version=3, running=9, accepted=5, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=1000
+        )
+        == 1
+    )
+    assert (
+        admission_capacity(
+            version=3, running=0, accepted=0, batch_size=4, max_staleness=2, max_concurrent=10, total_groups=3
+        )
+        == 3
+    )
+    assert (
+        admission_capacity(
+            version=0, running=5, accepted=5, batch_size=4, max_staleness=0, max_concurrent=10, total_groups=100
+        )
+        == 0
+    )
 
 
 def test_synchronous_admission_hands_out_one_batch_per_version():
@@ -116,8 +138,18 @@ def test_snapshot_restores_cursor_counters_and_leases():
     held = core.acquire("w", 3, engine_version=0)
     core.complete(held[0].lease.group_id, "accepted")
     core.announce_version(1, restored=False)
-    core.record_step(version=1, groups=2, samples=2, tokens=10, max_staleness=1, mean_staleness=0.5,
-                     reward_mean=0.25, eval_accuracy=-1, base_evaluation=False, finished=False)
+    core.record_step(
+        version=1,
+        groups=2,
+        samples=2,
+        tokens=10,
+        max_staleness=1,
+        mean_staleness=0.5,
+        reward_mean=0.25,
+        eval_accuracy=-1,
+        base_evaluation=False,
+        finished=False,
+    )
     revived = make_core(clock, max_staleness=3)
     revived.workers.clear()
     revived.restore(core.snapshot())
@@ -135,8 +167,18 @@ def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after
     core = make_core(max_staleness=3)
 
     def report(version: int) -> bool:
-        return core.record_step(version=version, groups=2, samples=8, tokens=40, max_staleness=0, mean_staleness=0,
-                                reward_mean=0.5, eval_accuracy=-1, base_evaluation=False, finished=False)
+        return core.record_step(
+            version=version,
+            groups=2,
+            samples=8,
+            tokens=40,
+            max_staleness=0,
+            mean_staleness=0,
+            reward_mean=0.5,
+            eval_accuracy=-1,
+            base_evaluation=False,
+            finished=False,
+        )
 
     for version in (1, 2):
         core.announce_version(version, restored=False)
@@ -151,8 +193,18 @@ def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after
     assert (core.status()["consumed"], core.status()["steps_redone"], core.progress.trained_samples) == (4, 1, 24)
     revived = make_core()
     revived.restore(core.snapshot())
-    assert not revived.record_step(version=2, groups=2, samples=8, tokens=40, max_staleness=0, mean_staleness=0,
-                                   reward_mean=0.5, eval_accuracy=-1, base_evaluation=False, finished=False)
+    assert not revived.record_step(
+        version=2,
+        groups=2,
+        samples=8,
+        tokens=40,
+        max_staleness=0,
+        mean_staleness=0,
+        reward_mean=0.5,
+        eval_accuracy=-1,
+        base_evaluation=False,
+        finished=False,
+    )
 
 
 def test_a_worker_that_registers_again_restarted_and_its_old_groups_are_orphaned():
@@ -169,8 +221,18 @@ def test_a_worker_that_registers_again_restarted_and_its_old_groups_are_orphaned
 def test_finished_job_admits_nothing_and_total_work_is_capped():
     core = make_core(total_steps=1, max_staleness=4)
     assert len(core.acquire("w", 10, engine_version=0)) == 2  # total_steps · B
-    core.record_step(version=1, groups=2, samples=2, tokens=4, max_staleness=0, mean_staleness=0, reward_mean=1,
-                     eval_accuracy=0.5, base_evaluation=False, finished=True)
+    core.record_step(
+        version=1,
+        groups=2,
+        samples=2,
+        tokens=4,
+        max_staleness=0,
+        mean_staleness=0,
+        reward_mean=1,
+        eval_accuracy=0.5,
+        base_evaluation=False,
+        finished=True,
+    )
     assert core.acquire("w", 10, engine_version=1) == []
     assert core.status()["finished"] is True and core.status()["eval_accuracy"] == 0.5
 
@@ -185,7 +247,9 @@ def test_finished_job_admits_nothing_and_total_work_is_capped():
 def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(batch_size, eta, concurrency, seed):
     """Controller admission + the trainer's batch rule, under random completion order and filtering."""
     rng = random.Random(seed)
-    core = make_core(items=7, batch_size=batch_size, max_staleness=eta, total_steps=6, max_concurrent_rollouts=concurrency)
+    core = make_core(
+        items=7, batch_size=batch_size, max_staleness=eta, total_steps=6, max_concurrent_rollouts=concurrency
+    )
     running: dict[str, tuple[int, int]] = {}  # group id -> (admitted version, ticket)
     finished: list[Group] = []
     version = 0
@@ -206,15 +270,27 @@ def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(
                 entry = type("E", (), {"min_version": rng.randint(admitted, version)})()
                 finished.append(Group(gid, admitted, ticket, (entry,)))
         else:
-            batch = select_batch(finished, list(core.outstanding().values()), version=version, batch_size=batch_size, max_staleness=eta)
+            batch = select_batch(
+                finished, list(core.outstanding().values()), version=version, batch_size=batch_size, max_staleness=eta
+            )
             if batch is None:
                 continue
             assert all(staleness(version, g) <= eta for g in batch)
             finished = [g for g in finished if g not in batch]
             version += 1
             core.announce_version(version, restored=False)
-            core.record_step(version=version, groups=len(batch), samples=len(batch), tokens=1, max_staleness=0,
-                             mean_staleness=0, reward_mean=0, eval_accuracy=-1, base_evaluation=False, finished=version == 6)
+            core.record_step(
+                version=version,
+                groups=len(batch),
+                samples=len(batch),
+                tokens=1,
+                max_staleness=0,
+                mean_staleness=0,
+                reward_mean=0,
+                eval_accuracy=-1,
+                base_evaluation=False,
+                finished=version == 6,
+            )
     assert version == 6, "the run stalled"
 
 
@@ -287,7 +363,13 @@ def test_refusal_names_what_holds_a_request_back_without_counting_it():
     assert len(tail.acquire("w", 10, engine_version=0)) == 2
     assert tail.refusal("w", 1, engine_version=0) == "no_work_left"
     assert tail.acquire("w", 1, engine_version=0) == []  # the end of the run is not counted as a block
-    assert sum(tail.metrics.value("areal_controller_admission_blocks_total", reason=r) for r in ("staleness", "concurrency")) == 0
+    assert (
+        sum(
+            tail.metrics.value("areal_controller_admission_blocks_total", reason=r)
+            for r in ("staleness", "concurrency")
+        )
+        == 0
+    )
 
 
 # -- prompts that keep failing: dead letters ----------------------------------------------------------------
@@ -295,8 +377,15 @@ def test_refusal_names_what_holds_a_request_back_without_counting_it():
 
 def dead_letter_core(max_group_failures: int, items: int = 5, clock=None, **algorithm) -> ControllerCore:
     algorithm = {"batch_size": 2, "group_size": 1, "max_staleness": 4, "total_steps": 50, **algorithm}
-    job = parse_job({"name": "t", "model": "m", "dataset": {"train": "x.jsonl", "shuffle": False}, "algorithm": algorithm,
-                     "rollout": {"max_group_failures": max_group_failures}})
+    job = parse_job(
+        {
+            "name": "t",
+            "model": "m",
+            "dataset": {"train": "x.jsonl", "shuffle": False},
+            "algorithm": algorithm,
+            "rollout": {"max_group_failures": max_group_failures},
+        }
+    )
     dataset = [DatasetItem(id=f"p{i}", prompt=f"q{i}", reference=str(i), verifier="exact") for i in range(items)]
     core = ControllerCore(job, dataset, lease_seconds=30, clock=clock or Clock())
     core.register("w", "127.0.0.1:1", 0)
@@ -313,7 +402,13 @@ def test_a_prompt_failing_max_group_failures_times_in_a_row_is_dead_lettered_and
     core = dead_letter_core(max_group_failures=3, items=2)
     assert [fail_next(core, f"boom {i}") for i in range(3)] == ["p0", "p0", "p0"]  # retried first, then given up on
     [letter] = core.unwritten_dead_letters
-    assert (letter.prompt_id, letter.item_index, letter.attempts, letter.reason, letter.worker_id) == ("p0", 0, 3, "boom 2", "w")
+    assert (letter.prompt_id, letter.item_index, letter.attempts, letter.reason, letter.worker_id) == (
+        "p0",
+        0,
+        3,
+        "boom 2",
+        "w",
+    )
     assert letter.group_id == "g2"  # the last attempt
     assert core.metrics.value("areal_controller_dead_lettered_items_total") == 1
     status = core.status()
@@ -376,13 +471,25 @@ def test_a_run_with_a_prompt_that_always_fails_still_trains_every_step():
             break
         for admitted in core.acquire("w", 8, engine_version=version):
             poison = admitted.item.id == "p1"
-            core.complete(admitted.lease.group_id, "failed" if poison else "accepted", "prompt too long" if poison else "")
+            core.complete(
+                admitted.lease.group_id, "failed" if poison else "accepted", "prompt too long" if poison else ""
+            )
             accepted_this_version += not poison
         if accepted_this_version == 2:  # the trainer takes the batch
             version, accepted_this_version = version + 1, 0
             core.announce_version(version, restored=False)
-            core.record_step(version=version, groups=2, samples=2, tokens=2, max_staleness=0, mean_staleness=0,
-                             reward_mean=0, eval_accuracy=-1, base_evaluation=False, finished=version == 4)
+            core.record_step(
+                version=version,
+                groups=2,
+                samples=2,
+                tokens=2,
+                max_staleness=0,
+                mean_staleness=0,
+                reward_mean=0,
+                eval_accuracy=-1,
+                base_evaluation=False,
+                finished=version == 4,
+            )
     assert version == 4 and core.accepted == 8, "the run stalled"
     assert core.status()["dead_lettered"] == 1 and core.failed == 2 and core.failure is None
     assert core.refusal("w", 1, engine_version=4) is None  # over, nothing left to wait for
@@ -433,7 +540,13 @@ def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits(
     core.waiting_for = "waiting for the reward service"
     assert core.refusal("w", 1, engine_version=0) == "starting"
     assert core.acquire("w", 5, engine_version=0) == []
-    assert sum(core.metrics.value("areal_controller_admission_blocks_total", reason=r) for r in ("staleness", "concurrency")) == 0
+    assert (
+        sum(
+            core.metrics.value("areal_controller_admission_blocks_total", reason=r)
+            for r in ("staleness", "concurrency")
+        )
+        == 0
+    )
     status = core.status()
     assert (status["ready"], status["message"]) == (False, "waiting for the reward service")
     core.waiting_for = None
@@ -442,10 +555,34 @@ def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits(
 
 def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_restart_keeps_them():
     core = make_core(max_staleness=3)
-    core.record_step(version=1, groups=2, samples=4, tokens=8, max_staleness=1, mean_staleness=0.25, reward_mean=0,
-                     eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[3, 1], wait_seconds=2.5)
-    core.record_step(version=2, groups=2, samples=4, tokens=8, max_staleness=3, mean_staleness=1.5, reward_mean=0,
-                     eval_accuracy=-1, base_evaluation=False, finished=False, staleness_counts=[1, 1, 0, 2], wait_seconds=0.5)
+    core.record_step(
+        version=1,
+        groups=2,
+        samples=4,
+        tokens=8,
+        max_staleness=1,
+        mean_staleness=0.25,
+        reward_mean=0,
+        eval_accuracy=-1,
+        base_evaluation=False,
+        finished=False,
+        staleness_counts=[3, 1],
+        wait_seconds=2.5,
+    )
+    core.record_step(
+        version=2,
+        groups=2,
+        samples=4,
+        tokens=8,
+        max_staleness=3,
+        mean_staleness=1.5,
+        reward_mean=0,
+        eval_accuracy=-1,
+        base_evaluation=False,
+        finished=False,
+        staleness_counts=[1, 1, 0, 2],
+        wait_seconds=0.5,
+    )
     clock = core.clock
     bound, cap = core.begin_hold("staleness"), core.begin_hold("concurrency")
     clock.now += 3.0
@@ -462,5 +599,6 @@ def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_resta
     assert core.metrics.value("areal_controller_held_seconds_total", reason="concurrency") == 9.0
     revived = make_core(max_staleness=3)
     revived.restore(core.snapshot())
-    assert {k: revived.status()[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")} == \
-        {k: status[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")}
+    assert {
+        k: revived.status()[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")
+    } == {k: status[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")}

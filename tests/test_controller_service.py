@@ -16,13 +16,15 @@ from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.reward.server import serve as serve_reward
 
 ITEMS = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
-JOB = parse_job({
-    "name": "svc",
-    "model": "m",
-    "dataset": {"train": "t.jsonl", "shuffle": False},
-    "algorithm": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 5},
-    "sampling": {"max_new_tokens": 16, "temperature": 0.7},
-})
+JOB = parse_job(
+    {
+        "name": "svc",
+        "model": "m",
+        "dataset": {"train": "t.jsonl", "shuffle": False},
+        "algorithm": {"batch_size": 2, "group_size": 2, "max_staleness": 1, "total_steps": 5},
+        "sampling": {"max_new_tokens": 16, "temperature": 0.7},
+    }
+)
 
 
 class Controller:
@@ -36,7 +38,8 @@ class Controller:
         self.store = TrajectoryStore(self.redis, self.job.name)
         core = ControllerCore(self.job, self.items, lease_seconds=lease_seconds)
         self.server, port, self.servicer, self.reaper = await serve(
-            core, self.store, "127.0.0.1:0", reap_interval=3600, reward=reward)
+            core, self.store, "127.0.0.1:0", reap_interval=3600, reward=reward
+        )
         self.channel = channel(f"127.0.0.1:{port}")
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -58,14 +61,22 @@ async def controller(redis_url):
 
 def trajectory(group: common_pb2.PromptGroup, i: int) -> common_pb2.Trajectory:
     return common_pb2.Trajectory(
-        trajectory_id=f"{group.group_id}-{i}", group_id=group.group_id, token_ids=[1, 2], prompt_length=1,
-        logprobs=[0, -1], versions=[-1, group.admitted_version], loss_mask=[False, True],
-        admitted_version=group.admitted_version, ticket=group.ticket,
+        trajectory_id=f"{group.group_id}-{i}",
+        group_id=group.group_id,
+        token_ids=[1, 2],
+        prompt_length=1,
+        logprobs=[0, -1],
+        versions=[-1, group.admitted_version],
+        loss_mask=[False, True],
+        admitted_version=group.admitted_version,
+        ticket=group.ticket,
     )
 
 
 async def acquire(stub, n, version=0, worker="w0"):
-    return await stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version))
+    return await stub.AcquireGroups(
+        controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version)
+    )
 
 
 async def test_health_registration_and_admission(controller):
@@ -75,7 +86,9 @@ async def test_health_registration_and_admission(controller):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await acquire(stub, 1)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=0))
+    await stub.RegisterWorker(
+        controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=0)
+    )
     reply = await acquire(stub, 10)
     assert reply.capacity == 4  # (η + v + 1)·B = 4
     assert [g.prompt_id for g in reply.groups] == ["p0", "p1", "p2", "p3"]
@@ -91,11 +104,18 @@ async def test_health_registration_and_admission(controller):
 @pytest.mark.parametrize(
     ("call", "request_", "message"),
     [
-        ("AcquireGroups", controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=-1), "max_groups must be >= 0"),
+        (
+            "AcquireGroups",
+            controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=-1),
+            "max_groups must be >= 0",
+        ),
         ("AcquireGroups", controller_pb2.AcquireGroupsRequest(max_groups=1), "worker_id is required"),
         ("RegisterWorker", controller_pb2.RegisterWorkerRequest(worker_id="w"), "address"),
-        ("CompleteGroups", controller_pb2.CompleteGroupsRequest(worker_id="w", outcomes=[controller_pb2.GroupOutcome(group_id="g0")]),
-         "result must be ACCEPTED, FILTERED, FAILED or REQUEUED"),
+        (
+            "CompleteGroups",
+            controller_pb2.CompleteGroupsRequest(worker_id="w", outcomes=[controller_pb2.GroupOutcome(group_id="g0")]),
+            "result must be ACCEPTED, FILTERED, FAILED or REQUEUED",
+        ),
         ("AnnounceVersion", common_pb2.WeightVersion(version=-2), "version must be >= 0"),
         ("ReportTrainStep", controller_pb2.TrainStepReport(version=1, samples=-1), "samples and tokens must be >= 0"),
     ],
@@ -114,12 +134,17 @@ async def test_failed_group_already_in_the_stream_counts_as_accepted(controller)
     await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
     written, lost = (await acquire(stub, 2)).groups
     assert await controller.store.write_group([trajectory(written, i) for i in range(2)])
-    outcomes = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED) for g in (written, lost)]
+    outcomes = [
+        controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED)
+        for g in (written, lost)
+    ]
     await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=outcomes))
     status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
     assert (status.accepted, status.failed, status.running) == (1, 1, 0)
     assert status.queue_depth == 2 and status.stream_length == 2
-    assert await controller.store.write_group([trajectory(lost, 0)]) is None  # a late write of the re-queued group is refused
+    assert (
+        await controller.store.write_group([trajectory(lost, 0)]) is None
+    )  # a late write of the re-queued group is refused
     again = (await acquire(stub, 1)).groups[0]
     assert again.prompt_id == lost.prompt_id and again.group_id != lost.group_id
 
@@ -149,9 +174,13 @@ async def test_restarted_controller_continues_where_it_stopped(redis_url):
     try:
         status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
         assert (status.version, status.running, status.dataset_cursor) == (1, 3, 3)
-        await second.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=1))
+        await second.stub.RegisterWorker(
+            controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=1)
+        )
         outcome = controller_pb2.GroupOutcome(group_id=held[0].group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
-        reply = await second.stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
+        reply = await second.stub.CompleteGroups(
+            controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome])
+        )
         assert reply.unknown == 0
         fresh = (await acquire(second.stub, 5, version=1)).groups
         assert [g.ticket for g in fresh] == [3, 4]  # tickets continue; concurrency B·(η+1) = 4 with 2 running
@@ -167,20 +196,34 @@ async def test_each_registration_is_a_new_incarnation_and_a_superseded_one_is_ab
     first = await Controller(redis_url).start()
     try:
         old = await first.stub.RegisterWorker(register)
-        [held] = (await first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
-            worker_id="w0", max_groups=1, incarnation=old.incarnation))).groups
+        [held] = (
+            await first.stub.AcquireGroups(
+                controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, incarnation=old.incarnation)
+            )
+        ).groups
         new = await first.stub.RegisterWorker(register)
         assert new.incarnation > old.incarnation > 0
         outcome = controller_pb2.GroupOutcome(group_id=held.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
-        for call in (first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, incarnation=old.incarnation)),
-                     first.stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome], incarnation=old.incarnation))):
+        for call in (
+            first.stub.AcquireGroups(
+                controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, incarnation=old.incarnation)
+            ),
+            first.stub.CompleteGroups(
+                controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome], incarnation=old.incarnation)
+            ),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await call
             assert info.value.code() == grpc.StatusCode.ABORTED
-            assert f"incarnation {old.incarnation} was superseded by incarnation {new.incarnation}" in info.value.details()
+            assert (
+                f"incarnation {old.incarnation} was superseded by incarnation {new.incarnation}" in info.value.details()
+            )
         assert (await first.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).requeued == 1
-        [again] = (await first.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
-            worker_id="w0", max_groups=1, incarnation=new.incarnation))).groups
+        [again] = (
+            await first.stub.AcquireGroups(
+                controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, incarnation=new.incarnation)
+            )
+        ).groups
         assert again.prompt == held.prompt and again.group_id != held.group_id
     finally:
         await first.stop()
@@ -198,13 +241,19 @@ async def test_a_worker_that_leaves_is_no_longer_listed_and_its_groups_are_reque
     old = await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
     current = await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
     await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w1", address="127.0.0.1:8"))
-    held = (await stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(
-        worker_id="w0", max_groups=2, incarnation=current.incarnation))).groups
-    stale = await stub.UnregisterWorker(controller_pb2.UnregisterWorkerRequest(worker_id="w0", incarnation=old.incarnation))
+    held = (
+        await stub.AcquireGroups(
+            controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, incarnation=current.incarnation)
+        )
+    ).groups
+    stale = await stub.UnregisterWorker(
+        controller_pb2.UnregisterWorkerRequest(worker_id="w0", incarnation=old.incarnation)
+    )
     assert stale.requeued == 0
     assert [w.worker_id for w in (await stub.ListWorkers(controller_pb2.ListWorkersRequest())).workers] == ["w0", "w1"]
-    left = await stub.UnregisterWorker(controller_pb2.UnregisterWorkerRequest(
-        worker_id="w0", incarnation=current.incarnation, reason="scaled down"))
+    left = await stub.UnregisterWorker(
+        controller_pb2.UnregisterWorkerRequest(worker_id="w0", incarnation=current.incarnation, reason="scaled down")
+    )
     assert left.requeued == 2
     assert [w.worker_id for w in (await stub.ListWorkers(controller_pb2.ListWorkersRequest())).workers] == ["w1"]
     status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
@@ -223,14 +272,17 @@ async def test_a_lease_whose_answer_never_reached_the_worker_is_revoked_when_the
     await controller.store.write_group([trajectory(lost_written, 0)])  # written, its report lost with the answer
     still = await acquire(stub, 0)  # a caller that does not report what it holds keeps every lease
     assert (await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).running == 3 and not still.groups
-    request = controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, engine_version=0,
-                                                  holding=[held.group_id], reports_holding=True)
+    request = controller_pb2.AcquireGroupsRequest(
+        worker_id="w0", max_groups=1, engine_version=0, holding=[held.group_id], reports_holding=True
+    )
     again = (await stub.AcquireGroups(request)).groups
     assert [g.prompt for g in again] == [lost.prompt]  # re-queued first
     status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
     assert (status.running, status.accepted, status.requeued, status.failed) == (2, 1, 1, 0)
     outcome = controller_pb2.GroupOutcome(group_id=held.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
-    assert (await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))).unknown == 0
+    assert (
+        await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
+    ).unknown == 0
 
 
 async def test_a_second_service_cannot_bind_a_port_in_use():
@@ -247,7 +299,9 @@ async def test_a_second_service_cannot_bind_a_port_in_use():
 
 
 async def held_acquire(stub, n, wait_ms, version=0, worker="w0"):
-    request = controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version, wait_ms=wait_ms)
+    request = controller_pb2.AcquireGroupsRequest(
+        worker_id=worker, max_groups=n, engine_version=version, wait_ms=wait_ms
+    )
     return asyncio.ensure_future(stub.AcquireGroups(request))
 
 
@@ -256,7 +310,10 @@ async def test_a_held_poll_is_answered_when_the_next_version_lifts_the_staleness
     await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
     groups = (await acquire(stub, 10)).groups
     assert len(groups) == 4  # (η + v + 1)·B = 4: the window is full
-    accepted = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups[:2]]
+    accepted = [
+        controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+        for g in groups[:2]
+    ]
     await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=accepted))  # still full
     poll = await held_acquire(stub, 10, wait_ms=60_000)
     other = await held_acquire(stub, 10, wait_ms=60_000, version=1)
@@ -279,7 +336,9 @@ async def test_a_held_poll_that_nothing_lifts_ends_empty_and_counts_one_block(co
     groups = (await acquire(stub, 10)).groups
     poll = await held_acquire(stub, 1, wait_ms=200)
     accepted = controller_pb2.GroupOutcome(group_id=groups[0].group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
-    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[accepted]))  # wakes it; no room
+    await stub.CompleteGroups(
+        controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[accepted])
+    )  # wakes it; no room
     reply = await poll
     assert list(reply.groups) == [] and not reply.finished
     assert controller.servicer.core.metrics.value("areal_controller_admission_blocks_total", reason="staleness") == 1
@@ -302,7 +361,9 @@ async def test_workers_waiting_on_the_bound_split_what_a_step_opens(controller):
     for worker in ("w0", "w1"):
         await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id=worker, address="127.0.0.1:9"))
     groups = (await acquire(stub, 10)).groups
-    accepted = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups]
+    accepted = [
+        controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups
+    ]
     await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=accepted))
     polls = [await held_acquire(stub, 10, wait_ms=60_000, version=1, worker=w) for w in ("w0", "w1")]
     await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
@@ -315,8 +376,10 @@ async def test_workers_waiting_on_the_bound_split_what_a_step_opens(controller):
 
 
 async def fail_groups(stub, groups, reason, worker="w0"):
-    outcomes = [controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED, reason=reason)
-                for g in groups]
+    outcomes = [
+        controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.FAILED, reason=reason)
+        for g in groups
+    ]
     await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id=worker, outcomes=outcomes))
 
 
@@ -339,11 +402,20 @@ async def test_a_prompt_that_keeps_failing_goes_to_the_dead_letter_stream_across
         await fail_groups(stub, [third], "RuntimeError: attempt 2")
         [letter] = await second.store.read_dead_letters()
         assert {k: v for k, v in letter.items() if k != "id"} == {
-            "group_id": third.group_id, "prompt_id": "p0", "item_index": "0", "attempts": "3",
-            "reason": "RuntimeError: attempt 2", "worker_id": "w0"}
+            "group_id": third.group_id,
+            "prompt_id": "p0",
+            "item_index": "0",
+            "attempts": "3",
+            "reason": "RuntimeError: attempt 2",
+            "worker_id": "w0",
+        }
         status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
         assert (status.phase, status.dead_lettered, status.failed, status.failure_reason) == (
-            controller_pb2.JobStatus.RUNNING, 1, 3, "")
+            controller_pb2.JobStatus.RUNNING,
+            1,
+            3,
+            "",
+        )
         assert second.servicer.core.metrics.value("areal_controller_dead_lettered_items_total") == 1
         # the next prompts take its place, and the snapshot no longer re-queues it
         assert [g.prompt_id for g in (await acquire(stub, 2)).groups] == ["p1", "p2"]
@@ -360,7 +432,10 @@ async def test_a_job_whose_every_prompt_is_dead_lettered_fails_and_releases_its_
         await fail_groups(c.stub, (await acquire(c.stub, 2)).groups, "EngineError: HTTP 400: prompt too long")
         status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
         assert (status.phase, status.failure_reason, status.dead_lettered) == (
-            controller_pb2.JobStatus.FAILED, "AllItemsDeadLettered", 2)
+            controller_pb2.JobStatus.FAILED,
+            "AllItemsDeadLettered",
+            2,
+        )
         assert status.message.endswith("the last failure: EngineError: HTTP 400: prompt too long")
         assert len(await c.store.read_dead_letters()) == 2
         reply = await acquire(c.stub, 1)
@@ -381,7 +456,9 @@ async def test_work_is_admitted_once_the_reward_service_loads_every_verifier(red
         c = await Controller(redis_url).start(reward=reward_pb2_grpc.RewardStub(chan))
         try:
             await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
-            reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+            reply = await c.stub.AcquireGroups(
+                controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000)
+            )
             assert len(reply.groups) == 2  # held until the check passed, then answered
             status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
             assert status.ready and status.message == ""
@@ -395,13 +472,17 @@ async def test_a_verifier_the_reward_service_cannot_load_fails_the_job_at_start(
         c = await Controller(redis_url, items=items).start(reward=reward_pb2_grpc.RewardStub(chan))
         try:
             await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
-            reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+            reply = await c.stub.AcquireGroups(
+                controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000)
+            )
             assert reply.finished and list(reply.groups) == []  # no group was ever handed out
             status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
             assert (status.phase, status.failure_reason) == (controller_pb2.JobStatus.FAILED, "VerifierUnavailable")
             assert status.message == (
-                "the reward service cannot load the job's verifiers: verifier 'nosuch.module:fn': cannot import verifier "
-                "module 'nosuch.module': ModuleNotFoundError: No module named 'nosuch'")
+                "the reward service cannot load the job's verifiers: verifier 'nosuch.module:fn': cannot import "
+                "verifier "
+                "module 'nosuch.module': ModuleNotFoundError: No module named 'nosuch'"
+            )
         finally:
             await c.stop()
 
@@ -418,7 +499,9 @@ async def test_admission_waits_for_a_reward_service_that_is_not_up_yet(redis_url
             assert status.message.startswith("waiting for the reward service to check the job's verifiers")
             reward = await serve_reward(address, workers=1)
             try:
-                reply = await c.stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000))
+                reply = await c.stub.AcquireGroups(
+                    controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=2, wait_ms=60_000)
+                )
                 assert len(reply.groups) == 2
             finally:
                 await reward.stop(grace=1)
@@ -434,8 +517,13 @@ async def test_a_group_the_trainer_drops_as_past_the_bound_comes_back_once_and_s
         [group] = (await acquire(stub, 1)).groups
         outcome = controller_pb2.GroupOutcome(group_id=group.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
         await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
-        drop = controller_pb2.DropGroupsRequest(groups=[controller_pb2.DroppedGroup(
-            group_id=group.group_id, prompt_id=group.prompt_id, reason="past η = 1 at version 5")])
+        drop = controller_pb2.DropGroupsRequest(
+            groups=[
+                controller_pb2.DroppedGroup(
+                    group_id=group.group_id, prompt_id=group.prompt_id, reason="past η = 1 at version 5"
+                )
+            ]
+        )
         assert (await stub.DropGroups(drop)).dropped == 1
         assert (await stub.DropGroups(drop)).dropped == 0  # sent again: nothing more
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -462,7 +550,8 @@ async def test_a_dependency_whose_name_does_not_resolve_yet_is_waited_for():
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await controller_pb2_grpc.ControllerStub(dependency).RegisterWorker(
-                controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"), timeout=1)
+                controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"), timeout=1
+            )
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waited; UNAVAILABLE would be at once
     finally:
         await dependency.close()

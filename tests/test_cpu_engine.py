@@ -14,8 +14,11 @@ import torch
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import build_tiny_qwen2, tiny_llama
 from transformers import AutoModelForCausalLM
 
+from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
+from areal_k8s.common.weights import weights_checksum
 from areal_k8s.rollout.cpu_engine.engine import (
     CpuEngine,
     DecodeBatch,
@@ -25,9 +28,6 @@ from areal_k8s.rollout.cpu_engine.engine import (
     generate_batch,
 )
 from areal_k8s.rollout.cpu_engine.server import create_app
-from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
-from areal_k8s.common.weights import weights_checksum
-from tiny_models import build_tiny_qwen2, tiny_llama
 
 torch.set_num_threads(1)
 
@@ -125,9 +125,17 @@ def test_requests_joining_a_running_batch_decode_like_hf_generate(hf_model):
 
 def test_decode_counts_the_padding_a_batch_of_unequal_lengths_attends_over(hf_model):
     """Rows of 5 and 2 prompt tokens share a cache 5 wide: each decode step attends over 3 padding positions."""
-    long, short = (Sequence(rid=rid, prompt_ids=prompt, params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
-                            stop_token_ids=frozenset(), max_total_tokens=context_length(hf_model), generator=torch.Generator())
-                   for rid, prompt in (("long", PROMPTS[0]), ("short", PROMPTS[1])))
+    long, short = (
+        Sequence(
+            rid=rid,
+            prompt_ids=prompt,
+            params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+            stop_token_ids=frozenset(),
+            max_total_tokens=context_length(hf_model),
+            generator=torch.Generator(),
+        )
+        for rid, prompt in (("long", PROMPTS[0]), ("short", PROMPTS[1]))
+    )
     batch = DecodeBatch(hf_model)
     batch.advance([long, short])  # prefill samples each row's first token, then one decode step its second
     while len(batch):
@@ -203,6 +211,7 @@ def test_a_request_joining_a_busy_batch_takes_over_a_finished_row_without_copyin
     batch.advance([*long_runners, short])
     batch.advance([])  # one row in five is dead: not enough to compact
     assert short.finished and len(batch) == 4
+
     def storage() -> int:
         return batch._cache.layers[0]._key_buffer.untyped_storage().data_ptr()
 
@@ -357,7 +366,9 @@ async def test_requests_arriving_while_paused_are_held_apart_so_the_cache_can_be
     try:
         aborted = await running
         assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
-        resubmitted = asyncio.create_task(engine.generate(PROMPTS[0] + aborted["output_ids"], {"temperature": 0.0, "max_new_tokens": 4}))
+        resubmitted = asyncio.create_task(
+            engine.generate(PROMPTS[0] + aborted["output_ids"], {"temperature": 0.0, "max_new_tokens": 4})
+        )
         await asyncio.sleep(0.1)
         assert not resubmitted.done() and engine.load()["num_waiting_reqs"] == 1
         assert await engine.flush_cache()
@@ -391,7 +402,11 @@ async def test_retract_pause_requeues_running_requests_and_names_the_version_of_
     assert answer["output_ids"] == uninterrupted["output_ids"]  # nothing lost or repeated across the retraction
     (first, second) = meta["weight_versions"]  # SGLang's spans: which weight version sampled which tokens
     switch = second["start"]
-    assert first == {"version": before, "start": 0, "end": switch} and second == {"version": "7", "start": switch, "end": 200}
+    assert first == {"version": before, "start": 0, "end": switch} and second == {
+        "version": "7",
+        "start": switch,
+        "end": 200,
+    }
     assert switch >= 2 and meta["weight_version"] == "7"
     assert uninterrupted["meta_info"]["num_retractions"] == 0
 
@@ -420,8 +435,11 @@ BAD_REQUESTS = [
     ("/generate", b'{"input_ids": [[1], [2]], "rid": "one"}', "rid"),
     ("/pause_generation", b'{"mode": "sideways"}', "mode"),
     ("/init_weights_update_group", b'{"master_address": "127.0.0.1"}', "missing"),
-    ("/init_weights_update_group", b'{"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1, '
-     b'"world_size": 2}', "master_port"),
+    (
+        "/init_weights_update_group",
+        b'{"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1, "world_size": 2}',
+        "master_port",
+    ),
     ("/update_weights_from_distributed", b'{"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}', "no weight"),
     ("/update_weights_from_distributed", b'{"names": ["x"], "dtypes": ["int7"], "shapes": [[1]]}', "dtype"),
     ("/areal/weights_checksum", b'{"names": "model.norm.weight"}', "list"),
@@ -527,7 +545,10 @@ async def test_control_calls_reach_a_paused_engine_holding_many_generation_reque
     client = SGLangClient(server_url, control_timeout=120)
     try:
         await client.pause_generation("abort")
-        held = [asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0.0})) for _ in range(150)]
+        held = [
+            asyncio.create_task(client.generate([1, 2, 3], {"max_new_tokens": 2, "temperature": 0.0}))
+            for _ in range(150)
+        ]
         await asyncio.sleep(1.0)
         assert not any(task.done() for task in held)
         await asyncio.wait_for(client.model_info(), timeout=30)

@@ -13,9 +13,8 @@ import yaml
 from operator_fixtures import CRD_FILE, EXAMPLES, committed_crd, with_changes
 
 from areal_k8s.common.config import AlgorithmConfig, JobConfig, RolloutConfig, SamplingConfig, TrainerConfig
-from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator import names, schema
 from areal_k8s.k8s_operator.rules import RULES, Rule, nodes_at
-from areal_k8s.k8s_operator import schema
 from areal_k8s.k8s_operator.schema import CHART_CRD_PATH, JOB_SECTIONS, OPERATOR_OWNED, render
 from areal_k8s.k8s_operator.validation import (
     InvalidSpec,
@@ -38,13 +37,16 @@ def spec_schema() -> dict:
 
 
 def test_the_committed_crd_is_the_generated_one():
-    assert CRD_FILE.read_text() == render(), "operator/crd/rljobs.yaml is stale: python -m areal_k8s.k8s_operator.schema --write"
+    assert CRD_FILE.read_text() == render(), (
+        "operator/crd/rljobs.yaml is stale: python -m areal_k8s.k8s_operator.schema --write"
+    )
 
 
 def test_the_chart_ships_the_same_crd_and_check_covers_both_copies(tmp_path, monkeypatch, capsys):
     assert schema.CRD_PATHS == (CRD_FILE, CHART_CRD_PATH)
-    assert CHART_CRD_PATH.read_bytes() == CRD_FILE.read_bytes(), \
+    assert CHART_CRD_PATH.read_bytes() == CRD_FILE.read_bytes(), (
         "charts/areal/crds/rljobs.yaml is stale: python -m areal_k8s.k8s_operator.schema --write"
+    )
     assert schema.main(["--check"]) == 0
 
     copies = (tmp_path / "operator.yaml", tmp_path / "chart" / "rljobs.yaml")
@@ -66,7 +68,9 @@ def test_job_file_sections_come_from_the_job_config_models():
             field = model.model_fields[name]
             assert prop["description"] == field.description, f"{key}.{name}"
             if field.default is not None and not field.is_required() and field.default_factory is None:
-                assert prop["default"] == (list(field.default) if isinstance(field.default, tuple) else field.default), f"{key}.{name}"
+                assert prop["default"] == (
+                    list(field.default) if isinstance(field.default, tuple) else field.default
+                ), f"{key}.{name}"
     eta = properties["staleness"]["properties"]["eta"]
     assert eta["description"] == AlgorithmConfig.model_fields["max_staleness"].description
     assert (eta["minimum"], eta["default"]) == (0, AlgorithmConfig.model_fields["max_staleness"].default)
@@ -74,8 +78,12 @@ def test_job_file_sections_come_from_the_job_config_models():
 
 
 def test_crd_defaults_give_the_job_config_defaults():
-    minimal = {"apiVersion": names.API_VERSION, "kind": names.KIND, "metadata": {"name": "tiny", "namespace": "ns"},
-               "spec": {"model": "/m", "dataset": {"train": "/d.jsonl"}, "redis": {"url": "redis://r:6379/0"}}}
+    minimal = {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "metadata": {"name": "tiny", "namespace": "ns"},
+        "spec": {"model": "/m", "dataset": {"train": "/d.jsonl"}, "redis": {"url": "redis://r:6379/0"}},
+    }
     config = validate(minimal).config
     assert config.sampling == SamplingConfig()
     assert config.trainer == TrainerConfig()
@@ -98,7 +106,9 @@ def test_the_schema_is_structural_and_its_defaults_are_valid():
     root = committed_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for where, node in walk(root):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{where}: no type"
-        assert not ("properties" in node and "additionalProperties" in node), f"{where}: properties with additionalProperties"
+        assert not ("properties" in node and "additionalProperties" in node), (
+            f"{where}: properties with additionalProperties"
+        )
         if "default" in node:
             checked = {k: v for k, v in node.items() if k != "nullable"}
             jsonschema.Draft4Validator(checked).validate(node["default"])
@@ -141,14 +151,27 @@ def test_the_examples_are_valid_rljobs(path):
 
 
 INVALID = [
-    ("negative replicas", {"spec": {"roles": {"rollout": {"replicas": -1}}}},
-     "spec.roles.rollout.replicas: -1 is less than the minimum of 1"),
-    ("min above max", {"spec": {"roles": {"rollout": {"replicas": 3, "minReplicas": 4, "maxReplicas": 2}}}},
-     "roles.rollout: minReplicas must not exceed maxReplicas"),
+    (
+        "negative replicas",
+        {"spec": {"roles": {"rollout": {"replicas": -1}}}},
+        "spec.roles.rollout.replicas: -1 is less than the minimum of 1",
+    ),
+    (
+        "min above max",
+        {"spec": {"roles": {"rollout": {"replicas": 3, "minReplicas": 4, "maxReplicas": 2}}}},
+        "roles.rollout: minReplicas must not exceed maxReplicas",
+    ),
     ("negative eta", {"spec": {"staleness": {"eta": -1}}}, "spec.staleness.eta: -1 is less than the minimum of 0"),
-    ("unknown algorithm", {"spec": {"algorithm": {"name": "not-an-algorithm"}}},
-     "spec.algorithm.name: 'not-an-algorithm' is not one of"),
-    ("unknown field", {"spec": {"rollout": {"worker": 3}}}, "spec.rollout: Additional properties are not allowed ('worker' was unexpected)"),
+    (
+        "unknown algorithm",
+        {"spec": {"algorithm": {"name": "not-an-algorithm"}}},
+        "spec.algorithm.name: 'not-an-algorithm' is not one of",
+    ),
+    (
+        "unknown field",
+        {"spec": {"rollout": {"worker": 3}}},
+        "spec.rollout: Additional properties are not allowed ('worker' was unexpected)",
+    ),
     ("relative tokenizer", {"spec": {"tokenizer": "tok"}}, "spec.tokenizer: must be an absolute path"),
 ]
 
@@ -167,31 +190,68 @@ VIOLATIONS = [
     ("dataset.train must be an absolute path", {"spec": {"dataset": {"train": "train.jsonl"}}}),
     ("targetBand: min must not exceed max", {"spec": {"staleness": {"targetBand": {"min": 1.5, "max": 1.0}}}}),
     ("targetBand.max must not exceed eta", {"spec": {"staleness": {"eta": 1, "targetBand": {"min": 0.5, "max": 1.5}}}}),
-    ("roles.rollout: replicas must be at least minReplicas", {"spec": {"roles": {"rollout": {"replicas": 1, "minReplicas": 2}}}}),
+    (
+        "roles.rollout: replicas must be at least minReplicas",
+        {"spec": {"roles": {"rollout": {"replicas": 1, "minReplicas": 2}}}},
+    ),
     ("roles.rollout: replicas must be at most maxReplicas", {"spec": {"roles": {"rollout": {"replicas": 5}}}}),
     ("roles.rollout: minReplicas must not exceed maxReplicas", {"spec": {"roles": {"rollout": {"minReplicas": 5}}}}),
     ("roles.reward: replicas must be at least minReplicas", {"spec": {"roles": {"reward": {"minReplicas": 2}}}}),
-    ("roles.reward: replicas must be at most maxReplicas", {"spec": {"roles": {"reward": {"replicas": 3, "maxReplicas": 2}}}}),
-    ("roles.reward: minReplicas must not exceed maxReplicas",
-     {"spec": {"roles": {"reward": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2}}}}),
+    (
+        "roles.reward: replicas must be at most maxReplicas",
+        {"spec": {"roles": {"reward": {"replicas": 3, "maxReplicas": 2}}}},
+    ),
+    (
+        "roles.reward: minReplicas must not exceed maxReplicas",
+        {"spec": {"roles": {"reward": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2}}}},
+    ),
     ("roles.trainer: ranks", {"spec": {"roles": {"trainer": {"replicas": 2}}}}),
     ("roles.trainer: replicas must be at least minReplicas", {"spec": {"roles": {"trainer": {"minReplicas": 2}}}}),
-    ("roles.trainer: replicas must be at most maxReplicas",
-     {"spec": {"roles": {"trainer": {"replicas": 2, "maxReplicas": 1, "parallelism": {"data": 2}}}}}),
-    ("roles.trainer: minReplicas must not exceed maxReplicas",
-     {"spec": {"roles": {"trainer": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2, "parallelism": {"data": 2}}}}}),
-    ("roles.trainer: a trainer the rebalancer resizes", {"spec": {"trainer": {"device": "cuda"}, "roles": {"trainer": {
-        "gpusPerPod": 4, "maxReplicas": 2, "parallelism": {"tensor": 2, "data": 2}}}}}),
+    (
+        "roles.trainer: replicas must be at most maxReplicas",
+        {"spec": {"roles": {"trainer": {"replicas": 2, "maxReplicas": 1, "parallelism": {"data": 2}}}}},
+    ),
+    (
+        "roles.trainer: minReplicas must not exceed maxReplicas",
+        {
+            "spec": {
+                "roles": {"trainer": {"replicas": 2, "minReplicas": 3, "maxReplicas": 2, "parallelism": {"data": 2}}}
+            }
+        },
+    ),
+    (
+        "roles.trainer: a trainer the rebalancer resizes",
+        {
+            "spec": {
+                "trainer": {"device": "cuda"},
+                "roles": {"trainer": {"gpusPerPod": 4, "maxReplicas": 2, "parallelism": {"tensor": 2, "data": 2}}},
+            }
+        },
+    ),
     ("rollout.engine sglang needs", {"spec": {"rollout": {"engine": "sglang"}}}),
     ("trainer.device cuda needs", {"spec": {"trainer": {"device": "cuda"}}}),
-    ("exceed gpuBudget", {"spec": {"gpuBudget": 0, "trainer": {"device": "cuda"}, "roles": {"trainer": {"gpusPerPod": 1}}}}),
-    ("rebalance.enabled needs staleness.targetBand", {"spec": {"rebalance": {"enabled": True}, "staleness": {"targetBand": None}}}),
-    ("rebalance.enabled needs a ceiling", {"spec": {"rebalance": {"enabled": True}, "roles": {"rollout": {"maxReplicas": None}}}}),
-    ("redis: set exactly one", {"spec": {"redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "r", "key": "url"}}}}),
+    (
+        "exceed gpuBudget",
+        {"spec": {"gpuBudget": 0, "trainer": {"device": "cuda"}, "roles": {"trainer": {"gpusPerPod": 1}}}},
+    ),
+    (
+        "rebalance.enabled needs staleness.targetBand",
+        {"spec": {"rebalance": {"enabled": True}, "staleness": {"targetBand": None}}},
+    ),
+    (
+        "rebalance.enabled needs a ceiling",
+        {"spec": {"rebalance": {"enabled": True}, "roles": {"rollout": {"maxReplicas": None}}}},
+    ),
+    (
+        "redis: set exactly one",
+        {"spec": {"redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "r", "key": "url"}}}},
+    ),
     ("checkpoint: set exactly one", {"spec": {"checkpoint": {"claimName": "ckpt"}}}),
     ("each mount needs exactly one source", {"spec": {"mounts": [{"name": "m", "mountPath": "/m"}]}}),
-    ("reserved for the operator", {"spec": {"mounts": [{"name": "areal-data", "mountPath": "/d",
-                                                         "persistentVolumeClaim": {"claimName": "d"}}]}}),
+    (
+        "reserved for the operator",
+        {"spec": {"mounts": [{"name": "areal-data", "mountPath": "/d", "persistentVolumeClaim": {"claimName": "d"}}]}},
+    ),
 ]
 
 
@@ -234,10 +294,27 @@ def test_cel_and_python_agree_on_each_rule(fragment, changes):
 # Rules hold at their edges: equal bounds, a budget used exactly, the longest name.
 EDGES = [
     ("band equal to eta", {"spec": {"staleness": {"eta": 1, "targetBand": {"min": 1.0, "max": 1.0}}}}),
-    ("pinned replicas", {"spec": {"roles": {"rollout": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2},
-                                            "reward": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2}}}}),
-    ("budget used up", {"spec": {"gpuBudget": 2, "trainer": {"device": "cuda"},
-                                 "roles": {"trainer": {"gpusPerPod": 2, "parallelism": {"data": 2}}}}}),
+    (
+        "pinned replicas",
+        {
+            "spec": {
+                "roles": {
+                    "rollout": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2},
+                    "reward": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2},
+                }
+            }
+        },
+    ),
+    (
+        "budget used up",
+        {
+            "spec": {
+                "gpuBudget": 2,
+                "trainer": {"device": "cuda"},
+                "roles": {"trainer": {"gpusPerPod": 2, "parallelism": {"data": 2}}},
+            }
+        },
+    ),
     ("longest name", {"metadata": {"name": "a" * names.MAX_NAME_LENGTH}}),
 ]
 

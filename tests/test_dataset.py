@@ -123,11 +123,21 @@ def test_arbitrary_text_loads_or_raises_dataset_error(tmp_path_factory, text):
 
 # -- code datasets -----------------------------------------------------------------------------------------------
 
-DEEPCODER_RECORD = {"problem": "Add two numbers read from one line.", "tests": [
-    {"input": "1 2\n", "output": "3\n", "testtype": "stdin"}, {"input": "5 5\n", "output": "10\n", "testtype": "stdin"}]}
-APPS_STDIO_RECORD = {"question": "Print the sum.", "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})}
-APPS_CALL_RECORD = {"question": "Write add(a, b).", "input_output": json.dumps(
-    {"fn_name": "add", "inputs": [[1, 2], [0, 0]], "outputs": [[3], [0]]})}
+DEEPCODER_RECORD = {
+    "problem": "Add two numbers read from one line.",
+    "tests": [
+        {"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
+        {"input": "5 5\n", "output": "10\n", "testtype": "stdin"},
+    ],
+}
+APPS_STDIO_RECORD = {
+    "question": "Print the sum.",
+    "input_output": json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]}),
+}
+APPS_CALL_RECORD = {
+    "question": "Write add(a, b).",
+    "input_output": json.dumps({"fn_name": "add", "inputs": [[1, 2], [0, 0]], "outputs": [[3], [0]]}),
+}
 MBPP_RECORD = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3"], "task_id": 11}
 ADD_STDIN = "print(sum(map(int, input().split())))"
 ADD_FUNCTION = "def add(a, b):\n    return a + b"
@@ -160,13 +170,25 @@ def test_code_dataset_fields_are_configurable(tmp_path):
         load_dataset(path)  # the default fields do not name these keys
 
 
-@pytest.mark.parametrize(("record", "message"), [
-    ({"problem": "p", "tests": "[not json"}, "'tests' is text but not JSON"),
-    ({"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "functional"}]}, "only stdin/stdout cases"),
-    ({"problem": "p", "tests": {"inputs": ["1"], "outputs": []}}, "inputs and outputs must be non-empty lists of one length"),
-    ({"tests": ["assert True"]}, "a code record needs one of the keys ['question', 'problem', 'prompt']"),
-    ({"problem": "p", "tests": {"inputs": [[1]], "outputs": [[1]], "fn_name": "not a name"}}, "fn_name must be a Python name"),
-])
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"problem": "p", "tests": "[not json"}, "'tests' is text but not JSON"),
+        (
+            {"problem": "p", "tests": [{"input": "1", "output": "1", "testtype": "functional"}]},
+            "only stdin/stdout cases",
+        ),
+        (
+            {"problem": "p", "tests": {"inputs": ["1"], "outputs": []}},
+            "inputs and outputs must be non-empty lists of one length",
+        ),
+        ({"tests": ["assert True"]}, "a code record needs one of the keys ['question', 'problem', 'prompt']"),
+        (
+            {"problem": "p", "tests": {"inputs": [[1]], "outputs": [[1]], "fn_name": "not a name"}},
+            "fn_name must be a Python name",
+        ),
+    ],
+)
 def test_a_bad_code_record_is_refused_naming_the_file_line_and_problem(tmp_path, record, message):
     path = jsonl(tmp_path / "bad.jsonl", [record])
     with pytest.raises(DatasetError, match=re.escape(f"{path}:1: ") + ".*" + re.escape(message)):

@@ -140,23 +140,23 @@ def test_impossible_request_fails_instead_of_looping(tmp_path):
 
 # --- asset build (tiny sizes, a handful of SFT steps) ---
 
-TINY_BUILD = dict(
-    train_size=64,
-    eval_size=8,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=2,
-    intermediate_size=64,
-    sft_target_accuracy=1.0,  # never reached by a 3-step warm-up: it runs to sft_max_steps
-    sft_first_check=2,
-    sft_check_every=1,
-    sft_max_steps=3,
-    sft_probe_size=8,
-    sft_batch_size=8,
-    sft_warmup_steps=1,
-    eval_max_new_tokens=12,
-    eval_batch_size=8,
-)
+TINY_BUILD = {
+    "train_size": 64,
+    "eval_size": 8,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "sft_target_accuracy": 1.0,  # never reached by a 3-step warm-up: it runs to sft_max_steps
+    "sft_first_check": 2,
+    "sft_check_every": 1,
+    "sft_max_steps": 3,
+    "sft_probe_size": 8,
+    "sft_batch_size": 8,
+    "sft_warmup_steps": 1,
+    "eval_max_new_tokens": 12,
+    "eval_batch_size": 8,
+}
 
 
 @pytest.fixture(scope="module")
@@ -253,18 +253,28 @@ def test_the_build_pins_the_instruction_set_whatever_the_caller_runs_on(tiny_ass
     params = [f"--param={key}={value}" for key, value in TINY_BUILD.items()]
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": "2"}
     env = {key: value for key, value in env.items() if key not in PINNED_ISA or key == "ATEN_CPU_CAPABILITY"}
-    subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), "--seed", "3", *params],
-                   env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), "--seed", "3", *params],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     rebuilt = json.loads((tmp_path / "manifest.json").read_text())
     assert (rebuilt["weights_sha256"], rebuilt["cpu_capability"]) == (manifest["weights_sha256"], "AVX2")
 
 
 def test_a_build_parameter_on_the_command_line_is_checked(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path),
-                             "--param=sft_steps=3"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), "--param=sft_steps=3"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "unknown build parameter 'sft_steps'" in result.stderr
-    result = subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path),
-                             "--param=sft_max_steps=many"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), "--param=sft_max_steps=many"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 2 and "sft_max_steps must be an integer, got 'many'" in result.stderr
 
 

@@ -7,21 +7,22 @@ import urllib.request
 import pytest
 import redis
 import torch
+from e2e_jobs import kill_after_step, make_job, read_steps
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
-from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
 from areal_k8s.common.weights import weights_checksum
-from e2e_jobs import assets, kill_after_step, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
+from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
 
 pytestmark = pytest.mark.e2e
 
 
 def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     job = make_job(
-        assets, tmp_path / "run",
+        assets,
+        tmp_path / "run",
         algorithm={"total_steps": 5, "dynamic_sampling": True},
         rollout={"workers": 2},
         trainer={"verify_weight_sync": True, "eval_interval": 0},
@@ -59,7 +60,9 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         client.close()
 
         # and independently of the trainer's own check: the engines' final weights are the final checkpoint's
-        saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 5), dtype=torch.float32)
+        saved = AutoModelForCausalLM.from_pretrained(
+            checkpoint_dir(run.run_dir / "checkpoints", 5), dtype=torch.float32
+        )
         _, expected = weights_checksum(list(saved.named_parameters()))
         initial = AutoModelForCausalLM.from_pretrained(job.model, dtype=torch.float32)
         assert weights_checksum(list(initial.named_parameters()))[1] != expected  # training moved the weights
@@ -87,17 +90,28 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     assert summary["steps"] == 5 and summary["trajectories_consumed"] == 40 and summary["completed"] is True
 
 
-@pytest.mark.parametrize("backend", [
-    {"backend": "torch"},  # two data-parallel replicas
-    {"backend": "megatron", "parallelism": {"tensor": 2}},  # one model split over both ranks (its vocabulary padded)
-    {"backend": "megatron", "parallelism": {"pipeline": 2}},  # two stages of two layers each
-], ids=["torch-dp2", "megatron-tp2", "megatron-pp2"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        {"backend": "torch"},  # two data-parallel replicas
+        {
+            "backend": "megatron",
+            "parallelism": {"tensor": 2},
+        },  # one model split over both ranks (its vocabulary padded)
+        {"backend": "megatron", "parallelism": {"pipeline": 2}},  # two stages of two layers each
+    ],
+    ids=["torch-dp2", "megatron-tp2", "megatron-pp2"],
+)
 def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_importable, backend):
     """trainer.replicas: 2 starts two trainer processes that form one gloo world: rank 0 alone reads the stream (one
     consumer), acknowledges and pushes; both ranks train every step; the engines end with the final checkpoint's
     weights, checked against the trainer's after every push."""
-    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 3},
-                   trainer={"replicas": 2, "verify_weight_sync": True, **backend})
+    job = make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": 3},
+        trainer={"replicas": 2, "verify_weight_sync": True, **backend},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -115,10 +129,14 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
         assert [c["name"] for c in client.xinfo_consumers(stream, CONSUMER_GROUP)] == [b"trainer-0"]
         assert client.xpending(stream, CONSUMER_GROUP)["pending"] == 0
         client.close()
-        saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 3), dtype=torch.float32)
+        saved = AutoModelForCausalLM.from_pretrained(
+            checkpoint_dir(run.run_dir / "checkpoints", 3), dtype=torch.float32
+        )
         _, expected = weights_checksum(list(saved.named_parameters()))
         for worker_id in steps[-1]["weights_verified"]:
-            with urllib.request.urlopen(f"{endpoints.engines[int(worker_id.rsplit('-', 1)[1])]}/areal/weights_checksum") as reply:
+            with urllib.request.urlopen(
+                f"{endpoints.engines[int(worker_id.rsplit('-', 1)[1])]}/areal/weights_checksum"
+            ) as reply:
                 assert json.load(reply)["combined"] == expected
     finally:
         run.stop()
@@ -128,8 +146,12 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
 def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, reward_importable, victim):
     """Either rank killed: the other's next collective fails, both are restarted, the world forms again and resumes
     from rank 0's last checkpoint; the entries trained since are trained again, nothing is left pending."""
-    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6},
-                   trainer={"replicas": 2, "checkpoint_interval": 2, "verify_weight_sync": True})
+    job = make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": 6},
+        trainer={"replicas": 2, "checkpoint_interval": 2, "verify_weight_sync": True},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -171,7 +193,7 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
 
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)  # restarts it, same flags
         assert run.supervisor.restarts == {"trainer": 1}
-        after = read_steps(run.run_dir)[len(before):]
+        after = read_steps(run.run_dir)[len(before) :]
         assert [s["version"] for s in after] == list(range(checkpointed + 1, 9))  # resumed from the checkpoint
         retrained = {e for s in after for e in s["entries"]}
         assert uncheckpointed <= retrained
@@ -210,11 +232,15 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         entries = client.xrange(JobKeys(job.name).stream)
         client.close()
         trained = {e for s in steps for e in s["entries"]}
-        after_restart = [f for entry_id, f in entries if entry_id.decode() in trained and int(f[b"admitted_version"]) > restarted_at]
+        after_restart = [
+            f for entry_id, f in entries if entry_id.decode() in trained and int(f[b"admitted_version"]) > restarted_at
+        ]
         assert after_restart  # the restarted worker produced the rest of the run
         assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in entries)
 
-        saved = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 6), dtype=torch.float32)
+        saved = AutoModelForCausalLM.from_pretrained(
+            checkpoint_dir(run.run_dir / "checkpoints", 6), dtype=torch.float32
+        )
         with urllib.request.urlopen(f"{endpoints.engines[0]}/areal/weights_checksum", timeout=30) as reply:
             assert json.load(reply)["combined"] == weights_checksum(list(saved.named_parameters()))[1]
     finally:
@@ -222,7 +248,9 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
 
 
 @pytest.mark.parametrize("victim", ["controller", "reward", "redis", "engine-0"])
-def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable, victim):
+def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(
+    assets, tmp_path, reward_importable, victim
+):
     """The controller, the reward service, Redis or an engine (its rollout worker alive) is SIGKILLed mid-run. The
     launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
     (gRPC calls wait for the channel to be ready and idempotent ones are sent again; Redis commands are sent
@@ -250,11 +278,17 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         run.stop()
 
 
-def test_a_multi_turn_run_completes_and_its_trajectories_mask_the_environments_turns(assets, tmp_path, reward_importable):
+def test_a_multi_turn_run_completes_and_its_trajectories_mask_the_environments_turns(
+    assets, tmp_path, reward_importable
+):
     """The whole system with rollout.workflow multi_turn: every episode answers twice (the threshold is out of reach),
     the verifier's feedback between the answers, and the run trains to the end on the model's tokens."""
-    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 3},
-                   rollout={"workflow": "multi_turn", "multi_turn": {"max_turns": 2, "success_threshold": 2.0}})
+    job = make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": 3},
+        rollout={"workflow": "multi_turn", "multi_turn": {"max_turns": 2, "success_threshold": 2.0}},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -274,5 +308,9 @@ def test_a_multi_turn_run_completes_and_its_trajectories_mask_the_environments_t
         masks = [m for i, m in enumerate(trajectory.loss_mask) if i == 0 or m != trajectory.loss_mask[i - 1]]
         assert masks == [False, True, False, True]  # prompt, answer, feedback, answer
         for mask, version, logprob in zip(trajectory.loss_mask, trajectory.versions, trajectory.logprobs):
-            assert (version >= trajectory.admitted_version and logprob <= 0) if mask else (version == -1 and logprob == 0.0)
+            assert (
+                (version >= trajectory.admitted_version and logprob <= 0)
+                if mask
+                else (version == -1 and logprob == 0.0)
+            )
         assert "Your answer is incorrect, try again." in trajectory.response_text

@@ -7,7 +7,7 @@ upwards as soon as samples older than the trainer arrive, and never downwards.""
 import json
 import signal
 
-from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401  (fixtures)
+from e2e_jobs import make_job, read_steps
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
@@ -20,15 +20,29 @@ def elastic_job(assets, run_dir, *, workers: int, band: list[float], idle_thresh
     # Long responses make generation the slower side, so the run lasts long enough for a worker started mid-run
     # to load its engine and take part.
     return make_job(
-        assets, run_dir,
+        assets,
+        run_dir,
         sampling={"max_new_tokens": 64},
-        algorithm={"total_steps": STEPS, "batch_size": BATCH, "group_size": GROUP, "max_staleness": ETA,
-                   "staleness_target": {"min": band[0], "max": band[1]}},
+        algorithm={
+            "total_steps": STEPS,
+            "batch_size": BATCH,
+            "group_size": GROUP,
+            "max_staleness": ETA,
+            "staleness_target": {"min": band[0], "max": band[1]},
+        },
         rollout={"workers": workers},
         trainer={"verify_weight_sync": True},
-        rebalance={"enabled": True, "window_seconds": 0.5, "cooldown_seconds": 0.5, "min_samples": 1, "cores": 8,
-                   "min_workers": 1, "max_workers": max_workers, "trainer_idle_threshold": idle_threshold,
-                   "rollout_held_threshold": 1.0},
+        rebalance={
+            "enabled": True,
+            "window_seconds": 0.5,
+            "cooldown_seconds": 0.5,
+            "min_samples": 1,
+            "cores": 8,
+            "min_workers": 1,
+            "max_workers": max_workers,
+            "trainer_idle_threshold": idle_threshold,
+            "rollout_held_threshold": 1.0,
+        },
     )
 
 
@@ -108,7 +122,9 @@ def test_a_rollout_worker_added_mid_run_gets_the_current_weights_and_takes_work(
     assert f"| {moves[0]['rollout']} | MovedToRollout |" in md.read_text()
 
 
-def test_a_rollout_worker_removed_mid_run_hands_its_work_back_and_leaves_the_weight_group(assets, tmp_path, reward_importable):
+def test_a_rollout_worker_removed_mid_run_hands_its_work_back_and_leaves_the_weight_group(
+    assets, tmp_path, reward_importable
+):
     job = elastic_job(assets, tmp_path / "run", workers=2, band=[0, 0], idle_threshold=1.0, max_workers=2)
     run = LocalRun(job)
     final, decisions = run_to_the_end(run)

@@ -5,10 +5,11 @@ here so that it picks none): the run completes with every version trained once, 
 nothing lost or trained twice."""
 
 import json
+import re
 
 import pytest
 import redis
-from e2e_jobs import assets, final_history, make_job, read_steps, reward_importable  # noqa: F401  (fixtures)
+from e2e_jobs import final_history, make_job, read_steps
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
@@ -20,16 +21,26 @@ STEPS, BATCH, GROUP, ETA = 14, 2, 4, 1
 
 
 def banded(assets, tmp_path, trainer: dict, rebalance: dict, workers: int = 1):
-    return make_job(assets, tmp_path / "run", algorithm={"staleness_target": {"min": 0, "max": 1}}, trainer=trainer,
-                    rollout={"workers": workers}, rebalance={"enabled": True, **rebalance})
+    return make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"staleness_target": {"min": 0, "max": 1}},
+        trainer=trainer,
+        rollout={"workers": workers},
+        rebalance={"enabled": True, **rebalance},
+    )
 
 
 def test_the_trainer_bounds_default_to_its_size_and_must_hold_it(assets, tmp_path):
     fixed = local_limits(banded(assets, tmp_path, {"replicas": 2}, {}))
     assert (fixed.min_trainer, fixed.max_trainer) == (2, 2)  # a fixed size unless the job says
-    elastic = local_limits(banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 1, "max_trainer_replicas": 4}))
+    elastic = local_limits(
+        banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 1, "max_trainer_replicas": 4})
+    )
     assert (elastic.min_trainer, elastic.max_trainer) == (1, 4)
-    with pytest.raises(ValueError, match="min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got 3 <= 2 <= 2"):
+    with pytest.raises(
+        ValueError, match=re.escape("min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got 3 <= 2 <= 2")
+    ):
         banded(assets, tmp_path, {"replicas": 2}, {"min_trainer_replicas": 3})
 
 
@@ -70,15 +81,21 @@ def test_a_move_shrinks_one_side_before_growing_the_other_and_a_refused_trainer_
     assert toward_training.calls == ["remove_rollout", "trainer 1 -> 2"]  # the engine's cores pay for the rank
     toward_rollout = Pools(workers=1, ranks=2)
     LocalRebalancer(banded(assets, tmp_path, {"replicas": 2}, bounds), toward_rollout, log, said.append).move(
-        Decision(Split(2, 1), "MovedToRollout", "below"))
+        Decision(Split(2, 1), "MovedToRollout", "below")
+    )
     assert toward_rollout.calls == ["trainer 2 -> 1", "add_rollout"]
     refused = LocalRebalancer(job, Pools(workers=2, ranks=1, refuse="at version 0"), log, said.append)
     refused.move(Decision(Split(1, 2), "MovedToTraining", "above"))
     assert refused.state.split == Split(1, 1)  # the rollout side moved; the trainer stays at its size
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["moved"], r["trainer"], r["handed_off_at"]) for r in records] == [
-        (["rollout", "trainer"], 2, 7), (["trainer", "rollout"], 1, 7), (["rollout"], 1, None)]
-    assert "the trainer stays at 1 ranks: at version 0" in records[-1]["message"] and said[-1].startswith("rebalanced: ")
+        (["rollout", "trainer"], 2, 7),
+        (["trainer", "rollout"], 1, 7),
+        (["rollout"], 1, None),
+    ]
+    assert "the trainer stays at 1 ranks: at version 0" in records[-1]["message"] and said[-1].startswith(
+        "rebalanced: "
+    )
 
 
 class MoveTheTrainer:
@@ -91,7 +108,7 @@ class MoveTheTrainer:
 
     def __call__(self, status: controller_pb2.JobStatus) -> None:
         moves = len(self.handed_at)
-        if moves == 0 and status.version >= 1 or moves == 1 and status.version > self.handed_at[0]:
+        if (moves == 0 and status.version >= 1) or (moves == 1 and status.version > self.handed_at[0]):
             ranks = 2 if moves == 0 else 1
             code = "MovedToTraining" if ranks == 2 else "MovedToRollout"
             self.run.rebalancer.move(Decision(Split(1, ranks), code, f"test: the trainer to {ranks} ranks"))
@@ -100,12 +117,24 @@ class MoveTheTrainer:
 
 def test_the_trainer_world_grows_and_shrinks_mid_run_and_resumes_where_it_stopped(assets, tmp_path, reward_importable):
     job = make_job(
-        assets, tmp_path / "run",
+        assets,
+        tmp_path / "run",
         sampling={"max_new_tokens": 64},
-        algorithm={"total_steps": STEPS, "batch_size": BATCH, "group_size": GROUP, "max_staleness": ETA,
-                   "staleness_target": {"min": 0, "max": ETA}},
+        algorithm={
+            "total_steps": STEPS,
+            "batch_size": BATCH,
+            "group_size": GROUP,
+            "max_staleness": ETA,
+            "staleness_target": {"min": 0, "max": ETA},
+        },
         trainer={"replicas": 1, "checkpoint_interval": 100, "verify_weight_sync": True},
-        rebalance={"enabled": True, "window_seconds": 1e9, "cores": 8, "min_trainer_replicas": 1, "max_trainer_replicas": 2},
+        rebalance={
+            "enabled": True,
+            "window_seconds": 1e9,
+            "cores": 8,
+            "min_trainer_replicas": 1,
+            "max_trainer_replicas": 2,
+        },
     )
     run = LocalRun(job)
     mover = MoveTheTrainer(run)
@@ -126,8 +155,9 @@ def test_the_trainer_world_grows_and_shrinks_mid_run_and_resumes_where_it_stoppe
     records = read_steps(run.run_dir)
     # no step trained twice or skipped: the version went on from each hand-off, not from an earlier checkpoint
     assert [r["version"] for r in records] == list(range(1, STEPS + 1)) and final.steps_redone == 0
-    final_history(records, total_steps=STEPS, batch_size=BATCH, group_size=GROUP, max_staleness=ETA,
-                  checkpoint_interval=100)  # every entry and group once, staleness within η
+    final_history(
+        records, total_steps=STEPS, batch_size=BATCH, group_size=GROUP, max_staleness=ETA, checkpoint_interval=100
+    )  # every entry and group once, staleness within η
     assert final.consumed == STEPS * BATCH
     # each step was trained by the world of its time
     assert [r["world_size"] for r in records] == [1] * first + [2] * (second - first) + [1] * (STEPS - second)
@@ -139,6 +169,9 @@ def test_the_trainer_world_grows_and_shrinks_mid_run_and_resumes_where_it_stoppe
     assert f"at version {second} (written by 2 trainer ranks, resumed by 1)" in log
     assert run.supervisor.restarts == {}  # a move is no crash
     decisions = [json.loads(line) for line in (run.run_dir / "rebalance.jsonl").read_text().splitlines()]
-    assert [(d["moved"], d["trainer"], d["handed_off_at"]) for d in decisions] == [(["trainer"], 2, first), (["trainer"], 1, second)]
+    assert [(d["moved"], d["trainer"], d["handed_off_at"]) for d in decisions] == [
+        (["trainer"], 2, first),
+        (["trainer"], 1, second),
+    ]
     summary = run.write_summary(final, interrupted=False)
     assert summary["trainer_ranks_at_end"] == 1 and summary["steps"] == STEPS

@@ -9,14 +9,27 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.evaluation import Evaluator, evaluation_group, generated_by
 
-JOB = parse_job({"name": "eval", "model": "m", "dataset": {"train": "t.jsonl"}, "sampling": {"max_new_tokens": 9},
-                 "trainer": {"eval_max_new_tokens": 5}})
+JOB = parse_job(
+    {
+        "name": "eval",
+        "model": "m",
+        "dataset": {"train": "t.jsonl"},
+        "sampling": {"max_new_tokens": 9},
+        "trainer": {"eval_max_new_tokens": 5},
+    }
+)
 ITEMS = [DatasetItem(id=f"q{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
 
 
 def sample(group: common_pb2.PromptGroup, version: int, reward: float) -> common_pb2.Trajectory:
-    return common_pb2.Trajectory(group_id=group.group_id, token_ids=[1, 2, 3, 4], prompt_length=2,
-                                 versions=[-1, -1, version, version], loss_mask=[False, False, True, True], reward=reward)
+    return common_pb2.Trajectory(
+        group_id=group.group_id,
+        token_ids=[1, 2, 3, 4],
+        prompt_length=2,
+        versions=[-1, -1, version, version],
+        loss_mask=[False, False, True, True],
+        reward=reward,
+    )
 
 
 class Worker:
@@ -39,8 +52,19 @@ def reward_of(group) -> float:
 
 def test_an_item_is_one_greedy_sample_admitted_at_the_version_it_evaluates():
     group = evaluation_group(JOB, ITEMS[3], 7)
-    assert (group.group_id, group.prompt_id, group.prompt, group.reference, group.verifier) == ("eval-v7-q3", "q3", "3+3=", "6", "addition")
-    assert (group.n_samples, group.admitted_version, group.sampling.temperature, group.sampling.max_new_tokens) == (1, 7, 0.0, 5)
+    assert (group.group_id, group.prompt_id, group.prompt, group.reference, group.verifier) == (
+        "eval-v7-q3",
+        "q3",
+        "3+3=",
+        "6",
+        "addition",
+    )
+    assert (group.n_samples, group.admitted_version, group.sampling.temperature, group.sampling.max_new_tokens) == (
+        1,
+        7,
+        0.0,
+        5,
+    )
     assert generated_by(sample(group, 7, 1.0), 7) and not generated_by(sample(group, 6, 1.0), 7)
 
 
@@ -82,7 +106,9 @@ def test_a_worker_whose_engine_went_back_is_caught_up_before_its_items_are_dealt
 
     def answer(group):
         if not caught_up:
-            raise RuntimeError("EngineWentBack: the engine sampled with weight version 0, older than the group's admission")
+            raise RuntimeError(
+                "EngineWentBack: the engine sampled with weight version 0, older than the group's admission"
+            )
         return sample(group, 4, reward_of(group))
 
     restarted = Worker("restarted", answer)

@@ -4,16 +4,16 @@ the operator's reading of a failed job."""
 
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
+from e2e_jobs import make_job
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.prompts import ModelDirectoryError, check_model_dir, check_tokenizer_dir
 from areal_k8s.k8s_operator import lifecycle
-from e2e_jobs import assets, make_job, reward_importable  # noqa: F401 - fixtures
 
 AREALCTL = [sys.executable, "-m", "areal_k8s.cli.main"]
 # A guard against the old hang, not a timing assertion: a run that fails fast is done long before this.
@@ -52,16 +52,25 @@ def test_a_run_with_an_unimportable_verifier_fails_at_start_naming_it(assets, tm
 
 
 def test_the_rljob_of_a_failed_job_gets_a_failed_condition_with_the_controllers_reason():
-    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     spec = {"suspend": False, "failurePolicy": {"maxRestarts": 3}}
-    report = controller_pb2.JobStatus(phase=controller_pb2.JobStatus.FAILED, failure_reason="VerifierUnavailable",
-                                      message="the reward service cannot load the job's verifiers: ...", dead_lettered=2)
+    report = controller_pb2.JobStatus(
+        phase=controller_pb2.JobStatus.FAILED,
+        failure_reason="VerifierUnavailable",
+        message="the reward service cannot load the job's verifiers: ...",
+        dead_lettered=2,
+    )
     observed = lifecycle.Observed(controller=report)
     phase = lifecycle.decide_phase(spec, {}, observed, now)
-    status = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous={}, phase=phase, observed=observed, now=now)
+    status = lifecycle.job_status(
+        job_name="d", job_key="d-1", generation=1, previous={}, phase=phase, observed=observed, now=now
+    )
     failed = lifecycle.condition_of(status, "Failed")
     assert (failed["status"], failed["reason"], failed["message"]) == (
-        "True", "VerifierUnavailable", "the reward service cannot load the job's verifiers: ...")
+        "True",
+        "VerifierUnavailable",
+        "the reward service cannot load the job's verifiers: ...",
+    )
     assert status["deadLetteredItems"] == 2
     assert lifecycle.transitions({}, status)[0] == ("Warning", "VerifierUnavailable", failed["message"])
 
@@ -100,16 +109,24 @@ def test_a_run_with_a_directory_that_is_no_model_says_what_is_missing(assets, tm
 )
 def test_services_refuse_a_missing_model_directory_with_one_line(assets, tmp_path, service):
     job_file = write_job(tmp_path, make_job(assets, tmp_path / "run", model="/no/such/dir"))
-    result = subprocess.run([sys.executable, "-m", *service, "--job", str(job_file)], capture_output=True, text=True,
-                            timeout=HANG_GUARD_SECONDS)
+    result = subprocess.run(
+        [sys.executable, "-m", *service, "--job", str(job_file)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_SECONDS,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: model directory not found: /no/such/dir"]
 
 
 @pytest.mark.e2e
 def test_the_cpu_engine_refuses_a_missing_model_directory_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(tmp_path / "nope")],
-                            capture_output=True, text=True, timeout=HANG_GUARD_SECONDS)
+    result = subprocess.run(
+        [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_SECONDS,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [f"error: model directory not found: {tmp_path / 'nope'}"]
 
@@ -126,8 +143,11 @@ def test_model_and_tokenizer_directories_are_checked_for_what_hugging_face_needs
         (check_model_dir, tmp_path / "file", "model directory not found: {}"),
         (check_model_dir, tmp_path / "tokenizer", "not a Hugging Face model directory (no config.json): {}"),
         (check_tokenizer_dir, tmp_path / "missing", "tokenizer directory not found: {}"),
-        (check_tokenizer_dir, tmp_path,
-         "not a Hugging Face tokenizer directory (no tokenizer.json, tokenizer_config.json or config.json): {}"),
+        (
+            check_tokenizer_dir,
+            tmp_path,
+            "not a Hugging Face tokenizer directory (no tokenizer.json, tokenizer_config.json or config.json): {}",
+        ),
     ]
     for check, path, message in cases:
         with pytest.raises(ModelDirectoryError) as raised:

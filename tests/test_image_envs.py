@@ -118,8 +118,10 @@ def pip_install_arguments(image: Dockerfile, arguments: list[str], plan: Plan) -
                 raise ValueError(f"images/{plan.image}/Dockerfile: an index this test cannot stand in for: {url}")
             plan.differences.append(f"torch from {url} -> the local {TORCH_CONSTRAINT} wheel (pip's constraint)")
         elif argument.startswith("megatron-core==") and sys.version_info < (3, 12):
-            plan.differences.append(f"{argument}: megatron-core 0.17 and newer require Python >= 3.12; the package's "
-                                    "megatron extra resolves it here (0.16.x)")
+            plan.differences.append(
+                f"{argument}: megatron-core 0.17 and newer require Python >= 3.12; the package's "
+                "megatron extra resolves it here (0.16.x)"
+            )
         else:
             out.append(argument)
     return out
@@ -170,7 +172,9 @@ def plan_of(name: str) -> Plan | None:
     plan = Plan(name)
     python = python_of(image)
     if python != f"{sys.version_info.major}.{sys.version_info.minor}":
-        plan.differences.append(f"Python {python} -> {sys.version.split()[0]} (this interpreter, the local CPU torch wheel's)")
+        plan.differences.append(
+            f"Python {python} -> {sys.version.split()[0]} (this interpreter, the local CPU torch wheel's)"
+        )
     plan.differences.append("pip's cache is used (PIP_NO_CACHE_DIR is not)")
     shell: dict[str, str] = {}
     for stage in image.stages[:-1]:
@@ -231,14 +235,16 @@ def runnable_here(command: list[str]) -> list[tuple[str, ...]]:
     only Kubernetes expands, so a torchrun command is checked as the launcher and the module it starts."""
     if command[0] != "torchrun":
         return [tuple(command)]
-    return [("torchrun",), ("python", *command[command.index("-m"):])]
+    return [("torchrun",), ("python", *command[command.index("-m") :])]
 
 
 OPERATOR_COMMANDS = operator_commands()
 
 
 def installs_torch(plan: Plan | None) -> bool:
-    return plan is not None and any(a.startswith("torch==") for step in plan.steps if step[0] == "install" for a in step)
+    return plan is not None and any(
+        a.startswith("torch==") for step in plan.steps if step[0] == "install" for a in step
+    )
 
 
 # image -> its plan, the ones that install torch (the longest builds) first: the order of the builds and the tests
@@ -312,8 +318,11 @@ def package_wheel(plan: Plan, arguments: tuple[str, ...], snapshot: dict[str, by
     """The package wheel, built from a copy of the build context as the Dockerfile's `pip wheel` builds it, once
     for every image with the same context and arguments."""
     workdir = PurePosixPath(plan.workdir)
-    sources = {str(PurePosixPath(name).relative_to(workdir)): content for name, content in snapshot.items()
-               if PurePosixPath(name).is_relative_to(workdir)}
+    sources = {
+        str(PurePosixPath(name).relative_to(workdir)): content
+        for name, content in snapshot.items()
+        if PurePosixPath(name).is_relative_to(workdir)
+    }
 
     def build(folder: Path) -> None:
         with tempfile.TemporaryDirectory(dir=SCRATCH) as context:
@@ -336,7 +345,11 @@ def resolution_inputs(wheel: Path | None) -> list[str]:
         return []
     with zipfile.ZipFile(wheel) as archive:
         metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))).decode()
-    return [line for line in metadata.splitlines() if line.startswith(("Requires-Dist:", "Requires-Python:", "Provides-Extra:"))]
+    return [
+        line
+        for line in metadata.splitlines()
+        if line.startswith(("Requires-Dist:", "Requires-Python:", "Provides-Extra:"))
+    ]
 
 
 def host_argument(argument: str, plan: Plan, wheel: Path | None) -> str:
@@ -345,7 +358,7 @@ def host_argument(argument: str, plan: Plan, wheel: Path | None) -> str:
         return str(plan.sources[argument])
     if match := re.match(r"/wheels/(\S+?\.whl)", argument):
         assert wheel and wheel.match(match[1]), f"{argument}: the package wheel is {wheel}"
-        return str(wheel) + argument[match.end():]
+        return str(wheel) + argument[match.end() :]
     return argument
 
 
@@ -360,17 +373,40 @@ def torch_constraint() -> Path:
 
 
 def pip_install(venv: Path, arguments: list[str]) -> None:
-    run_pip(["--python", str(venv / "bin" / "python"), "install", "--progress-bar", "off",
-             "--constraint", str(torch_constraint()), *arguments])
+    run_pip(
+        [
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--progress-bar",
+            "off",
+            "--constraint",
+            str(torch_constraint()),
+            *arguments,
+        ]
+    )
 
 
 def shared_torch() -> Path:
     """One copy of the local CPU torch, without its dependencies, for every environment that installs torch."""
     folder = CACHE / f"torch-{digest(TORCH_CONSTRAINT, sys.version, version('pip'))}"
     with locked("torch", keep=folder):
-        build_once(folder, lambda target: run_pip(["install", "--progress-bar", "off", "--no-deps", "--target",
-                                                   str(target), "--constraint", str(torch_constraint()),
-                                                   TORCH_CONSTRAINT.replace("+cpu", "")]))
+        build_once(
+            folder,
+            lambda target: run_pip(
+                [
+                    "install",
+                    "--progress-bar",
+                    "off",
+                    "--no-deps",
+                    "--target",
+                    str(target),
+                    "--constraint",
+                    str(torch_constraint()),
+                    TORCH_CONSTRAINT.replace("+cpu", ""),
+                ]
+            ),
+        )
     return folder
 
 
@@ -380,8 +416,10 @@ def write_shared_torch_scripts(venv: Path) -> None:
     for distribution in distributions(path=[str(shared_torch())]):
         for entry in distribution.entry_points.select(group="console_scripts"):
             script = venv / "bin" / entry.name
-            script.write_text(f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom {entry.module} import {entry.attr}\n"
-                              f"sys.exit({entry.attr}())\n")
+            script.write_text(
+                f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom {entry.module} import {entry.attr}\n"
+                f"sys.exit({entry.attr}())\n"
+            )
             script.chmod(0o755)
 
 
@@ -392,7 +430,9 @@ def site_packages(venv: Path) -> Path:
 def build_environment(plan: Plan, wheel: Path | None, venv: Path) -> None:
     for step in plan.steps:
         if step[0] == "venv":
-            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=COMMAND_TIMEOUT)
+            subprocess.run(
+                [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=COMMAND_TIMEOUT
+            )
             if installs_torch(plan):
                 (site_packages(venv) / "areal_shared_torch.pth").write_text(f"{shared_torch()}\n")
         elif step[0] == "install":
@@ -405,9 +445,12 @@ def environment_of(plan: Plan, snapshot: dict[str, bytes]) -> Path:
     """.cache/image-envs/IMAGE-KEY, built as planned, or reused with this run's package wheel swapped in."""
     wheel_steps = [step[1:] for step in plan.steps if step[0] == "wheel"]
     wheel = package_wheel(plan, wheel_steps[0], snapshot) if wheel_steps else None
-    outside_context = {name: content for name, content in snapshot.items()
-                       if not PurePosixPath(name).is_relative_to(plan.workdir)}  # the requirements files
-    key = digest(plan.steps, sys.version, version("pip"), TORCH_CONSTRAINT, resolution_inputs(wheel), files=outside_context)
+    outside_context = {
+        name: content for name, content in snapshot.items() if not PurePosixPath(name).is_relative_to(plan.workdir)
+    }  # the requirements files
+    key = digest(
+        plan.steps, sys.version, version("pip"), TORCH_CONSTRAINT, resolution_inputs(wheel), files=outside_context
+    )
     venv, package = CACHE / f"{plan.image}-{key}", CACHE / f"{plan.image}-{key}" / ".package"
     with locked(plan.image, keep=venv):
         build_once(venv, lambda folder: build_environment(plan, wheel, folder))
@@ -443,7 +486,10 @@ class Started:
     runs: dict[tuple[str, ...], subprocess.CompletedProcess] = field(default_factory=dict)
 
 
-INSTALLED = "import importlib.metadata as m, json; print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
+INSTALLED = (
+    "import importlib.metadata as m, json; "
+    "print(json.dumps({d.metadata['Name']: d.version for d in m.distributions()}))"
+)
 
 
 def start(plan: Plan, snapshot: dict[str, bytes]) -> Started:
@@ -457,11 +503,16 @@ def start(plan: Plan, snapshot: dict[str, bytes]) -> Started:
         return started
     with tempfile.TemporaryDirectory(dir=SCRATCH, prefix=f"{plan.image}-") as scratch:
         environment = runtime_environment(plan, venv, Path(scratch))
-        listed = subprocess.run(["python", "-c", INSTALLED], capture_output=True, text=True, env=environment, timeout=COMMAND_TIMEOUT)
-        started.distributions = json.loads(listed.stdout) if listed.returncode == 0 else {"(listing failed)": listed.stderr}
+        listed = subprocess.run(
+            ["python", "-c", INSTALLED], capture_output=True, text=True, env=environment, timeout=COMMAND_TIMEOUT
+        )
+        started.distributions = (
+            json.loads(listed.stdout) if listed.returncode == 0 else {"(listing failed)": listed.stderr}
+        )
         for argv in plan.checks:
-            started.runs[argv] = subprocess.run(list(argv), capture_output=True, text=True, cwd=scratch, env=environment,
-                                                timeout=COMMAND_TIMEOUT)
+            started.runs[argv] = subprocess.run(
+                list(argv), capture_output=True, text=True, cwd=scratch, env=environment, timeout=COMMAND_TIMEOUT
+            )
     return started
 
 
@@ -482,8 +533,10 @@ def started(request):
 
 
 def images_to_start() -> list:
-    return [pytest.param(name, marks=pytest.mark.skip(reason=UPSTREAM_ONLY)) if PLANS[name] is None else name
-            for name in PLANS]
+    return [
+        pytest.param(name, marks=pytest.mark.skip(reason=UPSTREAM_ONLY)) if PLANS[name] is None else name
+        for name in PLANS
+    ]
 
 
 def checks_to_run() -> list:

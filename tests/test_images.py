@@ -46,7 +46,9 @@ BUILD_TOOLS = re.compile(r"\b(build-essential|gcc|g\+\+|clang|make|cmake|ninja-b
 
 
 def pyproject_requirements() -> dict[str, Requirement]:
-    lines = PYPROJECT["project"]["dependencies"] + [r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra]
+    lines = PYPROJECT["project"]["dependencies"] + [
+        r for extra in PYPROJECT["project"]["optional-dependencies"].values() for r in extra
+    ]
     return {canonicalize_name(Requirement(line).name): Requirement(line) for line in lines}
 
 
@@ -93,11 +95,15 @@ def dockerfile(name: str) -> Dockerfile:
 
 def referenced_images() -> dict[str, str]:
     """Every image reference of the project's own images: reference -> where it comes from."""
-    refs = {names.default_image(component): f"operator default for {component}"
-            for component in ("controller", "reward", "rollout", "trainer", "sglang")}
+    refs = {
+        names.default_image(component): f"operator default for {component}"
+        for component in ("controller", "reward", "rollout", "trainer", "sglang")
+    }
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
-    refs[f"{values['operator']['image']['repository']}:{values['operator']['image']['tag'] or app_version}"] = "chart operator image"
+    refs[f"{values['operator']['image']['repository']}:{values['operator']['image']['tag'] or app_version}"] = (
+        "chart operator image"
+    )
     for values_file in sorted((CHART / "ci").glob("*-values.yaml")):
         image = (yaml.safe_load(values_file.read_text()).get("operator") or {}).get("image") or {}
         if image.get("repository", "").startswith(names.IMAGE_REPOSITORY + "/"):
@@ -131,7 +137,9 @@ def test_every_referenced_image_has_a_dockerfile_and_the_version_tag(monkeypatch
         assert component in DOCKERFILES, f"{ref} ({where}) has no images/{component}/Dockerfile"
         assert tag == VERSION, f"{ref} ({where}): the tag must be the package version {VERSION}"
     assert {"operator", "controller", "reward", "rollout", "sglang", "trainer", "cpu"} <= components
-    assert set(DOCKERFILES) == set(names.IMAGE_COMPONENTS), "images/ and names.IMAGE_COMPONENTS must name the same images"
+    assert set(DOCKERFILES) == set(names.IMAGE_COMPONENTS), (
+        "images/ and names.IMAGE_COMPONENTS must name the same images"
+    )
     build = (IMAGES / "build.sh").read_text()
     assert set(re.search(r'^ALL_IMAGES="([^"]+)"', build, re.M)[1].split()) == set(DOCKERFILES)
 
@@ -162,19 +170,29 @@ def test_dockerfiles_are_multi_stage_pinned_and_non_root(name):
             stage_names.add(stage["name"])
     final = image.final
     users = [line for line in final["lines"] if line.startswith("USER ")]
-    assert users and users[-1] == f"USER {names.RUN_AS_USER}:{names.RUN_AS_GROUP}", f"{name}: the final stage must run as uid 10001"
+    assert users and users[-1] == f"USER {names.RUN_AS_USER}:{names.RUN_AS_GROUP}", (
+        f"{name}: the final stage must run as uid 10001"
+    )
     assert f"--uid {names.RUN_AS_USER}" in " ".join(final["lines"]), f"{name}: the user needs a passwd entry"
     if name == "sglang":  # a pinned upstream image, run as our user; nothing is built
-        assert len(image.stages) == 1 and "@sha256:" in final["base"] and final["base"].startswith("docker.io/lmsysorg/sglang:v")
+        assert (
+            len(image.stages) == 1
+            and "@sha256:" in final["base"]
+            and final["base"].startswith("docker.io/lmsysorg/sglang:v")
+        )
         return
     assert len(image.stages) >= 2, f"{name}: multi-stage"
     for line in final["lines"]:
-        assert not line.startswith(("COPY proto", "COPY services", "COPY pyproject")), f"{name}: sources in the final stage"
+        assert not line.startswith(("COPY proto", "COPY services", "COPY pyproject")), (
+            f"{name}: sources in the final stage"
+        )
         assert "pip wheel" not in line and "pip install" not in line, f"{name}: installs in the final stage: {line}"
         if "apt-get install" in line:
             assert not BUILD_TOOLS.search(line), f"{name}: build tools in the final stage: {line}"
     assert any(line.startswith("COPY --from=build /opt/areal /opt/areal") for line in final["lines"])
-    assert any("pip uninstall --yes pip" in line for line in image.stages[0]["lines"]), f"{name}: pip stays in the environment"
+    assert any("pip uninstall --yes pip" in line for line in image.stages[0]["lines"]), (
+        f"{name}: pip stays in the environment"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
@@ -211,7 +229,11 @@ def dockerignore_admits(path: str) -> bool:
         if not line or line.startswith("#"):
             continue
         negated, pattern = line.startswith("!"), line.lstrip("!").rstrip("/")
-        if fnmatch.fnmatch(path, pattern) or path.startswith(pattern + "/") or fnmatch.fnmatch(path, pattern.replace("**/", "*/")):
+        if (
+            fnmatch.fnmatch(path, pattern)
+            or path.startswith(pattern + "/")
+            or fnmatch.fnmatch(path, pattern.replace("**/", "*/"))
+        ):
             admitted = negated
     return admitted
 
@@ -220,10 +242,16 @@ def dockerignore_admits(path: str) -> bool:
 def test_the_build_context_holds_what_the_dockerfiles_copy(name):
     for source in dockerfile(name).copy_sources():
         assert (ROOT / source).exists(), f"{name}: COPY {source}: no such file"
-        probe = source if (ROOT / source).is_file() else next(str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*") if p.is_file())
+        probe = (
+            source
+            if (ROOT / source).is_file()
+            else next(str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*") if p.is_file())
+        )
         assert dockerignore_admits(probe), f"{name}: .dockerignore leaves {source} out of the context"
     assert not dockerignore_admits(".venv/bin/python") and not dockerignore_admits("runs/demo/summary.json")
-    assert not dockerignore_admits("services/areal_k8s/api/v1/controller_pb2.py"), "generated stubs are rebuilt, never copied"
+    assert not dockerignore_admits("services/areal_k8s/api/v1/controller_pb2.py"), (
+        "generated stubs are rebuilt, never copied"
+    )
 
 
 # -- the slim images ------------------------------------------------------------------------------------------
@@ -239,8 +267,12 @@ def test_slim_image_requirements_carry_the_pyproject_specifiers(name):
     declared = pyproject_requirements()
     for requirement in listed_requirements(name):
         key = canonicalize_name(requirement.name)
-        assert key in declared, f"images/{name}/requirements.txt: {requirement.name} is not a dependency in pyproject.toml"
-        assert requirement.specifier == declared[key].specifier, f"{requirement} differs from pyproject's {declared[key]}"
+        assert key in declared, (
+            f"images/{name}/requirements.txt: {requirement.name} is not a dependency in pyproject.toml"
+        )
+        assert requirement.specifier == declared[key].specifier, (
+            f"{requirement} differs from pyproject's {declared[key]}"
+        )
     assert "--no-deps /wheels/areal_k8s-*.whl" in " ".join(dockerfile(name).stages[0]["lines"])
 
 
@@ -278,7 +310,9 @@ print(json.dumps(sorted(sys.modules)))
 
 
 def imported_modules(modules: list[str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", IMPORT_PROBE, *modules], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_PROBE, *modules], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)
 
@@ -290,8 +324,11 @@ def test_slim_images_install_everything_their_code_imports():
     for name, modules in imported.items():
         installed = closure(listed_requirements(name)) | STARTUP_HOOKS
         tops = {m.split(".")[0] for m in modules} - set(sys.stdlib_module_names) - {"areal_k8s"}
-        missing = {top: distributions[top] for top in tops if top in distributions
-                   and not {canonicalize_name(d) for d in distributions[top]} & installed}
+        missing = {
+            top: distributions[top]
+            for top in tops
+            if top in distributions and not {canonicalize_name(d) for d in distributions[top]} & installed
+        }
         assert missing == {}, f"images/{name}/requirements.txt misses what its code imports: {missing}"
         assert "torch" not in tops, f"the {name} image has no torch"
 
@@ -309,8 +346,15 @@ def test_make_targets_and_scripts():
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     e2e = (ROOT / "scripts" / "e2e-kind.sh").read_text()
-    for needed in ("charts/areal/ci/kind-values.yaml", "examples/rljob-demo-cpu.yaml", "charts/areal/crds/",
-                   "kind load docker-image", "helm test", ".status.policyVersion", "areal_k8s.demo.build"):
+    for needed in (
+        "charts/areal/ci/kind-values.yaml",
+        "examples/rljob-demo-cpu.yaml",
+        "charts/areal/crds/",
+        "kind load docker-image",
+        "helm test",
+        ".status.policyVersion",
+        "areal_k8s.demo.build",
+    ):
         assert needed in e2e, needed
     kind_values = yaml.safe_load((CHART / "ci" / "kind-values.yaml").read_text())
     assert kind_values["operator"]["image"]["repository"] == f"{names.IMAGE_REPOSITORY}/cpu"

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from tiny_models import build_tiny_decoder
+from trainer_batches import make_groups, padded_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
@@ -23,8 +25,6 @@ from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, shard_
 from areal_k8s.trainer.megatron.model import Layout, LayoutError, Stage
 from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import World, WorldSpec
-from tiny_models import build_tiny_decoder
-from trainer_batches import make_groups, padded_batch
 
 pytest.importorskip("megatron.core")
 
@@ -39,8 +39,9 @@ def models(tmp_path_factory):
 
     def model(family: str, tied: bool = False) -> Path:
         if (family, tied) not in built:
-            built[family, tied] = build_tiny_decoder(tmp_path_factory.mktemp(family), family, seed=3,
-                                                     vocab_size=VOCABULARY[family], tie_word_embeddings=tied)
+            built[family, tied] = build_tiny_decoder(
+                tmp_path_factory.mktemp(family), family, seed=3, vocab_size=VOCABULARY[family], tie_word_embeddings=tied
+            )
         return built[family, tied]
 
     return model
@@ -64,9 +65,14 @@ def test_the_conversion_round_trips_bit_for_bit_through_every_tensor_parallel_sp
     # the fused tensors are stacked per key/value group, not concatenated whole
     qkv = megatron["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert qkv.shape == (shape.groups * (shape.per_group + 2) * shape.head_dim, shape.hidden)
-    assert torch.equal(qkv[: shape.per_group * shape.head_dim], hf["model.layers.0.self_attn.q_proj.weight"][: shape.per_group * shape.head_dim])
-    assert torch.equal(qkv[shape.per_group * shape.head_dim: (shape.per_group + 1) * shape.head_dim],
-                       hf["model.layers.0.self_attn.k_proj.weight"][: shape.head_dim])
+    assert torch.equal(
+        qkv[: shape.per_group * shape.head_dim],
+        hf["model.layers.0.self_attn.q_proj.weight"][: shape.per_group * shape.head_dim],
+    )
+    assert torch.equal(
+        qkv[shape.per_group * shape.head_dim : (shape.per_group + 1) * shape.head_dim],
+        hf["model.layers.0.self_attn.k_proj.weight"][: shape.head_dim],
+    )
     for size in (1, 2):
         padded = to_megatron(hf, family, shape, shape.padded_vocab(size))
         assert padded["embedding.word_embeddings.weight"].shape[0] % size == 0
@@ -84,9 +90,17 @@ def test_a_model_or_layout_the_backend_cannot_take_is_refused_with_the_reason(tm
     config = AutoConfig.for_model("gpt2")
     with pytest.raises(UnsupportedModel, match="converts model_type qwen2, qwen3, llama, not 'gpt2'"):
         family_of(config)
-    scaled = AutoConfig.for_model("llama", rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                             "original_max_position_embeddings": 8192})
+    scaled = AutoConfig.for_model(
+        "llama",
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5e5,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     with pytest.raises(UnsupportedModel, match="rope_type 'llama3' is not converted"):
         family_of(scaled)
     qwen = AutoConfig.from_pretrained(build_tiny_decoder(tmp_path / "m", "qwen2"))
@@ -99,7 +113,8 @@ def test_a_model_or_layout_the_backend_cannot_take_is_refused_with_the_reason(tm
 
 
 def test_a_stage_names_its_parameters_as_the_whole_model_does():
-    """Stage-local layer numbers map to the whole model's; the last stage's copy of a tied embedding is the embedding."""
+    """Stage-local layer numbers map to the whole model's; the last stage's copy of a tied embedding is the
+    embedding."""
     last = Stage(index=2, count=3, layers=4, tied=True)
     assert last.global_name("decoder.layers.1.mlp.linear_fc1.weight") == "decoder.layers.9.mlp.linear_fc1.weight"
     assert last.global_name("output_layer.weight") == "embedding.word_embeddings.weight"
@@ -109,16 +124,26 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
     assert Stage(index=0, count=1, layers=2, tied=True).holds_tied_copy is False  # one stage: one weight
 
 
-def job_for(model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, pipeline: int = 1,
-            **algorithm):
-    return parse_job({
-        "name": "megatron", "model": str(model_path), "run_dir": str(run_dir), "dataset": {"train": "t.jsonl"},
-        "sampling": {"temperature": 0.7, "max_new_tokens": 14},
-        "algorithm": {"batch_size": 4, "group_size": 4, "lr": 1.0, **algorithm},
-        # several micro-batches per rank: the gradients accumulate
-        "trainer": {"backend": backend, "replicas": replicas, "parallelism": {"tensor": tensor, "pipeline": pipeline},
-                    "micro_batch_tokens": 40},
-    })
+def job_for(
+    model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, pipeline: int = 1, **algorithm
+):
+    return parse_job(
+        {
+            "name": "megatron",
+            "model": str(model_path),
+            "run_dir": str(run_dir),
+            "dataset": {"train": "t.jsonl"},
+            "sampling": {"temperature": 0.7, "max_new_tokens": 14},
+            "algorithm": {"batch_size": 4, "group_size": 4, "lr": 1.0, **algorithm},
+            # several micro-batches per rank: the gradients accumulate
+            "trainer": {
+                "backend": backend,
+                "replicas": replicas,
+                "parallelism": {"tensor": tensor, "pipeline": pipeline},
+                "micro_batch_tokens": 40,
+            },
+        }
+    )
 
 
 def join(rank: int, size: int, port: int) -> World:
@@ -130,8 +155,15 @@ def step(job, groups, world: World) -> dict:
     """The initial model's log-probabilities of `padded_batch()`, then one training step with plain SGD at lr 1 (the
     weights move by the gradient): the loss, the gradient norm and, on rank 0, the updated weights under Hugging Face
     names."""
-    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
-                      eval_items=[], consumer="trainer-0", world=world)
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(job.model),
+        eval_items=[],
+        consumer="trainer-0",
+        world=world,
+    )
     trainer.engine.load(job.model)
     logprobs = trainer.engine.token_logprobs(padded_batch())
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
@@ -152,16 +184,23 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
     leave()
 
 
-@pytest.mark.parametrize("family,tied,tensor,pipeline,replicas", [
-    ("qwen2", False, 1, 1, 1), ("llama", False, 1, 1, 1), ("qwen2", False, 1, 1, 2),
-    ("qwen2", False, 2, 1, 2),  # the vocabulary (259) padded to split over the ranks
-    ("qwen3", False, 2, 1, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
-    ("llama", True, 1, 2, 2),  # one layer per stage, several micro-batches in flight (1F1B); the tied embedding
-    # held by both end stages, their gradients summed
-    ("qwen3", False, 2, 2, 4),  # tensor × pipeline: four ranks
-], ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2", "llama-tied-pp2", "qwen3-tp2-pp2"])
-def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(models, tmp_path, family, tied, tensor,
-                                                                            pipeline, replicas):
+@pytest.mark.parametrize(
+    "family,tied,tensor,pipeline,replicas",
+    [
+        ("qwen2", False, 1, 1, 1),
+        ("llama", False, 1, 1, 1),
+        ("qwen2", False, 1, 1, 2),
+        ("qwen2", False, 2, 1, 2),  # the vocabulary (259) padded to split over the ranks
+        ("qwen3", False, 2, 1, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
+        ("llama", True, 1, 2, 2),  # one layer per stage, several micro-batches in flight (1F1B); the tied embedding
+        # held by both end stages, their gradients summed
+        ("qwen3", False, 2, 2, 4),  # tensor × pipeline: four ranks
+    ],
+    ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2", "llama-tied-pp2", "qwen3-tp2-pp2"],
+)
+def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
+    models, tmp_path, family, tied, tensor, pipeline, replicas
+):
     """Split over tensor-, pipeline- or data-parallel ranks, the `megatron` backend's log-probabilities equal the
     Hugging Face model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO
     advantages, several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch`
@@ -192,11 +231,20 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(mode
         assert rank["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
 
 
-def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path, label: str) -> None:
+def resume_on_rank(
+    rank: int, size: int, port: int, job, groups, checkpoint: Path | None, out: Path, label: str
+) -> None:
     """Train a step with AdamW (from `checkpoint`, or from the model and then checkpoint it), then one more step."""
     world = join(rank, size, port)
-    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
-                      eval_items=[], consumer="trainer-0", world=world)
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(job.model),
+        eval_items=[],
+        consumer="trainer-0",
+        world=world,
+    )
     if checkpoint is None:
         trainer.engine.load(job.model)
         trainer.train_step(groups[:2])
@@ -213,10 +261,14 @@ def resume_on_rank(rank: int, size: int, port: int, job, groups, checkpoint: Pat
     leave()
 
 
-@pytest.mark.parametrize("written,resumed,tied", [
-    ({"tensor": 2}, {"tensor": 1}, False),
-    ({"pipeline": 2}, {"tensor": 2}, True),
-], ids=["tp2-to-dp2", "pp2-to-tp2-tied"])
+@pytest.mark.parametrize(
+    "written,resumed,tied",
+    [
+        ({"tensor": 2}, {"tensor": 1}, False),
+        ({"pipeline": 2}, {"tensor": 2}, True),
+    ],
+    ids=["tp2-to-dp2", "pp2-to-tp2-tied"],
+)
 def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path, written, resumed, tied):
     """Written by two tensor- or pipeline-parallel ranks (AdamW's moments gathered from the shards and the stages, the
     model in Hugging Face format), resumed by two ranks of another layout, rank 1 reading nothing (rank 0's copy
@@ -243,8 +295,25 @@ def test_the_gpu_smoke_runs_its_whole_path_on_gloo(tmp_path):
     """`make gpu-smoke` (scripts/gpu_smoke.py) with `--device cpu`: two tensor-parallel megatron ranks step, rank 0
     pushes to a real engine process through its weight-update routes, and the engine holds exactly the export (its
     checksum), which the Hugging Face model scores as the megatron model does, before and after the step."""
-    result = subprocess.run([sys.executable, str(SMOKE), "--device", "cpu", "--tensor", "2", "--hidden", "64",
-                             "--layers", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SMOKE),
+            "--device",
+            "cpu",
+            "--tensor",
+            "2",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     smoke = json.loads((tmp_path / "smoke.json").read_text())
     assert smoke["receiver_checksum_equal"] is True
@@ -256,8 +325,11 @@ def test_the_gpu_smoke_runs_its_whole_path_on_gloo(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is")
 def test_the_gpu_smoke_refuses_a_machine_without_enough_gpus_in_one_line():
-    result = subprocess.run([sys.executable, str(SMOKE), "--tensor", "2", "--pipeline", "2"], capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(SMOKE), "--tensor", "2", "--pipeline", "2"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == ("gpu-smoke: needs 5 CUDA GPUs (the trainer's 4 and the receiver's; NCCL refuses two "
-                                     "ranks of one group on one GPU), found 0")
+    assert result.stderr.strip() == (
+        "gpu-smoke: needs 5 CUDA GPUs (the trainer's 4 and the receiver's; NCCL refuses two "
+        "ranks of one group on one GPU), found 0"
+    )

@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from e2e_jobs import make_job, read_steps
 
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.cli.monitor import MetricsRecorder
@@ -19,7 +20,6 @@ from areal_k8s.common.redis_server import free_port
 from areal_k8s.controller.admission import blocking_bound
 from areal_k8s.observability.dashboards import DASHBOARD_DIR, queries, render
 from areal_k8s.rollout.worker import IdleClock
-from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -54,8 +54,9 @@ def test_metric_names_follow_the_naming_scheme():
 
 
 def test_committed_dashboards_are_the_generated_ones():
-    assert {name: path.read_text() for name, path in ((p.name, p) for p in DASHBOARD_DIR.glob("*.json"))} == render(), \
+    assert {name: path.read_text() for name, path in ((p.name, p) for p in DASHBOARD_DIR.glob("*.json"))} == render(), (
         "run `make dashboards`"
+    )
 
 
 def test_dashboards_only_query_documented_metrics_and_filter_by_namespace_and_job():
@@ -67,11 +68,13 @@ def test_dashboards_only_query_documented_metrics_and_filter_by_namespace_and_jo
         for title, expr in queries(board):
             used = {family(m) for m in METRIC.findall(expr)}
             assert used and used <= set(documented), f"{name} / {title}: {used - set(documented)} not documented"
-            assert expr.count('rljob=~"$job"') == expr.count("areal_") and 'namespace=~"$namespace"' in expr, f"{name} / {title}"
+            assert expr.count('rljob=~"$job"') == expr.count("areal_") and 'namespace=~"$namespace"' in expr, (
+                f"{name} / {title}"
+            )
 
 
 def test_admission_names_the_bound_that_blocks_it():
-    state = dict(version=0, batch_size=4, max_staleness=1, max_concurrent=100, total_groups=100)
+    state = {"version": 0, "batch_size": 4, "max_staleness": 1, "max_concurrent": 100, "total_groups": 100}
     assert blocking_bound(**state, running=2, accepted=6) == "staleness"  # (1 + 0 + 1)·4 − 8 = 0
     assert blocking_bound(**state, running=2, accepted=5) is None
     assert blocking_bound(**{**state, "max_concurrent": 2}, running=2, accepted=0) == "concurrency"
@@ -106,7 +109,8 @@ def prometheus_get(url: str, path: str, **params) -> dict:
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (.ci/run installs it)")
 def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp_path, reward_importable):
     job = make_job(
-        assets, tmp_path / "run",
+        assets,
+        tmp_path / "run",
         algorithm={"total_steps": 20, "max_staleness": 1, "staleness_target": {"min": 0.5, "max": 1.0}},
         trainer={"eval_interval": 10},
     )
@@ -127,8 +131,11 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
         # names and types: exactly the README's list (nothing undocumented exported, nothing documented missing)
         # (scraped as OpenMetrics, where a counter's family name has no `_total`; its series do)
         metadata = prometheus_get(url, "/api/v1/metadata")
-        exported = {name + ("_total" if entries[0]["type"] == "counter" else ""): entries[0]["type"]
-                    for name, entries in metadata.items() if name.startswith("areal_")}
+        exported = {
+            name + ("_total" if entries[0]["type"] == "counter" else ""): entries[0]["type"]
+            for name, entries in metadata.items()
+            if name.startswith("areal_")
+        }
         assert exported == readme_metrics()
 
         empty = []
@@ -147,15 +154,18 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
         assert 1 <= value(f'max(areal_trainer_policy_version{{rljob="{job.name}"}})') <= 20
         trained = value(f'sum(areal_trainer_trained_samples_total{{rljob="{job.name}"}})')
         assert 0 < trained <= 20 * 2 * 4 and trained % (2 * 4) == 0  # whole batches of B groups × n samples
-        assert value(f'max(areal_trainer_sample_staleness_bucket{{rljob="{job.name}", le="1.0"}})') == \
-            value(f'max(areal_trainer_sample_staleness_count{{rljob="{job.name}"}})')  # nothing staler than η = 1
+        assert value(f'max(areal_trainer_sample_staleness_bucket{{rljob="{job.name}", le="1.0"}})') == value(
+            f'max(areal_trainer_sample_staleness_count{{rljob="{job.name}"}})'
+        )  # nothing staler than η = 1
         assert value(f'max(areal_controller_staleness_target{{rljob="{job.name}", edge="max"}})') == 1.0
 
         # a rollout worker the rebalancer starts mid-run becomes a target through the file Prometheus watches
         run.prometheus.targets["rollout-1"] = run.free_address()
         run.prometheus.refresh()
         deadline = time.monotonic() + 120  # a liveness bound
-        while "rollout-1" not in {t["labels"]["service"] for t in prometheus_get(url, "/api/v1/targets")["activeTargets"]}:
+        while "rollout-1" not in {
+            t["labels"]["service"] for t in prometheus_get(url, "/api/v1/targets")["activeTargets"]
+        }:
             assert time.monotonic() < deadline, "the new target never showed"
             time.sleep(0.2)
     finally:
@@ -186,7 +196,10 @@ def test_recorder_rates_come_from_consecutive_scrapes(tmp_path):
     assert recorder.total("areal_rollout_generated_tokens_total") == 15
     assert recorder.tick() is None  # within the interval: no scrape
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["services"]["rollout-0"]["areal_rollout_generated_tokens_total"] for line in lines] == [5, 15]
+    assert [json.loads(line)["services"]["rollout-0"]["areal_rollout_generated_tokens_total"] for line in lines] == [
+        5,
+        15,
+    ]
 
 
 def test_live_view_shows_the_services_figures(tmp_path):
@@ -194,16 +207,29 @@ def test_live_view_shows_the_services_figures(tmp_path):
     from areal_k8s.cli.progress import metric_rows
 
     def trainer(wait: float, fb: float) -> list:
-        return [("areal_trainer_phase_seconds_total", {"phase": "wait"}, wait),
-                ("areal_trainer_phase_seconds_total", {"phase": "forward_backward"}, fb),
-                ("areal_weight_sync_duration_seconds_count", {}, 4), ("areal_weight_sync_duration_seconds_sum", {}, 0.5)]
+        return [
+            ("areal_trainer_phase_seconds_total", {"phase": "wait"}, wait),
+            ("areal_trainer_phase_seconds_total", {"phase": "forward_backward"}, fb),
+            ("areal_weight_sync_duration_seconds_count", {}, 4),
+            ("areal_weight_sync_duration_seconds_sum", {}, 0.5),
+        ]
 
     recorder = MetricsRecorder({}, tmp_path / "m.jsonl")
     recorder.snapshots = [
-        Snapshot(10.0, {"trainer": trainer(1.0, 1.0), "rollout-0": [("areal_rollout_generated_tokens_total", {}, 100)]}),
-        Snapshot(12.0, {"trainer": trainer(1.5, 2.5), "rollout-0": [("areal_rollout_generated_tokens_total", {}, 500),
-                                                                    ("areal_rollout_inflight_requests", {}, 7)],
-                        "reward": [("areal_reward_scored_items_total", {"verifier": "math", "status": "timeout"}, 3)]}),
+        Snapshot(
+            10.0, {"trainer": trainer(1.0, 1.0), "rollout-0": [("areal_rollout_generated_tokens_total", {}, 100)]}
+        ),
+        Snapshot(
+            12.0,
+            {
+                "trainer": trainer(1.5, 2.5),
+                "rollout-0": [
+                    ("areal_rollout_generated_tokens_total", {}, 500),
+                    ("areal_rollout_inflight_requests", {}, 7),
+                ],
+                "reward": [("areal_reward_scored_items_total", {"verifier": "math", "status": "timeout"}, 3)],
+            },
+        ),
     ]
     rows = dict(metric_rows(recorder))
     assert rows["generation"].startswith("200 tokens/s, 7 requests in flight")

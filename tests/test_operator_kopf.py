@@ -7,16 +7,7 @@ generous timeout; nothing asserts how long anything took.
 import pytest
 import redis
 import yaml
-from operator_fixtures import (  # noqa: F401  (fixtures)
-    ON_API_SERVER,
-    Cluster,
-    cluster,
-    controller,
-    eventually,
-    operator,
-    operator_context,
-    rljob,
-)
+from operator_fixtures import ON_API_SERVER, Cluster, eventually, rljob
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import parse_job
@@ -28,17 +19,35 @@ pytestmark = ON_API_SERVER
 
 DEPLOYMENTS, STATEFULSETS = "apps/v1/deployments", "apps/v1/statefulsets"
 SERVICES, CONFIGMAPS = "v1/services", "v1/configmaps"
-CHILDREN = [(CONFIGMAPS, "demo-config"), (SERVICES, "demo-controller"), (SERVICES, "demo-reward"), (SERVICES, "demo-trainer"),
-            (DEPLOYMENTS, "demo-controller"), (DEPLOYMENTS, "demo-reward"), (DEPLOYMENTS, "demo-rollout"), (STATEFULSETS, "demo-trainer")]
-WORKLOADS = [(DEPLOYMENTS, "demo-controller"), (DEPLOYMENTS, "demo-reward"), (DEPLOYMENTS, "demo-rollout"), (STATEFULSETS, "demo-trainer")]
+CHILDREN = [
+    (CONFIGMAPS, "demo-config"),
+    (SERVICES, "demo-controller"),
+    (SERVICES, "demo-reward"),
+    (SERVICES, "demo-trainer"),
+    (DEPLOYMENTS, "demo-controller"),
+    (DEPLOYMENTS, "demo-reward"),
+    (DEPLOYMENTS, "demo-rollout"),
+    (STATEFULSETS, "demo-trainer"),
+]
+WORKLOADS = [
+    (DEPLOYMENTS, "demo-controller"),
+    (DEPLOYMENTS, "demo-reward"),
+    (DEPLOYMENTS, "demo-rollout"),
+    (STATEFULSETS, "demo-trainer"),
+]
 
 GPU_JOB = {
     "rollout": {"engine": "sglang"},
     "trainer": {"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},  # tensor parallel 2 below
     "gpuBudget": 8,
     "roles": {
-        "rollout": {"replicas": 2, "gpusPerPod": 2, "image": "registry.test/rollout:1", "engine": {"image": "registry.test/sglang:1"},
-                    "nodeSelector": {"gpu": "h100", "zone": "a"}},
+        "rollout": {
+            "replicas": 2,
+            "gpusPerPod": 2,
+            "image": "registry.test/rollout:1",
+            "engine": {"image": "registry.test/sglang:1"},
+            "nodeSelector": {"gpu": "h100", "zone": "a"},
+        },
         "trainer": {"replicas": 1, "gpusPerPod": 2, "parallelism": {"tensor": 2}, "image": "registry.test/trainer:1"},
     },
 }
@@ -67,7 +76,9 @@ async def test_create_makes_every_child_owned_and_wired(cluster: Cluster, operat
 
     for resource, name in CHILDREN:
         owner = cluster.get(resource, name)["metadata"]["ownerReferences"][0]
-        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("RLJob", "demo", "uid-1", True), name
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("RLJob", "demo", "uid-1", True), (
+            name
+        )
 
     rollout = cluster.get(DEPLOYMENTS, "demo-rollout")
     assert rollout["spec"]["replicas"] == 2
@@ -92,7 +103,9 @@ async def test_create_makes_every_child_owned_and_wired(cluster: Cluster, operat
     assert written == validate(body).config
     assert (written.rollout.engine, written.rollout.workers, written.trainer.device) == ("sglang", 2, "cuda")
 
-    status = await eventually(lambda: cluster.rljob()["status"].get("conditions") and cluster.rljob()["status"], "a status")
+    status = await eventually(
+        lambda: cluster.rljob()["status"].get("conditions") and cluster.rljob()["status"], "a status"
+    )
     assert status["observedGeneration"] == 1
     assert status["replicas"]["rollout"]["desired"] == 2
     assert cluster.condition("Degraded")["status"] == "False"
@@ -105,8 +118,13 @@ async def test_spec_changes_reach_the_children_and_advance_observed_generation(c
     config_before = cluster.get(CONFIGMAPS, "demo-config")["data"]
 
     # One image for the rollout pods, one more pod; a node-selector key dropped must disappear from the pods too.
-    await cluster.update_spec("demo", {"gpuBudget": 10, "roles": {"rollout": {"replicas": 3, "image": "registry.test/rollout:2",
-                                                                            "nodeSelector": {"zone": None}}}})
+    await cluster.update_spec(
+        "demo",
+        {
+            "gpuBudget": 10,
+            "roles": {"rollout": {"replicas": 3, "image": "registry.test/rollout:2", "nodeSelector": {"zone": None}}},
+        },
+    )
 
     def rolled() -> bool:
         dep = cluster.get(DEPLOYMENTS, "demo-rollout")
@@ -125,12 +143,17 @@ async def test_children_deleted_or_changed_by_hand_are_repaired(cluster: Cluster
     await eventually(lambda: all_children(cluster), "every child to exist")
 
     await cluster.delete("/apis/apps/v1/namespaces/rl/deployments/demo-rollout")
-    response = await cluster.server.patch("/apis/apps/v1/namespaces/rl/statefulsets/demo-trainer", json={"spec": {"replicas": 7}},
-                                          headers={"Content-Type": "application/merge-patch+json"})
+    response = await cluster.server.patch(
+        "/apis/apps/v1/namespaces/rl/statefulsets/demo-trainer",
+        json={"spec": {"replicas": 7}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert response.status == 200
 
     await eventually(lambda: cluster.get(DEPLOYMENTS, "demo-rollout"), "the rollout Deployment to come back")
-    await eventually(lambda: cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 1, "the trainer replicas restored")
+    await eventually(
+        lambda: cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 1, "the trainer replicas restored"
+    )
     assert cluster.get(DEPLOYMENTS, "demo-rollout")["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
@@ -143,8 +166,10 @@ async def test_suspend_scales_to_zero_and_resume_brings_the_same_job_back(cluste
 
     await cluster.update_spec("demo", {"suspend": True})
     await eventually(lambda: set(replicas(cluster).values()) == {0}, "every workload at zero replicas")
-    suspended = await eventually(lambda: cluster.condition("Suspended") if cluster.condition("Suspended")["status"] == "True" else None,
-                                 "the Suspended condition")
+    suspended = await eventually(
+        lambda: cluster.condition("Suspended") if cluster.condition("Suspended")["status"] == "True" else None,
+        "the Suspended condition",
+    )
     assert suspended["reason"] == "SuspendedByUser"
     assert cluster.condition("Ready")["status"] == "False"
     assert "startTime" not in cluster.rljob()["status"]
@@ -173,7 +198,9 @@ async def test_deleting_the_rljob_deletes_its_redis_keys_and_no_others(cluster: 
     await eventually(lambda: cluster.rljob() is None, "the RLJob to be gone")
 
     assert client.keys(f"areal:{{{job_key}}}:*") == []
-    assert sorted(client.keys(f"areal:{{{other_key}}}:*")) == sorted([JobKeys(other_key).version.encode(), JobKeys(other_key).stream.encode()])
+    assert sorted(client.keys(f"areal:{{{other_key}}}:*")) == sorted(
+        [JobKeys(other_key).version.encode(), JobKeys(other_key).stream.encode()]
+    )
     client.close()
 
 
@@ -185,9 +212,17 @@ async def test_an_invalid_spec_is_a_condition_and_fixing_it_recovers(cluster: Cl
     assert "roles.rollout: minReplicas must not exceed maxReplicas" in degraded["message"]
     assert cluster.condition("Ready")["reason"] == "InvalidSpec"
     assert cluster.get(DEPLOYMENTS, "demo-rollout") is None, "nothing is created from an invalid spec"
-    event = await eventually(lambda: next((e for (r, _, _), e in cluster.server.objects.items()
-                                           if r.plural == "events" and not e.deleted and e["reason"] == "InvalidSpec"), None),
-                             "a Warning Event on the RLJob")
+    event = await eventually(
+        lambda: next(
+            (
+                e
+                for (r, _, _), e in cluster.server.objects.items()
+                if r.plural == "events" and not e.deleted and e["reason"] == "InvalidSpec"
+            ),
+            None,
+        ),
+        "a Warning Event on the RLJob",
+    )
     assert (event["type"], event["involvedObject"]["name"]) == ("Warning", "demo")
 
     await cluster.update_spec("demo", {"roles": {"rollout": {"minReplicas": 1}}})
@@ -201,14 +236,19 @@ def status_from_loopback_controller(operator_context, controller):
     return controller
 
 
-async def test_status_follows_the_controller_until_the_job_completes(cluster: Cluster, status_from_loopback_controller, operator):
+async def test_status_follows_the_controller_until_the_job_completes(
+    cluster: Cluster, status_from_loopback_controller, operator
+):
     stub = status_from_loopback_controller.stub
     await cluster.create(rljob())
     await eventually(lambda: all_children(cluster), "every child to exist")
 
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
-    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=1, group_ids=["g0", "g1"], samples=8, tokens=400,
-                                                                  max_staleness=1, mean_staleness=0.5))
+    await stub.ReportTrainStep(
+        controller_pb2.TrainStepReport(
+            version=1, group_ids=["g0", "g1"], samples=8, tokens=400, max_staleness=1, mean_staleness=0.5
+        )
+    )
 
     def reported() -> dict | None:  # the version is announced before the step is reported: wait for both
         status = cluster.rljob()["status"]
@@ -221,15 +261,19 @@ async def test_status_follows_the_controller_until_the_job_completes(cluster: Cl
 
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=3))
     await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=3, finished=True))
-    complete = await eventually(lambda: cluster.condition("Complete") if cluster.condition("Complete")["status"] == "True" else None,
-                                "the Complete condition")
+    complete = await eventually(
+        lambda: cluster.condition("Complete") if cluster.condition("Complete")["status"] == "True" else None,
+        "the Complete condition",
+    )
     assert complete["reason"] == "TrainingFinished"
     await eventually(lambda: set(replicas(cluster).values()) == {0}, "a finished job to hold no pods")
     assert cluster.rljob()["status"]["completionTime"]
     assert cluster.condition("Failed")["status"] == "False"
 
 
-async def test_a_finished_job_is_deleted_after_its_ttl(cluster: Cluster, status_from_loopback_controller, operator, redis_url):
+async def test_a_finished_job_is_deleted_after_its_ttl(
+    cluster: Cluster, status_from_loopback_controller, operator, redis_url
+):
     stub = status_from_loopback_controller.stub
     await cluster.create(rljob(redis_url=redis_url, ttlSecondsAfterFinished=0))
     await eventually(lambda: all_children(cluster), "every child to exist")
@@ -243,14 +287,21 @@ async def test_a_finished_job_is_deleted_after_its_ttl(cluster: Cluster, status_
 async def test_too_many_container_restarts_fail_the_job(cluster: Cluster, operator):
     await cluster.create(rljob(failurePolicy={"maxRestarts": 2}))
     await eventually(lambda: all_children(cluster), "every child to exist")
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "demo-rollout-abc", "namespace": "rl", "labels": names.labels("demo", "rollout")},
-           "status": {"containerStatuses": [{"name": "rollout", "restartCount": 2}, {"name": "engine", "restartCount": 1}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-rollout-abc", "namespace": "rl", "labels": names.labels("demo", "rollout")},
+        "status": {
+            "containerStatuses": [{"name": "rollout", "restartCount": 2}, {"name": "engine", "restartCount": 1}]
+        },
+    }
     response = await cluster.server.post("/api/v1/namespaces/rl/pods", json=pod)
     assert response.status < 300
 
-    failed = await eventually(lambda: cluster.condition("Failed") if cluster.condition("Failed")["status"] == "True" else None,
-                              "the Failed condition")
+    failed = await eventually(
+        lambda: cluster.condition("Failed") if cluster.condition("Failed")["status"] == "True" else None,
+        "the Failed condition",
+    )
     assert failed["reason"] == "RestartLimitExceeded"
     assert "restarted 3 times" in failed["message"]
     await eventually(lambda: set(replicas(cluster).values()) == {0}, "a failed job to hold no pods")

@@ -3,12 +3,13 @@ and create-or-patch against kmock (real HTTP) without kopf."""
 
 import asyncio
 import copy
-from datetime import datetime, timedelta, timezone
+import re
+from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from operator_fixtures import EXAMPLES, NAMESPACE, Cluster, cluster, rljob, with_changes  # noqa: F401  (fixture)
+from operator_fixtures import EXAMPLES, NAMESPACE, Cluster, rljob, with_changes
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import parse_job
@@ -21,7 +22,7 @@ from areal_k8s.reward.__main__ import parse_args as reward_args
 from areal_k8s.rollout.cpu_engine.__main__ import parse_args as engine_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:read_binary is deprecated:DeprecationWarning")
-NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 
 def children(body: dict, running: bool = True) -> dict[tuple[str, str], dict]:
@@ -82,8 +83,13 @@ def test_the_service_arguments_are_ones_the_services_accept(monkeypatch):
 
 
 def test_the_reward_service_gets_the_jobs_custom_verifiers_and_code_settings(monkeypatch):
-    body = rljob(reward={"verifier": "team.checks:score", "allowed_verifiers": ["team.checks:other"],
-                         "code": {"scoring": "all", "wall_seconds": 2}})
+    body = rljob(
+        reward={
+            "verifier": "team.checks:score",
+            "allowed_verifiers": ["team.checks:other"],
+            "code": {"scoring": "all", "wall_seconds": 2},
+        }
+    )
     reward = container(children(body)[("Deployment", "demo-reward")], "reward")
     monkeypatch.setattr("sys.argv", ["reward", *reward["args"]])
     parsed = reward_args()
@@ -92,8 +98,11 @@ def test_the_reward_service_gets_the_jobs_custom_verifiers_and_code_settings(mon
 
 
 def test_reward_pods_take_a_runtime_class_and_the_profiles_their_sandbox_needs():
-    sandboxed = {"runtimeClassName": "gvisor", "seccompProfile": {"type": "Unconfined"},
-                 "appArmorProfile": {"type": "Localhost", "localhostProfile": "areal-bwrap"}}
+    sandboxed = {
+        "runtimeClassName": "gvisor",
+        "seccompProfile": {"type": "Unconfined"},
+        "appArmorProfile": {"type": "Localhost", "localhostProfile": "areal-bwrap"},
+    }
     pods = pod_specs(children(rljob(roles={"reward": sandboxed})))
     reward = pods["demo-reward"]
     assert reward["runtimeClassName"] == "gvisor"
@@ -101,9 +110,13 @@ def test_reward_pods_take_a_runtime_class_and_the_profiles_their_sandbox_needs()
     assert reward["securityContext"]["appArmorProfile"] == {"type": "Localhost", "localhostProfile": "areal-bwrap"}
     for name, pod in pods.items():  # nothing changes for the other roles
         if name != "demo-reward":
-            assert "runtimeClassName" not in pod and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert "runtimeClassName" not in pod and pod["securityContext"]["seccompProfile"] == {
+                "type": "RuntimeDefault"
+            }, name
     default = pod_specs(children(rljob()))["demo-reward"]
-    assert "runtimeClassName" not in default and default["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "runtimeClassName" not in default and default["securityContext"]["seccompProfile"] == {
+        "type": "RuntimeDefault"
+    }
 
 
 def test_rollout_pods_take_the_profiles_the_tool_agents_sandbox_needs():
@@ -119,7 +132,11 @@ def test_engine_probes_run_beside_the_engine_which_listens_on_loopback_only(exam
     # where an httpGet probe (which the kubelet sends to the pod IP) cannot reach it. SGLang's /health runs a
     # generation and gives up after 20 s itself; loading a large model takes minutes.
     made = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text()))
-    engine = next(container(c, "engine") for (kind, _), c in made.items() if kind == "Deployment" and c["metadata"]["name"].endswith("-rollout"))
+    engine = next(
+        container(c, "engine")
+        for (kind, _), c in made.items()
+        if kind == "Deployment" and c["metadata"]["name"].endswith("-rollout")
+    )
     host = engine["args"][engine["args"].index("--host") + 1]
     for kind in ("startupProbe", "readinessProbe"):
         probe = engine[kind]
@@ -169,10 +186,15 @@ def test_checkpoints_on_an_existing_claim_or_a_claim_per_trainer_pod():
     assert "volumeClaimTemplates" not in claimed["spec"]
     templated = children(rljob(checkpoint={"volumeClaimTemplate": {"size": "5Gi", "storageClassName": "ssd"}}))
     spec = templated[("StatefulSet", "demo-trainer")]["spec"]
-    assert spec["volumeClaimTemplates"][0]["spec"] == {"accessModes": ["ReadWriteOnce"], "storageClassName": "ssd",
-                                                       "resources": {"requests": {"storage": "5Gi"}}}
+    assert spec["volumeClaimTemplates"][0]["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "storageClassName": "ssd",
+        "resources": {"requests": {"storage": "5Gi"}},
+    }
     assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
-    assert validate(rljob(checkpoint={"claimName": "ckpt", "mountPath": "/ckpt"})).config.run_dir.startswith("/ckpt/demo-")
+    assert validate(rljob(checkpoint={"claimName": "ckpt", "mountPath": "/ckpt"})).config.run_dir.startswith(
+        "/ckpt/demo-"
+    )
 
 
 def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
@@ -190,23 +212,37 @@ def test_gpu_jobs_get_gpus_sglang_and_torch_rendezvous():
     ranks = roles["trainer"]["replicas"] * roles["trainer"]["gpusPerPod"]
     assert ranks == 16 and body["spec"]["gpuBudget"] == 64  # the example's 64-GPU split: 48 engines + 16 ranks
     assert (env["WORLD_SIZE"], env["NPROC_PER_NODE"], env["AREAL_TENSOR_PARALLEL_SIZE"]) == (
-        str(ranks), str(roles["trainer"]["gpusPerPod"]), str(roles["trainer"]["parallelism"]["tensor"]))
+        str(ranks),
+        str(roles["trainer"]["gpusPerPod"]),
+        str(roles["trainer"]["parallelism"]["tensor"]),
+    )
     assert validate(body).config.trainer.replicas == ranks  # the job file the ranks read names the same world
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": f"metadata.labels['{names.POD_INDEX_LABEL}']"}}
     # eight ranks per pod: torchrun starts one process per GPU from the variables above (Kubernetes expands them)
     assert container(trainer, "trainer")["command"] == [
-        "torchrun", "--nnodes=$(NNODES)", "--nproc-per-node=$(NPROC_PER_NODE)", "--node-rank=$(NODE_RANK)",
-        "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "-m", "areal_k8s.trainer"]
+        "torchrun",
+        "--nnodes=$(NNODES)",
+        "--nproc-per-node=$(NPROC_PER_NODE)",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "-m",
+        "areal_k8s.trainer",
+    ]
     demo = children(yaml.safe_load(next(p for p in EXAMPLES if p.name == "rljob-demo-cpu.yaml").read_text()))
     demo_trainer = next(w for (kind, name), w in demo.items() if kind == "StatefulSet" and name.endswith("-trainer"))
     assert container(demo_trainer, "trainer")["command"] == ["python", "-m", "areal_k8s.trainer"]  # a rank per pod
     pod = trainer["spec"]["template"]["spec"]
     assert pod["tolerations"][0]["key"] == names.GPU_RESOURCE
-    assert {v["name"]: v["image"]["reference"] for v in pod["volumes"] if "image" in v}["model"].endswith("qwen2.5-1.5b-instruct:1")
+    assert {v["name"]: v["image"]["reference"] for v in pod["volumes"] if "image" in v}["model"].endswith(
+        "qwen2.5-1.5b-instruct:1"
+    )
 
 
 def pod_specs(made: dict) -> dict[str, dict]:
-    return {name: c["spec"]["template"]["spec"] for (kind, name), c in made.items() if kind in ("Deployment", "StatefulSet")}
+    return {
+        name: c["spec"]["template"]["spec"] for (kind, name), c in made.items() if kind in ("Deployment", "StatefulSet")
+    }
 
 
 SERVICE_CONTAINERS = {"controller", "reward", "rollout", "trainer"}  # the engine is SGLang's (or ours) and has none
@@ -228,8 +264,12 @@ def test_every_service_container_serves_metrics_on_the_named_port(example):
             assert len(set(ports.values())) == len(ports), f"{c['name']}: two ports share a number"
     assert seen == SERVICE_CONTAINERS
     # the pods carry the labels the chart's PodMonitor and NetworkPolicies select job pods by
-    for name, pod_template in ((n, c["spec"]["template"]) for (k, n), c in made.items() if k in ("Deployment", "StatefulSet")):
-        assert {names.LABEL_NAME: names.APP_NAME, names.LABEL_MANAGED_BY: names.MANAGER}.items() <= pod_template["metadata"]["labels"].items(), name
+    for name, pod_template in (
+        (n, c["spec"]["template"]) for (k, n), c in made.items() if k in ("Deployment", "StatefulSet")
+    ):
+        assert {names.LABEL_NAME: names.APP_NAME, names.LABEL_MANAGED_BY: names.MANAGER}.items() <= pod_template[
+            "metadata"
+        ]["labels"].items(), name
 
 
 @pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
@@ -244,8 +284,11 @@ def test_every_job_pod_runs_unprivileged_on_a_read_only_root_filesystem(example)
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[names.TMP_VOLUME] == {"name": names.TMP_VOLUME, "emptyDir": {}}
         for c in pod["containers"]:
-            assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}}, (name, c["name"])
+            assert c["securityContext"] == {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            }, (name, c["name"])
             mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
             assert mounts[names.TMP_DIR] == names.TMP_VOLUME, (name, c["name"])
             assert env_of(c)["HOME"].startswith(names.TMP_DIR + "/"), "caches must land on the writable volume"
@@ -253,8 +296,11 @@ def test_every_job_pod_runs_unprivileged_on_a_read_only_root_filesystem(example)
             assert (mounts.get("/dev/shm") == names.SHM_VOLUME) == (gpus > 0), (name, c["name"])
         if any(m["mountPath"] == "/dev/shm" for c in pod["containers"] for m in c["volumeMounts"]):
             assert volumes[names.SHM_VOLUME]["emptyDir"] == {"medium": "Memory"}
-    printed = to_yaml(desired_children(validate(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text())),
-                                       running=True))
+    printed = to_yaml(
+        desired_children(
+            validate(yaml.safe_load(next(p for p in EXAMPLES if p.name == example).read_text())), running=True
+        )
+    )
     assert "&id" not in printed and "*id" not in printed, "shared mounts must not print as YAML aliases"
 
 
@@ -266,8 +312,14 @@ def test_default_images_follow_the_operator_version_unless_the_chart_overrides_t
     monkeypatch.setenv(names.IMAGE_TAG_ENV, "0.1.0-rc1")
     assert names.default_image("trainer") == "registry.example.com/mirror/trainer:0.1.0-rc1"
     made = children(rljob())
-    assert container(made[("StatefulSet", "demo-trainer")], "trainer")["image"] == "registry.example.com/mirror/trainer:0.1.0-rc1"
-    assert container(made[("Deployment", "demo-rollout")], "engine")["image"] == "registry.example.com/mirror/rollout:0.1.0-rc1"
+    assert (
+        container(made[("StatefulSet", "demo-trainer")], "trainer")["image"]
+        == "registry.example.com/mirror/trainer:0.1.0-rc1"
+    )
+    assert (
+        container(made[("Deployment", "demo-rollout")], "engine")["image"]
+        == "registry.example.com/mirror/rollout:0.1.0-rc1"
+    )
 
 
 def test_equal_names_in_other_namespaces_get_other_redis_keys():
@@ -291,7 +343,12 @@ def test_phase_decisions():
     decide = lifecycle.decide_phase
     running = decide(spec_of(), {}, lifecycle.Observed(controller=report()), NOW)
     assert running.name == lifecycle.RUNNING
-    done = decide(spec_of(), {}, lifecycle.Observed(controller=report(controller_pb2.JobStatus.COMPLETED, version=3, total_steps=3)), NOW)
+    done = decide(
+        spec_of(),
+        {},
+        lifecycle.Observed(controller=report(controller_pb2.JobStatus.COMPLETED, version=3, total_steps=3)),
+        NOW,
+    )
     assert (done.name, done.reason, done.message) == ("Complete", "TrainingFinished", "trained 3 of 3 steps")
     crashed = decide(spec_of(failurePolicy={"maxRestarts": 1}), {}, lifecycle.Observed(restarts={"rollout": 2}), NOW)
     assert (crashed.name, crashed.reason) == ("Failed", "RestartLimitExceeded")
@@ -299,13 +356,24 @@ def test_phase_decisions():
     started = {"startTime": lifecycle.rfc3339(NOW - timedelta(seconds=61))}
     late = decide(spec_of(activeDeadlineSeconds=60), started, lifecycle.Observed(), NOW)
     assert (late.name, late.reason) == ("Failed", "DeadlineExceeded")
-    assert decide(spec_of(activeDeadlineSeconds=60, suspend=True), started, lifecycle.Observed(), NOW).name == "Suspended"
+    assert (
+        decide(spec_of(activeDeadlineSeconds=60, suspend=True), started, lifecycle.Observed(), NOW).name == "Suspended"
+    )
 
 
 def test_terminal_phases_stick():
-    finished = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=1, previous={},
-                                    phase=lifecycle.Phase("Complete", "TrainingFinished", "done"), observed=lifecycle.Observed(), now=NOW)
-    later = lifecycle.decide_phase(spec_of(), finished, lifecycle.Observed(controller=report()), NOW + timedelta(hours=1))
+    finished = lifecycle.job_status(
+        job_name="demo",
+        job_key="demo-1",
+        generation=1,
+        previous={},
+        phase=lifecycle.Phase("Complete", "TrainingFinished", "done"),
+        observed=lifecycle.Observed(),
+        now=NOW,
+    )
+    later = lifecycle.decide_phase(
+        spec_of(), finished, lifecycle.Observed(controller=report()), NOW + timedelta(hours=1)
+    )
     assert (later.name, later.reason) == ("Complete", "TrainingFinished")
 
 
@@ -315,14 +383,34 @@ def ready_replicas(ready: int) -> dict[str, lifecycle.RoleReplicas]:
 
 def test_conditions_and_their_transition_times():
     running = lifecycle.Phase("Running", "Running", "up")
-    first = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=1, previous={}, phase=running,
-                                 observed=lifecycle.Observed(replicas=ready_replicas(0)), now=NOW)
-    assert [c["type"] for c in first["conditions"]] == [t for t in lifecycle.CONDITION_TYPES if t != "Rebalancing"]  # only with the rebalancer
+    first = lifecycle.job_status(
+        job_name="demo",
+        job_key="demo-1",
+        generation=1,
+        previous={},
+        phase=running,
+        observed=lifecycle.Observed(replicas=ready_replicas(0)),
+        now=NOW,
+    )
+    assert [c["type"] for c in first["conditions"]] == [
+        t for t in lifecycle.CONDITION_TYPES if t != "Rebalancing"
+    ]  # only with the rebalancer
     ready = {c["type"]: c for c in first["conditions"]}["Ready"]
-    assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == ("False", "ReplicasNotReady", "2026-01-02T03:04:05Z")
+    assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == (
+        "False",
+        "ReplicasNotReady",
+        "2026-01-02T03:04:05Z",
+    )
     later = NOW + timedelta(minutes=5)
-    second = lifecycle.job_status(job_name="demo", job_key="demo-1", generation=2, previous=first, phase=running,
-                                  observed=lifecycle.Observed(replicas=ready_replicas(1), controller=report()), now=later)
+    second = lifecycle.job_status(
+        job_name="demo",
+        job_key="demo-1",
+        generation=2,
+        previous=first,
+        phase=running,
+        observed=lifecycle.Observed(replicas=ready_replicas(1), controller=report()),
+        now=later,
+    )
     by_type = {c["type"]: c for c in second["conditions"]}
     assert by_type["Ready"]["status"] == "True" and by_type["Ready"]["lastTransitionTime"] == "2026-01-02T03:09:05Z"
     assert by_type["Suspended"]["lastTransitionTime"] == "2026-01-02T03:04:05Z", "unchanged status keeps its time"
@@ -333,17 +421,35 @@ def test_conditions_and_their_transition_times():
 def test_an_unreachable_controller_is_degraded_only_once_its_pod_is_ready():
     running = lifecycle.Phase("Running", "Running", "up")
     for ready, degraded in ((0, "False"), (1, "True")):
-        observed = lifecycle.Observed(replicas=ready_replicas(ready), controller_error="controller x: UNAVAILABLE: down")
-        status = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous={}, phase=running, observed=observed, now=NOW)
+        observed = lifecycle.Observed(
+            replicas=ready_replicas(ready), controller_error="controller x: UNAVAILABLE: down"
+        )
+        status = lifecycle.job_status(
+            job_name="d", job_key="d-1", generation=1, previous={}, phase=running, observed=observed, now=NOW
+        )
         assert {c["type"]: c["status"] for c in status["conditions"]}["Degraded"] == degraded
 
 
 def test_status_carries_the_controller_metrics():
     status = lifecycle.job_status(
-        job_name="demo", job_key="demo-1", generation=1, previous={}, phase=lifecycle.Phase("Running", "Running", "up"),
-        observed=lifecycle.Observed(controller=report(version=7, total_steps=9, mean_staleness=1.23456, max_staleness_seen=2,
-                                                      last_max_staleness=1, samples_per_second=3.5, tokens_per_second=99.5)),
-        now=NOW)
+        job_name="demo",
+        job_key="demo-1",
+        generation=1,
+        previous={},
+        phase=lifecycle.Phase("Running", "Running", "up"),
+        observed=lifecycle.Observed(
+            controller=report(
+                version=7,
+                total_steps=9,
+                mean_staleness=1.23456,
+                max_staleness_seen=2,
+                last_max_staleness=1,
+                samples_per_second=3.5,
+                tokens_per_second=99.5,
+            )
+        ),
+        now=NOW,
+    )
     assert (status["policyVersion"], status["totalSteps"]) == (7, 9)
     assert status["staleness"] == {"mean": 1.2346, "max": 2, "last": 1}
     assert status["throughput"] == {"samplesPerSecond": 3.5, "tokensPerSecond": 99.5}
@@ -352,29 +458,56 @@ def test_status_carries_the_controller_metrics():
 
 def test_status_counts_restarts_per_role_and_groups_by_outcome_and_dead_letters_degrade_past_the_threshold():
     running = lifecycle.Phase("Running", "Running", "up")
-    groups = dict(admitted=40, running=3, accepted=30, filtered=2, failed=1, requeued=4, dropped=1)
+    groups = {"admitted": 40, "running": 3, "accepted": 30, "filtered": 2, "failed": 1, "requeued": 4, "dropped": 1}
     for dead, threshold, degraded in ((0, 0, "False"), (2, 2, "False"), (3, 2, "True")):
-        observed = lifecycle.Observed(replicas=ready_replicas(1), restarts={"rollout": 2, "trainer": 1},
-                                      controller=report(dead_lettered=dead, **groups))
-        status = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous={}, phase=running,
-                                      observed=observed, now=NOW, max_dead_lettered=threshold)
+        observed = lifecycle.Observed(
+            replicas=ready_replicas(1),
+            restarts={"rollout": 2, "trainer": 1},
+            controller=report(dead_lettered=dead, **groups),
+        )
+        status = lifecycle.job_status(
+            job_name="d",
+            job_key="d-1",
+            generation=1,
+            previous={},
+            phase=running,
+            observed=observed,
+            now=NOW,
+            max_dead_lettered=threshold,
+        )
         assert status["groups"] == groups and status["restarts"] == 3
         assert status["replicas"]["rollout"]["restarts"] == 2 and status["replicas"]["controller"]["restarts"] == 0
         condition = lifecycle.condition_of(status, "Degraded")
         assert condition["status"] == degraded
         if degraded == "True":
             assert condition["reason"] == "ItemsDeadLettered" and "3 dataset items" in condition["message"]
-    crashed = lifecycle.decide_phase(spec_of(failurePolicy={"maxRestarts": 2}), {}, lifecycle.Observed(restarts={"rollout": 2, "trainer": 1}), NOW)
+    crashed = lifecycle.decide_phase(
+        spec_of(failurePolicy={"maxRestarts": 2}), {}, lifecycle.Observed(restarts={"rollout": 2, "trainer": 1}), NOW
+    )
     assert crashed.reason == "RestartLimitExceeded" and "(rollout 2, trainer 1)" in crashed.message
 
 
 def test_suspension_clears_the_start_time_and_finishing_sets_the_completion_time():
     previous = {"startTime": "2026-01-01T00:00:00Z"}
-    suspended = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous=previous,
-                                     phase=lifecycle.Phase("Suspended", "SuspendedByUser", "zero"), observed=lifecycle.Observed(), now=NOW)
+    suspended = lifecycle.job_status(
+        job_name="d",
+        job_key="d-1",
+        generation=1,
+        previous=previous,
+        phase=lifecycle.Phase("Suspended", "SuspendedByUser", "zero"),
+        observed=lifecycle.Observed(),
+        now=NOW,
+    )
     assert suspended["startTime"] is None and "completionTime" not in suspended
-    failed = lifecycle.job_status(job_name="d", job_key="d-1", generation=1, previous=previous,
-                                  phase=lifecycle.Phase("Failed", "DeadlineExceeded", "late"), observed=lifecycle.Observed(), now=NOW)
+    failed = lifecycle.job_status(
+        job_name="d",
+        job_key="d-1",
+        generation=1,
+        previous=previous,
+        phase=lifecycle.Phase("Failed", "DeadlineExceeded", "late"),
+        observed=lifecycle.Observed(),
+        now=NOW,
+    )
     assert failed["completionTime"] == "2026-01-02T03:04:05Z"
     assert lifecycle.ttl_expired({"ttlSecondsAfterFinished": 60}, failed, NOW + timedelta(seconds=60))
     assert not lifecycle.ttl_expired({"ttlSecondsAfterFinished": 60}, failed, NOW + timedelta(seconds=59))
@@ -384,7 +517,11 @@ def test_suspension_clears_the_start_time_and_finishing_sets_the_completion_time
 def test_invalid_spec_status_and_the_events_of_transitions():
     status = lifecycle.invalid_status(generation=3, previous={}, problems=["spec.x: bad", "spec.y: worse"], now=NOW)
     degraded = lifecycle.condition_of(status, "Degraded")
-    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", "spec.x: bad; spec.y: worse")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True",
+        "InvalidSpec",
+        "spec.x: bad; spec.y: worse",
+    )
     assert status["observedGeneration"] == 3 and lifecycle.condition_of(status, "Complete") is None
     assert lifecycle.transitions({}, status) == [("Warning", "InvalidSpec", "spec.x: bad; spec.y: worse")]
     assert lifecycle.transitions(status, status) == []
@@ -392,8 +529,10 @@ def test_invalid_spec_status_and_the_events_of_transitions():
 
 def test_restarts_count_only_the_jobs_pods():
     def pod(job, *counts):
-        return {"metadata": {"labels": names.labels(job, "rollout")},
-                "status": {"containerStatuses": [{"restartCount": c} for c in counts]}}
+        return {
+            "metadata": {"labels": names.labels(job, "rollout")},
+            "status": {"containerStatuses": [{"restartCount": c} for c in counts]},
+        }
 
     assert lifecycle.count_restarts([pod("demo", 2, 1), pod("other", 5), {"metadata": {}}], "demo") == {"rollout": 3}
 
@@ -404,14 +543,26 @@ def test_restarts_count_only_the_jobs_pods():
 def test_merge_patch_removes_what_was_applied_before_and_is_gone_now():
     last = {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "replicas": 2}, "metadata": {"labels": {"x": "y"}}}
     desired = {"spec": {"nodeSelector": {"a": "1"}, "replicas": 3}, "metadata": {}}
-    assert merge_patch(last, desired) == {"spec": {"nodeSelector": {"a": "1", "b": None}, "replicas": 3},
-                                          "metadata": {"labels": None}}
+    assert merge_patch(last, desired) == {
+        "spec": {"nodeSelector": {"a": "1", "b": None}, "replicas": 3},
+        "metadata": {"labels": None},
+    }
 
 
 def test_subset_tolerates_server_defaults_and_quantity_spellings():
     desired = {"spec": {"containers": [{"name": "a", "resources": {"limits": {"cpu": "0.5", names.GPU_RESOURCE: 1}}}]}}
-    live = {"spec": {"containers": [{"name": "a", "imagePullPolicy": "IfNotPresent",
-                                     "resources": {"limits": {"cpu": "500m", names.GPU_RESOURCE: "1"}}}], "dnsPolicy": "x"}}
+    live = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "a",
+                    "imagePullPolicy": "IfNotPresent",
+                    "resources": {"limits": {"cpu": "500m", names.GPU_RESOURCE: "1"}},
+                }
+            ],
+            "dnsPolicy": "x",
+        }
+    }
     assert is_subset(desired, live)
     assert not is_subset(desired, {"spec": {"containers": [{"name": "a", "resources": {"limits": {"cpu": "1"}}}]}})
     assert not is_subset({"args": ["a", "b"]}, {"args": ["a", "b", "c"]})
@@ -443,8 +594,13 @@ async def test_create_or_patch_against_an_apiserver(cluster: Cluster):
     await call(apply, kube, service)
     assert [r.method.name for r in list(cluster.server)[writes:]] == ["GET"], "an up-to-date child is only read"
 
-    changed = with_changes(service, {"spec": {"ports": [{"name": "grpc", "port": 1, "targetPort": 1, "protocol": "TCP"}]},
-                                     "metadata": {"labels": {names.LABEL_MANAGED_BY: None}}})
+    changed = with_changes(
+        service,
+        {
+            "spec": {"ports": [{"name": "grpc", "port": 1, "targetPort": 1, "protocol": "TCP"}]},
+            "metadata": {"labels": {names.LABEL_MANAGED_BY: None}},
+        },
+    )
     changed["metadata"]["labels"] = {k: v for k, v in changed["metadata"]["labels"].items() if v is not None}
     live = await call(apply, kube, changed)
     assert live["spec"]["ports"][0]["port"] == 1
@@ -470,5 +626,5 @@ def test_the_trainers_parallel_layout_reaches_the_job_file_the_ranks_read():
     valid = validate(rljob(trainer={"backend": "megatron"}, roles={**rljob()["spec"]["roles"], "trainer": split}))
     assert (valid.config.trainer.backend, valid.config.trainer.replicas) == ("megatron", 2)
     assert (valid.config.trainer.parallelism.tensor, valid.config.trainer.parallelism.pipeline) == (2, 1)
-    with pytest.raises(InvalidSpec, match="parallelism.tensor/pipeline > 1 needs backend: megatron"):
+    with pytest.raises(InvalidSpec, match=re.escape("parallelism.tensor/pipeline > 1 needs backend: megatron")):
         validate(rljob(roles={**rljob()["spec"]["roles"], "trainer": split}))

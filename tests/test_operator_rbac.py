@@ -5,18 +5,7 @@ import base64
 import pytest
 import redis
 import yaml
-from operator_fixtures import (  # noqa: F401  (fixtures)
-    ON_API_SERVER,
-    NAMESPACE,
-    ROOT,
-    Cluster,
-    cluster,
-    controller,
-    eventually,
-    operator,
-    operator_context,
-    rljob,
-)
+from operator_fixtures import NAMESPACE, ON_API_SERVER, ROOT, Cluster, eventually, rljob
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.k8s_operator import names
@@ -27,9 +16,13 @@ pytestmark = ON_API_SERVER
 
 # Allowed without a request to show for it, each for its stated reason.
 UNEXERCISED = {
-    ("areal-k8s.dev", "rljobs/finalizers", "update"): "ownerReferences with blockOwnerDeletion need it on a real apiserver",
+    (
+        "areal-k8s.dev",
+        "rljobs/finalizers",
+        "update",
+    ): "ownerReferences with blockOwnerDeletion need it on a real apiserver",
     ("", "pods", "delete"): "the rebalancer restarts the trainer's pods when it moves the trainer "
-                            "(tests/test_operator_rebalance.py)",
+    "(tests/test_operator_rebalance.py)",
 }
 HTTP_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
 
@@ -37,8 +30,13 @@ HTTP_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "creat
 def allowed_permissions() -> set[tuple[str, str, str]]:
     role = yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text())
     assert role["kind"] == "ClusterRole"
-    return {(group, resource, verb) for rule in role["rules"]
-            for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]}
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
 
 
 def permission_of(request) -> tuple[str, str, str] | None:
@@ -67,13 +65,22 @@ def loopback_status(operator_context, controller):
 
 
 async def test_every_api_call_of_a_whole_lifecycle_is_allowed_and_every_rule_is_needed(
-        cluster: Cluster, loopback_status, operator, redis_url, monkeypatch):
+    cluster: Cluster, loopback_status, operator, redis_url, monkeypatch
+):
     monkeypatch.setenv(names.NETWORK_POLICIES_ENV, "1")  # as the chart sets it: the operator's NetworkPolicy children
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "redis", "namespace": NAMESPACE},
-              "data": {"url": base64.b64encode(redis_url.encode()).decode()}}
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "redis", "namespace": NAMESPACE},
+        "data": {"url": base64.b64encode(redis_url.encode()).decode()},
+    }
     assert (await cluster.server.post(f"/api/v1/namespaces/{NAMESPACE}/secrets", json=secret)).status < 300
-    body = rljob(redis_url=redis_url, ttlSecondsAfterFinished=0, rebalance={"enabled": True},  # it lists autoscalers
-                 staleness={"eta": 1, "targetBand": {"min": 0.5, "max": 1}})
+    body = rljob(
+        redis_url=redis_url,
+        ttlSecondsAfterFinished=0,
+        rebalance={"enabled": True},  # it lists autoscalers
+        staleness={"eta": 1, "targetBand": {"min": 0.5, "max": 1}},
+    )
     body["spec"]["redis"] = {"urlSecretRef": {"name": "redis", "key": "url"}}
     job_key = validate(body).config.name
     redis.Redis.from_url(redis_url).set(f"areal:{{{job_key}}}:version", 1)
@@ -82,26 +89,42 @@ async def test_every_api_call_of_a_whole_lifecycle_is_allowed_and_every_rule_is_
     await eventually(lambda: cluster.get("apps/v1/deployments", "demo-rollout"), "the rollout Deployment")
     await cluster.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/demo-rollout")  # drift: recreated
     # drift on a Service, a spec change that rewrites the job configuration
-    await cluster.server.patch(f"/api/v1/namespaces/{NAMESPACE}/services/demo-reward", json={"spec": {"selector": {names.LABEL_COMPONENT: "x"}}},
-                               headers={"Content-Type": "application/merge-patch+json"})
+    await cluster.server.patch(
+        f"/api/v1/namespaces/{NAMESPACE}/services/demo-reward",
+        json={"spec": {"selector": {names.LABEL_COMPONENT: "x"}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     await cluster.update_spec("demo", {"algorithm": {"lr": 3e-5}})
-    await eventually(lambda: "lr: 3.0e-05" in cluster.get("v1/configmaps", "demo-config")["data"][names.CONFIG_KEY], "the new config")
-    await eventually(lambda: cluster.get("v1/services", "demo-reward")["spec"]["selector"][names.LABEL_COMPONENT] == "reward",
-                     "the Service repaired")
+    await eventually(
+        lambda: "lr: 3.0e-05" in cluster.get("v1/configmaps", "demo-config")["data"][names.CONFIG_KEY], "the new config"
+    )
+    await eventually(
+        lambda: cluster.get("v1/services", "demo-reward")["spec"]["selector"][names.LABEL_COMPONENT] == "reward",
+        "the Service repaired",
+    )
     # drift on the reward pods' NetworkPolicy: someone opens the scoring port to everyone
-    await eventually(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward"), "the reward NetworkPolicy")
-    opened = await cluster.server.patch(f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo-reward",
-                                        json={"spec": {"ingress": [{}]}}, headers={"Content-Type": "application/merge-patch+json"})
+    await eventually(
+        lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward"), "the reward NetworkPolicy"
+    )
+    opened = await cluster.server.patch(
+        f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo-reward",
+        json={"spec": {"ingress": [{}]}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
     assert opened.status < 300
-    await eventually(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward")["spec"]["ingress"] != [{}],
-                     "the NetworkPolicy repaired")
+    await eventually(
+        lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo-reward")["spec"]["ingress"] != [{}],
+        "the NetworkPolicy repaired",
+    )
     await cluster.update_spec("demo", {"suspend": True})
     await eventually(lambda: cluster.get("apps/v1/deployments", "demo-rollout")["spec"]["replicas"] == 0, "suspension")
     await cluster.update_spec("demo", {"suspend": False})
     await eventually(lambda: cluster.get("apps/v1/deployments", "demo-rollout")["spec"]["replicas"] == 2, "resumption")
     await loopback_status.stub.ReportTrainStep(controller_pb2.TrainStepReport(version=0, finished=True))
     await eventually(lambda: cluster.rljob() is None, "the finished RLJob deleted after its TTL, through the finalizer")
-    assert redis.Redis.from_url(redis_url).keys(f"areal:{{{job_key}}}:*") == [], "the finalizer read the URL from the Secret"
+    assert redis.Redis.from_url(redis_url).keys(f"areal:{{{job_key}}}:*") == [], (
+        "the finalizer read the URL from the Secret"
+    )
 
     operator_requests = [r for r in cluster.server if user_agent(r).startswith(("kopf/", USER_AGENT))]
     assert any(user_agent(r) == USER_AGENT for r in operator_requests), "the operator's own client shows in the log"

@@ -6,16 +6,7 @@ import contextlib
 
 import grpc
 import pytest
-from operator_fixtures import (  # noqa: F401  (fixtures)
-    NAMESPACE,
-    ON_API_SERVER,
-    Cluster,
-    cluster,
-    eventually,
-    operator,
-    operator_context,
-    rljob,
-)
+from operator_fixtures import NAMESPACE, ON_API_SERVER, Cluster, eventually, rljob
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.rebalance import Split, State, Totals, Verdict
@@ -30,11 +21,18 @@ HPAS = "/apis/autoscaling/v2/namespaces/rl/horizontalpodautoscalers"
 
 
 def test_the_spec_gives_the_units_the_bounds_and_what_the_budget_leaves_for_rollout_and_training():
-    spec = validate(rljob(
-        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
-        gpuBudget=16, roles={"rollout": {"replicas": 3, "minReplicas": 2, "maxReplicas": 6, "gpusPerPod": 2},
-                             "reward": {"replicas": 1, "gpusPerPod": 1},
-                             "trainer": {"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 4, "pipeline": 1, "data": 2}}})).spec
+    spec = validate(
+        rljob(
+            rollout={"engine": "sglang"},
+            trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
+            gpuBudget=16,
+            roles={
+                "rollout": {"replicas": 3, "minReplicas": 2, "maxReplicas": 6, "gpusPerPod": 2},
+                "reward": {"replicas": 1, "gpusPerPod": 1},
+                "trainer": {"replicas": 2, "gpusPerPod": 4, "parallelism": {"tensor": 4, "pipeline": 1, "data": 2}},
+            },
+        )
+    ).spec
     limits = limits_of(spec)
     assert (limits.rollout_unit, limits.trainer_unit, limits.budget) == (2, 4, 15)  # a data-parallel replica: tp × pp
     assert (limits.min_rollout, limits.max_rollout, limits.min_trainer, limits.max_trainer) == (2, 6, 2, 2)
@@ -44,10 +42,22 @@ def test_the_spec_gives_the_units_the_bounds_and_what_the_budget_leaves_for_roll
 
 
 def test_the_state_survives_a_round_trip_through_the_status():
-    state = State(Split(3, 1), window_start=Totals(at=5.0, trained_samples=10, trained_tokens=300, staleness_sum=4.0, staleness_counts=(6, 4),
-                                                   trainer_wait_seconds=1.5, held_by_staleness_seconds=0.0,
-                                                   accepted_groups=5, workers=3),
-                  last_change_at=2.0, memory=(Verdict(Split(2, 1), "below", 0.25, 30.0),))
+    state = State(
+        Split(3, 1),
+        window_start=Totals(
+            at=5.0,
+            trained_samples=10,
+            trained_tokens=300,
+            staleness_sum=4.0,
+            staleness_counts=(6, 4),
+            trainer_wait_seconds=1.5,
+            held_by_staleness_seconds=0.0,
+            accepted_groups=5,
+            workers=3,
+        ),
+        last_change_at=2.0,
+        memory=(Verdict(Split(2, 1), "below", 0.25, 30.0),),
+    )
     assert state_from_status(state_to_status(state), start=Split(9, 9)) == state
     assert state_from_status(None, start=Split(2, 1)) == State(Split(2, 1))
 
@@ -63,10 +73,19 @@ class ScriptedController(controller_pb2_grpc.ControllerServicer):
         self.calls += 1
         return self.status
 
-    def script(self, at: float, samples: int = 0, mean: float = 0.0, trainer_wait: float = 0.0, held: float = 0.0) -> None:
+    def script(
+        self, at: float, samples: int = 0, mean: float = 0.0, trainer_wait: float = 0.0, held: float = 0.0
+    ) -> None:
         self.status = controller_pb2.JobStatus(
-            phase=controller_pb2.JobStatus.RUNNING, updated_at=at, trained_samples=samples, staleness_sum=mean * samples,
-            staleness_counts=[samples], trainer_wait_seconds=trainer_wait, held_by_staleness_seconds=held, workers=2)
+            phase=controller_pb2.JobStatus.RUNNING,
+            updated_at=at,
+            trained_samples=samples,
+            staleness_sum=mean * samples,
+            staleness_counts=[samples],
+            trainer_wait_seconds=trainer_wait,
+            held_by_staleness_seconds=held,
+            workers=2,
+        )
 
 
 @contextlib.asynccontextmanager
@@ -110,16 +129,27 @@ async def reconciled_twice(cluster: Cluster, controller: ScriptedController) -> 
 
 
 def events(cluster: Cluster, reason: str) -> list[dict]:
-    return [e for (r, _, _), e in cluster.server.objects.items() if r.plural == "events" and not e.deleted and e["reason"] == reason]
+    return [
+        e
+        for (r, _, _), e in cluster.server.objects.items()
+        if r.plural == "events" and not e.deleted and e["reason"] == reason
+    ]
 
 
 async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_owns_it(
-        cluster: Cluster, scripted_controller: ScriptedController, operator):
+    cluster: Cluster, scripted_controller: ScriptedController, operator
+):
     controller = scripted_controller
     controller.script(at=1000)
-    await cluster.create(rljob(staleness={"eta": 2, "targetBand": {"min": 0.5, "max": 1.5}},
-                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
-    await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
+    await cluster.create(
+        rljob(
+            staleness={"eta": 2, "targetBand": {"min": 0.5, "max": 1.5}},
+            rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10},
+        )
+    )
+    await eventually(
+        lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start"
+    )
     assert (rollout_replicas(cluster), cluster.condition("Rebalancing")["reason"]) == (2, "CollectingData")
 
     # Fresh samples and a trainer idle a third of the window: half the shortfall (a pod) is one more rollout pod.
@@ -135,19 +165,33 @@ async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_own
 
     # While enabled the rebalancer owns the pool: a change of roles.rollout.replicas (what /scale writes) is ignored.
     await cluster.update_spec("demo", {"roles": {"rollout": {"replicas": 1}}})
-    await eventually(lambda: cluster.rljob()["status"]["observedGeneration"] == cluster.rljob()["metadata"]["generation"],
-                     "the spec change reconciled")
+    await eventually(
+        lambda: cluster.rljob()["status"]["observedGeneration"] == cluster.rljob()["metadata"]["generation"],
+        "the spec change reconciled",
+    )
     assert rollout_replicas(cluster) == 3
 
     # An autoscaler on the RLJob would fight it: reported, and nothing moves while it exists.
-    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "demo-hpa", "namespace": NAMESPACE},
-           "spec": {"scaleTargetRef": {"apiVersion": "areal-k8s.dev/v1alpha1", "kind": "RLJob", "name": "demo"},
-                    "minReplicas": 1, "maxReplicas": 8}}
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "demo-hpa", "namespace": NAMESPACE},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "areal-k8s.dev/v1alpha1", "kind": "RLJob", "name": "demo"},
+            "minReplicas": 1,
+            "maxReplicas": 8,
+        },
+    }
     assert (await cluster.server.post(HPAS, json=hpa)).status < 300
-    degraded = await eventually(lambda: cluster.condition("Degraded") if cluster.condition("Degraded")["status"] == "True" else None,
-                                "Degraded for the autoscaler")
+    degraded = await eventually(
+        lambda: cluster.condition("Degraded") if cluster.condition("Degraded")["status"] == "True" else None,
+        "Degraded for the autoscaler",
+    )
     assert degraded["reason"] == "AutoscalerConflict" and "HorizontalPodAutoscaler demo-hpa" in degraded["message"]
-    assert (cluster.condition("Rebalancing")["status"], cluster.condition("Rebalancing")["reason"]) == ("False", "AutoscalerConflict")
+    assert (cluster.condition("Rebalancing")["status"], cluster.condition("Rebalancing")["reason"]) == (
+        "False",
+        "AutoscalerConflict",
+    )
     controller.script(at=1060, samples=200, mean=0.1, trainer_wait=40)
     await reconciled_twice(cluster, controller)
     assert rollout_replicas(cluster) == 3 and rebalance_status(cluster)["windowStart"]["at"] == 1030
@@ -170,7 +214,10 @@ async def test_the_operator_sizes_the_rollout_pool_to_the_staleness_band_and_own
     await cluster.update_spec("demo", {"rebalance": {"enabled": False}})
     await eventually(lambda: rollout_replicas(cluster) == 1, "roles.rollout.replicas back in charge")
     await eventually(lambda: "rebalance" not in cluster.rljob()["status"], "the rebalancer's state removed")
-    assert (cluster.condition("Rebalancing")["status"], cluster.condition("Rebalancing")["reason"]) == ("False", "Disabled")
+    assert (cluster.condition("Rebalancing")["status"], cluster.condition("Rebalancing")["reason"]) == (
+        "False",
+        "Disabled",
+    )
 
 
 STATEFULSETS = "apps/v1/statefulsets"
@@ -183,15 +230,28 @@ def trainer_env(cluster: Cluster) -> dict[str, str]:
 
 
 def test_the_trainer_bounds_come_from_roles_trainer_in_data_parallel_replicas():
-    spec = validate(rljob(
-        rollout={"engine": "sglang"}, trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
-        roles={"rollout": {"replicas": 2, "maxReplicas": 4, "gpusPerPod": 1},
-               "trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6, "gpusPerPod": 4,
-                           "parallelism": {"tensor": 4, "data": 2}}})).spec
+    spec = validate(
+        rljob(
+            rollout={"engine": "sglang"},
+            trainer={"device": "cuda", "weight_sync_backend": "nccl", "backend": "megatron"},
+            roles={
+                "rollout": {"replicas": 2, "maxReplicas": 4, "gpusPerPod": 1},
+                "trainer": {
+                    "replicas": 2,
+                    "minReplicas": 1,
+                    "maxReplicas": 6,
+                    "gpusPerPod": 4,
+                    "parallelism": {"tensor": 4, "data": 2},
+                },
+            },
+        )
+    ).spec
     limits = limits_of(spec)
     assert (limits.trainer_unit, limits.min_trainer, limits.max_trainer) == (4, 1, 6)  # one pod per tp=4 replica
     assert within_limits(Split(2, 9), limits) == Split(2, 6)
-    job = validate(rljob(roles={"trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "parallelism": {"data": 2}}}))
+    job = validate(
+        rljob(roles={"trainer": {"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "parallelism": {"data": 2}}})
+    )
     assert (job.config.rebalance.min_trainer_replicas, job.config.rebalance.max_trainer_replicas) == (1, 3)
 
 
@@ -215,17 +275,31 @@ async def handing_off_trainer(operator_context, cluster):
 
 
 async def test_a_decision_that_moves_the_trainer_resizes_its_world_and_restarts_its_pods(
-        cluster: Cluster, scripted_controller: ScriptedController, handing_off_trainer: HandingOffTrainer, operator):
+    cluster: Cluster, scripted_controller: ScriptedController, handing_off_trainer: HandingOffTrainer, operator
+):
     controller, trainer_rank_0 = scripted_controller, handing_off_trainer
     controller.script(at=1000)
-    await cluster.create(rljob(staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
-                               roles={"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
-                                      "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2}},
-                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
-    await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
-    assert cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 1 and trainer_env(cluster)["WORLD_SIZE"] == "1"
-    rank = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "demo-trainer-0", "namespace": NAMESPACE,
-                                                             "labels": names.labels("demo", "trainer")}}
+    await cluster.create(
+        rljob(
+            staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
+            roles={
+                "rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+            },
+            rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10},
+        )
+    )
+    await eventually(
+        lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start"
+    )
+    assert (
+        cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 1 and trainer_env(cluster)["WORLD_SIZE"] == "1"
+    )
+    rank = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-trainer-0", "namespace": NAMESPACE, "labels": names.labels("demo", "trainer")},
+    }
     assert (await cluster.server.post(PODS, json=rank)).status < 300  # (kmock runs no StatefulSet controller)
 
     # Samples older than the band with neither side waiting: toward training, and the trainer may grow.
@@ -254,18 +328,31 @@ async def test_a_decision_that_moves_the_trainer_resizes_its_world_and_restarts_
 
 
 async def test_a_trainer_that_does_not_hand_off_restarts_from_its_latest_periodic_checkpoint(
-        cluster: Cluster, scripted_controller: ScriptedController, operator_context, operator):
+    cluster: Cluster, scripted_controller: ScriptedController, operator_context, operator
+):
     controller = scripted_controller
     operator_context.trainer_address = lambda namespace, name: "127.0.0.1:1"  # nothing listens: UNAVAILABLE
     controller.script(at=1000)
-    await cluster.create(rljob(staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
-                               roles={"rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
-                                      "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2}},
-                               rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10}))
-    await eventually(lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start")
+    await cluster.create(
+        rljob(
+            staleness={"eta": 3, "targetBand": {"min": 0.5, "max": 1.5}},
+            roles={
+                "rollout": {"replicas": 2, "minReplicas": 1, "maxReplicas": 2},
+                "trainer": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+            },
+            rebalance={"enabled": True, "window_seconds": 10, "cooldown_seconds": 0, "min_samples": 10},
+        )
+    )
+    await eventually(
+        lambda: rebalance_status(cluster).get("windowStart", {}).get("at") == 1000, "the first window to start"
+    )
     controller.script(at=1030, samples=100, mean=2.0)
-    await eventually(lambda: cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 2, "the trainer at 2 pods")
+    await eventually(
+        lambda: cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"] == 2, "the trainer at 2 pods"
+    )
     reason = await eventually(lambda: cluster.rljob()["status"].get("lastRebalanceReason"), "the move's reason")
     interval = validate(cluster.rljob()).config.trainer.checkpoint_interval
-    assert (f"the trainer world restarts at 2 pods from its latest periodic checkpoint (every {interval} steps; the "
-            "hand-off failed: UNAVAILABLE") in reason and "the steps trained since are trained again" in reason
+    assert (
+        f"the trainer world restarts at 2 pods from its latest periodic checkpoint (every {interval} steps; the "
+        "hand-off failed: UNAVAILABLE"
+    ) in reason and "the steps trained since are trained again" in reason

@@ -71,7 +71,7 @@ def test_ffd_properties(lengths, budget, padded):
     for later, b in enumerate(bins):
         for i in b:
             for earlier in bins[:later]:
-                assert cost(earlier + [i], lengths, padded) > budget
+                assert cost([*earlier, i], lengths, padded) > budget
 
 
 @settings(max_examples=100, deadline=None)
@@ -81,7 +81,9 @@ def test_ffd_depends_only_on_the_lengths(lengths, budget, seed):
     perm = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(seed)).tolist()
     shuffled = [lengths[p] for p in perm]
     as_lengths = lambda bins, ls: [[ls[i] for i in b] for b in bins]  # noqa: E731
-    assert as_lengths(first_fit_decreasing(shuffled, budget), shuffled) == as_lengths(first_fit_decreasing(lengths, budget), lengths)
+    assert as_lengths(first_fit_decreasing(shuffled, budget), shuffled) == as_lengths(
+        first_fit_decreasing(lengths, budget), lengths
+    )
 
 
 # -- a micro-batched loss equals the full-batch loss -------------------------------------------------------------
@@ -146,8 +148,16 @@ def toy_lm():
 
 def tiny_qwen2():
     config = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2, bos_token_id=None, eos_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=0,
         pad_token_id=0,
     )
     torch.manual_seed(0)
@@ -155,13 +165,21 @@ def tiny_qwen2():
 
 
 CASES = {
-    "naive-token-mean": (toy_lm, "token", dict(decoupled=False), 0.0),
+    "naive-token-mean": (toy_lm, "token", {"decoupled": False}, 0.0),
     "decoupled-clamp-dualclip-cliphigher-kl-constant": (
-        toy_lm, "constant", dict(eps_clip_high=0.28, dual_clip=1.5, behaviour_weight_cap=1.5, cap_mode="clamp"), 0.1,
+        toy_lm,
+        "constant",
+        {"eps_clip_high": 0.28, "dual_clip": 1.5, "behaviour_weight_cap": 1.5, "cap_mode": "clamp"},
+        0.1,
     ),
-    "decoupled-mask-token": (toy_lm, "token", dict(behaviour_weight_cap=1.5, cap_mode="mask_token"), 0.0),
-    "gspo-mask-sequence": (toy_lm, "token", dict(ratio_level="sequence", behaviour_weight_cap=2.0, cap_mode="mask_sequence"), 0.0),
-    "qwen2-decoupled-gspo": (tiny_qwen2, "token", dict(ratio_level="sequence", eps_clip=0.1, dual_clip=1.5), 0.0),
+    "decoupled-mask-token": (toy_lm, "token", {"behaviour_weight_cap": 1.5, "cap_mode": "mask_token"}, 0.0),
+    "gspo-mask-sequence": (
+        toy_lm,
+        "token",
+        {"ratio_level": "sequence", "behaviour_weight_cap": 2.0, "cap_mode": "mask_sequence"},
+        0.0,
+    ),
+    "qwen2-decoupled-gspo": (tiny_qwen2, "token", {"ratio_level": "sequence", "eps_clip": 0.1, "dual_clip": 1.5}, 0.0),
 }
 
 
@@ -189,7 +207,14 @@ def test_packed_micro_batches_give_the_full_batch_loss_and_gradients(case):
         assert torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
     merged = merge_loss_stats([stats for _, stats in parts])
     assert merged.tokens == full_stats.tokens == int(batch["loss_mask"].sum())
-    for field in ("clip_fraction", "approx_kl", "importance_weight_mean", "behaviour_weight_mean", "capped_fraction", "dual_clip_fraction"):
+    for field in (
+        "clip_fraction",
+        "approx_kl",
+        "importance_weight_mean",
+        "behaviour_weight_mean",
+        "capped_fraction",
+        "dual_clip_fraction",
+    ):
         assert getattr(merged, field) == pytest.approx(getattr(full_stats, field), abs=1e-5)
     # the variant's branches were exercised, not skipped
     assert full_stats.clip_fraction > 0

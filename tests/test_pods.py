@@ -6,7 +6,7 @@ import base64
 import contextlib
 import json
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -26,9 +26,23 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rljob-demo-cpu.yam
 NAMESPACE = "areal"  # what `make e2e-kind` installs into
 REDIS_PASSWORD = "s3cret-for-tests"
 # The demo's assets at the size of tests/test_demo_task.py's build: a 1-layer model after a 3-step warm-up.
-TINY_ASSETS = dict(train_size=64, eval_size=8, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
-                   sft_target_accuracy=1.0, sft_first_check=2, sft_check_every=1, sft_max_steps=3, sft_probe_size=8,
-                   sft_batch_size=8, sft_warmup_steps=1, eval_max_new_tokens=12, eval_batch_size=8)
+TINY_ASSETS = {
+    "train_size": 64,
+    "eval_size": 8,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "sft_target_accuracy": 1.0,
+    "sft_first_check": 2,
+    "sft_check_every": 1,
+    "sft_max_steps": 3,
+    "sft_probe_size": 8,
+    "sft_batch_size": 8,
+    "sft_warmup_steps": 1,
+    "eval_max_new_tokens": 12,
+    "eval_batch_size": 8,
+}
 
 
 def the_example() -> dict:
@@ -47,28 +61,79 @@ def chart_redis() -> list[dict]:
     chart's durability (an append-only file on its data volume, fsync every second)."""
     url = f"redis://:{REDIS_PASSWORD}@areal-redis.{NAMESPACE}.svc:6379/0"  # the chart's areal.redis.url
     labels = {"app.kubernetes.io/name": "areal", "app.kubernetes.io/component": "redis"}
-    ping = {"exec": {"command": ["sh", "-c", "redis-cli -h 127.0.0.1 ping | grep -q PONG"]}, "periodSeconds": 2, "timeoutSeconds": 3}
+    ping = {
+        "exec": {"command": ["sh", "-c", "redis-cli -h 127.0.0.1 ping | grep -q PONG"]},
+        "periodSeconds": 2,
+        "timeoutSeconds": 3,
+    }
     meta = {"name": "areal-redis", "namespace": NAMESPACE}
     return [
-        {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
-         "data": {key: base64.b64encode(value.encode()).decode() for key, value in (("url", url), ("password", REDIS_PASSWORD))}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"selector": labels, "ports": [{"name": "redis", "port": 6379}]}},
-        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": {
-            "replicas": 1, "serviceName": "areal-redis", "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "fsGroup": 999},
-                "containers": [{
-                    "name": "redis", "command": ["redis-server"], "workingDir": "/data",
-                    "args": ["--port", "6379", "--requirepass", "$(REDIS_PASSWORD)", "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"],
-                    "env": [{"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "areal-redis", "key": "password"}}},
-                            {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"}],
-                    "startupProbe": {**ping, "failureThreshold": 30}, "readinessProbe": ping,
-                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-                    "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                }],
-                "volumes": [{"name": "data", "emptyDir": {}}],
-            }},
-        }},
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": meta,
+            "data": {
+                key: base64.b64encode(value.encode()).decode()
+                for key, value in (("url", url), ("password", REDIS_PASSWORD))
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"selector": labels, "ports": [{"name": "redis", "port": 6379}]},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "serviceName": "areal-redis",
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 999, "fsGroup": 999},
+                        "containers": [
+                            {
+                                "name": "redis",
+                                "command": ["redis-server"],
+                                "workingDir": "/data",
+                                "args": [
+                                    "--port",
+                                    "6379",
+                                    "--requirepass",
+                                    "$(REDIS_PASSWORD)",
+                                    "--save",
+                                    "",
+                                    "--appendonly",
+                                    "yes",
+                                    "--appendfsync",
+                                    "everysec",
+                                ],
+                                "env": [
+                                    {
+                                        "name": "REDIS_PASSWORD",
+                                        "valueFrom": {"secretKeyRef": {"name": "areal-redis", "key": "password"}},
+                                    },
+                                    {"name": "REDISCLI_AUTH", "value": "$(REDIS_PASSWORD)"},
+                                ],
+                                "startupProbe": {**ping, "failureThreshold": 30},
+                                "readinessProbe": ping,
+                                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                                "securityContext": {
+                                    "readOnlyRootFilesystem": True,
+                                    "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]},
+                                },
+                            }
+                        ],
+                        "volumes": [{"name": "data", "emptyDir": {}}],
+                    },
+                },
+            },
+        },
     ]
 
 
@@ -91,14 +156,24 @@ async def reconcile(cluster: Cluster, job: ValidJob, previous: dict) -> dict:
             observed.controller_error = str(exc)
         selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
         observed.restarts = lifecycle.count_restarts(cluster.pods_of(job.namespace, selector), job.name)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     phase = lifecycle.decide_phase(job.spec, previous, observed, now)
     for child in desired_children(job, running=phase.running):
         live = cluster.apply(child)
         if child["kind"] in ("Deployment", "StatefulSet"):
             observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
-    return {**previous, **lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
-                                               previous=previous, phase=phase, observed=observed, now=now)}
+    return {
+        **previous,
+        **lifecycle.job_status(
+            job_name=job.name,
+            job_key=job.config.name,
+            generation=job.generation,
+            previous=previous,
+            phase=phase,
+            observed=observed,
+            now=now,
+        ),
+    }
 
 
 def condition(status: dict, kind: str) -> tuple[str, str]:
@@ -116,13 +191,20 @@ async def example_cluster(tmp_path: Path):
     async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets}) as cluster:
         for obj in chart_redis():
             cluster.apply(obj)
-        await cluster.wait_for(lambda: all(p["status"]["conditions"][0]["status"] == "True"
-                                           for p in cluster.pods_of(NAMESPACE, {"app.kubernetes.io/component": "redis"})),
-                               "the chart's Redis to be ready", timeout=30)
+        await cluster.wait_for(
+            lambda: all(
+                p["status"]["conditions"][0]["status"] == "True"
+                for p in cluster.pods_of(NAMESPACE, {"app.kubernetes.io/component": "redis"})
+            ),
+            "the chart's Redis to be ready",
+            timeout=30,
+        )
         yield cluster
 
 
-async def run_to_the_end(cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None) -> tuple[list[dict], str]:
+async def run_to_the_end(
+    cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None
+) -> tuple[list[dict], str]:
     """Reconcile every second until the job is Complete and its pods are gone; the statuses seen, and the pods as
     described while it ran (for a failure's message). `each` sees every status."""
     selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
@@ -130,7 +212,10 @@ async def run_to_the_end(cluster: Cluster, job: ValidJob, timeout: float, each=l
     deadline = asyncio.get_running_loop().time() + timeout
     while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
         if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
-            pytest.fail(f"the job did not complete: {condition(status, 'Failed')} {status.get('conditions')}\n{cluster.describe()}")
+            pytest.fail(
+                f"the job did not complete: {condition(status, 'Failed')} "
+                f"{status.get('conditions')}\n{cluster.describe()}"
+            )
         status = await reconcile(cluster, job, status)
         statuses.append(status)
         if not lifecycle.is_true(status, lifecycle.COMPLETE):
@@ -185,13 +270,27 @@ async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
 
 
 # (role, container) of each container the chaos test kills; the rollout pod's engine dies under a live agent
-CHAOS_VICTIMS = [("controller", "controller"), ("reward", "reward"), ("trainer", "trainer"), ("rollout", "rollout"),
-                 ("rollout", "engine"), ("redis", "redis")]
+CHAOS_VICTIMS = [
+    ("controller", "controller"),
+    ("reward", "reward"),
+    ("trainer", "trainer"),
+    ("rollout", "rollout"),
+    ("rollout", "engine"),
+    ("redis", "redis"),
+]
 
 
 def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
-    labels = {names.LABEL_COMPONENT: role} if role == "redis" else {names.LABEL_COMPONENT: role, names.LABEL_INSTANCE: job.name}
-    [pod] = [p for p in cluster.pods.values() if p.namespace == NAMESPACE and labels.items() <= p.labels.items() and not p.deleted]
+    labels = (
+        {names.LABEL_COMPONENT: role}
+        if role == "redis"
+        else {names.LABEL_COMPONENT: role, names.LABEL_INSTANCE: job.name}
+    )
+    [pod] = [
+        p
+        for p in cluster.pods.values()
+        if p.namespace == NAMESPACE and labels.items() <= p.labels.items() and not p.deleted
+    ]
     return next(c for c in pod.containers if c.spec["name"] == name)
 
 
@@ -209,6 +308,7 @@ async def test_every_container_killed_once_the_job_completes_on_container_restar
     pending = [(3 * (i + 1), victim) for i, victim in enumerate(CHAOS_VICTIMS)]  # after steps 3, 6, ...
 
     async with example_cluster(tmp_path) as cluster:
+
         def kill_when_due(status: dict) -> None:
             trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
             while pending and trained >= pending[0][0]:
@@ -222,11 +322,22 @@ async def test_every_container_killed_once_the_job_completes_on_container_restar
     assert condition(final, "Complete") == ("True", "TrainingFinished")
     assert final["policyVersion"] == algorithm.total_steps
     # the operator saw each role's container restarts (the counts are the kubelet's, per pod, until the pods go)
-    seen = {role: max((s["replicas"].get(role, {}).get("restarts", 0) for s in statuses), default=0) for role in names.ROLES}
+    seen = {
+        role: max((s["replicas"].get(role, {}).get("restarts", 0) for s in statuses), default=0) for role in names.ROLES
+    }
     assert seen == {"controller": 1, "reward": 1, "trainer": 1, "rollout": 2}, f"{seen}\n{described}"
-    final_history(steps, total_steps=algorithm.total_steps, batch_size=algorithm.batch_size, group_size=algorithm.group_size,
-                  max_staleness=algorithm.max_staleness, checkpoint_interval=2, context=described)
-    assert final["groups"]["admitted"] == sum(final["groups"][k] for k in ("running", "accepted", "filtered", "failed", "requeued"))
+    final_history(
+        steps,
+        total_steps=algorithm.total_steps,
+        batch_size=algorithm.batch_size,
+        group_size=algorithm.group_size,
+        max_staleness=algorithm.max_staleness,
+        checkpoint_interval=2,
+        context=described,
+    )
+    assert final["groups"]["admitted"] == sum(
+        final["groups"][k] for k in ("running", "accepted", "filtered", "failed", "requeued")
+    )
 
 
 def probe_file(path: str, period: int = 1, **thresholds) -> dict:
@@ -240,33 +351,70 @@ def web_objects() -> list[dict]:
     labels = {"app": "web"}
     seen = "echo $(GREETING) $TOKEN $POD_IP $ROLE $(hostname) $(cat /etc/web/motd) $$HOME > /data/seen"
     container = {
-        "name": "web", "command": ["sh", "-c"],
+        "name": "web",
+        "command": ["sh", "-c"],
         "args": [f"{seen} && touch /data/alive && exec python -m http.server 8080 --bind 0.0.0.0 --directory /data"],
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "GREETING", "value": "hi-from-$(POD_NAME)"},
-                {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "web", "key": "token"}}},
-                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                {"name": "ROLE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}}],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "GREETING", "value": "hi-from-$(POD_NAME)"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "web", "key": "token"}}},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "ROLE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+        ],
         "ports": [{"name": "http", "containerPort": 8080}],
         "startupProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1, "failureThreshold": 30},
         "readinessProbe": probe_file("ready", failureThreshold=1),
         "livenessProbe": probe_file("alive", failureThreshold=2),
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}, {"name": "motd", "mountPath": "/etc/web", "readOnly": True}],
-        "securityContext": {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/data"},
+            {"name": "motd", "mountPath": "/etc/web", "readOnly": True},
+        ],
+        "securityContext": {
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     meta = {"name": "web", "namespace": "default"}
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"motd": "hello"}},
         {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "data": {"token": base64.b64encode(b"t0k").decode()}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"selector": labels, "ports": [{"port": 8080}]}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": "web-pods"},
-         "spec": {"selector": labels, "clusterIP": "None", "publishNotReadyAddresses": True, "ports": [{"port": 8080}]}},
-        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": meta, "spec": {
-            "replicas": 1, "serviceName": "web-pods", "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
-                "terminationGracePeriodSeconds": 2, "containers": [container],
-                "volumes": [{"name": "data", "emptyDir": {}}, {"name": "motd", "configMap": {"name": "web"}}]}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {"selector": labels, "ports": [{"port": 8080}]},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {**meta, "name": "web-pods"},
+            "spec": {
+                "selector": labels,
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "ports": [{"port": 8080}],
+            },
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": meta,
+            "spec": {
+                "replicas": 1,
+                "serviceName": "web-pods",
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+                        "terminationGracePeriodSeconds": 2,
+                        "containers": [container],
+                        "volumes": [{"name": "data", "emptyDir": {}}, {"name": "motd", "configMap": {"name": "web"}}],
+                    },
+                },
+            },
+        },
     ]
 
 
@@ -276,10 +424,20 @@ async def test_the_kubelet_runs_probes_restarts_and_service_names_as_kubernetes_
             cluster.apply(obj)
         pod = cluster.pods["default", "web-0"]
         container = pod.containers[0]
-        seen = await cluster.wait_for(lambda: "data" in pod.volumes and (pod.volumes["data"] / "seen").is_file(), "the web server", 30)
+        seen = await cluster.wait_for(
+            lambda: "data" in pod.volumes and (pod.volumes["data"] / "seen").is_file(), "the web server", 30
+        )
         data = pod.volumes["data"]
         # env in order with $(VAR) expanded, Secret keys, fieldRefs, the ConfigMap's files, the pod's hostname
-        assert seen and (data / "seen").read_text().split() == ["hi-from-web-0", "t0k", pod.ip, "web", "web-0", "hello", "/tmp/home"]
+        assert seen and (data / "seen").read_text().split() == [
+            "hi-from-web-0",
+            "t0k",
+            pod.ip,
+            "web",
+            "web-0",
+            "hello",
+            "/tmp/home",
+        ]
 
         # not ready: only the headless Service with publishNotReadyAddresses has it, by its name and the pod's
         # (looked up from the node, whose search path has no namespace)
@@ -299,4 +457,7 @@ async def test_the_kubelet_runs_probes_restarts_and_service_names_as_kubernetes_
         assert "killed: liveness probe failed 2 times" in container.events
         assert pod.object()["status"]["containerStatuses"][0]["restartCount"] == 1
     # nothing is left: pods, processes (each in a pod's namespace), namespaces
-    assert not cluster.pods and cluster.prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert (
+        not cluster.pods
+        and cluster.prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    )

@@ -1,5 +1,6 @@
 """The staleness rebalancer's policy: each rule alone, then its behaviour against a toy plant over time."""
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -7,7 +8,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from areal_k8s.common.rebalance import (
-    Limits, Settings, Split, State, Totals, Verdict, Window, advance, decide, observe, toward_rollout, toward_training,
+    Limits,
+    Settings,
+    Split,
+    State,
+    Totals,
+    Verdict,
+    Window,
+    advance,
+    decide,
+    observe,
+    toward_rollout,
+    toward_training,
 )
 
 BAND = (1.0, 2.0)
@@ -15,8 +27,16 @@ SETTINGS = Settings(band=BAND, window_seconds=60, cooldown_seconds=120)
 
 
 def window(mean: float, *, samples: int = 100, trainer_idle: float = 0.0, rollout_held: float = 0.0) -> Window:
-    return Window(seconds=60, samples=samples, mean_staleness=mean, within_band=0.0, trainer_idle=trainer_idle,
-                  rollout_held=rollout_held, trained_per_second=samples / 60, accepted_groups_per_second=1.0)
+    return Window(
+        seconds=60,
+        samples=samples,
+        mean_staleness=mean,
+        within_band=0.0,
+        trainer_idle=trainer_idle,
+        rollout_held=rollout_held,
+        trained_per_second=samples / 60,
+        accepted_groups_per_second=1.0,
+    )
 
 
 def test_inside_the_band_nothing_moves():
@@ -115,7 +135,9 @@ def test_samples_as_old_as_the_bound_allows_with_both_sides_busy_hold_the_split(
     full = window(3.7, trainer_idle=0.1, rollout_held=0.1)  # η = 4: the bound is full, and nobody waits
     decision, _ = decide(full, Split(4, 2), Limits(budget=12), replace(SETTINGS, max_staleness=4))
     assert (decision.split, decision.code) == (None, "LatencyBound")
-    behind, _ = decide(replace(full, rollout_held=0.6), Split(4, 2), Limits(budget=12), replace(SETTINGS, max_staleness=4))
+    behind, _ = decide(
+        replace(full, rollout_held=0.6), Split(4, 2), Limits(budget=12), replace(SETTINGS, max_staleness=4)
+    )
     assert behind.code == "MovedToTraining"  # the bound holds the pool: the trainer is behind, as usual
 
 
@@ -166,12 +188,26 @@ def test_a_split_that_measures_differently_than_before_means_drift_and_clears_th
     assert memory == (Verdict(Split(4, 2), "below", 0.2, trained_per_second=100 / 60),)
 
 
-def totals(at: float, samples: int, staleness: list[int], wait: float = 0.0, held: float = 0.0, accepted: int = 0,
-           workers: int = 2) -> Totals:
-    return Totals(at=at, trained_samples=samples, trained_tokens=100 * samples,
-                  staleness_sum=float(sum(s * n for s, n in enumerate(staleness))),
-                  staleness_counts=tuple(staleness), trainer_wait_seconds=wait, held_by_staleness_seconds=held,
-                  accepted_groups=accepted, workers=workers)
+def totals(
+    at: float,
+    samples: int,
+    staleness: list[int],
+    wait: float = 0.0,
+    held: float = 0.0,
+    accepted: int = 0,
+    workers: int = 2,
+) -> Totals:
+    return Totals(
+        at=at,
+        trained_samples=samples,
+        trained_tokens=100 * samples,
+        staleness_sum=float(sum(s * n for s, n in enumerate(staleness))),
+        staleness_counts=tuple(staleness),
+        trainer_wait_seconds=wait,
+        held_by_staleness_seconds=held,
+        accepted_groups=accepted,
+        workers=workers,
+    )
 
 
 def test_a_window_is_the_difference_of_two_snapshots_of_the_totals():
@@ -234,10 +270,17 @@ class Plant:
         self.wait += max(0.0, 1 - ratio) * seconds
         self.held += max(0.0, 1 - 1 / ratio) * seconds * split.rollout
         self.at += seconds
-        return Totals(at=self.at, trained_samples=self.samples, trained_tokens=self.tokens,
-                      staleness_sum=self.staleness_sum, staleness_counts=(),
-                      trainer_wait_seconds=self.wait, held_by_staleness_seconds=self.held, accepted_groups=0,
-                      workers=split.rollout)
+        return Totals(
+            at=self.at,
+            trained_samples=self.samples,
+            trained_tokens=self.tokens,
+            staleness_sum=self.staleness_sum,
+            staleness_counts=(),
+            trainer_wait_seconds=self.wait,
+            held_by_staleness_seconds=self.held,
+            accepted_groups=0,
+            workers=split.rollout,
+        )
 
 
 def drive(plant: Plant, state: State, limits: Limits, policy: Settings, ticks: int) -> tuple[State, list[Split]]:
@@ -273,13 +316,14 @@ def test_with_the_whole_budget_in_use_the_moves_trade_units_and_narrow_in_on_the
     start = Split(LIMITS.budget - trainer * LIMITS.trainer_unit, trainer)
     _, visited = drive(Plant(per_engine, per_trainer), State(start), LIMITS, POLICY, ticks=600)
     assert all(LIMITS.gpus(s) == LIMITS.budget for s in visited if s.trainer < LIMITS.max_trainer)  # trades, not growth
+
     # A move may overshoot the band, but never past a split already measured on its other side: each reversal
     # narrows the bracket, as a bisection does, so the split never goes back to where it was.
     def tilt(split: Split) -> float:  # the rollout side's share of the GPUs: every step toward training lowers it
         return split.rollout * LIMITS.rollout_unit / LIMITS.gpus(split)
 
     low, high = 0.0, 1.0
-    for before, after in zip(visited, visited[1:]):
+    for before, after in itertools.pairwise(visited):
         assert low < tilt(after) < high, f"left the bracket ({low:.3f}, {high:.3f}): {visited}"
         if tilt(after) < tilt(before):
             high = min(high, tilt(before))
@@ -300,9 +344,15 @@ def test_after_responses_grow_longer_it_settles_again_in_or_around_the_band(per_
     assert len(after) == 1, "still moving long after the change"
     mean = measured_mean(plant, state.split)
     if mean > POLICY.band[1]:
-        assert toward_training(state.split, LIMITS) is None or measured_mean(plant, toward_training(state.split, LIMITS)) < POLICY.band[0]
+        assert (
+            toward_training(state.split, LIMITS) is None
+            or measured_mean(plant, toward_training(state.split, LIMITS)) < POLICY.band[0]
+        )
     elif mean < POLICY.band[0]:
-        assert toward_rollout(state.split, LIMITS) is None or measured_mean(plant, toward_rollout(state.split, LIMITS)) > POLICY.band[1]
+        assert (
+            toward_rollout(state.split, LIMITS) is None
+            or measured_mean(plant, toward_rollout(state.split, LIMITS)) > POLICY.band[1]
+        )
 
 
 def measured_mean(plant: Plant, split: Split) -> float:
@@ -337,14 +387,26 @@ class LatencyPlant:
         self.wait += (1 - min(generated, trainable) / trainable) * seconds
         self.held += (1 - min(generated, trainable) / generated) * seconds * split.rollout
         self.at += seconds
-        return Totals(at=self.at, trained_samples=self.samples, trained_tokens=self.samples * self.TOKENS,
-                      staleness_sum=self.staleness_sum, staleness_counts=(), trainer_wait_seconds=self.wait,
-                      held_by_staleness_seconds=self.held, accepted_groups=0, workers=split.rollout)
+        return Totals(
+            at=self.at,
+            trained_samples=self.samples,
+            trained_tokens=self.samples * self.TOKENS,
+            staleness_sum=self.staleness_sum,
+            staleness_counts=(),
+            trainer_wait_seconds=self.wait,
+            held_by_staleness_seconds=self.held,
+            accepted_groups=0,
+            workers=split.rollout,
+        )
 
 
 @settings(max_examples=100, deadline=None)
-@given(step_base=st.floats(min_value=1e-3, max_value=0.05), per_sequence=st.floats(min_value=1e-6, max_value=1e-3),
-       per_trainer=st.floats(min_value=0.5, max_value=50.0), trainer=st.integers(1, 8))
+@given(
+    step_base=st.floats(min_value=1e-3, max_value=0.05),
+    per_sequence=st.floats(min_value=1e-6, max_value=1e-3),
+    per_trainer=st.floats(min_value=0.5, max_value=50.0),
+    trainer=st.integers(1, 8),
+)
 def test_latency_bound_it_settles_no_slower_than_it_started(step_base, per_sequence, per_trainer, trainer):
     plant, policy = LatencyPlant(step_base, per_sequence, per_trainer), replace(POLICY, max_staleness=ETA)
     start = Split(LIMITS.budget - trainer * LIMITS.trainer_unit, trainer)

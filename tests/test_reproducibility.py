@@ -11,13 +11,13 @@ import asyncio
 
 import pytest
 import torch
+from cpu_engines import cpu_engine, engine_client
+from e2e_jobs import make_job, read_steps
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.rollout.generation import generate_each, request_seed
 from areal_k8s.trainer.checkpoint import checkpoint_dir
-from cpu_engines import cpu_engine, engine_client
-from e2e_jobs import assets, make_job, read_steps, reward_importable  # noqa: F401 - fixtures
 
 STEPS = 3
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 10, "ignore_eos": True}
@@ -46,10 +46,14 @@ async def test_seeded_requests_sample_the_same_tokens_however_they_are_batched(a
 
 
 def run_once(assets, run_dir, seed: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    job = make_job(assets, run_dir, seed=seed,
-                   algorithm={"total_steps": STEPS, "max_staleness": 0},
-                   rollout={"workers": 1, "groups_per_worker": 2},
-                   trainer={"checkpoint_interval": STEPS})
+    job = make_job(
+        assets,
+        run_dir,
+        seed=seed,
+        algorithm={"total_steps": STEPS, "max_staleness": 0},
+        rollout={"workers": 1, "groups_per_worker": 2},
+        trainer={"checkpoint_interval": STEPS},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -80,6 +84,7 @@ def test_a_synchronous_run_with_one_worker_is_reproducible_for_a_seed(assets, tm
         assert (again_weights[name] - weight).norm() <= 1e-3 * updates[name], name
 
     # and the seed is what fixes them: another seed samples other responses and trains other weights
-    assert [s["tokens"] for s in other] != [s["tokens"] for s in first] or \
-        [s["reward_mean"] for s in other] != [s["reward_mean"] for s in first]
+    assert [s["tokens"] for s in other] != [s["tokens"] for s in first] or [s["reward_mean"] for s in other] != [
+        s["reward_mean"] for s in first
+    ]
     assert any((other_weights[name] - weight).norm() > 0.1 * updates[name] for name, weight in first_weights.items())

@@ -12,10 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
+from areal_k8s.common import config
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.reward.pool import ScoringItem, ScoringPool
 from areal_k8s.reward.server import serve
-from areal_k8s.common import config
 from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, math_reward, resolve
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,9 +28,24 @@ def fixture(name: str) -> str:
 
 
 # the custom verifiers the tests' job declares (those that fail to load included: the tests check why)
-ALLOWED = [*(fixture(name) for name in ("weighted_length", "sleeps_forever", "kills_its_worker", "raises", "exits",
-                                         "returns_nan", "returns_text", "two_arguments", "missing")),
-           "no_such_module:f", "nosuch.module:fn"]
+ALLOWED = [
+    *(
+        fixture(name)
+        for name in (
+            "weighted_length",
+            "sleeps_forever",
+            "kills_its_worker",
+            "raises",
+            "exits",
+            "returns_nan",
+            "returns_text",
+            "two_arguments",
+            "missing",
+        )
+    ),
+    "no_such_module:f",
+    "nosuch.module:fn",
+]
 
 
 def item(item_id: str, verifier: str, response: str = "", reference: str = "", **fields) -> reward_pb2.ScoreItem:
@@ -153,9 +168,13 @@ async def test_verifier_failure_scores_error_with_its_message(stub, verifier, me
     [
         pytest.param(request(), "items must not be empty", id="no-items"),
         pytest.param(request(item("", "exact")), "items[0].item_id must not be empty", id="empty-id"),
-        pytest.param(request(item("a", "exact"), item("a", "exact")), "items[1].item_id 'a' is a duplicate", id="duplicate-id"),
         pytest.param(
-            request(item("a", "exact"), item("b", "nope")), "items[1] ('b').verifier: unknown verifier 'nope'", id="unknown-verifier"
+            request(item("a", "exact"), item("a", "exact")), "items[1].item_id 'a' is a duplicate", id="duplicate-id"
+        ),
+        pytest.param(
+            request(item("a", "exact"), item("b", "nope")),
+            "items[1] ('b').verifier: unknown verifier 'nope'",
+            id="unknown-verifier",
         ),
         pytest.param(
             request(item("a", "no_such_module:f")),
@@ -164,11 +183,14 @@ async def test_verifier_failure_scores_error_with_its_message(stub, verifier, me
         ),
         pytest.param(
             request(item("a", fixture("two_arguments"))),
-            "items[0] ('a').verifier: verifier 'reward_fixtures:two_arguments' must accept (prompt, response, reference, metadata)",
+            "items[0] ('a').verifier: verifier 'reward_fixtures:two_arguments' must accept (prompt, response, "
+            "reference, metadata)",
             id="wrong-signature",
         ),
         pytest.param(
-            request(item("a", "exact"), timeout=-1), "timeout_seconds must be a finite number >= 0", id="negative-timeout"
+            request(item("a", "exact"), timeout=-1),
+            "timeout_seconds must be a finite number >= 0",
+            id="negative-timeout",
         ),
     ],
 )
@@ -208,14 +230,23 @@ def test_the_job_schema_names_the_reward_services_builtin_verifiers():
 async def test_check_verifiers_accepts_loadable_ones_and_names_each_that_is_not_and_why(stub, service):
     await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["math", fixture("weighted_length")]))
     # a checked custom verifier's failure rate starts at 0 rather than missing
-    assert service.pool.metrics.registry.get_sample_value(
-        "areal_reward_scored_items_total", {"rljob": "", "role": "reward", "verifier": fixture("weighted_length"), "status": "ok"}) == 0
+    assert (
+        service.pool.metrics.registry.get_sample_value(
+            "areal_reward_scored_items_total",
+            {"rljob": "", "role": "reward", "verifier": fixture("weighted_length"), "status": "ok"},
+        )
+        == 0
+    )
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest(verifiers=["exact", "nosuch.module:fn", fixture("missing")]))
+        await stub.CheckVerifiers(
+            reward_pb2.CheckVerifiersRequest(verifiers=["exact", "nosuch.module:fn", fixture("missing")])
+        )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert raised.value.details() == (
-        "verifier 'nosuch.module:fn': cannot import verifier module 'nosuch.module': ModuleNotFoundError: No module named "
-        "'nosuch'; verifier 'reward_fixtures:missing': verifier module 'reward_fixtures' has no 'missing'")
+        "verifier 'nosuch.module:fn': cannot import verifier module 'nosuch.module': ModuleNotFoundError: No module "
+        "named "
+        "'nosuch'; verifier 'reward_fixtures:missing': verifier module 'reward_fixtures' has no 'missing'"
+    )
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await stub.CheckVerifiers(reward_pb2.CheckVerifiersRequest())
     assert raised.value.details() == "verifiers must not be empty"
@@ -260,6 +291,7 @@ async def test_pool_counts_outcomes_by_verifier():
                 ScoringItem("bad", fixture("raises")),
             ]
         )
+
         def scored(verifier: str, status: str) -> float:
             return pool.metrics.value("areal_reward_scored_items_total", verifier=verifier, status=status)
 
@@ -293,8 +325,11 @@ async def test_a_request_goes_to_the_workers_as_one_chunk_each():
 async def test_a_chunk_that_fails_as_a_whole_is_scored_again_item_by_item(verifier, status, message):
     pool = ScoringPool(max_workers=1, default_timeout=0.5)
     try:
-        items = [ScoringItem("before", "exact", response="a", reference="a"), ScoringItem("bad", fixture(verifier)),
-                 ScoringItem("after", "exact", response="a", reference="a")]
+        items = [
+            ScoringItem("before", "exact", response="a", reference="a"),
+            ScoringItem("bad", fixture(verifier)),
+            ScoringItem("after", "exact", response="a", reference="a"),
+        ]
         before, bad, after = await pool.score(items)
         assert [(o.status, o.reward) for o in (before, after)] == [("ok", 1.0)] * 2
         assert (bad.status, bad.reward) == (status, 0.0) and message in bad.message

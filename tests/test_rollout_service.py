@@ -3,15 +3,15 @@ the engine, and an engine that cannot be reached is reported as UNAVAILABLE, nev
 
 import grpc
 import pytest
+from tiny_models import build_tokenizer
 
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel, start_server
-from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, token_versions, weight_group_ranks
+from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
-from tiny_models import build_tokenizer
 
 JOB = parse_job({"name": "rollout-svc", "model": "m", "dataset": {"train": "t.jsonl"}})
 
@@ -21,8 +21,14 @@ async def rollout(redis_url, unused_tcp_port):
     # Nothing listens on the engine's port: only requests that pass validation can notice.
     engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)
     worker = RolloutWorker(
-        job=JOB, worker_id="w0", address="127.0.0.1:0", controller=None, reward=None, engine=engine,
-        store=TrajectoryStore(connect(redis_url), JOB.name), tokenizer=build_tokenizer(),
+        job=JOB,
+        worker_id="w0",
+        address="127.0.0.1:0",
+        controller=None,
+        reward=None,
+        engine=engine,
+        store=TrajectoryStore(connect(redis_url), JOB.name),
+        tokenizer=build_tokenizer(),
     )
     server, port, _ = await start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], "127.0.0.1:0"
@@ -40,7 +46,7 @@ def valid_group(**changes) -> common_pb2.PromptGroup:
     group.sampling.temperature = 1.0
     group.sampling.top_p = 1.0
     for name, value in changes.items():
-        target, field = (group.sampling, name[len("sampling_"):]) if name.startswith("sampling_") else (group, name)
+        target, field = (group.sampling, name[len("sampling_") :]) if name.startswith("sampling_") else (group, name)
         setattr(target, field, value)
     return group
 
@@ -84,10 +90,18 @@ async def test_an_unreachable_engine_is_unavailable_and_the_service_keeps_servin
     assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def engine_answer(tokens: list[int], finish: str, weight_version: str, spans: list[tuple[str, int]] | None = None, **extra) -> dict:
+def engine_answer(
+    tokens: list[int], finish: str, weight_version: str, spans: list[tuple[str, int]] | None = None, **extra
+) -> dict:
     """A /generate answer as SGLang 0.5.20 gives it; `spans` as (version, end) runs of the output tokens."""
-    meta = {"id": "r", "finish_reason": {"type": finish}, "weight_version": weight_version,
-            "output_token_logprobs": [[-0.5, t, None] for t in tokens], "num_retractions": 0, **extra}
+    meta = {
+        "id": "r",
+        "finish_reason": {"type": finish},
+        "weight_version": weight_version,
+        "output_token_logprobs": [[-0.5, t, None] for t in tokens],
+        "num_retractions": 0,
+        **extra,
+    }
     if spans is not None:
         starts = [0] + [end for _, end in spans[:-1]]
         meta["weight_versions"] = [{"version": v, "start": s, "end": e} for (v, e), s in zip(spans, starts)]
@@ -120,7 +134,11 @@ def test_a_retraction_under_memory_pressure_with_unchanged_weights_is_not_a_fail
 
 @pytest.mark.parametrize(
     "spans",
-    [[{"version": "1", "start": 1, "end": 3}], [{"version": "1", "start": 0, "end": 2}], [{"version": "1", "start": 0, "end": 4}]],
+    [
+        [{"version": "1", "start": 1, "end": 3}],
+        [{"version": "1", "start": 0, "end": 2}],
+        [{"version": "1", "start": 0, "end": 4}],
+    ],
 )
 def test_spans_that_do_not_cover_the_output_are_refused(spans):
     meta = {"weight_version": "1", "weight_versions": spans, "output_token_logprobs": [[-1.0, 5, None]] * 3}
@@ -148,9 +166,15 @@ def test_a_group_lost_with_its_engine_is_told_apart_from_a_failed_one():
     assert engine_went_away(EngineWentBack("sampled with version 0"))
     assert not engine_went_away(EngineError("http://e/generate", 400, "bad sampling params"))
     assert not engine_went_away(ValueError("spans do not cover the output"))
+
     def episode(versions: list[int]) -> Episode:  # a 2-token prompt (version -1), then the model's tokens
-        return Episode([0] * (2 + len(versions)), 2, [0.0] * (2 + len(versions)), [-1, -1] + versions,
-                       [False, False] + [True] * len(versions))
+        return Episode(
+            [0] * (2 + len(versions)),
+            2,
+            [0.0] * (2 + len(versions)),
+            [-1, -1, *versions],
+            [False, False] + [True] * len(versions),
+        )
 
     assert oldest_token_version([episode([3, 4]), episode([2, 5])]) == 2
     assert oldest_token_version([episode([])]) is None

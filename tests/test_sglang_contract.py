@@ -15,11 +15,11 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from sglang_server import sglang_package
 
 from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION
 from areal_k8s.rollout.cpu_engine.engine import CpuEngine, SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
-from sglang_server import sglang_package
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,17 +53,28 @@ def keys_written_to(module: ast.AST, variable: str) -> set[str]:
     """Keys a module stores into dicts named `variable`: `v = {...}`, `v["k"] = ...`, `v.update({...})`."""
     keys = set()
     for node in ast.walk(module):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
-            if any(isinstance(t, ast.Name) and t.id == variable for t in node.targets):
-                keys |= string_keys(node.value)
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id == variable for t in node.targets)
+        ):
+            keys |= string_keys(node.value)
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name) and target.value.id == variable:
-                    if isinstance(target.slice, ast.Constant):
-                        keys.add(target.slice.value)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
-            if isinstance(node.func.value, ast.Name) and node.func.value.id == variable:
-                keys |= {k for arg in node.args if isinstance(arg, ast.Dict) for k in string_keys(arg)}
+                if (
+                    isinstance(target, ast.Subscript)
+                    and isinstance(target.value, ast.Name)
+                    and target.value.id == variable
+                ) and isinstance(target.slice, ast.Constant):
+                    keys.add(target.slice.value)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == variable
+        ):
+            keys |= {k for arg in node.args if isinstance(arg, ast.Dict) for k in string_keys(arg)}
     return keys
 
 
@@ -97,9 +108,17 @@ def body_type(handler: ast.AsyncFunctionDef) -> str | None:
     """The request type a handler's body is parsed into: `obj: T` or `obj: Annotated[T, Body()]`."""
     for arg in handler.args.args:
         annotation = arg.annotation
-        if isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name) and annotation.value.id == "Annotated":
+        if (
+            isinstance(annotation, ast.Subscript)
+            and isinstance(annotation.value, ast.Name)
+            and annotation.value.id == "Annotated"
+        ):
             annotation = annotation.slice.elts[0]
-        if isinstance(annotation, ast.Subscript) and isinstance(annotation.value, ast.Name) and annotation.value.id == "Optional":
+        if (
+            isinstance(annotation, ast.Subscript)
+            and isinstance(annotation.value, ast.Name)
+            and annotation.value.id == "Optional"
+        ):
             annotation = annotation.slice
         if isinstance(annotation, ast.Name) and annotation.id.endswith(("ReqInput", "Req")):
             return annotation.id
@@ -112,7 +131,9 @@ def retired(handler: ast.AsyncFunctionDef) -> bool:
     if len(statements) != 1 or not isinstance(statements[0], ast.Raise):
         return False
     raised = statements[0].exc
-    return isinstance(raised, ast.Call) and any(k.arg == "status_code" and getattr(k.value, "value", None) == 404 for k in raised.keywords)
+    return isinstance(raised, ast.Call) and any(
+        k.arg == "status_code" and getattr(k.value, "value", None) == 404 for k in raised.keywords
+    )
 
 
 def test_the_source_read_is_the_version_the_image_pins(srt):
@@ -148,7 +169,9 @@ def test_every_field_we_read_is_one_sglang_writes(srt):
     meta_info = keys_written_to(tokenizer_manager, "meta_info") | keys_written_to(weight_versions, "meta_info")
     assert set(READS["generate.meta_info"]) <= meta_info
     spans = next(
-        string_keys(node.elt) for node in ast.walk(weight_versions) if isinstance(node, ast.ListComp) and isinstance(node.elt, ast.Dict)
+        string_keys(node.elt)
+        for node in ast.walk(weight_versions)
+        if isinstance(node, ast.ListComp) and isinstance(node.elt, ast.Dict)
     )
     assert set(READS["generate.meta_info.weight_versions[]"]) <= spans
     model_info = http_routes(srt)["GET", "/model_info"]
@@ -156,12 +179,18 @@ def test_every_field_we_read_is_one_sglang_writes(srt):
     # /server_info spreads the server arguments: tp_size and pp_size are arguments of that version
     arguments = set()
     for path in (srt / "arg_groups" / "fields").glob("*.py"):
-        arguments |= {n.target.id for n in ast.walk(parse(path)) if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+        arguments |= {
+            n.target.id
+            for n in ast.walk(parse(path))
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
     assert set(READS["server_info"]) <= arguments
 
 
 def test_the_cpu_engine_serves_only_sglangs_routes_and_parameters(srt):
-    served = {(route.method, route.resource.canonical) for route in create_app(CpuEngine.__new__(CpuEngine)).router.routes()}
+    served = {
+        (route.method, route.resource.canonical) for route in create_app(CpuEngine.__new__(CpuEngine)).router.routes()
+    }
     sglang = {route for route, handler in http_routes(srt).items() if not retired(handler)}
     ours = {(method, path) for method, path in served if method != "HEAD" and not path.startswith("/areal/")}
     assert ours <= sglang, f"the CPU engine serves routes SGLang {SGLANG_VERSION} does not: {sorted(ours - sglang)}"

@@ -14,6 +14,9 @@ import uuid
 import pytest
 import redis
 import torch
+from e2e_jobs import make_job, read_steps
+from sglang_server import GPU, SGLangServer, skip_or_fail_without_env
+from tiny_models import perturbed
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import controller_pb2
@@ -23,9 +26,6 @@ from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.rollout.generation import generate_interruptible
 from areal_k8s.trainer.checkpoint import checkpoint_dir
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
-from e2e_jobs import make_job, read_steps, reward_importable  # noqa: F401 - fixture
-from sglang_server import GPU, SGLangServer, skip_or_fail_without_env
-from tiny_models import perturbed
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,9 @@ BACKEND = "nccl" if GPU else "gloo"  # the trainer's side of the weight push (th
 @pytest.fixture(scope="module")
 def server(sglang_model, tmp_path_factory):
     skip_or_fail_without_env()
-    with SGLangServer(sglang_model, tmp_path_factory.mktemp("sglang-rl") / "server.log", max_total_tokens=KV_TOKENS) as running:
+    with SGLangServer(
+        sglang_model, tmp_path_factory.mktemp("sglang-rl") / "server.log", max_total_tokens=KV_TOKENS
+    ) as running:
         yield running
 
 
@@ -88,8 +90,12 @@ async def test_the_agent_reads_what_it_needs_and_generates_a_group(client, check
     for sample in samples:
         assert len(sample.output_ids) == 24 and sample.finish_reason == "length" and sample.interruptions == 0
         assert sample.versions == [0] * 24  # SGLang's "default": the weights it loaded
-        torch.testing.assert_close(torch.tensor(sample.logprobs), teacher_forced(checkpoint, PROMPT + sample.output_ids, len(PROMPT)),
-                                   atol=LOGPROB_TOLERANCE, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sample.logprobs),
+            teacher_forced(checkpoint, PROMPT + sample.output_ids, len(PROMPT)),
+            atol=LOGPROB_TOLERANCE,
+            rtol=0,
+        )
 
 
 async def test_retractions_under_memory_pressure_do_not_fail_the_samples(client):
@@ -113,7 +119,9 @@ async def test_a_weight_push_over_gloo_lands_in_the_served_model(client, trained
     assert (await client.model_info())["weight_version"] == "7"
     answer = await client.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True})
     served = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
-    expected = torch.log_softmax(trained(torch.tensor([PROMPT + answer["output_ids"]])).logits[0, len(PROMPT) - 1 : -1].float(), -1)
+    expected = torch.log_softmax(
+        trained(torch.tensor([PROMPT + answer["output_ids"]])).logits[0, len(PROMPT) - 1 : -1].float(), -1
+    )
     expected = expected.gather(1, torch.tensor(answer["output_ids"])[:, None]).squeeze(1)
     torch.testing.assert_close(served, expected.detach(), atol=LOGPROB_TOLERANCE, rtol=0)
     assert answer["meta_info"]["weight_versions"] == [{"version": "7", "start": 0, "end": 32}]
@@ -158,7 +166,9 @@ async def paused_client(request, server):
     await engine.close()
 
 
-async def test_a_sample_interrupted_by_a_push_names_each_tokens_version_with_exact_logprobs(paused_client, checkpoint, trained):
+async def test_a_sample_interrupted_by_a_push_names_each_tokens_version_with_exact_logprobs(
+    paused_client, checkpoint, trained
+):
     """Pause (abort: the agent resubmits the prefix; retract: SGLang re-queues the request) -> update -> continue:
     the sample's tokens carry the version that produced them, from SGLang's own spans, and every behaviour logprob
     is what that version's weights give for the prefix, whose KV cache was recomputed under the new weights (with
@@ -182,7 +192,7 @@ async def test_a_sample_interrupted_by_a_push_names_each_tokens_version_with_exa
     assert len(sample.output_ids) == 800 and sample.finish_reason == "length"  # nothing lost or repeated
     assert sample.interruptions >= 1
     switch = sample.versions.index(31)
-    assert 0 < switch and sample.versions == [30] * switch + [31] * (800 - switch)
+    assert switch > 0 and sample.versions == [30] * switch + [31] * (800 - switch)
     tokens = PROMPT + sample.output_ids
     for version, model in models.items():
         positions = [i for i, v in enumerate(sample.versions) if v == version]
@@ -194,12 +204,17 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
     """`rollout.engine: sglang`: the rollout agent drives the real server, the trainer pushes every version into it
     over gloo. Staleness stays within η, every trajectory is trained once, and the server ends up serving the final
     checkpoint's weights under its version."""
-    rows = [{"id": f"p{i}", "prompt": f"say something #{i}:", "answer": "-", "verifier": "e2e_fixtures:coin_flip"} for i in range(40)]
+    rows = [
+        {"id": f"p{i}", "prompt": f"say something #{i}:", "answer": "-", "verifier": "e2e_fixtures:coin_flip"}
+        for i in range(40)
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
     job = make_job(
-        tmp_path, tmp_path / "run",
-        model=str(sglang_model), dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
+        tmp_path,
+        tmp_path / "run",
+        model=str(sglang_model),
+        dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
         algorithm={"total_steps": 4, "dynamic_sampling": True},
         rollout={"engine": "sglang", "engine_urls": [server.url]},
         trainer={"weight_sync_backend": BACKEND, "device": "cuda" if GPU else "cpu"},
@@ -223,13 +238,22 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
 
     status, info = server.request("GET", "/model_info")
     assert status == 200 and info["weight_version"] == "4"
-    final_model = AutoModelForCausalLM.from_pretrained(checkpoint_dir(run.run_dir / "checkpoints", 4), dtype=torch.float32).eval()
-    status, answer = server.request("POST", "/generate", {
-        "input_ids": PROMPT, "sampling_params": {"temperature": 1.0, "max_new_tokens": 16}, "return_logprob": True,
-    })
+    final_model = AutoModelForCausalLM.from_pretrained(
+        checkpoint_dir(run.run_dir / "checkpoints", 4), dtype=torch.float32
+    ).eval()
+    status, answer = server.request(
+        "POST",
+        "/generate",
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 16},
+            "return_logprob": True,
+        },
+    )
     served = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(served, teacher_forced(final_model, PROMPT + answer["output_ids"], len(PROMPT)),
-                               atol=LOGPROB_TOLERANCE, rtol=0)
+    torch.testing.assert_close(
+        served, teacher_forced(final_model, PROMPT + answer["output_ids"], len(PROMPT)), atol=LOGPROB_TOLERANCE, rtol=0
+    )
 
 
 async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_another(sglang_model, trained, tmp_path):
@@ -247,12 +271,20 @@ async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_an
     skip_or_fail_without_env()
     if GPU:
         pytest.skip("the CPU engine cannot join an NCCL group; on GPUs the layout is covered by the TP-2 engine alone")
-    tp2 = SGLangServer(sglang_model, tmp_path / "tp2.log", max_total_tokens=KV_TOKENS, extra_args=("--tp", "2"),
-                       extra_env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"})  # one core per rank: SGLang's CPU rule
+    tp2 = SGLangServer(
+        sglang_model,
+        tmp_path / "tp2.log",
+        max_total_tokens=KV_TOKENS,
+        extra_args=("--tp", "2"),
+        extra_env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # one core per rank: SGLang's CPU rule
     log_path = tmp_path / "cpu-engine.log"
     with open(log_path, "wb") as log, tp2:
-        cpu = subprocess.Popen([sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(sglang_model), "--port", "0"],
-                               stdout=log, stderr=subprocess.STDOUT)
+        cpu = subprocess.Popen(
+            [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(sglang_model), "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 300
             while not (ready := re.search(r"CPU engine ready on (http://\S+)", log_path.read_text())):
@@ -272,8 +304,12 @@ async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_an
             assert (await engines[1].weights_checksum())["combined"] == weights_checksum(trained.named_parameters())[1]
             answer = await engines[0].generate(PROMPT, {"temperature": 1.0, "max_new_tokens": 16})
             served = torch.tensor([logprob for logprob, _, _ in answer["meta_info"]["output_token_logprobs"]])
-            torch.testing.assert_close(served, teacher_forced(trained, PROMPT + answer["output_ids"], len(PROMPT)),
-                                       atol=LOGPROB_TOLERANCE, rtol=0)
+            torch.testing.assert_close(
+                served,
+                teacher_forced(trained, PROMPT + answer["output_ids"], len(PROMPT)),
+                atol=LOGPROB_TOLERANCE,
+                rtol=0,
+            )
             for engine in engines:
                 await engine.close()
         finally:

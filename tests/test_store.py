@@ -169,7 +169,9 @@ async def test_a_trainer_restored_from_a_checkpoint_trains_again_only_what_the_c
     assert [e.group_id for e in again] == ["g2", "g2"]
     assert (await store.stream_stats())["pending"] == 2
     # restored once more (it died again before its next checkpoint): the same answer
-    assert [e.entry_id for e in await entries_to_train_again(store, "trainer-0", covered)] == [e.entry_id for e in again]
+    assert [e.entry_id for e in await entries_to_train_again(store, "trainer-0", covered)] == [
+        e.entry_id for e in again
+    ]
 
 
 async def test_entries_whose_read_reply_was_lost_are_recovered_once_by_the_live_trainer(store):

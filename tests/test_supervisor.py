@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from e2e_jobs import make_job
 
-from areal_k8s.cli.supervisor import RestartBudgetSpent, RestartPolicy, Service, Supervisor, describe_exit, last_words
 from areal_k8s.cli.launcher import child_env
-from e2e_jobs import assets, make_job, reward_importable  # noqa: F401 - fixtures
+from areal_k8s.cli.supervisor import RestartBudgetSpent, RestartPolicy, Service, Supervisor, describe_exit, last_words
 
 AREALCTL = [sys.executable, "-m", "areal_k8s.cli.main"]
 HANG_GUARD_SECONDS = 300  # a liveness bound, not a timing assertion
@@ -30,11 +30,19 @@ def test_back_off_doubles_per_restart_up_to_its_ceiling():
 def test_the_last_words_are_the_cause_not_the_last_line(tmp_path):
     log = tmp_path / "service.log"
     cases = [
-        ("INFO starting\nerror: model directory not found: /m\nINFO shutting down\n", "error: model directory not found: /m"),
-        ("INFO step 3\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    boom()\n"
-         "RuntimeError: the stream is gone\nINFO cleanup done\n", "RuntimeError: the stream is gone"),
-        ("2026 trainer INFO x: step 3\n2026 trainer ERROR x: push failed\n2026 trainer WARNING x: retrying\n",
-         "2026 trainer ERROR x: push failed"),
+        (
+            "INFO starting\nerror: model directory not found: /m\nINFO shutting down\n",
+            "error: model directory not found: /m",
+        ),
+        (
+            'INFO step 3\nTraceback (most recent call last):\n  File "x.py", line 1, in <module>\n    boom()\n'
+            "RuntimeError: the stream is gone\nINFO cleanup done\n",
+            "RuntimeError: the stream is gone",
+        ),
+        (
+            "2026 trainer INFO x: step 3\n2026 trainer ERROR x: push failed\n2026 trainer WARNING x: retrying\n",
+            "2026 trainer ERROR x: push failed",
+        ),
         ("2026 trainer INFO x: step 3\n2026 trainer WARNING x: slow\n", ""),  # killed from outside: nothing to quote
     ]
     for text, expected in cases:
@@ -116,7 +124,9 @@ def test_a_failed_rank_brings_back_the_ranks_of_its_world_that_had_finished(tmp_
             supervisor.tick()
             time.sleep(0.05)
         assert supervisor.restarts == {"trainer": 1, "trainer-1": 1}
-        assert lines == [f"trainer was killed by SIGKILL; restarting it with trainer-1 (one world) in 0 s (log: {rank0.log_path})"]
+        assert lines == [
+            f"trainer was killed by SIGKILL; restarting it with trainer-1 (one world) in 0 s (log: {rank0.log_path})"
+        ]
         assert rank0.exit_code is None and other.process.returncode == 0
     finally:
         rank0.stop()
@@ -157,8 +167,11 @@ def process_state(pid: int) -> tuple[str, int] | None:
 
 def children_of(parent: int) -> set[int]:
     """The live processes whose parent is `parent` (services, engines, Redis: the launcher starts them all)."""
-    return {int(pid) for pid in filter(str.isdigit, os.listdir("/proc"))
-            if (state := process_state(int(pid))) and state[1] == parent and state[0] != "Z"}
+    return {
+        int(pid)
+        for pid in filter(str.isdigit, os.listdir("/proc"))
+        if (state := process_state(int(pid))) and state[1] == parent and state[0] != "Z"
+    }
 
 
 def alive(pids: set[int]) -> set[int]:
@@ -204,7 +217,9 @@ def test_ctrl_c_or_sigterm_stops_the_run_gracefully_and_writes_the_summary(asset
     _, stderr = process.communicate(timeout=HANG_GUARD_SECONDS)
     assert process.returncode == 130, stderr
     assert "interrupted; services stopped, summary written" in stderr
-    assert len(started) == EVERY_PROCESS and not alive(started)  # stopped before arealctl returned, not left to the kernel
+    assert len(started) == EVERY_PROCESS and not alive(
+        started
+    )  # stopped before arealctl returned, not left to the kernel
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["completed"] is False
     assert summary["steps"] >= 0 and summary["total_steps"] == 10_000 and summary["restarts"] == {}
@@ -215,7 +230,11 @@ def test_a_failed_grpc_call_ends_a_service_with_one_readable_line():
 
     from areal_k8s.common.service import one_line
 
-    error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                 details="Stream removed (recvmsg:Connection reset by peer (104))")
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details="Stream removed (recvmsg:Connection reset by peer (104))",
+    )
     assert one_line(error) == "AioRpcError: UNAVAILABLE: Stream removed (recvmsg:Connection reset by peer (104))"
     assert one_line(ValueError("two\nlines")) == "ValueError: two lines"

@@ -6,6 +6,8 @@ import typing
 
 import pytest
 import torch
+from tiny_models import build_tiny_qwen2, tiny_llama
+from trainer_batches import padded_batch
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.config import TrainerConfig, parse_job
@@ -13,8 +15,6 @@ from areal_k8s.trainer.algorithm import LossStats
 from areal_k8s.trainer.engine import ENGINES, make_engine
 from areal_k8s.trainer.hf_engine import TorchEngine
 from areal_k8s.trainer.logprobs import token_logprobs
-from tiny_models import build_tiny_qwen2, tiny_llama
-from trainer_batches import padded_batch
 
 CHUNK = 5
 
@@ -26,17 +26,25 @@ def model_path(request, tmp_path_factory):
 
 def full_logits_logprobs(model, batch, temperature):
     """Today's computation, kept here as the reference: every position's logits at once."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
+    logits = (
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float() / temperature
+    )
     logprobs = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     return torch.where(batch["loss_mask"], logprobs, 0.0)
 
 
 def job_for(model_path, **trainer):
-    return parse_job({
-        "name": "engine", "model": str(model_path), "run_dir": str(model_path / "run"), "dataset": {"train": "t.jsonl"},
-        "sampling": {"temperature": 0.7}, "algorithm": {"lr": 1e-2, "max_grad_norm": 1e6},
-        "trainer": {"logprob_chunk_tokens": CHUNK, **trainer},
-    })
+    return parse_job(
+        {
+            "name": "engine",
+            "model": str(model_path),
+            "run_dir": str(model_path / "run"),
+            "dataset": {"train": "t.jsonl"},
+            "sampling": {"temperature": 0.7},
+            "algorithm": {"lr": 1e-2, "max_grad_norm": 1e6},
+            "trainer": {"logprob_chunk_tokens": CHUNK, **trainer},
+        }
+    )
 
 
 def nll(logprobs: torch.Tensor, micro_batch) -> tuple[torch.Tensor, LossStats]:
@@ -67,7 +75,9 @@ def test_chunked_logprobs_and_their_gradients_equal_the_full_logits_ones(model_p
     for name, grad in gradients(model).items():
         assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
     with torch.no_grad():
-        assert torch.equal(token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, CHUNK), chunked.detach())
+        assert torch.equal(
+            token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, CHUNK), chunked.detach()
+        )
 
 
 def test_chunked_logprobs_of_a_llama_equal_the_full_logits_ones():
@@ -107,7 +117,8 @@ def test_the_output_layer_sees_at_most_one_chunk_and_no_logits_wait_for_the_back
     scored = int(batch["loss_mask"].sum())
 
     kept = largest_vocab_tensor_saved_for_backward(
-        lambda: token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0, CHUNK), vocab)
+        lambda: token_logprobs(model, batch["input_ids"], batch["attention_mask"], 1.0, CHUNK), vocab
+    )
     # forward, then each chunk again in the backward; never more than a chunk, never a padding position
     assert max(seen) <= CHUNK and sum(seen) == 2 * scored
     assert kept == 0  # the chunks' logits were recomputed, not kept
@@ -143,7 +154,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(model_path):
         engine.load(model_path)
         assert engine.model.is_activation_checkpointing == checkpointing
         calls = []
-        engine.model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+        engine.model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         result = engine.train_minibatch([batch, padded_batch(seed=1)], nll, lr=1e-2)
         # a checkpointed layer runs again in the backward (a pre-hook: torch stops a recomputation once it has every
         # saved tensor back, before the post-forward hooks of the last modules)

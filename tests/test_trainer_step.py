@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.api.v1 import common_pb2
@@ -14,7 +15,6 @@ from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import collate, split_minibatches
 from areal_k8s.trainer.trainer import Trainer
-from tiny_models import build_tiny_qwen2
 
 GROUPS, SAMPLES = 3, 4
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")
@@ -38,12 +38,19 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
             response = [rng.randrange(1, 200) for _ in range(rng.randint(1, 12))]
             tokens = prompt + response
             with torch.no_grad():
-                logprobs = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024)[0]
+                logprobs = token_logprobs(
+                    model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024
+                )[0]
             behaviour = [0.0] * len(prompt) + [float(x) + behaviour_shift for x in logprobs[len(prompt) - 1 :]]
             versions = [-1] * len(prompt) + [rng.choice([0, 1]) for _ in response]
             trajectory = common_pb2.Trajectory(
-                trajectory_id=f"g{g}-{i}", group_id=f"g{g}", token_ids=tokens, prompt_length=len(prompt),
-                logprobs=behaviour, versions=versions, loss_mask=[False] * len(prompt) + [True] * len(response),
+                trajectory_id=f"g{g}-{i}",
+                group_id=f"g{g}",
+                token_ids=tokens,
+                prompt_length=len(prompt),
+                logprobs=behaviour,
+                versions=versions,
+                loss_mask=[False] * len(prompt) + [True] * len(response),
                 reward=1.0 if silent_last and g == GROUPS - 1 else float(i % 2),  # all equal: no signal
             )
             entries.append(StreamEntry(f"{g}-{i}", f"g{g}", 0, 1, 0, g, trajectory))
@@ -53,14 +60,25 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
 
 def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
     options = {"micro_batch_tokens": 4096} | {key: algorithm.pop(key) for key in TRAINER_OPTIONS if key in algorithm}
-    job = parse_job({
-        "name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 12},
-        "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
-        "trainer": options,
-    })
-    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
-                      eval_items=[], consumer="test")
+    job = parse_job(
+        {
+            "name": "step",
+            "model": str(model_path),
+            "run_dir": str(model_path.parent / "run"),
+            "dataset": {"train": "t.jsonl"},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 12},
+            "algorithm": {"batch_size": GROUPS, "group_size": SAMPLES, "lr": 1.0, **algorithm},
+            "trainer": options,
+        }
+    )
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        eval_items=[],
+        consumer="test",
+    )
     trainer.engine.load(model_path)
     # plain SGD at lr 1: the parameter change is the gradient itself (AdamW's first step would amplify float noise)
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
@@ -71,9 +89,16 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
 
 
 def test_collate_lines_up_next_token_arrays():
-    trajectory = common_pb2.Trajectory(token_ids=[5, 6, 7, 8], logprobs=[0, 0, -0.5, -0.25], versions=[-1, -1, 3, 4],
-                                       loss_mask=[False, False, True, True], prompt_length=2)
-    short = common_pb2.Trajectory(token_ids=[5, 9], logprobs=[0, -1.0], versions=[-1, 2], loss_mask=[False, True], prompt_length=1)
+    trajectory = common_pb2.Trajectory(
+        token_ids=[5, 6, 7, 8],
+        logprobs=[0, 0, -0.5, -0.25],
+        versions=[-1, -1, 3, 4],
+        loss_mask=[False, False, True, True],
+        prompt_length=2,
+    )
+    short = common_pb2.Trajectory(
+        token_ids=[5, 9], logprobs=[0, -1.0], versions=[-1, 2], loss_mask=[False, True], prompt_length=1
+    )
     batch = collate([trajectory, short], torch.tensor([2.0, -1.0]), pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
@@ -106,7 +131,9 @@ def test_a_bf16_step_with_activation_checkpointing_moves_the_weights_as_the_fp32
     groups = make_groups(model_path, behaviour_shift=-0.05)
     initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
     fp32, _ = trained_parameters(model_path, groups)
-    bf16, record = trained_parameters(model_path, groups, precision="bf16", gradient_checkpointing=True, logprob_chunk_tokens=7)
+    bf16, record = trained_parameters(
+        model_path, groups, precision="bf16", gradient_checkpointing=True, logprob_chunk_tokens=7
+    )
     fp32_step = torch.cat([(fp32[n] - initial[n]).flatten() for n in initial])
     bf16_step = torch.cat([(bf16[n] - initial[n]).flatten() for n in initial])
     assert torch.nn.functional.cosine_similarity(fp32_step, bf16_step, dim=0) > 0.99
@@ -135,7 +162,14 @@ def test_a_step_splits_its_time_and_exports_its_figures(model_path):
     assert sum(split.values()) == pytest.approx(record.seconds["train"])
 
     record.seconds["wait"] = 0.25
-    job = parse_job({"name": "step", "model": str(model_path), "run_dir": str(model_path.parent / "run"), "dataset": {"train": "t.jsonl"}})
+    job = parse_job(
+        {
+            "name": "step",
+            "model": str(model_path),
+            "run_dir": str(model_path.parent / "run"),
+            "dataset": {"train": "t.jsonl"},
+        }
+    )
     trainer = Trainer(job=job, store=None, controller=None, tokenizer=None, eval_items=[], consumer="test")
     trainer.observe(record, step_seconds=2.0)
     m = trainer.metrics
@@ -146,5 +180,8 @@ def test_a_step_splits_its_time_and_exports_its_figures(model_path):
     assert phase("wait") == 0.25 and phase("forward_backward") == split["forward_backward"] and phase("eval") == 0
     assert m.value("areal_trainer_trained_samples_total") == GROUPS * SAMPLES == record.samples
     assert m.value("areal_trainer_sample_staleness_count") == GROUPS * SAMPLES
-    assert m.value("areal_trainer_loss") == record.loss and m.value("areal_trainer_learning_rate") == record.learning_rate > 0
+    assert (
+        m.value("areal_trainer_loss") == record.loss
+        and m.value("areal_trainer_learning_rate") == record.learning_rate > 0
+    )
     assert m.value("areal_trainer_step_duration_seconds_sum") == 2.0

@@ -14,6 +14,8 @@ import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
+from tiny_models import build_tiny_qwen2
+from trainer_batches import GROUP_SIZE, make_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.api.v1 import common_pb2
@@ -25,9 +27,6 @@ from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_chec
 from areal_k8s.trainer.stepping import share_of_rank
 from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import COMMIT, STOP, World, WorldSpec
-from tiny_models import build_tiny_qwen2
-from trainer_batches import GROUP_SIZE, make_groups
-
 
 
 @pytest.fixture(scope="module")
@@ -36,28 +35,44 @@ def model_path(tmp_path_factory):
 
 
 def job_for(model_path: Path, run_dir: Path, trainer: dict | None = None, **algorithm):
-    return parse_job({
-        "name": "world", "model": str(model_path), "run_dir": str(run_dir), "dataset": {"train": "t.jsonl"},
-        "sampling": {"temperature": 1.0, "max_new_tokens": 14},
-        "algorithm": {"batch_size": 4, "group_size": GROUP_SIZE, "lr": 1.0, **algorithm},
-        # several micro-batches per rank: accumulation under no_sync
-        "trainer": {"micro_batch_tokens": 40, **(trainer or {})},
-    })
+    return parse_job(
+        {
+            "name": "world",
+            "model": str(model_path),
+            "run_dir": str(run_dir),
+            "dataset": {"train": "t.jsonl"},
+            "sampling": {"temperature": 1.0, "max_new_tokens": 14},
+            "algorithm": {"batch_size": 4, "group_size": GROUP_SIZE, "lr": 1.0, **algorithm},
+            # several micro-batches per rank: accumulation under no_sync
+            "trainer": {"micro_batch_tokens": 40, **(trainer or {})},
+        }
+    )
 
 
 def step(job, groups: list[Group], world: World, checkpoint: Path | None = None) -> dict:
     """One training step from the initial model with plain SGD at lr 1 (the parameter change is the gradient), or
     from `checkpoint` with its AdamW state."""
-    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(job.model),
-                      eval_items=[], consumer="trainer-0", world=world)
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(job.model),
+        eval_items=[],
+        consumer="trainer-0",
+        world=world,
+    )
     if checkpoint:
         trainer.engine.load_checkpoint(checkpoint)
     else:
         trainer.engine.load(job.model)
         trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
     record = trainer.train_step(groups)
-    return {"weights": {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()},
-            "loss": record.loss, "grad_norm": record.grad_norm, "clip_fraction": record.clip_fraction}
+    return {
+        "weights": {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()},
+        "loss": record.loss,
+        "grad_norm": record.grad_norm,
+        "clip_fraction": record.clip_fraction,
+    }
 
 
 def join(rank: int, size: int, port: int) -> World:
@@ -69,12 +84,16 @@ def step_on_rank(rank: int, size: int, port: int, job, groups: list[Group], out:
     torch.save(step(job, groups, join(rank, size, port)), out / f"rank{rank}.pt")
 
 
-@pytest.mark.parametrize("algorithm", [
-    {},
-    # two updates a step, the second minibatch one group (rank 1 only stands in), proximal policy recomputed
-    {"minibatches": 2, "proximal": "recompute"},
-    {"trainer": {"gradient_checkpointing": True}},
-], ids=["one-minibatch", "two-minibatches", "activation-checkpointing"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {},
+        # two updates a step, the second minibatch one group (rank 1 only stands in), proximal policy recomputed
+        {"minibatches": 2, "proximal": "recompute"},
+        {"trainer": {"gradient_checkpointing": True}},
+    ],
+    ids=["one-minibatch", "two-minibatches", "activation-checkpointing"],
+)
 def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, tmp_path, algorithm):
     groups = make_groups(model_path, 3 if "minibatches" in algorithm else 4)
     job = job_for(model_path, tmp_path / "run", **{**algorithm, "batch_size": len(groups)})
@@ -94,15 +113,24 @@ def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, tmp_
 
 def resume_on_rank(rank: int, size: int, port: int, job, groups: list[Group], checkpoint: Path, out: Path) -> None:
     # rank 1 is given a folder that does not exist: a pod's checkpoint volume may be its own, rank 0's is read
-    torch.save(step(job, groups, join(rank, size, port), checkpoint if rank == 0 else out / "elsewhere"), out / f"rank{rank}.pt")
+    torch.save(
+        step(job, groups, join(rank, size, port), checkpoint if rank == 0 else out / "elsewhere"),
+        out / f"rank{rank}.pt",
+    )
 
 
 def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, tmp_path):
     """Model, AdamW moments and RNG come from rank 0's checkpoint on every rank: the next step is the one-rank one."""
     groups = make_groups(model_path, 4)
     job = job_for(model_path, tmp_path / "run", batch_size=len(groups), lr=1e-2)
-    trainer = Trainer(job=job, store=None, controller=None, tokenizer=AutoTokenizer.from_pretrained(model_path),
-                      eval_items=[], consumer="trainer-0")
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        eval_items=[],
+        consumer="trainer-0",
+    )
     trainer.engine.load(model_path)
     trainer.train_step(groups)
     checkpoint = save_checkpoint(tmp_path / "checkpoints", trainer.engine, TrainerState(version=1), keep=1)
@@ -128,8 +156,9 @@ def test_the_ranks_share_whole_groups_balanced_by_tokens():
 
 
 def test_the_rank_comes_from_torchrun_or_from_the_pod_ordinal():
-    assert WorldSpec.from_env({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "t-0.t", "MASTER_PORT": "29500"}) == \
-        WorldSpec(3, 4, 0, "t-0.t", 29500)
+    assert WorldSpec.from_env(
+        {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "t-0.t", "MASTER_PORT": "29500"}
+    ) == WorldSpec(3, 4, 0, "t-0.t", 29500)
     # a trainer pod: the operator passes the StatefulSet ordinal as NODE_RANK, one rank per pod
     assert WorldSpec.from_env({"NODE_RANK": "1", "NPROC_PER_NODE": "1", "WORLD_SIZE": "2"}).rank == 1
     with pytest.raises(ValueError, match="torchrun"):
@@ -144,14 +173,34 @@ def test_the_ranks_torchrun_starts_in_one_pod_form_the_world_through_its_store_o
     through the store torchrun's agent hosts at the master port, and the second listens on the ports after the
     pod's."""
     port = free_port("127.0.0.1")
-    pod = {**os.environ, "NNODES": "1", "NPROC_PER_NODE": "2", "NODE_RANK": "0", "WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    pod = {
+        **os.environ,
+        "NNODES": "1",
+        "NPROC_PER_NODE": "2",
+        "NODE_RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
     out = tmp_path / "seen.json"
     launcher = Path(sys.executable).parent / "torchrun"
     result = subprocess.run(
-        [str(launcher), "--nnodes=1", "--nproc-per-node=2", "--node-rank=0", "--master-addr=127.0.0.1",
-         f"--master-port={port}", str(Path(__file__).parent / "torchrun_rank.py"), str(out)],
-        env=pod, capture_output=True, text=True, timeout=180)
+        [
+            str(launcher),
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            "--node-rank=0",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(Path(__file__).parent / "torchrun_rank.py"),
+            str(out),
+        ],
+        env=pod,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(out.read_text()) == [
         {"rank": 0, "local_rank": 0, "size": 2, "grpc_port": 50054},
@@ -161,23 +210,39 @@ def test_the_ranks_torchrun_starts_in_one_pod_form_the_world_through_its_store_o
 
 
 def trajectory(group: str, index: int) -> common_pb2.Trajectory:
-    return common_pb2.Trajectory(trajectory_id=f"{group}-{index}", group_id=group, token_ids=[1, 2, 3], prompt_length=1,
-                                 logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], loss_mask=[False, True, True])
+    return common_pb2.Trajectory(
+        trajectory_id=f"{group}-{index}",
+        group_id=group,
+        token_ids=[1, 2, 3],
+        prompt_length=1,
+        logprobs=[0.0, -1.0, -1.0],
+        versions=[-1, 0, 0],
+        loss_mask=[False, True, True],
+    )
 
 
 def commit_on_rank(rank: int, size: int, port: int, job, redis_url: str, seen: dict) -> None:
     """Rank 0 commits the entries it read; rank 1 looks at the stream while it holds back the commit's barrier."""
     world = join(rank, size, port)
-    trainer = Trainer(job=job, store=TrajectoryStore(connect(redis_url), job.name), controller=None,
-                      tokenizer=None, eval_items=[], consumer="trainer-0", world=world)
+    trainer = Trainer(
+        job=job,
+        store=TrajectoryStore(connect(redis_url), job.name),
+        controller=None,
+        tokenizer=None,
+        eval_items=[],
+        consumer="trainer-0",
+        world=world,
+    )
     trainer.engine.load(job.model)
     if rank == 0:
+
         async def lead() -> None:
             await trainer.store.ensure_consumer_group()
             await trainer.store.write_group([trajectory("g0", i) for i in range(GROUP_SIZE)])
             trainer.unacked = await trainer.store.read_new("trainer-0", count=10, block_ms=100)
             await trainer.commit()
             world.send(STOP)
+
         asyncio.run(lead())
         return
     client, stream = redis.Redis.from_url(redis_url), JobKeys(job.name).stream

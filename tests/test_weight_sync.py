@@ -4,6 +4,7 @@ real HTTP on loopback."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import signal
 import socket
@@ -14,15 +15,15 @@ import uuid
 
 import pytest
 import torch
+from cpu_engines import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import build_tiny_qwen2, perturbed
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
 from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
-from cpu_engines import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
-from tiny_models import build_tiny_qwen2, perturbed
 
 torch.set_num_threads(1)
 
@@ -74,7 +75,7 @@ def test_plan_buckets_properties(specs, budget):
     for bucket in buckets:
         assert bucket and len({t.dtype for _, t in bucket}) == 1
         assert len(bucket) == 1 or sizes_in_bytes(bucket) <= budget
-    for before, after in zip(buckets, buckets[1:]):  # greedy: the next tensor did not fit, or changed dtype
+    for before, after in itertools.pairwise(buckets):  # greedy: the next tensor did not fit, or changed dtype
         first = after[0][1]
         assert first.dtype != before[0][1].dtype or sizes_in_bytes(before) + sizes_in_bytes(after[:1]) > budget
 
@@ -112,7 +113,9 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_url(model_path, tmp_path_factory):
-    with cpu_engine(model_path, tmp_path_factory.mktemp("engine") / "engine.log", "--threads", "1", "--max-batch-size", "16") as url:
+    with cpu_engine(
+        model_path, tmp_path_factory.mktemp("engine") / "engine.log", "--threads", "1", "--max-batch-size", "16"
+    ) as url:
         yield url
 
 
@@ -136,7 +139,9 @@ def sender(**overrides) -> WeightSender:
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         output = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
             max_new_tokens=max_new_tokens,
         )
     return output[0, len(prompt) :].tolist()
@@ -278,8 +283,14 @@ TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
 
 async def test_a_trainer_that_already_has_a_default_process_group(engine_url, client):
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", TRAINER_WITH_DEFAULT_GROUP, engine_url, f"test-{uuid.uuid4().hex[:8]}",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=SUBPROCESS_ENV,
+        sys.executable,
+        "-c",
+        TRAINER_WITH_DEFAULT_GROUP,
+        engine_url,
+        f"test-{uuid.uuid4().hex[:8]}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=SUBPROCESS_ENV,
     )
     output, _ = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode == 0 and b"MATCH" in output, output.decode()
@@ -322,7 +333,7 @@ async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_lo
     assert sample.interruptions >= 1 and sample.finish_reason == "length"
     assert len(sample.output_ids) == sampling["max_new_tokens"]  # nothing lost, nothing duplicated
     switch = sample.versions.index(31)
-    assert 0 < switch and sample.versions == [30] * switch + [31] * (len(sample.versions) - switch)
+    assert switch > 0 and sample.versions == [30] * switch + [31] * (len(sample.versions) - switch)
     tokens = prompt + sample.output_ids
     for version, model in models.items():
         positions = [i for i, v in enumerate(sample.versions) if v == version]
@@ -356,12 +367,21 @@ BROADCAST_PEER = textwrap.dedent(
 
 
 async def test_a_broadcast_nobody_receives_fails_at_its_deadline_and_the_group_can_be_aborted():
-    from areal_k8s.common.distributed import broadcast_within, create_rendezvous_store, destroy_side_group, init_side_group
+    from areal_k8s.common.distributed import (
+        broadcast_within,
+        create_rendezvous_store,
+        destroy_side_group,
+        init_side_group,
+    )
 
     store = create_rendezvous_store("127.0.0.1", 0, 2, 30)
-    peer = subprocess.Popen([sys.executable, "-c", BROADCAST_PEER, str(store.port)], env=SUBPROCESS_ENV, stdout=subprocess.PIPE)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", BROADCAST_PEER, str(store.port)], env=SUBPROCESS_ENV, stdout=subprocess.PIPE
+    )
     try:
-        group = await asyncio.to_thread(init_side_group, "gloo", "127.0.0.1", store.port, 2, 0, "deadline", 30, store=store)
+        group = await asyncio.to_thread(
+            init_side_group, "gloo", "127.0.0.1", store.port, 2, 0, "deadline", 30, store=store
+        )
         with pytest.raises(RuntimeError, match="timed out"):
             await asyncio.to_thread(broadcast_within, torch.zeros(8, dtype=torch.uint8), group, 1.0)
         destroy_side_group(group, abort=True)
@@ -377,7 +397,9 @@ def frozen_engine(model_path, tmp_path):
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(model_path), "--port", "0"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=SUBPROCESS_ENV,
         )
     try:
         yield process, wait_for_ready_line(process, log_path)
@@ -387,10 +409,14 @@ def frozen_engine(model_path, tmp_path):
         process.wait()
 
 
-async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_group_works(frozen_engine, trainer_model, redis_url):
+async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_group_works(
+    frozen_engine, trainer_model, redis_url
+):
     """Trainer -> rollout worker (gRPC) -> engine (HTTP), as in a run. Every call has a deadline: an engine that stops
     answering fails the push after `timeout` (it used to block the trainer for an hour), and once it answers again
     the group is rebuilt and the full weights land."""
+    from tiny_models import build_tokenizer
+
     from areal_k8s.api.v1 import rollout_pb2_grpc
     from areal_k8s.common.config import parse_job
     from areal_k8s.common.grpcutil import start_server
@@ -398,13 +424,20 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
     from areal_k8s.rollout.server import RolloutServicer
     from areal_k8s.rollout.worker import RolloutWorker
     from areal_k8s.trainer.targets import RolloutTarget
-    from tiny_models import build_tokenizer
 
     process, url = frozen_engine
     engine = CpuEngineClient(url, control_timeout=2)
     job = parse_job({"name": "deadline", "model": "m", "dataset": {"train": "t.jsonl"}})
-    worker = RolloutWorker(job=job, worker_id="w0", address="", controller=None, reward=None, engine=engine,
-                           store=TrajectoryStore(connect(redis_url), job.name), tokenizer=build_tokenizer())
+    worker = RolloutWorker(
+        job=job,
+        worker_id="w0",
+        address="",
+        controller=None,
+        reward=None,
+        engine=engine,
+        store=TrajectoryStore(connect(redis_url), job.name),
+        tokenizer=build_tokenizer(),
+    )
     servicer = RolloutServicer(worker)
     server, port, _ = await start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")], "127.0.0.1:0"
@@ -428,7 +461,10 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
         await weights.connect([target])
         await weights.push(trainer_model.named_parameters(), version=3)
         checksum = await engine.weights_checksum()
-        assert checksum["weight_version"] == "3" and checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
+        assert (
+            checksum["weight_version"] == "3"
+            and checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
+        )
     finally:
         process.send_signal(signal.SIGCONT)
         await weights.close()
@@ -451,8 +487,14 @@ def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": "bfloat16"}))
     assert served_dtype({"dtype": "auto"}, tmp_path) == "bfloat16"
 
-    job = parse_job({"name": "j", "model": str(tmp_path), "dataset": {"train": "t.jsonl"},
-                     "rollout": {"engine": "sglang", "engine_urls": ["http://e:1"]}})
+    job = parse_job(
+        {
+            "name": "j",
+            "model": str(tmp_path),
+            "dataset": {"train": "t.jsonl"},
+            "rollout": {"engine": "sglang", "engine_urls": ["http://e:1"]},
+        }
+    )
     worker = lambda dtype: controller_pb2.WorkerInfo(worker_id="w", engine_dtype=dtype)  # noqa: E731
     assert push_dtype_for(job, [worker("float32")]) == torch.float32  # the engine's, not the job's guess (bfloat16)
     assert push_dtype_for(job, [worker("bfloat16"), worker("float16")]) == torch.float32  # disagreeing: exact for both

@@ -11,6 +11,9 @@ import uuid
 
 import pytest
 import redis
+from cpu_engines import cpu_engine, engine_client
+from e2e_jobs import make_job, read_steps
+from tiny_models import build_scripted_qwen2
 from transformers import AutoTokenizer
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2, reward_pb2_grpc
@@ -27,9 +30,6 @@ from areal_k8s.rollout.workflows import EpisodeContext, WorkflowError, load_work
 from areal_k8s.rollout.workflows.multi_turn import MultiTurn
 from areal_k8s.rollout.workflows.tool_agent import TOOL_INSTRUCTIONS
 from areal_k8s.rollout.workflows.tools import calculate, parse_tool_calls
-from cpu_engines import cpu_engine, engine_client
-from e2e_jobs import make_job, read_steps
-from tiny_models import build_scripted_qwen2
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,7 +38,8 @@ CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</to
 EOS = "<|endoftext|>"
 # A ChatML template with tool messages (as Qwen's renders them: a user turn holding <tool_response> blocks).
 CHATML = (
-    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}"
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') | join(', "
+    "') }}"
     "<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ 'user' if m.role == 'tool' else m.role }}\n"
     "{% if m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>{% else %}{{ m.content }}{% endif %}"
@@ -52,8 +53,9 @@ FEEDBACK = MultiTurnConfig().feedback
 def model_path(tmp_path_factory):
     # After GO or a newline the model calls the python tool; after the call it ends its turn; elsewhere it writes
     # the next byte ("abc" goes on "defg...").
-    return build_scripted_qwen2(tmp_path_factory.mktemp("scripted"), added_tokens=[GO, CALL],
-                                successors={GO: CALL, "\n": CALL, CALL: EOS})
+    return build_scripted_qwen2(
+        tmp_path_factory.mktemp("scripted"), added_tokens=[GO, CALL], successors={GO: CALL, "\n": CALL, CALL: EOS}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +90,35 @@ def job(**rollout):
 
 def group(prompt: str, *, n: int = 2, reference: str = "never", max_new_tokens: int = 12) -> common_pb2.PromptGroup:
     return common_pb2.PromptGroup(
-        group_id="g1", prompt_id="p1", prompt=prompt, reference=reference, verifier="exact", n_samples=n,
+        group_id="g1",
+        prompt_id="p1",
+        prompt=prompt,
+        reference=reference,
+        verifier="exact",
+        n_samples=n,
         sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens),
     )
 
 
 def worker(job, engine, reward, tokenizer) -> RolloutWorker:
-    return RolloutWorker(job=job, worker_id="w0", address="", controller=None, reward=reward, engine=engine, store=None,
-                         tokenizer=tokenizer)
+    return RolloutWorker(
+        job=job,
+        worker_id="w0",
+        address="",
+        controller=None,
+        reward=reward,
+        engine=engine,
+        store=None,
+        tokenizer=tokenizer,
+    )
 
 
 def runs(trajectory) -> list[tuple[bool, list[int], list[int], list[float]]]:
     """The trajectory as maximal runs of equal loss mask: (mask, token ids, versions, logprobs)."""
     out: list = []
-    for token, mask, version, logprob in zip(trajectory.token_ids, trajectory.loss_mask, trajectory.versions, trajectory.logprobs):
+    for token, mask, version, logprob in zip(
+        trajectory.token_ids, trajectory.loss_mask, trajectory.versions, trajectory.logprobs
+    ):
         if not out or out[-1][0] != mask:
             out.append((mask, [], [], []))
         out[-1][1].append(token)
@@ -117,23 +134,45 @@ def ids(tok, text: str) -> list[int]:
 async def old_generate_group(engine, reward, tok, job, group) -> list[common_pb2.Trajectory]:
     """The worker's hard-wired single-turn path before workflows (its generate_group, minus timings and metrics)."""
     prompt_ids = encode_prompt(tok, group.prompt, job.rollout.prompt_template)
-    sampling = sampling_params(temperature=group.sampling.temperature, top_p=group.sampling.top_p or 1.0, top_k=-1,
-                               max_new_tokens=group.sampling.max_new_tokens, stop_token_ids=stop_token_ids(tok))
+    sampling = sampling_params(
+        temperature=group.sampling.temperature,
+        top_p=group.sampling.top_p or 1.0,
+        top_k=-1,
+        max_new_tokens=group.sampling.max_new_tokens,
+        stop_token_ids=stop_token_ids(tok),
+    )
     rids = [f"{group.group_id}-{i}" for i in range(group.n_samples)]
     samples = await generate_interruptible(engine, prompt_ids, sampling, rids)
     texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in samples]
-    scores = await reward.Score(reward_pb2.ScoreRequest(items=[
-        reward_pb2.ScoreItem(item_id=rid, verifier=group.verifier, prompt=group.prompt, response=text, reference=group.reference)
-        for rid, text in zip(rids, texts)]))
+    scores = await reward.Score(
+        reward_pb2.ScoreRequest(
+            items=[
+                reward_pb2.ScoreItem(
+                    item_id=rid, verifier=group.verifier, prompt=group.prompt, response=text, reference=group.reference
+                )
+                for rid, text in zip(rids, texts)
+            ]
+        )
+    )
     by_id = {r.item_id: r for r in scores.results}
     n = len(prompt_ids)
     return [
         common_pb2.Trajectory(
-            trajectory_id=rid, group_id=group.group_id, prompt_id=group.prompt_id, token_ids=prompt_ids + s.output_ids,
-            prompt_length=n, logprobs=[0.0] * n + s.logprobs, versions=[-1] * n + s.versions,
-            loss_mask=[False] * n + [True] * len(s.output_ids), reward=by_id[rid].reward,
-            reward_status=reward_pb2.ScoreResult.Status.Name(by_id[rid].status).lower(), finish_reason=s.finish_reason,
-            interruptions=s.interruptions, response_text=text, admitted_version=group.admitted_version, ticket=group.ticket,
+            trajectory_id=rid,
+            group_id=group.group_id,
+            prompt_id=group.prompt_id,
+            token_ids=prompt_ids + s.output_ids,
+            prompt_length=n,
+            logprobs=[0.0] * n + s.logprobs,
+            versions=[-1] * n + s.versions,
+            loss_mask=[False] * n + [True] * len(s.output_ids),
+            reward=by_id[rid].reward,
+            reward_status=reward_pb2.ScoreResult.Status.Name(by_id[rid].status).lower(),
+            finish_reason=s.finish_reason,
+            interruptions=s.interruptions,
+            response_text=text,
+            admitted_version=group.admitted_version,
+            ticket=group.ticket,
         )
         for rid, s, text in zip(rids, samples, texts)
     ]
@@ -145,7 +184,11 @@ async def test_single_turn_gives_the_trajectories_of_the_old_hard_wired_path(eng
     got = await worker(job(), engine, reward, tok).generate_group(prompt_group)
     expected = await old_generate_group(engine, reward, tok, job(), prompt_group)
     for trajectory in got:
-        assert trajectory.timings.generation_started_at <= trajectory.timings.generation_finished_at <= trajectory.timings.reward_finished_at
+        assert (
+            trajectory.timings.generation_started_at
+            <= trajectory.timings.generation_finished_at
+            <= trajectory.timings.reward_finished_at
+        )
         trajectory.ClearField("timings")
     assert got == expected
     assert [t.response_text for t in got] == ["defghijklmno"] * 3 and [t.reward for t in got] == [1.0] * 3
@@ -155,9 +198,13 @@ async def test_multi_turn_masks_feedback_and_keeps_every_model_tokens_version(en
     tok = tokenizer(model_path)
     (trajectory,) = await worker(job(workflow="multi_turn"), engine, reward, tok).generate_group(group(f"q {GO}", n=1))
     feedback = ids(tok, f"\n\n{FEEDBACK}\n\n")  # the raw format's user turn
-    model_turn = ids(tok, CALL) + [tok.eos_token_id]
+    model_turn = [*ids(tok, CALL), tok.eos_token_id]
     assert [(mask, tokens) for mask, tokens, _, _ in runs(trajectory)] == [
-        (False, ids(tok, f"q {GO}")), (True, model_turn), (False, feedback), (True, model_turn), (False, feedback),
+        (False, ids(tok, f"q {GO}")),
+        (True, model_turn),
+        (False, feedback),
+        (True, model_turn),
+        (False, feedback),
         (True, model_turn),
     ]
     for mask, _tokens, versions, logprobs in runs(trajectory):
@@ -188,35 +235,58 @@ async def test_multi_turn_with_a_chat_template_appends_the_templates_turns(engin
     prompt = ids(tok, "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n")
     # the model ended its turn with eos, not the template's <|im_end|>: the environment closes the turn
     user_turn = ids(tok, f"<|im_end|>\n<|im_start|>user\n{FEEDBACK}<|im_end|>\n<|im_start|>assistant\n")
-    model_turn = ids(tok, CALL) + [tok.eos_token_id]
+    model_turn = [*ids(tok, CALL), tok.eos_token_id]
     assert [(mask, tokens) for mask, tokens, _, _ in runs(trajectory)] == [
-        (False, prompt), (True, model_turn), (False, user_turn), (True, model_turn)]
+        (False, prompt),
+        (True, model_turn),
+        (False, user_turn),
+        (True, model_turn),
+    ]
 
 
 async def test_tool_agent_runs_the_python_call_in_the_sandbox_and_masks_its_output(engine, reward, model_path):
     tok = tokenizer(model_path)
     workflow_job = job(workflow="tool_agent", tool_agent={"tools": ["python"], "max_tool_calls": 2})
-    trajectories = await worker(workflow_job, engine, reward, tok).generate_group(group(f"What is 6 * 7? {GO}", reference=CALL))
+    trajectories = await worker(workflow_job, engine, reward, tok).generate_group(
+        group(f"What is 6 * 7? {GO}", reference=CALL)
+    )
     result = ids(tok, "\n<tool_response>\n42\n\n</tool_response>\n")  # 42: the program ran (the call says 6 * 7)
     for trajectory in trajectories:
         prompt_text = tok.decode(trajectory.token_ids[: trajectory.prompt_length])
         assert prompt_text.startswith(TOOL_INSTRUCTIONS.split("{")[0]) and "python: Run a Python program" in prompt_text
         # each turn stops at its call; two calls run, the third is past the budget and ends the episode
         assert [(mask, tokens) for mask, tokens, _, _ in runs(trajectory)][1:] == [
-            (True, ids(tok, CALL)), (False, result), (True, ids(tok, CALL)), (False, result), (True, ids(tok, CALL))]
+            (True, ids(tok, CALL)),
+            (False, result),
+            (True, ids(tok, CALL)),
+            (False, result),
+            (True, ids(tok, CALL)),
+        ]
         assert all(v == -1 for v, m in zip(trajectory.versions, trajectory.loss_mask) if not m)
         assert trajectory.reward == 1.0  # the final turn's text, scored by the verifier
 
 
 async def test_tool_agent_with_a_chat_template_answers_an_unknown_tool_with_an_error(engine, reward, model_path):
     tok = tokenizer(model_path, chat=True)
-    workflow_job = job(workflow="tool_agent", prompt_template="chat", tool_agent={"tools": ["calculator"], "max_tool_calls": 1})
+    workflow_job = job(
+        workflow="tool_agent", prompt_template="chat", tool_agent={"tools": ["calculator"], "max_tool_calls": 1}
+    )
     (trajectory,) = await worker(workflow_job, engine, reward, tok).generate_group(group("6 * 7?", n=1))
-    prompt = ids(tok, "<|im_start|>system\nTools: calculator<|im_end|>\n<|im_start|>user\n6 * 7?<|im_end|>\n<|im_start|>assistant\n")
-    tool_turn = ids(tok, "<|im_end|>\n<|im_start|>user\n<tool_response>\nerror: unknown tool 'python' (tools: calculator)\n"
-                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    prompt = ids(
+        tok,
+        "<|im_start|>system\nTools: calculator<|im_end|>\n<|im_start|>user\n6 * 7?<|im_end|>\n<|im_start|>assistant\n",
+    )
+    tool_turn = ids(
+        tok,
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\nerror: unknown tool 'python' (tools: calculator)\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    )
     assert [(mask, tokens) for mask, tokens, _, _ in runs(trajectory)] == [
-        (False, prompt), (True, ids(tok, CALL)), (False, tool_turn), (True, ids(tok, CALL))]
+        (False, prompt),
+        (True, ids(tok, CALL)),
+        (False, tool_turn),
+        (True, ids(tok, CALL)),
+    ]
 
 
 async def test_a_weight_push_in_the_middle_of_an_episode_keeps_every_tokens_version(engine, model_path, reward):
@@ -226,7 +296,9 @@ async def test_a_weight_push_in_the_middle_of_an_episode_keeps_every_tokens_vers
 
     tok = tokenizer(model_path)
     weights_ = AutoModelForCausalLM.from_pretrained(model_path).named_parameters
-    weights = WeightSender("gloo", "127.0.0.1", bucket_bytes=1 << 20, timeout=60.0, group_name=f"wf-{uuid.uuid4().hex[:8]}")
+    weights = WeightSender(
+        "gloo", "127.0.0.1", bucket_bytes=1 << 20, timeout=60.0, group_name=f"wf-{uuid.uuid4().hex[:8]}"
+    )
     await weights.connect([engine])
 
     async def generate_pushing_during_the_second_turn(prompts, sampling, rids):
@@ -241,8 +313,14 @@ async def test_a_weight_push_in_the_middle_of_an_episode_keeps_every_tokens_vers
     try:
         await weights.push(weights_(), version="30")
         sampling = {"temperature": 1.0, "max_new_tokens": 1500, "ignore_eos": True}
-        ctx = EpisodeContext(group=group("abc", n=1), job=job(workflow="multi_turn"), tokenizer=tok, sampling=sampling,
-                             engine_generate=generate_pushing_during_the_second_turn, reward=reward)
+        ctx = EpisodeContext(
+            group=group("abc", n=1),
+            job=job(workflow="multi_turn"),
+            tokenizer=tok,
+            sampling=sampling,
+            engine_generate=generate_pushing_during_the_second_turn,
+            reward=reward,
+        )
         (episode,) = await MultiTurn(MultiTurnConfig(max_turns=2)).arun_episode(ctx)
     finally:
         await weights.close()
@@ -261,38 +339,55 @@ async def test_a_user_workflow_is_loaded_by_name_with_its_arguments(engine, rewa
     trajectories = await worker(user_job, engine, reward, tok).generate_group(group("abc"))
     for trajectory in trajectories:  # "abc", the chain to the budget, a newline (environment), then the call
         assert [(mask, tokens) for mask, tokens, _, _ in runs(trajectory)] == [
-            (False, ids(tok, "abc")), (True, ids(tok, "defghijklmno")), (False, ids(tok, "\n")),
-            (True, ids(tok, CALL) + [tok.eos_token_id])]
+            (False, ids(tok, "abc")),
+            (True, ids(tok, "defghijklmno")),
+            (False, ids(tok, "\n")),
+            (True, [*ids(tok, CALL), tok.eos_token_id]),
+        ]
 
 
-@pytest.mark.parametrize(("workflow", "args", "message"), [
-    ("no_such_module:Flow", {}, "cannot import 'no_such_module': ModuleNotFoundError"),
-    ("workflow_fixtures:Missing", {}, "module 'workflow_fixtures' has no 'Missing' (a subclass of"),
-    ("workflow_fixtures:NotAWorkflow", {}, "module 'workflow_fixtures' has a non-RolloutWorkflow 'NotAWorkflow'"),
-    ("workflow_fixtures:Repeat", {"typo": 1}, "cannot be made with rollout.workflow_args {'typo': 1}: "),
-])
+@pytest.mark.parametrize(
+    ("workflow", "args", "message"),
+    [
+        ("no_such_module:Flow", {}, "cannot import 'no_such_module': ModuleNotFoundError"),
+        ("workflow_fixtures:Missing", {}, "module 'workflow_fixtures' has no 'Missing' (a subclass of"),
+        ("workflow_fixtures:NotAWorkflow", {}, "module 'workflow_fixtures' has a non-RolloutWorkflow 'NotAWorkflow'"),
+        ("workflow_fixtures:Repeat", {"typo": 1}, "cannot be made with rollout.workflow_args {'typo': 1}: "),
+    ],
+)
 def test_a_bad_user_workflow_is_refused_naming_it(workflow, args, message):
     with pytest.raises(WorkflowError, match="^" + re.escape(f"rollout.workflow '{workflow}': {message}")):
         load_workflow(job(workflow=workflow, workflow_args=args))
 
 
-@pytest.mark.parametrize(("rollout", "message"), [
-    ({"workflow": "my flow"}, "rollout.workflow: Value error, expected one of single_turn, multi_turn, tool_agent or "
-                              "'package.module:Class' (got 'my flow')"),
-    ({"workflow": "tool_agent", "workflow_args": {"x": 1}}, "workflow_args is for a package.module:Class workflow"),
-    ({"tool_agent": {"tools": ["shell"]}}, "rollout.tool_agent.tools.0: Input should be 'python' or 'calculator'"),
-])
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        (
+            {"workflow": "my flow"},
+            "rollout.workflow: Value error, expected one of single_turn, multi_turn, tool_agent or "
+            "'package.module:Class' (got 'my flow')",
+        ),
+        ({"workflow": "tool_agent", "workflow_args": {"x": 1}}, "workflow_args is for a package.module:Class workflow"),
+        ({"tool_agent": {"tools": ["shell"]}}, "rollout.tool_agent.tools.0: Input should be 'python' or 'calculator'"),
+    ],
+)
 def test_a_bad_workflow_in_the_job_file_is_a_readable_error(rollout, message):
     with pytest.raises(JobFileError, match=re.escape(message)):
         job(**rollout)
 
 
 def test_tool_calls_are_read_in_the_qwen_format_and_bad_ones_are_answered():
-    text = ('a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call> b '
-            '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
-            "<tool_call>not json</tool_call><tool_call>[1]</tool_call>")
+    text = (
+        'a <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call> b '
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        "<tool_call>not json</tool_call><tool_call>[1]</tool_call>"
+    )
     calls = parse_tool_calls(text)
-    assert [(c.name, c.arguments) for c in calls[:2]] == [("calculator", {"expression": "1+2"}), ("python", {"code": "print(1)"})]
+    assert [(c.name, c.arguments) for c in calls[:2]] == [
+        ("calculator", {"expression": "1+2"}),
+        ("python", {"code": "print(1)"}),
+    ]
     assert calls[2].error.startswith("the tool call is not JSON") and calls[3].error.startswith("a tool call is")
 
 
@@ -307,8 +402,10 @@ def test_a_chat_turn_after_a_model_that_ended_with_the_templates_own_marker_does
     tok = tokenizer(model_path, chat=True)
     tok.eos_token = "<|im_end|>"  # as Qwen's instruct tokenizers: the end of a turn is the end of generation
     conversation = ConversationFormat(tok, "chat")
-    answer = ids(tok, "42") + [tok.eos_token_id]
-    assert conversation.user_turn("again", answer) == ids(tok, "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+    answer = [*ids(tok, "42"), tok.eos_token_id]
+    assert conversation.user_turn("again", answer) == ids(
+        tok, "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert conversation.user_turn("again", ids(tok, "42"))[:2] == ids(tok, "<|im_end|>\n")  # cut off: closed for it
     assert ConversationFormat(tokenizer(model_path), "chat").chat is False  # no template: the plain-text fallback
     tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
@@ -319,12 +416,18 @@ def test_a_chat_turn_after_a_model_that_ended_with_the_templates_own_marker_does
 def test_a_tool_agent_job_runs_end_to_end_with_its_python_calls_in_the_sandbox(model_path, tmp_path):
     """`arealctl run` with rollout.workflow tool_agent: the scripted model calls the python tool, the worker runs the
     call in the sandbox and appends its output, masked out; the job trains to the end on the model's tokens."""
-    rows = [{"id": f"p{i}", "prompt": f"What is 6 * 7? ({i}) {GO}", "answer": CALL, "verifier": "exact"} for i in range(8)]
+    rows = [
+        {"id": f"p{i}", "prompt": f"What is 6 * 7? ({i}) {GO}", "answer": CALL, "verifier": "exact"} for i in range(8)
+    ]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    job = make_job(tmp_path, tmp_path / "run", model=str(model_path),
-                   dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "train.jsonl"), "eval_limit": 2},
-                   algorithm={"total_steps": 2, "batch_size": 2, "group_size": 2},
-                   rollout={"workflow": "tool_agent", "tool_agent": {"tools": ["python"], "max_tool_calls": 1}})
+    job = make_job(
+        tmp_path,
+        tmp_path / "run",
+        model=str(model_path),
+        dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "train.jsonl"), "eval_limit": 2},
+        algorithm={"total_steps": 2, "batch_size": 2, "group_size": 2},
+        rollout={"workflow": "tool_agent", "tool_agent": {"tools": ["python"], "max_tool_calls": 1}},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")

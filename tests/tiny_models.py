@@ -102,9 +102,17 @@ def build_scripted_qwen2(path: Path, *, added_tokens: list[str], successors: dic
     vocab = len(tokenizer)
     hidden = -(-vocab // 8) * 8  # rotary needs an even head dimension: 4 heads of a multiple of 2
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
     )
     model = Qwen2ForCausalLM(config).eval()
 
@@ -132,18 +140,30 @@ def build_scripted_qwen2(path: Path, *, added_tokens: list[str], successors: dic
     return path
 
 
-def build_tiny_decoder(path: Path, model_type: str, *, seed: int = 0, vocab_size: int = 260,
-                       tie_word_embeddings: bool = False) -> Path:
+def build_tiny_decoder(
+    path: Path, model_type: str, *, seed: int = 0, vocab_size: int = 260, tie_word_embeddings: bool = False
+) -> Path:
     """A random Qwen2, Qwen3 or Llama (GQA 4/2 heads) and the byte tokenizer, saved under `path`. The vocabulary
     (default 260: the tokenizer's 259 tokens and one unused row) divides by 2 and 4, as tensor parallelism needs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     config = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie_word_embeddings, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

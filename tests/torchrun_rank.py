@@ -10,8 +10,9 @@ from areal_k8s.trainer.world import World, WorldSpec, gather_from_ranks
 
 spec = WorldSpec.from_env()
 world = World(spec).join("cpu")
-seen = gather_from_ranks({"rank": spec.rank, "local_rank": spec.local_rank, "size": spec.size,
-                          "grpc_port": spec.port_for(50054)})
+seen = gather_from_ranks(
+    {"rank": spec.rank, "local_rank": spec.local_rank, "size": spec.size, "grpc_port": spec.port_for(50054)}
+)
 if world.leads:
     with open(sys.argv[1], "w") as out:
         json.dump(seen, out)

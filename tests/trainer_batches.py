@@ -26,10 +26,15 @@ def make_groups(model_path: Path, count: int) -> list[Group]:
         for i in range(GROUP_SIZE):
             tokens = prompt + [rng.randrange(1, 200) for _ in range(rng.randint(1, 14))]
             with torch.no_grad():
-                scored = token_logprobs(model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024)[0]
+                scored = token_logprobs(
+                    model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024
+                )[0]
             trajectory = common_pb2.Trajectory(
-                trajectory_id=f"g{g}-{i}", group_id=f"g{g}", token_ids=tokens, prompt_length=len(prompt),
-                logprobs=[0.0] * len(prompt) + [float(x) - 0.05 for x in scored[len(prompt) - 1:]],
+                trajectory_id=f"g{g}-{i}",
+                group_id=f"g{g}",
+                token_ids=tokens,
+                prompt_length=len(prompt),
+                logprobs=[0.0] * len(prompt) + [float(x) - 0.05 for x in scored[len(prompt) - 1 :]],
                 versions=[-1] * len(prompt) + [0] * (len(tokens) - len(prompt)),
                 loss_mask=[False] * len(prompt) + [True] * (len(tokens) - len(prompt)),
                 reward=1.0 if g == count - 1 else float((i + g) % 2),

@@ -20,7 +20,9 @@ class Repeat(RolloutWorkflow):
             samples = await ctx.generate([e.token_ids for e in episodes], rids)
             for episode, sample in zip(episodes, samples):
                 episode.add_model_tokens(sample)
-        scores = await ctx.score([ctx.decode(s.output_ids) for s in samples], [ctx.sample_id(i) for i in range(ctx.n_samples)])
+        scores = await ctx.score(
+            [ctx.decode(s.output_ids) for s in samples], [ctx.sample_id(i) for i in range(ctx.n_samples)]
+        )
         for episode, score in zip(episodes, scores):
             episode.reward = score.reward
         return episodes

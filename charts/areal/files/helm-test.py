@@ -35,8 +35,11 @@ def api(method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
     with open(f"{SERVICE_ACCOUNT}/token") as handle:
         token = handle.read().strip()
     request = urllib.request.Request(
-        API + path, method=method, data=None if body is None else json.dumps(body).encode(),
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", "Accept": "application/json"})
+        API + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", "Accept": "application/json"},
+    )
     context = ssl.create_default_context(cafile=f"{SERVICE_ACCOUNT}/ca.crt")
     try:
         with urllib.request.urlopen(request, context=context, timeout=15) as response:
@@ -64,16 +67,22 @@ def main() -> int:
         return 1
     check(condition(served, "Established") == "True", f"CRD {name} is established")
     served_versions = {v["name"]: v for v in served["spec"]["versions"]}
-    same = (version["name"] in served_versions
-            and served_versions[version["name"]].get("schema") == version["schema"]
-            and served_versions[version["name"]].get("subresources") == version.get("subresources"))
-    check(same, f"CRD {name} is this chart's version",
-          "Helm installs crds/ only on first install; upgrade it with "
-          "`kubectl apply --server-side --force-conflicts -f charts/areal/crds/`")
+    same = (
+        version["name"] in served_versions
+        and served_versions[version["name"]].get("schema") == version["schema"]
+        and served_versions[version["name"]].get("subresources") == version.get("subresources")
+    )
+    check(
+        same,
+        f"CRD {name} is this chart's version",
+        "Helm installs crds/ only on first install; upgrade it with "
+        "`kubectl apply --server-side --force-conflicts -f charts/areal/crds/`",
+    )
 
     # The apiserver validates (schema and CEL rules) without storing anything: dryRun=All.
     rljob = {
-        "apiVersion": f"{group}/{version['name']}", "kind": expected["spec"]["names"]["kind"],
+        "apiVersion": f"{group}/{version['name']}",
+        "kind": expected["spec"]["names"]["kind"],
         "metadata": {"name": "helm-test", "namespace": NAMESPACE},
         "spec": {"model": "/models/m", "dataset": {"train": "/data/train.jsonl"}, "redis": {"url": "redis://r:6379/0"}},
     }

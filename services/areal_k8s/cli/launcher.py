@@ -44,7 +44,9 @@ class Endpoints:
 
 def child_env(threads: int) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    env.update(
+        PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false"
+    )
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # progress bars are noise in log files
     return env
 
@@ -106,8 +108,14 @@ def wait_ready(controller: Service, address: str, deadline: float) -> None:
 
 
 class LocalRun:
-    def __init__(self, job: JobConfig, *, host: str = "127.0.0.1", restarts: RestartPolicy | None = None,
-                 on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True)):
+    def __init__(
+        self,
+        job: JobConfig,
+        *,
+        host: str = "127.0.0.1",
+        restarts: RestartPolicy | None = None,
+        on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True),
+    ):
         self.job = job
         self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart, world_of=trainer_world)
         self.notify = on_restart
@@ -129,7 +137,10 @@ class LocalRun:
         """`new` refuses an existing run, `fresh` wipes it, `resume` carries on from its checkpoint and Redis."""
         exists = self.run_dir.exists() and any(self.run_dir.iterdir())
         if exists and mode == "new":
-            raise LaunchError(f"run directory {self.run_dir} already holds a run: pass --resume to continue it or --fresh to start over")
+            raise LaunchError(
+                f"run directory {self.run_dir} already holds a run: pass --resume to continue it or --fresh to start "
+                "over"
+            )
         if exists and mode == "fresh":
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,8 +152,10 @@ class LocalRun:
         check_model_dir(self.job.model)
         check_tokenizer_dir(self.job.tokenizer_path)
         if self.job.rebalance.enabled and self.job.rollout.engine != "cpu":
-            raise LaunchError("rebalance.enabled in a local run needs rollout.engine: cpu (it starts and stops the engines; "
-                              "external SGLang engines in rollout.engine_urls are not its to start)")
+            raise LaunchError(
+                "rebalance.enabled in a local run needs rollout.engine: cpu (it starts and stops the engines; "
+                "external SGLang engines in rollout.engine_urls are not its to start)"
+            )
         self.prepare_run_dir(mode)
         job_file = self.run_dir / "job.yaml"
         job_file.write_text(yaml.safe_dump(self.job.model_dump(mode="json"), sort_keys=False))
@@ -163,7 +176,10 @@ class LocalRun:
             trainer=address(),
             rollouts=[address() for _ in range(workers)],
             engines=self.job.rollout.engine_urls or [f"http://{address()}" for _ in range(workers)],
-            metrics={name: address() for name in ("controller", "reward", *(f"rollout-{i}" for i in range(workers)), "trainer")},
+            metrics={
+                name: address()
+                for name in ("controller", "reward", *(f"rollout-{i}" for i in range(workers)), "trainer")
+            },
         )
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
         if prometheus:
@@ -177,17 +193,40 @@ class LocalRun:
 
         controller = self.spawn(
             "controller",
-            ["areal_k8s.controller", *common, "--port", port_of(ends.controller), "--redis-url", redis_url, "--reward", ends.reward,
-             *metrics("controller")],
-            logs, 1,
+            [
+                "areal_k8s.controller",
+                *common,
+                "--port",
+                port_of(ends.controller),
+                "--redis-url",
+                redis_url,
+                "--reward",
+                ends.reward,
+                *metrics("controller"),
+            ],
+            logs,
+            1,
         )
         self.started_controller = ends.controller
         reward = self.spawn(
             "reward",
-            ["areal_k8s.reward", "--host", self.host, "--port", port_of(ends.reward), "--workers", str(self.job.reward.workers),
-             "--timeout", str(self.job.reward.timeout_seconds), "--job-name", self.job.name, *metrics("reward"),
-             *reward_verifier_args(self.job.reward)],
-            logs, 1,
+            [
+                "areal_k8s.reward",
+                "--host",
+                self.host,
+                "--port",
+                port_of(ends.reward),
+                "--workers",
+                str(self.job.reward.workers),
+                "--timeout",
+                str(self.job.reward.timeout_seconds),
+                "--job-name",
+                self.job.name,
+                *metrics("reward"),
+                *reward_verifier_args(self.job.reward),
+            ],
+            logs,
+            1,
         )
         wait_serving(controller, ends.controller, deadline)
         wait_serving(reward, ends.reward, deadline)
@@ -207,14 +246,31 @@ class LocalRun:
         ends, common = self.endpoints, ["--job", str(self.run_dir / "job.yaml"), "--host", self.host]
         rendezvous = self.free_address()
         for rank in range(ranks):
-            world = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
-                     "MASTER_ADDR": self.host, "MASTER_PORT": port_of(rendezvous)}
+            world = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": self.host,
+                "MASTER_PORT": port_of(rendezvous),
+            }
             port, metrics = (ends.trainer, ends.metrics["trainer"]) if rank == 0 else (self.free_address(), ":0")
             self.spawn(
                 "trainer" if rank == 0 else f"trainer-{rank}",
-                ["areal_k8s.trainer", *common, "--port", port_of(port), "--controller", ends.controller,
-                 "--redis-url", self.redis_url, "--metrics-port", port_of(metrics)],
-                self.run_dir / "logs", self.job.trainer.threads, world,
+                [
+                    "areal_k8s.trainer",
+                    *common,
+                    "--port",
+                    port_of(port),
+                    "--controller",
+                    ends.controller,
+                    "--redis-url",
+                    self.redis_url,
+                    "--metrics-port",
+                    port_of(metrics),
+                ],
+                self.run_dir / "logs",
+                self.job.trainer.threads,
+                world,
             )
 
     def start_rollout(self, i: int) -> None:
@@ -223,16 +279,47 @@ class LocalRun:
         if self.job.rollout.engine == "cpu":
             self.spawn(
                 f"engine-{i}",
-                ["areal_k8s.rollout.cpu_engine", "--model-path", self.job.model, "--host", self.host, "--port", port_of(ends.engines[i]),
-                 "--max-batch-size", str(self.job.rollout.max_batch_size), "--threads", str(self.job.rollout.threads)],
-                logs, self.job.rollout.threads,
+                [
+                    "areal_k8s.rollout.cpu_engine",
+                    "--model-path",
+                    self.job.model,
+                    "--host",
+                    self.host,
+                    "--port",
+                    port_of(ends.engines[i]),
+                    "--max-batch-size",
+                    str(self.job.rollout.max_batch_size),
+                    "--threads",
+                    str(self.job.rollout.threads),
+                ],
+                logs,
+                self.job.rollout.threads,
             )
         self.spawn(
             f"rollout-{i}",
-            ["areal_k8s.rollout", "--job", str(job_file), "--host", self.host, "--port", port_of(ends.rollouts[i]),
-             "--worker-id", f"rollout-{i}", "--engine-url", ends.engines[i], "--controller", ends.controller,
-             "--reward", ends.reward, "--redis-url", self.redis_url, "--metrics-port", port_of(ends.metrics[f"rollout-{i}"])],
-            logs, 1,
+            [
+                "areal_k8s.rollout",
+                "--job",
+                str(job_file),
+                "--host",
+                self.host,
+                "--port",
+                port_of(ends.rollouts[i]),
+                "--worker-id",
+                f"rollout-{i}",
+                "--engine-url",
+                ends.engines[i],
+                "--controller",
+                ends.controller,
+                "--reward",
+                ends.reward,
+                "--redis-url",
+                self.redis_url,
+                "--metrics-port",
+                port_of(ends.metrics[f"rollout-{i}"]),
+            ],
+            logs,
+            1,
         )
 
     # -- the pools, resized while the job runs (the staleness rebalancer) ---------------------------------
@@ -245,13 +332,15 @@ class LocalRun:
         between two steps, then its other ranks exit); the ranks are stopped, out of the supervisor's sight (a move
         is no crash), and the new world resumes from that checkpoint: same version, optimizer state and RNG, and the
         entries read but not trained are still pending in the stream for its rank 0 to claim. Raises
-        TrainerMoveRefused when the trainer is not between two steps of the run. Returns the version it handed off at."""
+        TrainerMoveRefused when the trainer is not between two steps of the run. Returns the version it handed
+        off at."""
         if self.service("trainer").exit_code is not None:
             raise TrainerMoveRefused("the trainer's rank 0 is not running")
         with grpc.insecure_channel(self.endpoints.trainer, options=CHANNEL_OPTIONS) as ch:
             try:  # (it waits for the step in progress, its weight push and evaluation included)
-                handed = trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(hand_off=True),
-                                                                         timeout=timeout)
+                handed = trainer_pb2_grpc.TrainerStub(ch).SaveCheckpoint(
+                    trainer_pb2.SaveCheckpointRequest(hand_off=True), timeout=timeout
+                )
             except grpc.RpcError as exc:
                 # not between two steps, or not serving yet (a world still forming): nothing was stopped
                 if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
@@ -262,10 +351,13 @@ class LocalRun:
             self.supervisor.forget(service.name)
             self.services.remove(service)
             service.stop()
-        self.notify(f"trainer world handed off at version {handed.version} ({handed.path}): {len(old)} -> {ranks} ranks")
-        self.start_trainer(ranks)  # (the supervisor restarts its ranks if they die; the next move waits for it to serve)
+        self.notify(
+            f"trainer world handed off at version {handed.version} ({handed.path}): {len(old)} -> {ranks} ranks"
+        )
+        self.start_trainer(
+            ranks
+        )  # (the supervisor restarts its ranks if they die; the next move waits for it to serve)
         return handed.version
-
 
     def rollout_workers(self) -> list[int]:
         """Indices of the rollout workers running now, oldest first."""
@@ -305,7 +397,9 @@ class LocalRun:
 
     def start_prometheus(self, endpoints: Endpoints, scrape_interval: str = "5s") -> str:
         """A real Prometheus scraping every service of the run; returns its URL."""
-        self.prometheus = LocalPrometheus(self.run_dir / "prometheus", endpoints.metrics, self.free_address(), scrape_interval)
+        self.prometheus = LocalPrometheus(
+            self.run_dir / "prometheus", endpoints.metrics, self.free_address(), scrape_interval
+        )
         return self.prometheus.start()
 
     def spawn(self, name: str, args: list[str], logs: Path, threads: int, env: dict[str, str] | None = None) -> Service:
@@ -354,9 +448,13 @@ class LocalRun:
                 except RestartBudgetSpent as exc:
                     raise LaunchError(str(exc)) from None
                 if trainer_done:
-                    raise LaunchError(f"the trainer exited before the job completed (log: {self.service('trainer').log_path})")
+                    raise LaunchError(
+                        f"the trainer exited before the job completed (log: {self.service('trainer').log_path})"
+                    )
                 if deadline is not None and time.monotonic() > deadline:
-                    raise LaunchError(f"the job did not complete within {timeout:.0f}s (step {status.version}/{status.total_steps})")
+                    raise LaunchError(
+                        f"the job did not complete within {timeout:.0f}s (step {status.version}/{status.total_steps})"
+                    )
                 time.sleep(poll)
 
     def current_status(self) -> controller_pb2.JobStatus | None:
@@ -365,7 +463,9 @@ class LocalRun:
             return self.last_status
         with grpc.insecure_channel(self.started_controller, options=CHANNEL_OPTIONS) as ch:
             try:
-                return controller_pb2_grpc.ControllerStub(ch).GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
+                return controller_pb2_grpc.ControllerStub(ch).GetJobStatus(
+                    controller_pb2.GetJobStatusRequest(), timeout=5
+                )
             except grpc.RpcError:
                 return self.last_status
 
@@ -390,7 +490,8 @@ class LocalRun:
             "base_accuracy": status.base_accuracy,
             "final_accuracy": status.eval_accuracy,
             "accuracy_gain_points": round(100 * (status.eval_accuracy - status.base_accuracy), 2)
-            if status.base_accuracy >= 0 and status.eval_accuracy >= 0 else None,
+            if status.base_accuracy >= 0 and status.eval_accuracy >= 0
+            else None,
             "steps": status.version,
             "total_steps": status.total_steps,
             "wall_seconds": round(time.time() - self.started_at, 1),
@@ -401,8 +502,15 @@ class LocalRun:
             "trajectories_consumed": status.consumed * status.group_size,
             "steps_redone": status.steps_redone,
             # every group admitted, by how it was settled (those still running at the end are in none)
-            "groups": {"admitted": status.admitted, "accepted": status.accepted, "filtered": status.filtered, "failed": status.failed,
-                       "requeued": status.requeued, "running": status.running, "dropped": status.dropped},
+            "groups": {
+                "admitted": status.admitted,
+                "accepted": status.accepted,
+                "filtered": status.filtered,
+                "failed": status.failed,
+                "requeued": status.requeued,
+                "running": status.running,
+                "dropped": status.dropped,
+            },
             "dead_lettered_items": status.dead_lettered,
             "samples_per_second": round(status.samples_per_second, 3),
             "tokens_per_second": round(status.tokens_per_second, 1),

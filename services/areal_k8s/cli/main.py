@@ -29,9 +29,8 @@ def cmd_run(args) -> int:
     from areal_k8s.cli.launcher import LaunchError, LocalRun
     from areal_k8s.cli.monitor import PrometheusError
     from areal_k8s.cli.progress import ProgressView
-    from areal_k8s.common.prompts import ModelDirectoryError
-
     from areal_k8s.cli.supervisor import RestartPolicy
+    from areal_k8s.common.prompts import ModelDirectoryError
 
     job = load_job_file(args.job, overrides=args.set)
     run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
@@ -46,8 +45,11 @@ def cmd_run(args) -> int:
         endpoints = run.start(mode, prometheus=args.scrape_interval if args.prometheus else None)
         view.recorder = run.recorder
         if run.prometheus:
-            print(f"prometheus: {run.prometheus.url} (data in {run.prometheus.directory}); point Grafana at it and "
-                  "import charts/areal/dashboards/*.json", file=sys.stderr)
+            print(
+                f"prometheus: {run.prometheus.url} (data in {run.prometheus.directory}); point Grafana at it and "
+                "import charts/areal/dashboards/*.json",
+                file=sys.stderr,
+            )
         with view:
             status = run.wait(endpoints.controller, view.update)
     except KeyboardInterrupt:
@@ -123,7 +125,9 @@ def cmd_status(args) -> int:
 
     with grpc.insecure_channel(args.controller) as ch:
         try:
-            status = controller_pb2_grpc.ControllerStub(ch).GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=10)
+            status = controller_pb2_grpc.ControllerStub(ch).GetJobStatus(
+                controller_pb2.GetJobStatusRequest(), timeout=10
+            )
         except grpc.RpcError as exc:
             return fail(f"controller {args.controller}: {exc.code().name}: {exc.details()}", EXIT_FAILED)
     print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2))
@@ -164,9 +168,16 @@ def cmd_simulate(args) -> int:
     from areal_k8s.simulator.scenario import load_scenario
 
     result = simulate(load_scenario(Path(args.scenario)))
-    print(json.dumps({**result.figures(), "splits": result.splits,
-                      "decisions": [{"at": round(t, 1), "code": d.code, "message": d.message} for t, d in result.decisions]},
-                     indent=2))
+    print(
+        json.dumps(
+            {
+                **result.figures(),
+                "splits": result.splits,
+                "decisions": [{"at": round(t, 1), "code": d.code, "message": d.message} for t, d in result.decisions],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -178,18 +189,28 @@ def cmd_plan(args) -> int:
 
     runs = plan(load_scenario(Path(args.scenario)))
     print("simulated: each static split of the scenario's budget, fastest first")
-    print(f"{'rollout':>8} {'trainer':>8} {'hours':>8} {'samples/s':>10} {'trainer idle':>13} {'GPU busy':>9} {'staleness':>10}")
+    print(
+        f"{'rollout':>8} {'trainer':>8} {'hours':>8} {'samples/s':>10} {'trainer idle':>13} {'GPU busy':>9} "
+        f"{'staleness':>10}"
+    )
     for split, result in runs:
         f = result.figures()
-        print(f"{split.rollout:>8} {split.trainer:>8} {f['hours']:>8.3f} {f['samples_per_second']:>10.3f} "
-              f"{f['trainer_idle']:>13.1%} {f['gpu_busy']:>9.1%} {f['mean_staleness']:>10.2f}")
+        print(
+            f"{split.rollout:>8} {split.trainer:>8} {f['hours']:>8.3f} {f['samples_per_second']:>10.3f} "
+            f"{f['trainer_idle']:>13.1%} {f['gpu_busy']:>9.1%} {f['mean_staleness']:>10.2f}"
+        )
     return 0
 
 
 def add_overrides(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="set a job-file field over the file's, e.g. --set trainer.backend=megatron (repeatable; "
-                              "the value is read as YAML)")
+    command.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a job-file field over the file's, e.g. --set trainer.backend=megatron (repeatable; "
+        "the value is read as YAML)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -202,12 +223,22 @@ def parser() -> argparse.ArgumentParser:
     again = run.add_mutually_exclusive_group()
     again.add_argument("--fresh", action="store_true", help="delete the job's run directory first")
     again.add_argument("--resume", action="store_true", help="continue the run in the job's run directory")
-    run.add_argument("--prometheus", action="store_true",
-                     help="also start a Prometheus server (Debian's prometheus package) scraping every service")
-    run.add_argument("--max-restarts", type=int, default=10, metavar="N",
-                     help="restart processes that die (with back-off, as a kubelet does) up to N times in all, then "
-                          "fail the run (default 10; an RLJob's failurePolicy.maxRestarts)")
-    run.add_argument("--scrape-interval", default="5s", help="Prometheus scrape interval with --prometheus (default 5s)")
+    run.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also start a Prometheus server (Debian's prometheus package) scraping every service",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=10,
+        metavar="N",
+        help="restart processes that die (with back-off, as a kubelet does) up to N times in all, then "
+        "fail the run (default 10; an RLJob's failurePolicy.maxRestarts)",
+    )
+    run.add_argument(
+        "--scrape-interval", default="5s", help="Prometheus scrape interval with --prometheus (default 5s)"
+    )
     run.set_defaults(func=cmd_run)
 
     report = sub.add_parser("report", help="write report.png and report.md for a run directory")
@@ -227,11 +258,17 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
     status.set_defaults(func=cmd_status)
 
-    simulate = sub.add_parser("simulate", help="simulate a job on a modelled cluster (a scenario file); figures are simulated")
-    simulate.add_argument("scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer")
+    simulate = sub.add_parser(
+        "simulate", help="simulate a job on a modelled cluster (a scenario file); figures are simulated"
+    )
+    simulate.add_argument(
+        "scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer"
+    )
     simulate.set_defaults(func=cmd_simulate)
 
-    plan = sub.add_parser("plan", help="simulate every static rollout/trainer split of a scenario's budget, fastest first")
+    plan = sub.add_parser(
+        "plan", help="simulate every static rollout/trainer split of a scenario's budget, fastest first"
+    )
     plan.add_argument("scenario", help="scenario file (YAML)")
     plan.set_defaults(func=cmd_plan)
 

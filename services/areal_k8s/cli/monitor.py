@@ -15,7 +15,6 @@ from pathlib import Path
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-
 Sample = tuple[str, dict[str, str], float]  # name, labels (besides rljob and role), value
 
 
@@ -74,8 +73,12 @@ class MetricsRecorder:
         snapshot = snapshot or (self.snapshots[-1] if self.snapshots else None)
         if snapshot is None:
             return 0.0
-        return sum(value for found in snapshot.samples.values() for n, have, value in found
-                   if n == name and all(have.get(k) == v for k, v in labels.items()))
+        return sum(
+            value
+            for found in snapshot.samples.values()
+            for n, have, value in found
+            if n == name and all(have.get(k) == v for k, v in labels.items())
+        )
 
     def rate(self, name: str, **labels: str) -> float | None:
         """Per-second increase of a counter between the last two scrapes."""
@@ -114,8 +117,10 @@ class LocalPrometheus:
     def refresh(self) -> None:
         """Write the scrape targets (`targets` as it is now). `namespace` stands in for the Kubernetes namespace a
         PodMonitor adds, so the dashboards' namespace variable works locally too."""
-        groups = [{"targets": [address], "labels": {"namespace": "local", "service": name}}
-                  for name, address in self.targets.items()]
+        groups = [
+            {"targets": [address], "labels": {"namespace": "local", "service": name}}
+            for name, address in self.targets.items()
+        ]
         staged = self.targets_file.with_suffix(".tmp")
         staged.write_text(json.dumps(groups))
         staged.replace(self.targets_file)  # whole, never half-written, when Prometheus reads it
@@ -123,16 +128,25 @@ class LocalPrometheus:
     def start(self, timeout: float = 60.0) -> str:
         binary = shutil.which("prometheus")
         if binary is None:
-            raise PrometheusError("--prometheus needs the prometheus server on PATH (Debian: apt-get install prometheus)")
+            raise PrometheusError(
+                "--prometheus needs the prometheus server on PATH (Debian: apt-get install prometheus)"
+            )
         self.directory.mkdir(parents=True, exist_ok=True)
         config = self.directory / "prometheus.yml"
         config.write_text(yaml.safe_dump(self.config(), sort_keys=False))
         self.refresh()
         log = (self.directory / "prometheus.log").open("ab")
         self.process = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={self.directory / 'data'}",
-             f"--web.listen-address={self.listen}", "--storage.tsdb.retention.time=30d"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.directory / 'data'}",
+                f"--web.listen-address={self.listen}",
+                "--storage.tsdb.retention.time=30d",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + timeout

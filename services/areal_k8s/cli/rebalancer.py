@@ -1,7 +1,8 @@
 """The staleness rebalancer for `arealctl run`: the operator's policy, over local processes.
 
 The budget is the machine's cores: a rollout unit is a worker and its engine (`rollout.threads` cores), a trainer
-unit is a rank of the trainer world (`trainer.threads` cores). The trainer moves between `rebalance.min_trainer_replicas`
+unit is a rank of the trainer world (`trainer.threads` cores). The trainer moves between
+`rebalance.min_trainer_replicas`
 and `max_trainer_replicas` (both `trainer.replicas` by default: a fixed size): the world hands off at a step's
 checkpoint and starts again at the new size (`Pools.resize_trainer`), resuming at the same version.
 Each verdict goes to `rebalance.jsonl` in the run directory, and each change to the terminal.
@@ -43,8 +44,15 @@ class Pools(Protocol):
 def local_limits(job: JobConfig) -> Limits:
     r = job.rebalance
     low, high = job.trainer_bounds
-    return Limits(rollout_unit=job.rollout.threads, trainer_unit=job.trainer.threads, min_rollout=r.min_workers,
-                  max_rollout=r.max_workers, min_trainer=low, max_trainer=high, budget=r.cores or os.cpu_count() or 1)
+    return Limits(
+        rollout_unit=job.rollout.threads,
+        trainer_unit=job.trainer.threads,
+        min_rollout=r.min_workers,
+        max_rollout=r.max_workers,
+        min_trainer=low,
+        max_trainer=high,
+        budget=r.cores or os.cpu_count() or 1,
+    )
 
 
 class LocalRebalancer:
@@ -70,7 +78,8 @@ class LocalRebalancer:
         return decision
 
     def move(self, decision: Decision) -> None:
-        """Apply `decision.split`, the side that shrinks first (its units pay for the other's), and record it. A trainer move
+        """Apply `decision.split`, the side that shrinks first (its units pay for the other's), and record it. A
+        trainer move
         the trainer refuses leaves the trainer's size as it was, and the record says so."""
         split, message, moved, self.handed_off_at = decision.split, decision.message, [], None
         sides = [("trainer", self.resize_trainer), ("rollout", self.resize)]
@@ -93,11 +102,22 @@ class LocalRebalancer:
     def record(self, decision: Decision, moved: list[str] | None = None) -> None:
         moved = moved or []
         with self.log_path.open("a") as log:
-            log.write(json.dumps({"at": round(time.time(), 3), "code": decision.code, "message": decision.message,
-                                  "rollout": self.state.split.rollout, "trainer": self.state.split.trainer, "moved": moved,
-                                  # the version a trainer move resumed at
-                                  "handed_off_at": self.handed_off_at if "trainer" in moved else None,
-                                  "window": asdict(decision.window) if decision.window else None}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "at": round(time.time(), 3),
+                        "code": decision.code,
+                        "message": decision.message,
+                        "rollout": self.state.split.rollout,
+                        "trainer": self.state.split.trainer,
+                        "moved": moved,
+                        # the version a trainer move resumed at
+                        "handed_off_at": self.handed_off_at if "trainer" in moved else None,
+                        "window": asdict(decision.window) if decision.window else None,
+                    }
+                )
+                + "\n"
+            )
 
     def resize(self, workers: int) -> None:
         while len(self.pool.rollout_workers()) < workers:

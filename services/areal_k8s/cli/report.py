@@ -36,9 +36,11 @@ def phase_seconds(step: dict) -> dict[str, float]:
     seconds = step["seconds"]
     split = step.get("train_seconds") or {"forward_backward": seconds.get("train", 0.0)}  # runs from before the split
     return {
-        "wait": seconds.get("wait", 0.0), **split,
+        "wait": seconds.get("wait", 0.0),
+        **split,
         "weight_push": step.get("weight_push", {}).get("seconds", 0.0),
-        "checkpoint": seconds.get("checkpoint", 0.0), "eval": seconds.get("eval", 0.0),
+        "checkpoint": seconds.get("checkpoint", 0.0),
+        "eval": seconds.get("eval", 0.0),
     }
 
 
@@ -64,7 +66,7 @@ def summarise(run_dir: Path) -> dict:
     rates = []
     for i, t in enumerate(times):
         before = i - WINDOW  # the step just before the window; -1 or less: the run's start
-        window = steps[max(before + 1, 0): i + 1]
+        window = steps[max(before + 1, 0) : i + 1]
         span = t - (times[before] if before >= 0 else 0.0)
         if span > 0:
             rates.append((t, sum(s["samples"] for s in window) / span, sum(s["tokens"] for s in window) / span))
@@ -76,7 +78,8 @@ def summarise(run_dir: Path) -> dict:
     band = (job.get("algorithm") or {}).get("staleness_target")
     base = summary.get("base_accuracy", -1.0)
     accuracy = ([(0.0, base)] if base is not None and base >= 0 else []) + [
-        (t, s["eval_accuracy"]) for t, s in zip(times, steps) if s.get("eval_accuracy", -1) >= 0]
+        (t, s["eval_accuracy"]) for t, s in zip(times, steps) if s.get("eval_accuracy", -1) >= 0
+    ]
     return {
         "job": job.get("name", run_dir.name),
         "eta": job.get("algorithm", {}).get("max_staleness"),
@@ -91,10 +94,17 @@ def summarise(run_dir: Path) -> dict:
         "phases": {p: totals.get(p, 0.0) for p in PHASES},
         # the rebalancer: the pool at the start and after each decision, and each window's mean staleness
         "band": (band["min"], band["max"]) if band and decisions else None,
-        "split": ([(0.0, job.get("rollout", {}).get("workers", 1), "start")]
-                  + [(d["at"] - origin, d["rollout"], d["code"]) for d in decisions]) if decisions else [],
-        "windows": [(d["at"] - origin, d["window"]["mean_staleness"]) for d in decisions
-                    if d.get("window") and d["window"]["samples"] > 0],
+        "split": (
+            [(0.0, job.get("rollout", {}).get("workers", 1), "start")]
+            + [(d["at"] - origin, d["rollout"], d["code"]) for d in decisions]
+        )
+        if decisions
+        else [],
+        "windows": [
+            (d["at"] - origin, d["window"]["mean_staleness"])
+            for d in decisions
+            if d.get("window") and d["window"]["samples"] > 0
+        ],
     }
 
 
@@ -151,7 +161,7 @@ def plot(figures: dict, path: Path) -> None:
 
 def plot_rebalancer(figures: dict, axes) -> None:
     ax = axes[0]
-    t, workers, codes = zip(*figures["split"])
+    t, workers, _codes = zip(*figures["split"])
     ax.step([x / 60 for x in t], workers, where="post", label="rollout workers")
     moves = [(x, w) for x, w, code in figures["split"] if code.startswith("Moved")]
     if moves:
@@ -201,13 +211,23 @@ def markdown(figures: dict) -> str:
         "",
     ]
     if figures["split"]:
-        lines += ["| rebalancer (wall time) | rollout workers | decision |", "| --- | --- | --- |",
-                  *(f"| {t:.0f} s | {w} | {code} |" for t, w, code in figures["split"]
-                    if code == "start" or code.startswith("Moved")), ""]
+        lines += [
+            "| rebalancer (wall time) | rollout workers | decision |",
+            "| --- | --- | --- |",
+            *(
+                f"| {t:.0f} s | {w} | {code} |"
+                for t, w, code in figures["split"]
+                if code == "start" or code.startswith("Moved")
+            ),
+            "",
+        ]
         windows = figures["windows"]
         low, high = figures["band"]
         inside = sum(1 for _, m in windows if low <= m <= high)
-        lines += [f"Windows with the mean staleness inside the band [{low:g}, {high:g}]: {inside} of {len(windows)}.", ""]
+        lines += [
+            f"Windows with the mean staleness inside the band [{low:g}, {high:g}]: {inside} of {len(windows)}.",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -62,7 +62,7 @@ def last_words(log_path: Path, or_last_line: bool = False) -> str:
         return errors[-1]
     tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     if tracebacks:
-        ending = next((line for line in lines[tracebacks[-1] + 1:] if not line[0].isspace()), None)  # after the frames
+        ending = next((line for line in lines[tracebacks[-1] + 1 :] if not line[0].isspace()), None)  # after the frames
         if ending:
             return ending
     logged = [line for line in lines if " ERROR " in line or " CRITICAL " in line]
@@ -103,8 +103,11 @@ class Service:
         with self.log_path.open("ab") as log:
             # SIGKILL: a service blocked in a weight-group rendezvous does not act on SIGTERM until it times out
             self.process = subprocess.Popen(
-                with_parent_death_signal([sys.executable, "-m", *self.args], "KILL"), stdout=log,
-                stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                with_parent_death_signal([sys.executable, "-m", *self.args], "KILL"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
 
     @property
@@ -210,8 +213,11 @@ class Supervisor:
         world = self.world_of(process.name)
         if world is None:
             return []
-        return [p for p in self.processes if p is not process and self.world_of(p.name) == world
-                and p.name not in self._due and p.exit_code == 0]
+        return [
+            p
+            for p in self.processes
+            if p is not process and self.world_of(p.name) == world and p.name not in self._due and p.exit_code == 0
+        ]
 
     def summary(self) -> str:
         return ", ".join(f"{name} {count}" for name, count in sorted(self.restarts.items())) or "no restarts"

@@ -23,42 +23,68 @@ class _Section(BaseModel):
 
 class CodeDatasetConfig(_Section):
     prompt_fields: list[str] = Field(
-        ["question", "problem", "prompt"], min_length=1,
-        description="Code datasets: the problem statement is the first of these keys a record has.")
+        ["question", "problem", "prompt"],
+        min_length=1,
+        description="Code datasets: the problem statement is the first of these keys a record has.",
+    )
     tests_fields: list[str] = Field(
-        ["tests", "input_output", "test_list", "public_test_cases"], min_length=1,
+        ["tests", "input_output", "test_list", "public_test_cases"],
+        min_length=1,
         description="Code datasets: the tests are the first of these keys a record has (JSON, or JSON text): "
-        "stdin/stdout cases, APPS' inputs/outputs (with `fn_name`: call-based), or assert statements.")
+        "stdin/stdout cases, APPS' inputs/outputs (with `fn_name`: call-based), or assert statements.",
+    )
     instruction: str = Field(
         "\n\nAnswer with a complete Python program in a ```python code block.",
-        description="Code datasets: appended to every problem.")
+        description="Code datasets: appended to every problem.",
+    )
 
 
 class DatasetConfig(_Section):
-    train: str = Field(description="Training prompts: JSONL with `prompt`/`answer` (areal), `question`/`answer` (GSM8K), "
-                       "or a problem and its tests (code).")
+    train: str = Field(
+        description="Training prompts: JSONL with `prompt`/`answer` (areal), `question`/`answer` (GSM8K), "
+        "or a problem and its tests (code)."
+    )
     eval: str | None = Field(None, description="Held-out JSONL in the same formats; greedy accuracy is measured on it.")
     format: Literal["auto", "areal", "gsm8k", "code"] = Field(
-        "auto", description="Record format; `auto` decides per file (a record with one of `code.tests_fields` is code).")
-    code: CodeDatasetConfig = Field(default_factory=CodeDatasetConfig, description="How code datasets' records are read.")
+        "auto", description="Record format; `auto` decides per file (a record with one of `code.tests_fields` is code)."
+    )
+    code: CodeDatasetConfig = Field(
+        default_factory=CodeDatasetConfig, description="How code datasets' records are read."
+    )
     eval_limit: Annotated[int, Field(ge=1)] = Field(256, description="At most this many held-out items are evaluated.")
     shuffle: bool = Field(True, description="Shuffle the training prompts every epoch (deterministic by `seed`).")
 
 
-BUILTIN_VERIFIERS = ("math", "addition", "exact", "code")  # the reward service's built-ins (services/areal_k8s/reward/verifiers.py)
+BUILTIN_VERIFIERS = (
+    "math",
+    "addition",
+    "exact",
+    "code",
+)  # the reward service's built-ins (services/areal_k8s/reward/verifiers.py)
 CUSTOM_VERIFIER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class CodeRewardConfig(_Section):
     scoring: Literal["fraction", "all"] = Field(
-        "fraction", description="`code` verifier score: the fraction of tests passed, or 1/0 for all/not all "
-        "(an item's metadata `scoring` overrides it).")
-    wall_seconds: Annotated[float, Field(gt=0)] = Field(5.0, description="`code` verifier: wall-clock limit per sandboxed run.")
-    cpu_seconds: Annotated[int, Field(ge=1)] = Field(5, description="`code` verifier: CPU-time limit per sandboxed run.")
-    memory_mb: Annotated[int, Field(ge=64)] = Field(512, description="`code` verifier: address-space limit per sandboxed run, MiB.")
-    max_processes: Annotated[int, Field(ge=2)] = Field(32, description="`code` verifier: processes and threads per sandboxed run.")
+        "fraction",
+        description="`code` verifier score: the fraction of tests passed, or 1/0 for all/not all "
+        "(an item's metadata `scoring` overrides it).",
+    )
+    wall_seconds: Annotated[float, Field(gt=0)] = Field(
+        5.0, description="`code` verifier: wall-clock limit per sandboxed run."
+    )
+    cpu_seconds: Annotated[int, Field(ge=1)] = Field(
+        5, description="`code` verifier: CPU-time limit per sandboxed run."
+    )
+    memory_mb: Annotated[int, Field(ge=64)] = Field(
+        512, description="`code` verifier: address-space limit per sandboxed run, MiB."
+    )
+    max_processes: Annotated[int, Field(ge=2)] = Field(
+        32, description="`code` verifier: processes and threads per sandboxed run."
+    )
     max_output_kb: Annotated[int, Field(ge=1)] = Field(
-        1024, description="`code` verifier: stdout and stderr per sandboxed run, KiB; more kills the run.")
+        1024, description="`code` verifier: stdout and stderr per sandboxed run, KiB; more kills the run."
+    )
 
 
 class RewardConfig(_Section):
@@ -68,11 +94,17 @@ class RewardConfig(_Section):
         "default: each dataset item's own (`math` for GSM8K).",
     )
     allowed_verifiers: list[Annotated[str, Field(pattern=CUSTOM_VERIFIER_PATTERN)]] = Field(
-        [], description="Custom `package.module:function` verifiers the reward service may import and run, besides "
-        "`verifier`; any other custom name (in a dataset row or a request) is rejected. Built-ins are always allowed.")
-    timeout_seconds: Annotated[float, Field(gt=0)] = Field(15.0, description="Per-item scoring timeout; a timeout scores 0.")
+        [],
+        description="Custom `package.module:function` verifiers the reward service may import and run, besides "
+        "`verifier`; any other custom name (in a dataset row or a request) is rejected. Built-ins are always allowed.",
+    )
+    timeout_seconds: Annotated[float, Field(gt=0)] = Field(
+        15.0, description="Per-item scoring timeout; a timeout scores 0."
+    )
     workers: Annotated[int, Field(ge=1)] = Field(2, description="Verifier worker processes in the reward service.")
-    code: CodeRewardConfig = Field(default_factory=CodeRewardConfig, description="The `code` verifier's scoring and sandbox limits.")
+    code: CodeRewardConfig = Field(
+        default_factory=CodeRewardConfig, description="The `code` verifier's scoring and sandbox limits."
+    )
 
     @property
     def custom_verifiers(self) -> list[str]:
@@ -91,7 +123,9 @@ def reward_verifier_args(reward: RewardConfig) -> list[str]:
 
 
 class SamplingConfig(_Section):
-    temperature: Annotated[float, Field(ge=0)] = Field(1.0, description="Sampling temperature for rollouts (0 = greedy).")
+    temperature: Annotated[float, Field(ge=0)] = Field(
+        1.0, description="Sampling temperature for rollouts (0 = greedy)."
+    )
     top_p: Annotated[float, Field(gt=0, le=1)] = Field(1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
     max_new_tokens: Annotated[int, Field(ge=1)] = Field(256, description="Generation budget per response.")
@@ -106,7 +140,8 @@ class AlgorithmConfig(_Section):
     name: Literal["grpo", "dr_grpo", "lite_ppo", "rloo", "gspo", "dapo"] = Field(
         "grpo",
         description="Advantage estimator and loss family: `grpo` (group mean/std), `dr_grpo` (group mean, constant "
-        "normaliser), `lite_ppo` (group mean, batch std), `rloo` (leave-one-out), `gspo` (GRPO advantages, sequence-level "
+        "normaliser), `lite_ppo` (group mean, batch std), `rloo` (leave-one-out), `gspo` (GRPO advantages, "
+        "sequence-level "
         "ratio), `dapo` (GRPO advantages with clip-higher, overlong penalty and dynamic sampling as configured below).",
     )
     batch_size: Annotated[int, Field(ge=1)] = Field(
@@ -132,12 +167,16 @@ class AlgorithmConfig(_Section):
         "constant", description="Learning-rate decay over total_steps, to lr_min_ratio·lr at the last step."
     )
     lr_warmup_steps: Annotated[int, Field(ge=0)] = Field(0, description="Steps of linear warm-up from 0 to lr.")
-    lr_min_ratio: Annotated[float, Field(ge=0, le=1)] = Field(0.0, description="Final learning rate as a fraction of lr.")
+    lr_min_ratio: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.0, description="Final learning rate as a fraction of lr."
+    )
     weight_decay: Annotated[float, Field(ge=0)] = Field(0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     max_grad_norm: Annotated[float, Field(gt=0)] = Field(1.0, description="Gradient clipping by global norm.")
     minibatches: Annotated[int, Field(ge=1)] = Field(
-        1, description="Optimizer updates per training step: the batch is split into this many minibatches (PPO epochs of one)."
+        1,
+        description="Optimizer updates per training step: the batch is split into this many minibatches "
+        "(PPO epochs of one).",
     )
     decoupled: bool = Field(
         True,
@@ -191,7 +230,10 @@ class AlgorithmConfig(_Section):
     def _band_within_eta(self) -> AlgorithmConfig:
         band = self.staleness_target
         if band is not None and not band.min <= band.max <= self.max_staleness:
-            raise ValueError(f"staleness_target needs min <= max <= max_staleness (η = {self.max_staleness}), got [{band.min}, {band.max}]")
+            raise ValueError(
+                f"staleness_target needs min <= max <= max_staleness (η = {self.max_staleness}), got [{band.min}, "
+                f"{band.max}]"
+            )
         return self
 
     @model_validator(mode="after")
@@ -212,32 +254,44 @@ CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[
 class MultiTurnConfig(_Section):
     max_turns: Annotated[int, Field(ge=1)] = Field(3, description="`multi_turn`: answers per episode, at most.")
     success_threshold: float = Field(
-        1.0, description="`multi_turn`: a turn whose reward reaches this ends the episode; below it the model gets "
-        "`feedback` and answers again.")
+        1.0,
+        description="`multi_turn`: a turn whose reward reaches this ends the episode; below it the model gets "
+        "`feedback` and answers again.",
+    )
     feedback: str = Field(
         "Your answer is incorrect, try again.",
         description="`multi_turn`: the environment's reply to an answer below the threshold (a user turn; `{reward}` "
-        "is replaced by the turn's reward).")
+        "is replaced by the turn's reward).",
+    )
     reward: Literal["last", "sum"] = Field(
-        "last", description="`multi_turn`: the episode's reward: the last turn's, or the sum over turns, each "
-        "discounted by `turn_discount`^turn (turn 0 first).")
+        "last",
+        description="`multi_turn`: the episode's reward: the last turn's, or the sum over turns, each "
+        "discounted by `turn_discount`^turn (turn 0 first).",
+    )
     turn_discount: Annotated[float, Field(gt=0, le=1)] = Field(
-        1.0, description="`multi_turn`: γ: a reward earned at turn t counts γ^t (1: no discount).")
+        1.0, description="`multi_turn`: γ: a reward earned at turn t counts γ^t (1: no discount)."
+    )
 
 
 class ToolAgentConfig(_Section):
     tools: list[Literal["python", "calculator"]] = Field(
-        ["python"], description="`tool_agent`: the tools offered: `python` (the program runs in the `reward.code` "
-        "sandbox, its stdout is the result), `calculator` (arithmetic expressions).")
+        ["python"],
+        description="`tool_agent`: the tools offered: `python` (the program runs in the `reward.code` "
+        "sandbox, its stdout is the result), `calculator` (arithmetic expressions).",
+    )
     max_tool_calls: Annotated[int, Field(ge=1)] = Field(
-        4, description="`tool_agent`: tool calls executed per episode; a response after the budget is spent ends it.")
+        4, description="`tool_agent`: tool calls executed per episode; a response after the budget is spent ends it."
+    )
     max_tool_output_chars: Annotated[int, Field(ge=16)] = Field(
-        1000, description="`tool_agent`: a tool's result is cut to this many characters before it is tokenized.")
+        1000, description="`tool_agent`: a tool's result is cut to this many characters before it is tokenized."
+    )
 
 
 class RolloutConfig(_Section):
     workers: Annotated[int, Field(ge=1)] = Field(1, description="Rollout workers (each drives one engine).")
-    engine: Literal["cpu", "sglang"] = Field("cpu", description="`cpu`: our engine, started beside each worker; `sglang`: an SGLang server.")
+    engine: Literal["cpu", "sglang"] = Field(
+        "cpu", description="`cpu`: our engine, started beside each worker; `sglang`: an SGLang server."
+    )
     engine_urls: list[str] = Field(
         default_factory=list, description="SGLang server URLs, one per worker (engine `sglang` only)."
     )
@@ -256,15 +310,21 @@ class RolloutConfig(_Section):
     prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
     workflow: str = Field(
         "single_turn",
-        description="What one episode is (services/areal_k8s/rollout/workflows/): `single_turn` (prompt, response, reward), "
+        description="What one episode is (services/areal_k8s/rollout/workflows/): `single_turn` (prompt, response, "
+        "reward), "
         "`multi_turn` (answer, verifier feedback, answer again: `rollout.multi_turn`), `tool_agent` (the model calls "
         "tools, their results are appended: `rollout.tool_agent`), or `package.module:Class`, a RolloutWorkflow of "
         "your own (the rollout image must be able to import it).",
     )
     workflow_args: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for a `package.module:Class` workflow's constructor.")
-    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description="The `multi_turn` workflow's settings.")
-    tool_agent: ToolAgentConfig = Field(default_factory=ToolAgentConfig, description="The `tool_agent` workflow's settings.")
+        default_factory=dict, description="Keyword arguments for a `package.module:Class` workflow's constructor."
+    )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="The `multi_turn` workflow's settings."
+    )
+    tool_agent: ToolAgentConfig = Field(
+        default_factory=ToolAgentConfig, description="The `tool_agent` workflow's settings."
+    )
     interrupt: Literal["abort", "retract"] = Field(
         "abort",
         description="How a weight push interrupts in-flight requests. `abort` (AReaL's choice): they come back with "
@@ -283,14 +343,18 @@ class RolloutConfig(_Section):
     @model_validator(mode="after")
     def _workflow_args_are_for_custom_workflows(self) -> RolloutConfig:
         if self.workflow_args and self.workflow in BUILTIN_WORKFLOWS:
-            raise ValueError(f"workflow_args is for a package.module:Class workflow; the built-in {self.workflow} "
-                             "takes its settings from rollout.multi_turn or rollout.tool_agent")
+            raise ValueError(
+                f"workflow_args is for a package.module:Class workflow; the built-in {self.workflow} "
+                "takes its settings from rollout.multi_turn or rollout.tool_agent"
+            )
         return self
 
     @model_validator(mode="after")
     def _engine_urls_match(self) -> RolloutConfig:
         if self.engine == "sglang" and len(self.engine_urls) != self.workers:
-            raise ValueError(f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}")
+            raise ValueError(
+                f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}"
+            )
         if self.engine == "cpu" and self.engine_urls:
             raise ValueError("engine_urls is only used with engine: sglang")
         return self
@@ -298,20 +362,28 @@ class RolloutConfig(_Section):
 
 class ParallelismConfig(_Section):
     tensor: Annotated[int, Field(ge=1)] = Field(
-        1, description="`megatron`: ranks each layer's tensors are split over (heads, key/value heads, vocabulary and "
-        "MLP width must divide by it); the data-parallel size is `replicas` / (tensor × pipeline).")
+        1,
+        description="`megatron`: ranks each layer's tensors are split over (heads, key/value heads, vocabulary and "
+        "MLP width must divide by it); the data-parallel size is `replicas` / (tensor × pipeline).",
+    )
     pipeline: Annotated[int, Field(ge=1)] = Field(
-        1, description="`megatron`: pipeline stages, each holding an equal share of the layers (the layer count must "
-        "divide by it), run under megatron-core's 1F1B schedule.")
+        1,
+        description="`megatron`: pipeline stages, each holding an equal share of the layers (the layer count must "
+        "divide by it), run under megatron-core's 1F1B schedule.",
+    )
 
 
 class TrainerConfig(_Section):
     backend: Literal["torch", "megatron"] = Field(
-        "torch", description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM, data "
+        "torch",
+        description="Training backend: `torch` (the Hugging Face model in PyTorch, any local causal LM, data "
         "parallel) or `megatron` (a megatron-core GPTModel built from the Hugging Face config of a Qwen2/Qwen2.5, "
-        "Qwen3 or Llama model, tensor and data parallel: `parallelism`)."
+        "Qwen3 or Llama model, tensor and data parallel: `parallelism`).",
     )
-    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig, description="How the `megatron` backend splits the model over the trainer ranks.")
+    parallelism: ParallelismConfig = Field(
+        default_factory=ParallelismConfig,
+        description="How the `megatron` backend splits the model over the trainer ranks.",
+    )
     replicas: Annotated[int, Field(ge=1)] = Field(
         1,
         description="Trainer ranks: processes forming one data-parallel torch.distributed world (gloo on CPU, NCCL on "
@@ -341,10 +413,14 @@ class TrainerConfig(_Section):
         "said, bfloat16 for `sglang` and float32 for the `cpu` engine.",
     )
     threads: Annotated[int, Field(ge=1)] = Field(1, description="torch threads (CPU).")
-    weight_sync_backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend for weight pushes.")
+    weight_sync_backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="torch.distributed backend for weight pushes."
+    )
     weight_bucket_mb: Annotated[float, Field(gt=0)] = Field(64.0, description="Weight push bucket size.")
     weight_sync_timeout_seconds: Annotated[float, Field(gt=0)] = Field(
-        300.0, description="How long joining the weight-update group or one bucket's broadcast may take before the push fails."
+        300.0,
+        description="How long joining the weight-update group or one bucket's broadcast may take before the push "
+        "fails.",
     )
     verify_weight_sync: bool = Field(
         False,
@@ -352,73 +428,106 @@ class TrainerConfig(_Section):
         "CPU engine only: SGLang has no route that returns its weights by Hugging Face name).",
     )
     micro_batch_tokens: Annotated[int, Field(ge=1)] = Field(
-        16384, description="Padded tokens per forward/backward micro-batch; gradients accumulate to the full-batch loss."
+        16384,
+        description="Padded tokens per forward/backward micro-batch; gradients accumulate to the full-batch loss.",
     )
     checkpoint_interval: Annotated[int, Field(ge=1)] = Field(
         1, description="Checkpoint every k steps; stream entries are acknowledged only once their step is checkpointed."
     )
     keep_checkpoints: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
     eval_interval: Annotated[int, Field(ge=0)] = Field(
-        10, description="Evaluate held-out accuracy every k steps (0: only at start and end): greedy episodes of the "
-        "job's workflow on the rollout engines, scored by the reward service, never trained on.")
-    eval_max_new_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Generation budget for evaluation; default sampling.max_new_tokens.")
+        10,
+        description="Evaluate held-out accuracy every k steps (0: only at start and end): greedy episodes of the "
+        "job's workflow on the rollout engines, scored by the reward service, never trained on.",
+    )
+    eval_max_new_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Generation budget for evaluation; default sampling.max_new_tokens."
+    )
 
     @model_validator(mode="after")
     def _layout_fits_the_ranks(self) -> TrainerConfig:
         split = self.parallelism.tensor * self.parallelism.pipeline
         if split > 1 and self.backend != "megatron":
-            raise ValueError("parallelism.tensor/pipeline > 1 needs backend: megatron (the torch backend is data parallel)")
+            raise ValueError(
+                "parallelism.tensor/pipeline > 1 needs backend: megatron (the torch backend is data parallel)"
+            )
         if self.replicas % split:
-            raise ValueError(f"replicas ({self.replicas}) must be a multiple of parallelism.tensor × pipeline ({split})")
+            raise ValueError(
+                f"replicas ({self.replicas}) must be a multiple of parallelism.tensor × pipeline ({split})"
+            )
         return self
 
 
 class RedisConfig(_Section):
     url: str | None = Field(
-        None, description="Redis URL (redis://[:password@]host:port/db). Unset: `arealctl run` starts an embedded server."
+        None,
+        description="Redis URL (redis://[:password@]host:port/db). Unset: `arealctl run` starts an embedded server.",
     )
 
 
 class RebalanceConfig(_Section):
     enabled: bool = Field(
-        False, description="Size the rollout pool to hold the mean staleness of trained samples in "
-        "`algorithm.staleness_target` (the staleness rebalancer; needs the band).")
-    window_seconds: Annotated[float, Field(gt=0)] = Field(300.0, description="How long each measurement runs before a decision.")
+        False,
+        description="Size the rollout pool to hold the mean staleness of trained samples in "
+        "`algorithm.staleness_target` (the staleness rebalancer; needs the band).",
+    )
+    window_seconds: Annotated[float, Field(gt=0)] = Field(
+        300.0, description="How long each measurement runs before a decision."
+    )
     cooldown_seconds: Annotated[float, Field(ge=0)] = Field(
-        600.0, description="After a change, how long measurements are discarded while the pool settles.")
+        600.0, description="After a change, how long measurements are discarded while the pool settles."
+    )
     trainer_idle_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
-        0.2, description="Share of a window the trainer waits for data above which it counts as starved: staleness "
+        0.2,
+        description="Share of a window the trainer waits for data above which it counts as starved: staleness "
         "above the band, or below it with rollout held back, then reads how long responses take, and the samples "
-        "trained per second decide, one unit at a time (1 turns the check off).")
+        "trained per second decide, one unit at a time (1 turns the check off).",
+    )
     rollout_held_threshold: Annotated[float, Field(ge=0, le=1)] = Field(
-        0.2, description="Share of the workers' time the staleness bound holds them above which rollout counts as "
+        0.2,
+        description="Share of the workers' time the staleness bound holds them above which rollout counts as "
         "held back: staleness below the band then moves nothing while the trainer is busy; with samples about η old, "
         "the trainer is behind "
-        "(1 turns the check off).")
+        "(1 turns the check off).",
+    )
     min_samples: Annotated[int, Field(ge=1)] = Field(
-        16, description="Fewer trained samples than this in a window give no verdict (the window stays open).")
+        16, description="Fewer trained samples than this in a window give no verdict (the window stays open)."
+    )
     step_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.5, description="The share of the imbalance a window measured that one decision corrects (at least one unit "
-        "moves): the surplus of rollout the staleness bound held back, or the shortfall the trainer waited for.")
+        0.5,
+        description="The share of the imbalance a window measured that one decision corrects (at least one unit "
+        "moves): the surplus of rollout the staleness bound held back, or the shortfall the trainer waited for.",
+    )
     min_workers: Annotated[int, Field(ge=1)] = Field(
-        1, description="Fewest rollout workers (an RLJob sets it from `roles.rollout.minReplicas`).")
+        1, description="Fewest rollout workers (an RLJob sets it from `roles.rollout.minReplicas`)."
+    )
     max_workers: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Most rollout workers; default: as many as `cores` pay for (an RLJob sets it from "
-        "`roles.rollout.maxReplicas`).")
+        None,
+        description="Most rollout workers; default: as many as `cores` pay for (an RLJob sets it from "
+        "`roles.rollout.maxReplicas`).",
+    )
     cores: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="`arealctl run`: the cores the rollout engines (`rollout.threads` each) and the trainer "
-        "(`trainer.threads`) may use together; default: the machine's. (An RLJob's budget is `gpuBudget`.)")
+        None,
+        description="`arealctl run`: the cores the rollout engines (`rollout.threads` each) and the trainer "
+        "(`trainer.threads`) may use together; default: the machine's. (An RLJob's budget is `gpuBudget`.)",
+    )
     min_trainer_replicas: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Fewest trainer ranks the rebalancer may shrink the trainer world to (it hands the world off "
+        None,
+        description="Fewest trainer ranks the rebalancer may shrink the trainer world to (it hands the world off "
         "at a step's checkpoint and starts it again at the new size); default: `trainer.replicas`, a fixed size (an "
-        "RLJob sets it from `roles.trainer.minReplicas`).")
+        "RLJob sets it from `roles.trainer.minReplicas`).",
+    )
     max_trainer_replicas: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Most trainer ranks the rebalancer may grow the trainer world to; default: "
-        "`trainer.replicas` (an RLJob sets it from `roles.trainer.maxReplicas`).")
+        None,
+        description="Most trainer ranks the rebalancer may grow the trainer world to; default: "
+        "`trainer.replicas` (an RLJob sets it from `roles.trainer.maxReplicas`).",
+    )
 
 
 class JobConfig(_Section):
-    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=48)] = Field(description="Job name; scopes Redis keys and run files.")
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=48)] = Field(
+        description="Job name; scopes Redis keys and run files."
+    )
     model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
@@ -444,14 +553,20 @@ class JobConfig(_Section):
         if not r.enabled:
             return self
         if self.algorithm.staleness_target is None:
-            raise ValueError("rebalance.enabled needs algorithm.staleness_target: the band is what the rebalancer holds")
+            raise ValueError(
+                "rebalance.enabled needs algorithm.staleness_target: the band is what the rebalancer holds"
+            )
         if not r.min_workers <= self.rollout.workers <= (r.max_workers or self.rollout.workers):
-            raise ValueError(f"rebalance needs min_workers <= rollout.workers <= max_workers, got {r.min_workers} <= "
-                             f"{self.rollout.workers} <= {r.max_workers}")
+            raise ValueError(
+                f"rebalance needs min_workers <= rollout.workers <= max_workers, got {r.min_workers} <= "
+                f"{self.rollout.workers} <= {r.max_workers}"
+            )
         low, high = self.trainer_bounds
         if not low <= self.trainer.replicas <= high:
-            raise ValueError(f"rebalance needs min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got "
-                             f"{low} <= {self.trainer.replicas} <= {high}")
+            raise ValueError(
+                f"rebalance needs min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got "
+                f"{low} <= {self.trainer.replicas} <= {high}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -597,7 +712,11 @@ def reference_markdown() -> str:
                 default = "required"
             else:
                 value = info.get_default(call_default_factory=True)
-                default = "—" if value is None else f"`{yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}`"
+                default = (
+                    "—"
+                    if value is None
+                    else f"`{yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}`"
+                )
             rows.append(f"| `{prefix}{name}` | {default} | {info.description or ''} |")
 
     walk(JobConfig, "")

@@ -106,7 +106,8 @@ def broadcast_within(tensor: torch.Tensor, group: dist.ProcessGroup, timeout: fl
 
 
 async def in_daemon_thread(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`call(*args, **kwargs)` in a thread of its own: for blocking group operations (joining, broadcasting), which may wait on
+    """`call(*args, **kwargs)` in a thread of its own: for blocking group operations (joining, broadcasting), which may
+    wait on
     a peer that is gone until their own timeout. Unlike `asyncio.to_thread`, the thread is a daemon outside the loop's
     executor, so a caller that gave up on it (a failed push) is not held up by it when the process shuts down."""
     loop = asyncio.get_running_loop()

@@ -102,21 +102,48 @@ def channel(target: str) -> grpc.aio.Channel:
 # or a group outcome the controller already recorded is recognised and changes nothing). AcquireGroups is not: a
 # lease whose answer was lost stays with its worker.
 _RETRIED = {
-    "areal.v1.Controller": ["RegisterWorker", "CompleteGroups", "ListWorkers", "AnnounceVersion", "GetOutstanding",
-                            "ReportTrainStep", "DropGroups", "GetJobStatus"],
+    "areal.v1.Controller": [
+        "RegisterWorker",
+        "CompleteGroups",
+        "ListWorkers",
+        "AnnounceVersion",
+        "GetOutstanding",
+        "ReportTrainStep",
+        "DropGroups",
+        "GetJobStatus",
+    ],
     "areal.v1.Reward": ["Score", "ListVerifiers", "CheckVerifiers"],
 }
 DEPENDENCY_DEADLINE_SECONDS = 900
-_DEPENDENCY_SERVICE_CONFIG = json.dumps({"methodConfig": [
-    # Every call waits (up to the deadline) for a restarting controller or reward service instead of failing at
-    # once; a dependency gone longer ends the call, and the process, for its supervisor to see.
-    {"name": [{"service": service} for service in _RETRIED], "waitForReady": True,
-     "timeout": f"{DEPENDENCY_DEADLINE_SECONDS}s"},
-    {"name": [{"service": service, "method": method} for service, methods in _RETRIED.items() for method in methods],
-     "waitForReady": True, "timeout": f"{DEPENDENCY_DEADLINE_SECONDS}s",
-     "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "5s", "backoffMultiplier": 2,
-                     "retryableStatusCodes": ["UNAVAILABLE"]}},
-]})
+_DEPENDENCY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            # Every call waits (up to the deadline) for a restarting controller or reward service instead of failing at
+            # once; a dependency gone longer ends the call, and the process, for its supervisor to see.
+            {
+                "name": [{"service": service} for service in _RETRIED],
+                "waitForReady": True,
+                "timeout": f"{DEPENDENCY_DEADLINE_SECONDS}s",
+            },
+            {
+                "name": [
+                    {"service": service, "method": method}
+                    for service, methods in _RETRIED.items()
+                    for method in methods
+                ],
+                "waitForReady": True,
+                "timeout": f"{DEPENDENCY_DEADLINE_SECONDS}s",
+                "retryPolicy": {
+                    "maxAttempts": 5,
+                    "initialBackoff": "0.5s",
+                    "maxBackoff": "5s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            },
+        ]
+    }
+)
 
 
 class _WaitForReady(grpc.aio.UnaryUnaryClientInterceptor):
@@ -132,5 +159,8 @@ class _WaitForReady(grpc.aio.UnaryUnaryClientInterceptor):
 def dependency_channel(target: str) -> grpc.aio.Channel:
     """A channel to the controller or the reward service, which a process needs to go on: calls wait for it to
     come back from a restart (gRPC reconnects with back-off) and idempotent ones are sent again."""
-    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.service_config", _DEPENDENCY_SERVICE_CONFIG)],
-                                     interceptors=[_WaitForReady()])
+    return grpc.aio.insecure_channel(
+        target,
+        options=[*CHANNEL_OPTIONS, ("grpc.service_config", _DEPENDENCY_SERVICE_CONFIG)],
+        interceptors=[_WaitForReady()],
+    )

@@ -106,36 +106,52 @@ class ControllerMetrics(ServiceMetrics):
 
     def __init__(self, job_name: str, registry: CollectorRegistry | None = None):
         super().__init__(job_name, registry)
-        self.policy_version = self.gauge("areal_controller_policy_version", "Policy version live on every rollout engine.")
+        self.policy_version = self.gauge(
+            "areal_controller_policy_version", "Policy version live on every rollout engine."
+        )
         self.admission_capacity = self.gauge(
-            "areal_controller_admission_capacity", "Prompt groups the staleness bound lets start now.")
+            "areal_controller_admission_capacity", "Prompt groups the staleness bound lets start now."
+        )
         self.held_seconds = self.counter(
             "areal_controller_held_seconds_total",
             "Worker-seconds that requests for work waited, by what held them (staleness bound, concurrency cap, no "
-            "work left, start-up checks): rollout capacity idle for that reason.", extra=("reason",))
-        self.running_groups = self.gauge("areal_controller_running_groups", "Prompt groups admitted and not yet settled.")
+            "work left, start-up checks): rollout capacity idle for that reason.",
+            extra=("reason",),
+        )
+        self.running_groups = self.gauge(
+            "areal_controller_running_groups", "Prompt groups admitted and not yet settled."
+        )
         self.admission_blocks = self.counter(
             "areal_controller_admission_blocks_total",
             "Requests for work answered with nothing, by what held it back (staleness bound, concurrency cap, an "
-            "engine still on an older version).", extra=("reason",))
+            "engine still on an older version).",
+            extra=("reason",),
+        )
         self.groups = self.counter(
-            "areal_controller_groups_total", "Prompt groups settled, by result (accepted, filtered, failed).",
-            extra=("result",))
+            "areal_controller_groups_total",
+            "Prompt groups settled, by result (accepted, filtered, failed).",
+            extra=("result",),
+        )
         self.dead_lettered = self.counter(
             "areal_controller_dead_lettered_items_total",
             "Dataset items dead-lettered: their group failed rollout.max_group_failures times in a row; they are never "
-            "admitted again (each has an entry with its last reason in the job's dead-letter stream).")
+            "admitted again (each has an entry with its last reason in the job's dead-letter stream).",
+        )
         self.workers = self.gauge("areal_controller_workers", "Rollout workers registered.")
         self.staleness_bound = self.gauge("areal_controller_staleness_bound", "η: the most versions a sample may lag.")
         self.staleness_target = self.gauge(
-            "areal_controller_staleness_target", "The band the mean staleness should stay in (edge min or max).",
-            extra=("edge",))
+            "areal_controller_staleness_target",
+            "The band the mean staleness should stay in (edge min or max).",
+            extra=("edge",),
+        )
         self.stream_length = self.gauge("areal_stream_length", "Trajectory stream entries kept in Redis.")
         self.stream_pending = self.gauge(
-            "areal_stream_pending_entries", "Stream entries delivered to the trainer and not yet acknowledged.")
+            "areal_stream_pending_entries", "Stream entries delivered to the trainer and not yet acknowledged."
+        )
         self.stream_lag = self.gauge("areal_stream_lag_entries", "Stream entries written and not yet delivered.")
         self.stream_oldest_unacked_age = self.gauge(
-            "areal_stream_oldest_unacked_age_seconds", "Age of the oldest delivered, unacknowledged stream entry.")
+            "areal_stream_oldest_unacked_age_seconds", "Age of the oldest delivered, unacknowledged stream entry."
+        )
         for result in GROUP_RESULTS:
             self.groups.labels(result=result)
         for reason in ADMISSION_BLOCKS:
@@ -154,14 +170,21 @@ class RolloutMetrics(ServiceMetrics):
         self.inflight_requests = self.gauge("areal_rollout_inflight_requests", "Generation requests in the engine.")
         self.inflight_groups = self.gauge("areal_rollout_inflight_groups", "Prompt groups this worker is generating.")
         self.interruptions = self.counter(
-            "areal_rollout_interruptions_total", "Requests interrupted by a weight update (aborted or retracted) and resumed from their prefix.")
+            "areal_rollout_interruptions_total",
+            "Requests interrupted by a weight update (aborted or retracted) and resumed from their prefix.",
+        )
         self.generation_latency = self.histogram(
-            "areal_rollout_generation_latency_seconds", "Time from a response's first request to its last token.")
-        self.engine_weight_version = self.gauge("areal_rollout_engine_weight_version", "Policy version the engine serves.")
+            "areal_rollout_generation_latency_seconds", "Time from a response's first request to its last token."
+        )
+        self.engine_weight_version = self.gauge(
+            "areal_rollout_engine_weight_version", "Policy version the engine serves."
+        )
         self.idle_seconds = self.counter(
-            "areal_rollout_idle_seconds_total", "Time with no generation request in the engine.")
+            "areal_rollout_idle_seconds_total", "Time with no generation request in the engine."
+        )
         self.paused_seconds = self.counter(
-            "areal_rollout_paused_seconds_total", "Time generation was paused for weight updates.")
+            "areal_rollout_paused_seconds_total", "Time generation was paused for weight updates."
+        )
 
 
 class RewardMetrics(ServiceMetrics):
@@ -170,14 +193,21 @@ class RewardMetrics(ServiceMetrics):
     def __init__(self, job_name: str, registry: CollectorRegistry | None = None):
         super().__init__(job_name, registry)
         self.scored_items = self.counter(
-            "areal_reward_scored_items_total", "Items scored, by verifier and status (ok, timeout, error).",
-            extra=("verifier", "status"))
+            "areal_reward_scored_items_total",
+            "Items scored, by verifier and status (ok, timeout, error).",
+            extra=("verifier", "status"),
+        )
         self.scoring_latency = self.histogram(
-            "areal_reward_scoring_latency_seconds", "Time to score one item, from the moment a worker is free for it.", extra=("verifier",))
+            "areal_reward_scoring_latency_seconds",
+            "Time to score one item, from the moment a worker is free for it.",
+            extra=("verifier",),
+        )
         self.pool_tasks = self.counter(
             "areal_reward_pool_tasks_total",
             "Tasks sent to scoring workers: chunk (a request's items together) or item (one alone: a single-item "
-            "chunk, or the retry of a chunk that timed out or lost its worker).", extra=("kind",))
+            "chunk, or the retry of a chunk that timed out or lost its worker).",
+            extra=("kind",),
+        )
         for kind in ("chunk", "item"):
             self.pool_tasks.labels(kind=kind)
 
@@ -196,33 +226,43 @@ class TrainerMetrics(ServiceMetrics):
         self.policy_version = self.gauge("areal_trainer_policy_version", "Version of the trainer's policy.")
         self.steps = self.counter("areal_trainer_steps_total", "Training steps done.")
         self.step_duration = self.histogram(
-            "areal_trainer_step_duration_seconds", "Wall time of a step: waiting for data to the version announced.")
+            "areal_trainer_step_duration_seconds", "Wall time of a step: waiting for data to the version announced."
+        )
         self.phase_seconds = self.counter(
             "areal_trainer_phase_seconds_total",
             "Trainer wall time by phase: wait (for data), prepare (advantages, batching), recompute (proximal or "
-            "reference logprobs), forward_backward, optimizer, weight_push, checkpoint, eval.", extra=("phase",))
+            "reference logprobs), forward_backward, optimizer, weight_push, checkpoint, eval.",
+            extra=("phase",),
+        )
         self.trained_samples = self.counter("areal_trainer_trained_samples_total", "Samples trained on.")
         self.trained_tokens = self.counter("areal_trainer_trained_tokens_total", "Response tokens trained on.")
         self.loss = self.gauge("areal_trainer_loss", "Policy loss of the last step.")
-        self.kl = self.gauge("areal_trainer_kl", "Approximate KL between the proximal and the updated policy, last step.")
+        self.kl = self.gauge(
+            "areal_trainer_kl", "Approximate KL between the proximal and the updated policy, last step."
+        )
         self.clip_fraction = self.gauge("areal_trainer_clip_fraction", "Fraction of tokens whose ratio was clipped.")
         self.importance_weight_mean = self.gauge(
-            "areal_trainer_importance_weight_mean", "Mean behaviour importance weight π_prox/π_behav, last step.")
+            "areal_trainer_importance_weight_mean", "Mean behaviour importance weight π_prox/π_behav, last step."
+        )
         self.importance_weight_capped_fraction = self.gauge(
-            "areal_trainer_importance_weight_capped_fraction", "Fraction of tokens the importance-weight cap acted on.")
+            "areal_trainer_importance_weight_capped_fraction", "Fraction of tokens the importance-weight cap acted on."
+        )
         self.grad_norm = self.gauge("areal_trainer_grad_norm", "Gradient norm before clipping, last step.")
         self.learning_rate = self.gauge("areal_trainer_learning_rate", "Learning rate of the last step.")
         self.sample_staleness = self.histogram(
             "areal_trainer_sample_staleness",
             "Per-sample staleness at consumption: trainer version minus the oldest version among its tokens.",
-            buckets=STALENESS_BUCKETS)
+            buckets=STALENESS_BUCKETS,
+        )
         self.weight_sync_duration = self.histogram(
-            "areal_weight_sync_duration_seconds", "One weight push, from pausing generation to resuming it.")
+            "areal_weight_sync_duration_seconds", "One weight push, from pausing generation to resuming it."
+        )
         self.weight_sync_bytes = self.counter("areal_weight_sync_bytes_total", "Bytes of weights broadcast.")
         self.weight_sync_buckets = self.counter("areal_weight_sync_buckets_total", "Weight buckets broadcast.")
         self.weight_sync_failures = self.counter(
             "areal_weight_sync_failures_total",
-            "Weight pushes that failed twice (a worker gone or hung); its engines get the weights at the next push.")
+            "Weight pushes that failed twice (a worker gone or hung); its engines get the weights at the next push.",
+        )
         self.reward_mean = self.gauge("areal_task_reward_mean", "Mean reward of the last trained batch.")
         self.heldout_accuracy = self.gauge("areal_task_heldout_accuracy", "Greedy held-out accuracy, as last measured.")
         for phase in TRAINER_PHASES:
@@ -243,7 +283,10 @@ def catalogue() -> list[tuple[str, str, str, str, str]]:
 
 
 def catalogue_markdown() -> str:
-    lines = ["| metric | type | exported by | labels (besides rljob, role) | meaning |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| metric | type | exported by | labels (besides rljob, role) | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     lines += [f"| `{n}` | {t} | {roles} | {labels or '—'} | {doc} |" for n, t, roles, labels, doc in catalogue()]
     return "\n".join(lines) + "\n"
 

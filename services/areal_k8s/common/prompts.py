@@ -33,8 +33,10 @@ def check_tokenizer_dir(path: str | Path) -> None:
     if not Path(path).is_dir():
         raise ModelDirectoryError(f"tokenizer directory not found: {path}")
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        raise ModelDirectoryError(f"not a Hugging Face tokenizer directory (no {', '.join(TOKENIZER_FILES[:-1])} or "
-                                  f"{TOKENIZER_FILES[-1]}): {path}")
+        raise ModelDirectoryError(
+            f"not a Hugging Face tokenizer directory (no {', '.join(TOKENIZER_FILES[:-1])} or "
+            f"{TOKENIZER_FILES[-1]}): {path}"
+        )
 
 
 def require_model_dirs(*, model: str | None = None, tokenizer: str | None = None) -> None:
@@ -58,7 +60,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, template: str) -> list[int]:
     if template == "chat":
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+        )
         # transformers 5 answers with a BatchEncoding (a Mapping, not a dict); earlier versions with the ids
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
     return list(tokenizer.encode(prompt))
@@ -110,13 +114,15 @@ class ConversationFormat:
         head = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _ANSWER_SENTINEL}]
         full = self._render(head + messages, add_generation_prompt=True)
         if _ANSWER_SENTINEL not in full:
-            raise ValueError("the chat template drops earlier assistant turns: a multi-turn conversation cannot be "
-                             "appended to token by token (use rollout.prompt_template: raw)")
+            raise ValueError(
+                "the chat template drops earlier assistant turns: a multi-turn conversation cannot be "
+                "appended to token by token (use rollout.prompt_template: raw)"
+            )
         after = full.split(_ANSWER_SENTINEL, 1)[1]
         if model_ids and model_ids[-1] in stop_token_ids(self.tokenizer):
             stop_text = self.tokenizer.decode(model_ids[-1:])
             if after.startswith(stop_text):  # the model ended its turn with the template's own end-of-turn marker
-                after = after[len(stop_text):]
+                after = after[len(stop_text) :]
         return self._ids(after)
 
     def _render(self, messages: list[dict], **options) -> str:

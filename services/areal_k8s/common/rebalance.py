@@ -74,9 +74,13 @@ class Limits:
         return split.rollout * self.rollout_unit + split.trainer * self.trainer_unit
 
     def allows(self, split: Split) -> bool:
-        return (self.min_rollout <= split.rollout and (self.max_rollout is None or split.rollout <= self.max_rollout)
-                and self.min_trainer <= split.trainer and (self.max_trainer is None or split.trainer <= self.max_trainer)
-                and (self.budget is None or self.gpus(split) <= self.budget))
+        return (
+            self.min_rollout <= split.rollout
+            and (self.max_rollout is None or split.rollout <= self.max_rollout)
+            and self.min_trainer <= split.trainer
+            and (self.max_trainer is None or split.trainer <= self.max_trainer)
+            and (self.budget is None or self.gpus(split) <= self.budget)
+        )
 
 
 @dataclass(frozen=True)
@@ -104,10 +108,16 @@ class Settings:
 def settings_for(job: JobConfig) -> Settings:
     """The policy's settings from a job's `rebalance` section and its staleness band (which it must have)."""
     r, band = job.rebalance, job.algorithm.staleness_target
-    return Settings(band=(band.min, band.max), window_seconds=r.window_seconds, cooldown_seconds=r.cooldown_seconds,
-                    trainer_idle_threshold=r.trainer_idle_threshold, rollout_held_threshold=r.rollout_held_threshold,
-                    min_samples=r.min_samples, step_fraction=r.step_fraction,
-                    max_staleness=job.algorithm.max_staleness)
+    return Settings(
+        band=(band.min, band.max),
+        window_seconds=r.window_seconds,
+        cooldown_seconds=r.cooldown_seconds,
+        trainer_idle_threshold=r.trainer_idle_threshold,
+        rollout_held_threshold=r.rollout_held_threshold,
+        min_samples=r.min_samples,
+        step_fraction=r.step_fraction,
+        max_staleness=job.algorithm.max_staleness,
+    )
 
 
 @dataclass(frozen=True)
@@ -140,23 +150,33 @@ class Window:
     tokens_per_sample: float = 0.0  # the responses' length: what a drift of the workload changes
 
     def describe(self) -> str:
-        return (f"mean staleness {self.mean_staleness:.2f} over {self.samples} samples, trainer idle "
-                f"{self.trainer_idle:.0%}, rollout held by the bound {self.rollout_held:.0%}")
+        return (
+            f"mean staleness {self.mean_staleness:.2f} over {self.samples} samples, trainer idle "
+            f"{self.trainer_idle:.0%}, rollout held by the bound {self.rollout_held:.0%}"
+        )
 
 
 def totals_of(report: controller_pb2.JobStatus) -> Totals:
-    return Totals(at=report.updated_at, trained_samples=report.trained_samples, trained_tokens=report.trained_tokens,
-                  staleness_sum=report.staleness_sum,
-                  staleness_counts=tuple(report.staleness_counts), trainer_wait_seconds=report.trainer_wait_seconds,
-                  held_by_staleness_seconds=report.held_by_staleness_seconds, accepted_groups=report.accepted,
-                  workers=report.workers)
+    return Totals(
+        at=report.updated_at,
+        trained_samples=report.trained_samples,
+        trained_tokens=report.trained_tokens,
+        staleness_sum=report.staleness_sum,
+        staleness_counts=tuple(report.staleness_counts),
+        trainer_wait_seconds=report.trainer_wait_seconds,
+        held_by_staleness_seconds=report.held_by_staleness_seconds,
+        accepted_groups=report.accepted,
+        workers=report.workers,
+    )
 
 
 def observe(start: Totals, end: Totals, band: tuple[float, float]) -> Window:
     seconds = max(end.at - start.at, 1e-9)
     samples = end.trained_samples - start.trained_samples
-    counts = [after - (start.staleness_counts[s] if s < len(start.staleness_counts) else 0)
-              for s, after in enumerate(end.staleness_counts)]
+    counts = [
+        after - (start.staleness_counts[s] if s < len(start.staleness_counts) else 0)
+        for s, after in enumerate(end.staleness_counts)
+    ]
     in_band = sum(n for s, n in enumerate(counts) if band[0] <= s <= band[1])
     return Window(
         seconds=seconds,
@@ -164,8 +184,12 @@ def observe(start: Totals, end: Totals, band: tuple[float, float]) -> Window:
         mean_staleness=(end.staleness_sum - start.staleness_sum) / samples if samples > 0 else 0.0,
         within_band=in_band / samples if samples > 0 else 0.0,
         trainer_idle=min(max((end.trainer_wait_seconds - start.trainer_wait_seconds) / seconds, 0.0), 1.0),
-        rollout_held=min(max((end.held_by_staleness_seconds - start.held_by_staleness_seconds)
-                             / (seconds * max(end.workers, 1)), 0.0), 1.0),
+        rollout_held=min(
+            max(
+                (end.held_by_staleness_seconds - start.held_by_staleness_seconds) / (seconds * max(end.workers, 1)), 0.0
+            ),
+            1.0,
+        ),
         trained_per_second=samples / seconds,
         accepted_groups_per_second=(end.accepted_groups - start.accepted_groups) / seconds,
         tokens_per_sample=(end.trained_tokens - start.trained_tokens) / samples if samples > 0 else 0.0,
@@ -233,8 +257,9 @@ def toward_rollout(split: Split, limits: Limits) -> Split | None:
     return traded if rollout > split.rollout and limits.allows(traded) else None
 
 
-def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float,
-             length_tolerance: float = 0.2) -> tuple[Verdict, ...]:
+def remember(
+    memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float, length_tolerance: float = 0.2
+) -> tuple[Verdict, ...]:
     """`memory` with `verdict` in it. The workload drifted, and every verdict is forgotten but this one, when:
     - the responses' length moved more than `length_tolerance` (relative) from the memory's first verdict;
     - or this split measures unlike it first did (the other side of the band, or `tolerance` versions away).
@@ -244,56 +269,86 @@ def remember(memory: tuple[Verdict, ...], verdict: Verdict, tolerance: float,
         return (verdict,)
     before = next((v for v in memory if v.split == verdict.split), None)
     if before is None:
-        return memory + (verdict,)
-    if (before.side, before.wants) != (verdict.side, verdict.wants) or abs(before.mean_staleness - verdict.mean_staleness) > tolerance:
+        return (*memory, verdict)
+    if (before.side, before.wants) != (verdict.side, verdict.wants) or abs(
+        before.mean_staleness - verdict.mean_staleness
+    ) > tolerance:
         return (verdict,)
     return memory
 
 
-def decide(window: Window, split: Split, limits: Limits, settings: Settings,
-           memory: tuple[Verdict, ...] = ()) -> tuple[Decision, tuple[Verdict, ...]]:
+def decide(
+    window: Window, split: Split, limits: Limits, settings: Settings, memory: tuple[Verdict, ...] = ()
+) -> tuple[Decision, tuple[Verdict, ...]]:
     """The decision for one window measured at `split`, and the memory to keep for the next."""
     band = settings.band
     if window.samples < max(settings.min_samples, 1):
-        return Decision(None, "CollectingData", f"{window.samples} samples trained in the window, fewer than "
-                        f"{max(settings.min_samples, 1)}: no verdict", window), memory
+        return Decision(
+            None,
+            "CollectingData",
+            f"{window.samples} samples trained in the window, fewer than {max(settings.min_samples, 1)}: no verdict",
+            window,
+        ), memory
     side = side_of(window.mean_staleness, band)
     held = window.rollout_held > settings.rollout_held_threshold
     # the trainer starves while samples arrive old, or while the pool may take no more work: either way responses
     # take long to come back, and only the throughput tells whether another engine shortens that
-    latency_bound = window.trainer_idle > settings.trainer_idle_threshold and (side == ABOVE or (side == BELOW and held))
-    verdict = Verdict(split, side, window.mean_staleness, window.tokens_per_sample, latency_bound,
-                      window.trained_per_second)
+    latency_bound = window.trainer_idle > settings.trainer_idle_threshold and (
+        side == ABOVE or (side == BELOW and held)
+    )
+    verdict = Verdict(
+        split, side, window.mean_staleness, window.tokens_per_sample, latency_bound, window.trained_per_second
+    )
     memory = remember(memory, verdict, settings.tolerance, settings.length_tolerance)
     seen = window.describe()
     band_text = f"[{band[0]:g}, {band[1]:g}]"
     if side == INSIDE:
         return Decision(None, "WithinBand", f"{seen}: inside the band {band_text}", window), memory
     if side == BELOW and held and not latency_bound:
-        return Decision(None, "SignalsDisagree", f"{seen}: below the band {band_text}, but the staleness bound holds "
-                        "the rollout pool back and the trainer is busy, so more rollout would not be used", window), memory
+        return Decision(
+            None,
+            "SignalsDisagree",
+            f"{seen}: below the band {band_text}, but the staleness bound holds "
+            "the rollout pool back and the trainer is busy, so more rollout would not be used",
+            window,
+        ), memory
     # (with the held check off, as a threshold of 1 turns it, there is no signal to climb by: the staleness rules)
-    saturated = (side == ABOVE and settings.max_staleness is not None and settings.rollout_held_threshold < 1
-                 and window.mean_staleness >= settings.max_staleness - settings.saturation_margin)
+    saturated = (
+        side == ABOVE
+        and settings.max_staleness is not None
+        and settings.rollout_held_threshold < 1
+        and window.mean_staleness >= settings.max_staleness - settings.saturation_margin
+    )
     if saturated or latency_bound:
         return by_throughput(window, split, limits, settings, memory, latency_bound), memory
     wants = verdict.wants
     step = toward_training if wants == TRAINING else toward_rollout
     first = step(split, limits)
     if first is None:
-        return Decision(None, "AtLimit", f"{seen}: {side} the band {band_text}, but no split with more {wants} "
-                        f"fits the bounds and the budget (at {split})", window), memory
+        return Decision(
+            None,
+            "AtLimit",
+            f"{seen}: {side} the band {band_text}, but no split with more {wants} "
+            f"fits the bounds and the budget (at {split})",
+            window,
+        ), memory
     opposite = ROLLOUT if wants == TRAINING else TRAINING
     if any(v.split == first and v.wants == opposite for v in memory):
-        return Decision(None, "BandBetweenSplits", f"{seen}: {side} the band {band_text} at {split}, and {first} "
-                        f"asked for more {opposite}: the balance lies between the two, staying", window), memory
+        return Decision(
+            None,
+            "BandBetweenSplits",
+            f"{seen}: {side} the band {band_text} at {split}, and {first} "
+            f"asked for more {opposite}: the balance lies between the two, staying",
+            window,
+        ), memory
     target = walk(split, first, step, limits, memory, opposite, gpus_to_move(window, split, limits, settings, side))
     code = "MovedToTraining" if wants == TRAINING else "MovedToRollout"
     return Decision(target, code, f"{seen}: {side} the band {band_text}; {split} -> {target}", window), memory
 
 
-def by_throughput(window: Window, split: Split, limits: Limits, settings: Settings, memory: tuple[Verdict, ...],
-                  latency_bound: bool) -> Decision:
+def by_throughput(
+    window: Window, split: Split, limits: Limits, settings: Settings, memory: tuple[Verdict, ...], latency_bound: bool
+) -> Decision:
     """Where the staleness reads the generation's latency, not the balance (the bound full: responses take longer
     to generate than η training steps; or the trainer waits while the pool may take no more work: the engines'
     queues hold the whole admission window), the samples trained per second decide, one unit at a time: a split
@@ -304,38 +359,66 @@ def by_throughput(window: Window, split: Split, limits: Limits, settings: Settin
     rate, gain = window.trained_per_second, 1 + settings.gain_tolerance
     seen = f"{window.describe()}, {rate:.3g} samples/s"
     advice = "the staleness comes from how long responses take: a larger max_staleness or shorter responses lower it"
-    faster = max((v for v in memory if v.split != split and limits.allows(v.split)),
-                 key=lambda v: v.trained_per_second, default=None)
+    faster = max(
+        (v for v in memory if v.split != split and limits.allows(v.split)),
+        key=lambda v: v.trained_per_second,
+        default=None,
+    )
     if faster is not None and faster.trained_per_second > rate * gain:
         code = "MovedToRollout" if faster.split.rollout > split.rollout else "MovedToTraining"
-        return Decision(faster.split, code, f"{seen}: {faster.split} trained faster "
-                        f"({faster.trained_per_second:.3g} samples/s); {split} -> {faster.split}", window)
+        return Decision(
+            faster.split,
+            code,
+            f"{seen}: {faster.split} trained faster "
+            f"({faster.trained_per_second:.3g} samples/s); {split} -> {faster.split}",
+            window,
+        )
     if latency_bound:
         wants, step = ROLLOUT, toward_rollout
     elif window.rollout_held > settings.rollout_held_threshold:
         wants, step = TRAINING, toward_training
     else:
-        return Decision(None, "LatencyBound", f"{seen}: samples train about η old with neither side waiting, so the "
-                        f"split is balanced and {advice}; staying", window)
+        return Decision(
+            None,
+            "LatencyBound",
+            f"{seen}: samples train about η old with neither side waiting, so the "
+            f"split is balanced and {advice}; staying",
+            window,
+        )
     first = step(split, limits)
     if first is None:
-        return Decision(None, "AtLimit", f"{seen}: no split with more {wants} fits the bounds and the budget (at "
-                        f"{split})", window)
+        return Decision(
+            None, "AtLimit", f"{seen}: no split with more {wants} fits the bounds and the budget (at {split})", window
+        )
     if (tried := next((v for v in memory if v.split == first), None)) is not None:
-        return Decision(None, "LatencyBound", f"{seen}: {first} trained no faster ({tried.trained_per_second:.3g} "
-                        f"samples/s), so more {wants} does not pay and {advice}; staying", window)
+        return Decision(
+            None,
+            "LatencyBound",
+            f"{seen}: {first} trained no faster ({tried.trained_per_second:.3g} "
+            f"samples/s), so more {wants} does not pay and {advice}; staying",
+            window,
+        )
 
     def tilt(s: Split) -> float:  # the rollout side's share of the GPUs
         return s.rollout * limits.rollout_unit / limits.gpus(s)
 
     behind = [v for v in memory if (tilt(v.split) < tilt(split)) == (wants == ROLLOUT) and v.split != split]
-    if behind and rate < (came_from := min(behind, key=lambda v: abs(tilt(v.split) - tilt(split)))).trained_per_second * gain:
-        return Decision(None, "LatencyBound", f"{seen}: the last unit of {wants} did not pay ({came_from.split}: "
-                        f"{came_from.trained_per_second:.3g} samples/s), so {advice}; staying", window)
+    if (
+        behind
+        and rate < (came_from := min(behind, key=lambda v: abs(tilt(v.split) - tilt(split)))).trained_per_second * gain
+    ):
+        return Decision(
+            None,
+            "LatencyBound",
+            f"{seen}: the last unit of {wants} did not pay ({came_from.split}: "
+            f"{came_from.trained_per_second:.3g} samples/s), so {advice}; staying",
+            window,
+        )
     code = "MovedToTraining" if wants == TRAINING else "MovedToRollout"
     why = "the trainer waits for data" if latency_bound else "samples train about η old"
-    return Decision(first, code, f"{seen}: {why}; one unit more {wants} to see whether it pays, {split} -> {first}",
-                    window)
+    return Decision(
+        first, code, f"{seen}: {why}; one unit more {wants} to see whether it pays, {split} -> {first}", window
+    )
 
 
 def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Settings, side: str) -> float:
@@ -351,8 +434,9 @@ def gpus_to_move(window: Window, split: Split, limits: Limits, settings: Setting
     return settings.step_fraction * pool * idle / (1 - idle)
 
 
-def walk(split: Split, first: Split, step, limits: Limits, memory: tuple[Verdict, ...], opposite: str,
-         wanted: float) -> Split:
+def walk(
+    split: Split, first: Split, step, limits: Limits, memory: tuple[Verdict, ...], opposite: str, wanted: float
+) -> Split:
     """Take single-unit steps from `split` (the first is `first`) until the rollout side has moved `wanted` GPUs, a
     bound stops it, or the next split asked for the `opposite` move when measured (never step onto it)."""
     current = first

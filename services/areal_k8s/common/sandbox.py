@@ -11,11 +11,12 @@ The layers, outside in:
 - bubblewrap (`bwrap_command`): new user, pid, ipc, uts, net and (where possible) cgroup namespaces. No network
   at all (a fresh network namespace has only a loopback that is down). The filesystem is a fresh root holding
   read-only binds of /usr (the interpreter and its standard library; /bin, /lib, /lib64 are symlinks into it), a
-  minimal /dev (null, zero, random, ...), no /proc, and a size-capped tmpfs at /tmp, the only writable path. Nothing else of the host: no
-  /etc, no service files, no mounted secrets or service-account token. The environment is cleared (PATH, HOME, LANG
-  only), the program gets its own session (no TIOCSTI on the service's terminal), runs as an unprivileged uid with
-  no capabilities, and dies with its parent (`--die-with-parent`). Its parent inside is bwrap as the pid
-  namespace's init, which a signal from inside cannot kill; the service's processes are not visible at all.
+  minimal /dev (null, zero, random, ...), no /proc, and a size-capped tmpfs at /tmp, the only writable path. Nothing
+  else of the host: no /etc, no service files, no mounted secrets or service-account token. The environment is
+  cleared (PATH, HOME, LANG only), the program gets its own session (no TIOCSTI on the service's terminal), runs as
+  an unprivileged uid with no capabilities, and dies with its parent (`--die-with-parent`). Its parent inside is
+  bwrap as the pid namespace's init, which a signal from inside cannot kill; the service's processes
+  are not visible at all.
 - rlimits, set by the harness (sandbox_harness.py) inside the user namespace before the program runs: CPU time,
   address space, processes (per user namespace, so a fork bomb stops at the limit of its own sandbox), file size,
   open files, no core dumps.
@@ -31,6 +32,7 @@ service's virtual environment: the program gets the standard library and nothing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -110,8 +112,11 @@ class SandboxResult:
 def limits_from_config(config: CodeRewardConfig) -> SandboxLimits:
     """The job's `reward.code` limits, for every sandboxed run of the job (verifier and tool alike)."""
     return SandboxLimits(
-        wall_seconds=config.wall_seconds, cpu_seconds=config.cpu_seconds, memory_bytes=config.memory_mb * MIB,
-        max_processes=config.max_processes, max_output_bytes=config.max_output_kb * 1024,
+        wall_seconds=config.wall_seconds,
+        cpu_seconds=config.cpu_seconds,
+        memory_bytes=config.memory_mb * MIB,
+        max_processes=config.max_processes,
+        max_output_bytes=config.max_output_kb * 1024,
     )
 
 
@@ -130,15 +135,19 @@ class Sandbox:
             raise SandboxError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         self.python = python or default_python()
         if not self.python.startswith("/usr/"):
-            raise SandboxError(f"the sandbox's interpreter must live under /usr (the only tree bound in), got {self.python}")
+            raise SandboxError(
+                f"the sandbox's interpreter must live under /usr (the only tree bound in), got {self.python}"
+            )
         # As root, drop to `sandbox_uid` before bwrap: setpriv (util-linux) does it after the exec, so this process
         # (which has gRPC threads) never forks a child that changes credentials itself.
         self.drop_root: list[str] = []
         if os.geteuid() == 0:
             setpriv = shutil.which("setpriv")
             if setpriv is None:
-                raise SandboxError("running as root, the sandbox drops to an unprivileged uid with setpriv (util-linux), "
-                                   "which is not installed")
+                raise SandboxError(
+                    "running as root, the sandbox drops to an unprivileged uid with setpriv (util-linux), "
+                    "which is not installed"
+                )
             self.drop_root = [setpriv, f"--reuid={sandbox_uid}", f"--regid={sandbox_uid}", "--clear-groups", "--"]
 
     def run_program(self, program: str, stdin: bytes = b"") -> SandboxResult:
@@ -155,24 +164,68 @@ class Sandbox:
         start fails the job naming bwrap's error, instead of scoring every program 0)."""
         result = self.run_program("print('ok')")
         if result.returncode != 0 or result.stdout != b"ok\n":
-            raise SandboxError(f"the sandbox cannot run a trivial program: {result.failure(self.limits)}; "
-                               f"{result.stderr.decode('utf-8', 'replace').strip()[-500:]}")
+            raise SandboxError(
+                f"the sandbox cannot run a trivial program: {result.failure(self.limits)}; "
+                f"{result.stderr.decode('utf-8', 'replace').strip()[-500:]}"
+            )
 
     def bwrap_command(self, job_fd: int, result_fd: int) -> list[str]:
         return [
-            *self.drop_root, self.bwrap,
-            "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--ro-bind", "/usr", "/usr",
-            "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
+            *self.drop_root,
+            self.bwrap,
+            "--unshare-user",
+            "--uid",
+            str(NOBODY),
+            "--gid",
+            str(NOBODY),
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
             # no /proc: a container's masked /proc refuses a new procfs mount, and the host's would show the service
-            "--dev", "/dev",
-            "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp",
-            "--chdir", "/tmp",
-            "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin", "--setenv", "HOME", "/tmp",
-            "--setenv", "LANG", "C.UTF-8",
-            "--", self.python, "-I", "-B", "-c", HARNESS_SOURCE, str(job_fd), str(result_fd),
+            "--dev",
+            "/dev",
+            "--size",
+            str(self.limits.tmp_bytes),
+            "--tmpfs",
+            "/tmp",
+            "--chdir",
+            "/tmp",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--",
+            self.python,
+            "-I",
+            "-B",
+            "-c",
+            HARNESS_SOURCE,
+            str(job_fd),
+            str(result_fd),
         ]
 
     def _run(self, job: dict, stdin: bytes) -> SandboxResult:
@@ -181,8 +234,12 @@ class Sandbox:
         try:
             process = subprocess.Popen(
                 self.bwrap_command(job_read, result_write),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(job_read, result_write), start_new_session=True, env={},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(job_read, result_write),
+                start_new_session=True,
+                env={},
             )
         except OSError as exc:
             for fd in (job_read, job_write, result_read, result_write):
@@ -204,7 +261,9 @@ class Sandbox:
         if result.returncode == 1 and result.stderr.startswith(b"bwrap: ") and not result.stdout:
             # bwrap could not build the sandbox (no user namespaces, a seccomp or AppArmor refusal): no fault of
             # the program. (A program that prints this itself gains nothing: an error scores 0 as well.)
-            raise SandboxError(f"bubblewrap cannot start the sandbox: {result.stderr.decode('utf-8', 'replace').strip()[:500]}")
+            raise SandboxError(
+                f"bubblewrap cannot start the sandbox: {result.stderr.decode('utf-8', 'replace').strip()[:500]}"
+            )
         return result
 
     def _collect(self, process: subprocess.Popen, result_read: int) -> SandboxResult:
@@ -235,8 +294,12 @@ class Sandbox:
         returncode = process.wait()
         cap = self.limits.max_output_bytes
         return SandboxResult(
-            returncode=returncode, stdout=bytes(buffers[output_fds[0]][:cap]), stderr=bytes(buffers[output_fds[1]][:cap]),
-            report=bytes(buffers[result_read][:cap]), timed_out=timed_out, output_exceeded=output_exceeded,
+            returncode=returncode,
+            stdout=bytes(buffers[output_fds[0]][:cap]),
+            stderr=bytes(buffers[output_fds[1]][:cap]),
+            report=bytes(buffers[result_read][:cap]),
+            timed_out=timed_out,
+            output_exceeded=output_exceeded,
         )
 
 
@@ -266,7 +329,5 @@ def _drain(selector: selectors.BaseSelector, grace: float) -> None:
 def _kill_group(process: subprocess.Popen) -> None:
     # bwrap leads its own process group (start_new_session); killing it ends the pid namespace's init, and the
     # kernel then kills every process left in the namespace, whatever session the program moved them to.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

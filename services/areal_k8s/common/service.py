@@ -30,9 +30,13 @@ def base_parser(service: str, default_port: int) -> argparse.ArgumentParser:
 
 def add_when_done(parser: argparse.ArgumentParser) -> None:
     """For services whose work ends with the job (trainer, rollout workers)."""
-    parser.add_argument("--when-done", choices=["exit", "wait"], default="exit",
-                        help="when the job is finished: exit (a local run), or wait to be stopped (a pod of a "
-                        "Deployment or StatefulSet, which would be restarted after exiting)")
+    parser.add_argument(
+        "--when-done",
+        choices=["exit", "wait"],
+        default="exit",
+        help="when the job is finished: exit (a local run), or wait to be stopped (a pod of a "
+        "Deployment or StatefulSet, which would be restarted after exiting)",
+    )
 
 
 async def wait_if_asked(when_done: str, stop: asyncio.Event) -> None:
@@ -43,8 +47,12 @@ async def wait_if_asked(when_done: str, stop: asyncio.Event) -> None:
 
 
 def add_metrics_port(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=metrics_port(),
-                        help="serve Prometheus metrics at /metrics on this port (env AREAL_METRICS_PORT; 0: off)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=metrics_port(),
+        help="serve Prometheus metrics at /metrics on this port (env AREAL_METRICS_PORT; 0: off)",
+    )
 
 
 def setup_logging(service: str, level: str) -> None:

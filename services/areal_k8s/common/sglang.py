@@ -37,18 +37,33 @@ class Route:
 
 
 ROUTES = {
-    "generate": Route("POST", "/generate", "GenerateReqInput", ("input_ids", "sampling_params", "rid", "return_logprob")),
+    "generate": Route(
+        "POST", "/generate", "GenerateReqInput", ("input_ids", "sampling_params", "rid", "return_logprob")
+    ),
     "pause_generation": Route("POST", "/pause_generation", "PauseGenerationReqInput", ("mode",)),
     "continue_generation": Route("POST", "/continue_generation", "ContinueGenerationReqInput"),
     "abort_request": Route("POST", "/abort_request", "AbortReq", ("rid", "abort_all")),
     "flush_cache": Route("POST", "/flush_cache", None),
     "init_weights_update_group": Route(
-        "POST", "/init_weights_update_group", "InitWeightsUpdateGroupReqInput",
+        "POST",
+        "/init_weights_update_group",
+        "InitWeightsUpdateGroupReqInput",
         ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
     ),
     "update_weights_from_distributed": Route(
-        "POST", "/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
-        ("names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format"),
+        "POST",
+        "/update_weights_from_distributed",
+        "UpdateWeightsFromDistributedReqInput",
+        (
+            "names",
+            "dtypes",
+            "shapes",
+            "group_name",
+            "flush_cache",
+            "abort_all_requests",
+            "weight_version",
+            "load_format",
+        ),
     ),
     "destroy_weights_update_group": Route(
         "POST", "/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", ("group_name",)
@@ -61,7 +76,14 @@ ROUTES = {
 SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids")
 # What we read from SGLang's answers.
 READS = {
-    "generate.meta_info": ("id", "finish_reason", "output_token_logprobs", "weight_version", "weight_versions", "num_retractions"),
+    "generate.meta_info": (
+        "id",
+        "finish_reason",
+        "output_token_logprobs",
+        "weight_version",
+        "weight_versions",
+        "num_retractions",
+    ),
     "generate.meta_info.weight_versions[]": ("version", "start", "end"),
     "model_info": ("weight_version",),
     "server_info": ("tp_size", "pp_size", "disable_radix_cache"),
@@ -84,13 +106,27 @@ class WeightTarget(Protocol):
     """
 
     async def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str,
-        *, timeout: float,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        *,
+        timeout: float,
     ) -> Any: ...
 
     async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, *, timeout: float,
-        weight_version: str | None = None, load_format: str | None = None,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        *,
+        timeout: float,
+        weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> Any: ...
 
     async def pause_generation(self, mode: str = "abort") -> Any: ...
@@ -100,9 +136,17 @@ class WeightTarget(Protocol):
     async def destroy_weights_update_group(self, group_name: str) -> Any: ...
 
 
-def sampling_params(*, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
+def sampling_params(
+    *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, stop_token_ids: list[int]
+) -> dict[str, Any]:
     """A rollout's `sampling_params`: top_k -1 is off (SGLang's convention)."""
-    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
+    return {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": stop_token_ids,
+    }
 
 
 def parse_weight_version(value: object) -> int:
@@ -161,8 +205,10 @@ def weight_group_ranks(server_info: dict[str, Any], interrupt: str) -> int:
     if server_info.get("pp_size", 1) != 1:
         raise UnfitEngine(f"pipeline-parallel engines (pp_size {server_info['pp_size']}) cannot receive weight pushes")
     if interrupt == "retract" and not server_info.get("disable_radix_cache", False):
-        raise UnfitEngine("rollout.interrupt: retract needs the engine started with --disable-radix-cache (a request "
-                          "recomputed after a weight update would reuse prefix KV of the old weights)")
+        raise UnfitEngine(
+            "rollout.interrupt: retract needs the engine started with --disable-radix-cache (a request "
+            "recomputed after a weight update would reuse prefix KV of the old weights)"
+        )
     return int(server_info["tp_size"])
 
 
@@ -236,27 +282,49 @@ class SGLangClient:
     # --- weights -------------------------------------------------------------------------------------------------
 
     async def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = DEFAULT_GROUP, backend: str = "nccl", *, timeout: float | None = None,
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "nccl",
+        *,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Blocks until every rank of the group has joined. The engine's tensor-parallel ranks join at
         `rank_offset + tp_rank`: the next engine's offset must leave room for all of them."""
         body = {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend,
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
         }
         return await self._call("init_weights_update_group", body, timeout=timeout)
 
     async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = DEFAULT_GROUP, *,
-        timeout: float | None = None, weight_version: str | None = None, load_format: str | None = None,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = DEFAULT_GROUP,
+        *,
+        timeout: float | None = None,
+        weight_version: str | None = None,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         """Announce tensors that group rank 0 then broadcasts (one per name, or one flattened bucket)."""
         body: dict[str, Any] = {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
             # The cache was flushed when generation was paused (see flush_cache_when_idle); SGLang's flush here
             # asserts (and exits) when a retracted request waits in its queue. The trainer paused generation first.
-            "flush_cache": False, "abort_all_requests": False,
+            "flush_cache": False,
+            "abort_all_requests": False,
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
@@ -300,18 +368,26 @@ class SGLangClient:
     async def _call(self, route: str, body: dict[str, Any] | None, *, timeout: float | None = None) -> Any:
         """A control call: `timeout` seconds, or `control_timeout` when None."""
         spec = ROUTES[route]
-        return await self.request(spec.method, spec.path, body, timeout=self.control_timeout if timeout is None else timeout)
+        return await self.request(
+            spec.method, spec.path, body, timeout=self.control_timeout if timeout is None else timeout
+        )
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None, session: str = "control") -> Any:
+    async def request(
+        self, method: str, path: str, body: dict[str, Any] | None, *, timeout: float | None, session: str = "control"
+    ) -> Any:
         """`timeout` None: no deadline."""
         if session not in self._sessions:
-            self._sessions[session] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0))
+            self._sessions[session] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+            )
         url = self.base_url + path
         try:
-            async with self._sessions[session].request(method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+            async with self._sessions[session].request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response:
                 text = await response.text()
                 status = response.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineError(url, None, f"no answer within {timeout:.0f} s") from None
         except aiohttp.ClientError as exc:
             raise EngineError(url, None, f"{type(exc).__name__}: {exc}") from exc
@@ -326,7 +402,9 @@ class CpuEngineClient(SGLangClient):
 
     async def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
         """`{"per_tensor", "combined", "weight_version"}` as `common.weights.weights_checksum` computes them."""
-        return await self.request("POST", "/areal/weights_checksum", {} if names is None else {"names": names}, timeout=self.control_timeout)
+        return await self.request(
+            "POST", "/areal/weights_checksum", {} if names is None else {"names": names}, timeout=self.control_timeout
+        )
 
 
 def _parse(text: str) -> Any:

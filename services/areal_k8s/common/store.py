@@ -216,7 +216,9 @@ class TrajectoryStore:
             keep_from = summary["min"]
         else:
             groups = await self.client.xinfo_groups(self.keys.stream)
-            keep_from = next(g["last-delivered-id"] for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()))
+            keep_from = next(
+                g["last-delivered-id"] for g in groups if g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode())
+            )
         await self.client.xtrim(self.keys.stream, minid=keep_from, approximate=False)
 
     # -- shared state --------------------------------------------------------------------------------------
@@ -252,5 +254,10 @@ class TrajectoryStore:
 
     async def delete_job(self) -> int:
         """Remove every key of the job (the operator's finalizer calls this)."""
-        keys = [key async for key in self.client.scan_iter(match=f"{self.keys.prefix}:*".replace("{", "\\{").replace("}", "\\}"))]
+        keys = [
+            key
+            async for key in self.client.scan_iter(
+                match=f"{self.keys.prefix}:*".replace("{", "\\{").replace("}", "\\}")
+            )
+        ]
         return await self.client.delete(*keys) if keys else 0

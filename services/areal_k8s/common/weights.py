@@ -58,7 +58,9 @@ def bucket_nbytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
 def unflatten_bucket(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
     """Views of a received flattened bucket as the announced tensors (no copy)."""
     if flat.dtype != torch.uint8 or flat.numel() != bucket_nbytes(dtypes, shapes):
-        raise ValueError(f"a bucket of {bucket_nbytes(dtypes, shapes)} bytes was announced, got {flat.numel()} {flat.dtype}")
+        raise ValueError(
+            f"a bucket of {bucket_nbytes(dtypes, shapes)} bytes was announced, got {flat.numel()} {flat.dtype}"
+        )
     sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
     return [piece.view(dtype).view(shape) for piece, dtype, shape in zip(flat.split(sizes), dtypes, shapes)]
 
@@ -69,7 +71,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: object) -> torch.dtype:
-    """"bfloat16" (or "torch.bfloat16") -> torch.bfloat16; only floating dtypes are weights."""
+    """ "bfloat16" (or "torch.bfloat16") -> torch.bfloat16; only floating dtypes are weights."""
     dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"unsupported dtype {name!r}")

@@ -16,11 +16,16 @@ log = logging.getLogger("areal.controller")
 
 def main() -> None:
     parser = base_parser("controller", default_port=50051)
-    parser.add_argument("--redis-url", default=os.environ.get("AREAL_REDIS_URL"), required=not os.environ.get("AREAL_REDIS_URL"))
+    parser.add_argument(
+        "--redis-url", default=os.environ.get("AREAL_REDIS_URL"), required=not os.environ.get("AREAL_REDIS_URL")
+    )
     parser.add_argument("--lease-seconds", type=float, default=60.0, help="a worker silent this long loses its groups")
-    parser.add_argument("--reward", default=os.environ.get("AREAL_REWARD_ADDRESS"),
-                        help="the reward service (host:port): nothing is admitted until it can load every verifier the "
-                        "job uses, and the job fails if it cannot; unset: no such check")
+    parser.add_argument(
+        "--reward",
+        default=os.environ.get("AREAL_REWARD_ADDRESS"),
+        help="the reward service (host:port): nothing is admitted until it can load every verifier the "
+        "job uses, and the job fails if it cannot; unset: no such check",
+    )
     args = parser.parse_args()
     setup_logging("controller", args.log_level)
     job = load_job(args.job)
@@ -38,8 +43,11 @@ def main() -> None:
             log.warning("no --reward: the job's verifiers are not checked before work is admitted")
         reward = reward_pb2_grpc.RewardStub(reward_channel) if reward_channel else None
         server, port, _servicer, background = await serve(
-            core, TrajectoryStore(client, job.name), f"{args.host}:{args.port}",
-            reward=reward, verifiers=job_verifiers(job, items, eval_items),
+            core,
+            TrajectoryStore(client, job.name),
+            f"{args.host}:{args.port}",
+            reward=reward,
+            verifiers=job_verifiers(job, items, eval_items),
         )
         log.info("controller listening on %s:%d (job %s, %d prompts)", args.host, port, job.name, len(items))
         await stop.wait()

@@ -199,21 +199,22 @@ class ControllerCore:
 
     def admission_state(self) -> dict[str, int]:
         algorithm = self.job.algorithm
-        return dict(
-            version=self.version,
-            running=self.running,
-            accepted=self.accepted - len(self.dropped_groups),  # dropped: out of the pipeline, admitted again
-            batch_size=algorithm.batch_size,
-            max_staleness=algorithm.max_staleness,
-            max_concurrent=algorithm.concurrency,
-            total_groups=self.total_groups,
-        )
+        return {
+            "version": self.version,
+            "running": self.running,
+            "accepted": self.accepted - len(self.dropped_groups),  # dropped: out of the pipeline, admitted again
+            "batch_size": algorithm.batch_size,
+            "max_staleness": algorithm.max_staleness,
+            "max_concurrent": algorithm.concurrency,
+            "total_groups": self.total_groups,
+        }
 
     def capacity(self) -> int:
         return admission_capacity(**self.admission_state())
 
-    def register(self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1,
-                 engine_dtype: str = "") -> list[str]:
+    def register(
+        self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1, engine_dtype: str = ""
+    ) -> list[str]:
         """Record a worker; returns the groups an earlier incarnation of it still holds, which the shell revokes.
 
         A worker the controller knows as live registers again only when it restarted (one the controller forgot
@@ -221,11 +222,23 @@ class ControllerCore:
         was generating is gone.
         """
         previous = self.workers.get(worker_id)
-        orphaned = [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id] if previous and previous.address else []
+        orphaned = (
+            [gid for gid, lease in self.leases.items() if lease.worker_id == worker_id]
+            if previous and previous.address
+            else []
+        )
         now = self.clock()
         self.next_incarnation += 1
-        self.workers[worker_id] = Worker(worker_id, address, engine_version, now, engine_ranks, registered_at=now,
-                                         incarnation=self.next_incarnation, engine_dtype=engine_dtype)
+        self.workers[worker_id] = Worker(
+            worker_id,
+            address,
+            engine_version,
+            now,
+            engine_ranks,
+            registered_at=now,
+            incarnation=self.next_incarnation,
+            engine_dtype=engine_dtype,
+        )
         return orphaned
 
     def unregister(self, worker_id: str, incarnation: int) -> list[str] | None:
@@ -241,8 +254,10 @@ class ControllerCore:
         the current one, or the call names none)."""
         worker = self.workers.get(worker_id)
         if incarnation and worker is not None and worker.incarnation and worker.incarnation != incarnation:
-            return (f"worker {worker_id!r} incarnation {incarnation} was superseded by incarnation {worker.incarnation}, "
-                    f"registered since: its leases went with it")
+            return (
+                f"worker {worker_id!r} incarnation {incarnation} was superseded by incarnation {worker.incarnation}, "
+                f"registered since: its leases went with it"
+            )
         return None
 
     def unheld_leases(self, worker_id: str, holding: set[str]) -> list[str]:
@@ -289,8 +304,9 @@ class ControllerCore:
         """Worker-seconds held by the staleness bound so far, the waits still going on included: a long wait shows
         as it passes, not all at once when it ends."""
         now = self.clock()
-        return self.held_by_staleness_seconds + sum(max(now - since, 0.0) for reason, since in self.holds.values()
-                                                    if reason == "staleness")
+        return self.held_by_staleness_seconds + sum(
+            max(now - since, 0.0) for reason, since in self.holds.values() if reason == "staleness"
+        )
 
     def acquire(self, worker_id: str, max_groups: int, engine_version: int) -> list[Admitted]:
         """Admit up to `max_groups` groups for `worker_id`, as far as the staleness bound allows (see `refusal`)."""
@@ -379,7 +395,10 @@ class ControllerCore:
         self.dead_items.add(lease.item_index)
         item = self.items[lease.item_index]
         self.unwritten_dead_letters.append(
-            DeadLetter(lease.group_id, item.id, lease.item_index, attempts, reason or "no reason given", lease.worker_id))
+            DeadLetter(
+                lease.group_id, item.id, lease.item_index, attempts, reason or "no reason given", lease.worker_id
+            )
+        )
         self.metrics.dead_lettered.inc()
         self.fail_if_every_item_is_dead(reason)
 
@@ -387,9 +406,11 @@ class ControllerCore:
         if len(self.dead_items) < len(self.items):
             return
         last = f"; the last failure: {last_reason}" if last_reason else ""
-        self.fail("AllItemsDeadLettered",
-                  f"every one of the {len(self.items)} dataset items failed {self.job.rollout.max_group_failures} times in "
-                  f"a row and was dead-lettered (the job's dead-letter stream has each one's reason){last}")
+        self.fail(
+            "AllItemsDeadLettered",
+            f"every one of the {len(self.items)} dataset items failed {self.job.rollout.max_group_failures} times in "
+            f"a row and was dead-lettered (the job's dead-letter stream has each one's reason){last}",
+        )
 
     def expired_leases(self) -> list[str]:
         """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
@@ -415,9 +436,22 @@ class ControllerCore:
             self.progress.last_step = min(self.progress.last_step, version)
             del self.progress.groups_by_step[version:]
 
-    def record_step(self, *, version: int, groups: int, samples: int, tokens: int, max_staleness: int,
-                    mean_staleness: float, reward_mean: float, eval_accuracy: float, base_evaluation: bool,
-                    finished: bool, staleness_counts: Sequence[int] = (), wait_seconds: float = 0.0) -> bool:
+    def record_step(
+        self,
+        *,
+        version: int,
+        groups: int,
+        samples: int,
+        tokens: int,
+        max_staleness: int,
+        mean_staleness: float,
+        reward_mean: float,
+        eval_accuracy: float,
+        base_evaluation: bool,
+        finished: bool,
+        staleness_counts: Sequence[int] = (),
+        wait_seconds: float = 0.0,
+    ) -> bool:
         """Record a step report; False for a report of a step already recorded (a retry whose first attempt was
         recorded before the answer was lost), which changes nothing."""
         p, now = self.progress, self.clock()
@@ -431,7 +465,7 @@ class ControllerCore:
             p.first_step_at = p.first_step_at or now
             p.last_step_at = now
             p.last_step = version
-            p.groups_by_step[version - 1:] = []
+            p.groups_by_step[version - 1 :] = []
             p.groups_by_step += [0] * (version - 1 - len(p.groups_by_step)) + [groups]
             p.steps_redone += version <= p.highest_step
             p.highest_step = max(p.highest_step, version)
@@ -520,8 +554,11 @@ class ControllerCore:
         """Continue from a snapshot. Lease holders get a fresh grace period to re-register and report back."""
         self.version = snapshot["version"]
         self.cursor = DataCursor(
-            len(self.items), seed=self.job.seed, shuffle=self.job.dataset.shuffle,
-            epoch=snapshot["epoch"], position=snapshot["position"],
+            len(self.items),
+            seed=self.job.seed,
+            shuffle=self.job.dataset.shuffle,
+            epoch=snapshot["epoch"],
+            position=snapshot["position"],
         )
         self.next_ticket = snapshot["next_ticket"]
         self.next_incarnation = snapshot.get("next_incarnation", 0)  # absent from snapshots of older controllers
@@ -540,4 +577,3 @@ class ControllerCore:
         now = self.clock()
         for lease in self.leases.values():
             self.workers.setdefault(lease.worker_id, Worker(lease.worker_id, "", -1, now))
-

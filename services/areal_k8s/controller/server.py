@@ -108,8 +108,15 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 self.core.unwritten_dead_letters[:0] = letters  # they go with the next snapshot
                 raise
         for letter in letters:
-            log.warning("prompt %s (item %d) dead-lettered after %d failed groups in a row; the last, %s on %s: %s",
-                        letter.prompt_id, letter.item_index, letter.attempts, letter.group_id, letter.worker_id, letter.reason)
+            log.warning(
+                "prompt %s (item %d) dead-lettered after %d failed groups in a row; the last, %s on %s: %s",
+                letter.prompt_id,
+                letter.item_index,
+                letter.attempts,
+                letter.group_id,
+                letter.worker_id,
+                letter.reason,
+            )
 
     async def check_verifiers(self, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]) -> None:
         """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
@@ -122,14 +129,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    self.core.fail("VerifierUnavailable", f"the reward service cannot load the job's verifiers: {exc.details()}")
+                    self.core.fail(
+                        "VerifierUnavailable", f"the reward service cannot load the job's verifiers: {exc.details()}"
+                    )
                     log.error("job failed: %s", self.core.failure.message)
                     break
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older reward service: it checks on each Score
                     log.warning("the reward service cannot check verifiers in advance; admitting without the check")
                     break
                 if attempt == 0:
-                    log.info("the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name)
+                    log.info(
+                        "the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name
+                    )
             await asyncio.sleep(CHECK_RETRY_SECONDS)
         self.core.waiting_for = None
         self.admission_may_have_opened()
@@ -164,13 +175,26 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(bool(request.worker_id), "worker_id is required")
         require(bool(request.address), "address (host:port of the worker's Rollout service) is required")
         require(request.engine_ranks >= 0, f"engine_ranks must be >= 0, got {request.engine_ranks}")
-        orphaned = self.core.register(request.worker_id, request.address, request.engine_version, max(request.engine_ranks, 1),
-                                      request.engine_dtype)
-        log.info("worker %s registered at %s (engine version %d, %d weight-group ranks)", request.worker_id,
-                 request.address, request.engine_version, max(request.engine_ranks, 1))
+        orphaned = self.core.register(
+            request.worker_id,
+            request.address,
+            request.engine_version,
+            max(request.engine_ranks, 1),
+            request.engine_dtype,
+        )
+        log.info(
+            "worker %s registered at %s (engine version %d, %d weight-group ranks)",
+            request.worker_id,
+            request.address,
+            request.engine_version,
+            max(request.engine_ranks, 1),
+        )
         await self.revoke(orphaned, "its worker restarted")
-        return controller_pb2.RegisterWorkerResponse(version=self.core.version, job=self.core.job.name,
-                                                     incarnation=self.core.workers[request.worker_id].incarnation)
+        return controller_pb2.RegisterWorkerResponse(
+            version=self.core.version,
+            job=self.core.job.name,
+            incarnation=self.core.workers[request.worker_id].incarnation,
+        )
 
     @rpc
     async def UnregisterWorker(self, request, context):
@@ -190,7 +214,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if why := self.core.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
-            await self.revoke(self.core.unheld_leases(request.worker_id, set(request.holding)), "its answer never reached the worker")
+            await self.revoke(
+                self.core.unheld_leases(request.worker_id, set(request.holding)), "its answer never reached the worker"
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
         max_groups = request.max_groups
@@ -233,7 +259,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             raise Aborted(why)
         for outcome in request.outcomes:
             require(bool(outcome.group_id), "every outcome needs a group_id")
-            require(outcome.result in _RESULTS, f"group {outcome.group_id}: result must be ACCEPTED, FILTERED, FAILED or REQUEUED")
+            require(
+                outcome.result in _RESULTS,
+                f"group {outcome.group_id}: result must be ACCEPTED, FILTERED, FAILED or REQUEUED",
+            )
         unknown = 0
         for outcome in request.outcomes:
             result = _RESULTS[outcome.result]
@@ -248,10 +277,17 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @rpc
     async def DropGroups(self, request, context):
         for group in request.groups:
-            require(bool(group.group_id) and bool(group.prompt_id), "every dropped group needs a group_id and a prompt_id")
+            require(
+                bool(group.group_id) and bool(group.prompt_id), "every dropped group needs a group_id and a prompt_id"
+            )
         dropped = [g for g in request.groups if self.core.drop(g.group_id, g.prompt_id)]
         for group in dropped:
-            log.warning("group %s dropped by the trainer (%s); prompt %s admitted again", group.group_id, group.reason, group.prompt_id)
+            log.warning(
+                "group %s dropped by the trainer (%s); prompt %s admitted again",
+                group.group_id,
+                group.reason,
+                group.prompt_id,
+            )
         if dropped:
             self.admission_may_have_opened()
             await self.persist()
@@ -318,7 +354,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
             return controller_pb2.ReportTrainStepResponse()
-        if request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
+        if (
+            request.finished
+        ):  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
             self.admission_may_have_opened()
         await self.persist()
         return controller_pb2.ReportTrainStepResponse()
@@ -349,8 +387,15 @@ def job_status(core: ControllerCore, stream: dict) -> controller_pb2.JobStatus:
     )
 
 
-async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, reap_interval: float = 2.0,
-                reward: reward_pb2_grpc.RewardStub | None = None, verifiers: list[str] | None = None):
+async def serve(
+    core: ControllerCore,
+    store: TrajectoryStore,
+    address: str,
+    *,
+    reap_interval: float = 2.0,
+    reward: reward_pb2_grpc.RewardStub | None = None,
+    verifiers: list[str] | None = None,
+):
     """Start the controller on `address`; with `reward`, check `verifiers` (default: the training items') with it
     before admitting anything. Returns (server, port, servicer, background task: the check and the reaper)."""
     servicer = ControllerServicer(core, store)
@@ -376,4 +421,3 @@ async def serve(core: ControllerCore, store: TrajectoryStore, address: str, *, r
         await asyncio.gather(reaper(), *checks)
 
     return server, port, servicer, asyncio.create_task(background())
-

@@ -67,12 +67,16 @@ def verifier_tests(tests: Any) -> list[dict[str, str]] | dict[str, list[str]]:
         return {"asserts": _asserts(tests)}
     if isinstance(tests, list) and tests and all(isinstance(t, dict) for t in tests):
         if any(t.get("testtype", "stdin") != "stdin" for t in tests):
-            raise CodeRecordError("only stdin/stdout cases are read from a list of cases (a functional test needs fn_name)")
+            raise CodeRecordError(
+                "only stdin/stdout cases are read from a list of cases (a functional test needs fn_name)"
+            )
         if not all({"input", "output"} <= t.keys() for t in tests):
             raise CodeRecordError('every case needs "input" and "output"')
         return [{"input": _text(t["input"]), "output": _text(t["output"])} for t in tests]
-    raise CodeRecordError('expected stdin/stdout cases ([{"input", "output"}] or {"inputs", "outputs"}), '
-                          '{"inputs", "outputs", "fn_name"}, or assert statements')
+    raise CodeRecordError(
+        'expected stdin/stdout cases ([{"input", "output"}] or {"inputs", "outputs"}), '
+        '{"inputs", "outputs", "fn_name"}, or assert statements'
+    )
 
 
 def _text(value: Any) -> str:

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.demo import task
@@ -115,7 +115,7 @@ def encode_pair(tokenizer: PreTrainedTokenizerFast, problem: task.Problem) -> tu
     """(prompt ids with <bos>, solution ids ending in <eos>)."""
     prompt = tokenizer(task.prompt_text(problem))["input_ids"]
     solution = tokenizer(task.solution_text(problem), add_special_tokens=False)["input_ids"]
-    return prompt, solution + [tokenizer.eos_token_id]
+    return prompt, [*solution, tokenizer.eos_token_id]
 
 
 def supervised_batch(
@@ -200,10 +200,15 @@ def greedy_accuracy(
         chunk = ordered[start : start + batch_size]
         prompts = [tokenizer(task.prompt_text(p))["input_ids"] for p in chunk]
         responses = generate_batch(
-            model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=[tokenizer.eos_token_id], max_batch_size=batch_size
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=[tokenizer.eos_token_id],
+            max_batch_size=batch_size,
         )
         correct += sum(
-            task.score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer) for r, p in zip(responses, chunk)
+            task.score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer)
+            for r, p in zip(responses, chunk)
         )
     return correct / len(problems)
 
@@ -225,8 +230,21 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
     if not isa_pinned():
         # the instruction set is chosen when torch loads: only a new process can be pinned
         params = [f"--param={key}={value}" for key, value in overrides.items()]
-        subprocess.run([sys.executable, "-m", "areal_k8s.demo.build", "--out", str(out_dir), "--seed", str(seed),
-                        "--quiet", *params], env={**os.environ, **PINNED_ISA}, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_k8s.demo.build",
+                "--out",
+                str(out_dir),
+                "--seed",
+                str(seed),
+                "--quiet",
+                *params,
+            ],
+            env={**os.environ, **PINNED_ISA},
+            check=True,
+        )
         return json.loads(manifest_path.read_text())
 
     started = time.perf_counter()
@@ -352,8 +370,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.demo.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--param", type=parse_param, action="append", default=[], metavar="KEY=VALUE",
-                        help="override a build parameter (e.g. sft_max_steps=40)")
+    parser.add_argument(
+        "--param",
+        type=parse_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a build parameter (e.g. sft_max_steps=40)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     args = parser.parse_args(argv)
     manifest = build_demo_assets(args.out, seed=args.seed, **dict(args.param))

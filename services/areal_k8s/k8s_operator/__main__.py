@@ -19,10 +19,17 @@ from areal_k8s.k8s_operator.kube import KubeApi
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The operator's flags (the Helm chart's operator Deployment passes them; tests/test_chart.py parses those)."""
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.k8s_operator", description="The RLJob operator.")
-    parser.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable); default: all")
-    parser.add_argument("--interval", type=float, default=10.0, help="seconds between level-triggered reconciles of each RLJob")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
-                        help="kopf's liveness endpoint, for the pod's probes ('' to disable)")
+    parser.add_argument(
+        "--namespace", action="append", default=[], help="watch only this namespace (repeatable); default: all"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=10.0, help="seconds between level-triggered reconciles of each RLJob"
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8080/healthz",
+        help="kopf's liveness endpoint, for the pod's probes ('' to disable)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -33,12 +40,14 @@ def main(argv: list[str] | None = None) -> None:
 
     registry = kopf.get_default_registry()  # it carries kopf's login handlers (service account, kubeconfig)
     register(registry, Context(kube=KubeApi.from_environment(), interval=args.interval))
-    asyncio.run(kopf.operator(
-        registry=registry,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace,
-        liveness_endpoint=args.liveness or None,
-    ))
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
 
 
 if __name__ == "__main__":

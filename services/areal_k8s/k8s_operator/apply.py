@@ -46,8 +46,10 @@ def is_subset(desired: object, live: object, *, quantities: bool = False) -> boo
             for key, value in desired.items()
         )
     if isinstance(desired, list):
-        return isinstance(live, list) and len(desired) == len(live) and all(
-            is_subset(d, v, quantities=quantities) for d, v in zip(desired, live)
+        return (
+            isinstance(live, list)
+            and len(desired) == len(live)
+            and all(is_subset(d, v, quantities=quantities) for d, v in zip(desired, live))
         )
     return desired == live or (quantities and _same_quantity(desired, live))
 
@@ -71,7 +73,9 @@ def paths_of(child: dict) -> tuple[str, str]:
     """(collection path, object path) of a child manifest."""
     api_version, plural = CHILD_KINDS[child["kind"]]
     meta = child["metadata"]
-    return object_path(api_version, plural, meta["namespace"]), object_path(api_version, plural, meta["namespace"], meta["name"])
+    return object_path(api_version, plural, meta["namespace"]), object_path(
+        api_version, plural, meta["namespace"], meta["name"]
+    )
 
 
 def apply(kube: KubeApi, desired: dict) -> dict:

@@ -25,8 +25,9 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
 }
 
 
-def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | None = None,
-                     trainer_replicas: int | None = None) -> list[dict]:
+def desired_children(
+    job: ValidJob, *, running: bool, rollout_replicas: int | None = None, trainer_replicas: int | None = None
+) -> list[dict]:
     """Every child of `job`; with `running` false (suspended or finished) the workloads have no pods.
     `rollout_replicas` and `trainer_replicas` (the staleness rebalancer's) replace roles.rollout/trainer.replicas."""
     return [
@@ -34,7 +35,9 @@ def desired_children(job: ValidJob, *, running: bool, rollout_replicas: int | No
         service(job, "controller", [("grpc", names.CONTROLLER_PORT)]),
         service(job, "reward", [("grpc", names.REWARD_PORT)]),
         # Headless: stable per-pod DNS names for the trainer ranks' rendezvous, resolvable before they are ready.
-        service(job, "trainer", [("grpc", names.TRAINER_PORT), ("rendezvous", names.TORCH_RENDEZVOUS_PORT)], headless=True),
+        service(
+            job, "trainer", [("grpc", names.TRAINER_PORT), ("rendezvous", names.TORCH_RENDEZVOUS_PORT)], headless=True
+        ),
         controller_deployment(job, running),
         reward_deployment(job, running),
         rollout_deployment(job, running, rollout_replicas),
@@ -52,7 +55,9 @@ class _ReadableDumper(yaml.SafeDumper):
 
 
 _ReadableDumper.add_representer(
-    str, lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+    str,
+    lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None),
+)
 
 
 def to_yaml(objects: list[dict]) -> str:
@@ -65,10 +70,16 @@ def to_yaml(objects: list[dict]) -> str:
 def metadata(job: ValidJob, name: str, role: str) -> dict:
     meta = {"name": name, "namespace": job.namespace, "labels": names.labels(job.name, role)}
     if job.uid:  # garbage collection deletes the children with the RLJob
-        meta["ownerReferences"] = [{
-            "apiVersion": names.API_VERSION, "kind": names.KIND, "name": job.name, "uid": job.uid,
-            "controller": True, "blockOwnerDeletion": True,
-        }]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": names.API_VERSION,
+                "kind": names.KIND,
+                "name": job.name,
+                "uid": job.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     return meta
 
 
@@ -82,13 +93,15 @@ def config_hash(job: ValidJob) -> str:
     settings are the operator's alone: no pod reads them. The trainer's rank count reaches its pods as WORLD_SIZE
     (the trainer rolls with it, the other roles need not)."""
     stable = job.config.model_dump(
-        mode="json", exclude={"rollout": {"workers", "engine_urls"}, "trainer": {"replicas"}, "rebalance": True})
+        mode="json", exclude={"rollout": {"workers", "engine_urls"}, "trainer": {"replicas"}, "rebalance": True}
+    )
     return hashlib.sha256(yaml.safe_dump(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def config_map(job: ValidJob) -> dict:
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": metadata(job, names.config_map_name(job.name), "config"),
         "data": {names.CONFIG_KEY: config_text(job)},
     }
@@ -101,7 +114,12 @@ def service(job: ValidJob, role: str, ports: list[tuple[str, int]], *, headless:
     }
     if headless:
         spec.update(clusterIP="None", publishNotReadyAddresses=True)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(job, names.child_name(job.name, role), role), "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(job, names.child_name(job.name, role), role),
+        "spec": spec,
+    }
 
 
 def address(job: ValidJob, role: str, port: int) -> str:
@@ -124,9 +142,17 @@ def process_env(threads: int) -> list[dict]:
     BLAS. HOME (and so every cache below it: Hugging Face, Triton, FlashInfer) is on the writable scratch volume, and
     USER is set because the pod's user may have no passwd entry in an image the spec names (getpass needs one or the
     other)."""
-    return plain_env({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                      "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HOME": names.HOME_DIR,
-                      "USER": "areal"})
+    return plain_env(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HOME": names.HOME_DIR,
+            "USER": "areal",
+        }
+    )
 
 
 def redis_env(job: ValidJob) -> dict:
@@ -173,9 +199,22 @@ def scratch_mounts(gpus: int) -> list[dict]:
     return mounts
 
 
-def container(name: str, image: str, module: str, args: list[str], *, block: dict, env: list[dict],
-              port: tuple[str, int], readiness: dict, mounts: list[dict], resource_block: dict, gpus: int = 0,
-              metrics: bool = True, startup: dict | None = None) -> dict:
+def container(
+    name: str,
+    image: str,
+    module: str,
+    args: list[str],
+    *,
+    block: dict,
+    env: list[dict],
+    port: tuple[str, int],
+    readiness: dict,
+    mounts: list[dict],
+    resource_block: dict,
+    gpus: int = 0,
+    metrics: bool = True,
+    startup: dict | None = None,
+) -> dict:
     """One service container. With `metrics` it serves Prometheus metrics on names.METRICS_PORT (the port named
     `metrics`, which the chart's PodMonitor scrapes)."""
     port_name, port_number = port
@@ -218,8 +257,18 @@ def engine_health_probe() -> dict:
     """GET the engine's /health from inside its container. The engine listens on 127.0.0.1 only: its API (weight
     updates, pausing generation) is for the rollout agent beside it, and an httpGet probe, which the kubelet sends
     to the pod IP, would never reach it."""
-    return {"exec": {"command": ["python", "-c", ENGINE_HEALTH_CHECK, f"{ENGINE_URL}/health", str(ENGINE_HEALTH_TIMEOUT_SECONDS - 5)]},
-            "timeoutSeconds": ENGINE_HEALTH_TIMEOUT_SECONDS}
+    return {
+        "exec": {
+            "command": [
+                "python",
+                "-c",
+                ENGINE_HEALTH_CHECK,
+                f"{ENGINE_URL}/health",
+                str(ENGINE_HEALTH_TIMEOUT_SECONDS - 5),
+            ]
+        },
+        "timeoutSeconds": ENGINE_HEALTH_TIMEOUT_SECONDS,
+    }
 
 
 def user_mounts(job: ValidJob) -> tuple[list[dict], list[dict]]:
@@ -227,11 +276,20 @@ def user_mounts(job: ValidJob) -> tuple[list[dict], list[dict]]:
     volumes, mounts = [], []
     for mount in job.spec.get("mounts", []):
         if "persistentVolumeClaim" in mount:
-            source = {"persistentVolumeClaim": {"claimName": mount["persistentVolumeClaim"]["claimName"],
-                                                "readOnly": mount["readOnly"]}}
+            source = {
+                "persistentVolumeClaim": {
+                    "claimName": mount["persistentVolumeClaim"]["claimName"],
+                    "readOnly": mount["readOnly"],
+                }
+            }
         else:
             image = mount["image"]
-            source = {"image": {"reference": image["reference"], **({"pullPolicy": image["pullPolicy"]} if "pullPolicy" in image else {})}}
+            source = {
+                "image": {
+                    "reference": image["reference"],
+                    **({"pullPolicy": image["pullPolicy"]} if "pullPolicy" in image else {}),
+                }
+            }
         volumes.append({"name": mount["name"], **source})
         volume_mount = {"name": mount["name"], "mountPath": mount["mountPath"], "readOnly": mount["readOnly"]}
         if "subPath" in mount:
@@ -241,8 +299,10 @@ def user_mounts(job: ValidJob) -> tuple[list[dict], list[dict]]:
 
 
 def config_volume(job: ValidJob) -> tuple[dict, dict]:
-    return ({"name": names.CONFIG_VOLUME, "configMap": {"name": names.config_map_name(job.name)}},
-            {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_DIR, "readOnly": True})
+    return (
+        {"name": names.CONFIG_VOLUME, "configMap": {"name": names.config_map_name(job.name)}},
+        {"name": names.CONFIG_VOLUME, "mountPath": names.CONFIG_DIR, "readOnly": True},
+    )
 
 
 def scratch_volumes(containers: list[dict]) -> list[dict]:
@@ -264,10 +324,15 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         # The services never call the Kubernetes API, and the reward pods run verifier code: no token.
         "automountServiceAccountToken": False,
     }
-    runtime_class = block.get("runtimeClassName") or (os.environ.get(names.REWARD_RUNTIME_CLASS_ENV) if role == "reward" else None)
+    runtime_class = block.get("runtimeClassName") or (
+        os.environ.get(names.REWARD_RUNTIME_CLASS_ENV) if role == "reward" else None
+    )
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
-    for profile in ("seccompProfile", "appArmorProfile"):  # reward's and rollout's: their sandboxes need user namespaces
+    for profile in (
+        "seccompProfile",
+        "appArmorProfile",
+    ):  # reward's and rollout's: their sandboxes need user namespaces
         if profile in block:
             spec["securityContext"][profile] = block[profile]
     if block.get("nodeSelector"):
@@ -275,7 +340,10 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
     if block.get("tolerations"):
         spec["tolerations"] = block["tolerations"]
     return {
-        "metadata": {"labels": names.labels(job.name, role), "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)}},
+        "metadata": {
+            "labels": names.labels(job.name, role),
+            "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
+        },
         "spec": spec,
     }
 
@@ -285,10 +353,19 @@ def image_of(job: ValidJob, role: str) -> str:
 
 
 def deployment(job: ValidJob, role: str, replicas: int, template: dict, *, recreate: bool = False) -> dict:
-    spec = {"replicas": replicas, "selector": {"matchLabels": names.selector_labels(job.name, role)}, "template": template}
+    spec = {
+        "replicas": replicas,
+        "selector": {"matchLabels": names.selector_labels(job.name, role)},
+        "template": template,
+    }
     if recreate:
         spec["strategy"] = {"type": "Recreate"}
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(job, names.child_name(job.name, role), role), "spec": spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(job, names.child_name(job.name, role), role),
+        "spec": spec,
+    }
 
 
 # -- workloads ---------------------------------------------------------------------------------------------
@@ -299,28 +376,59 @@ def controller_deployment(job: ValidJob, running: bool) -> dict:
     config_vol, config_mount = config_volume(job)
     volumes, mounts = user_mounts(job)  # the controller reads the training prompts
     main = container(
-        "controller", image_of(job, "controller"), "areal_k8s.controller",
+        "controller",
+        image_of(job, "controller"),
+        "areal_k8s.controller",
         # with the reward service it checks that every verifier of the job loads before it admits any work
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.CONTROLLER_PORT),
-         "--reward", address(job, "reward", names.REWARD_PORT)],
-        block=block, env=[*process_env(1), redis_env(job)], port=("grpc", names.CONTROLLER_PORT),
+        [
+            "--job",
+            names.JOB_FILE,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(names.CONTROLLER_PORT),
+            "--reward",
+            address(job, "reward", names.REWARD_PORT),
+        ],
+        block=block,
+        env=[*process_env(1), redis_env(job)],
+        port=("grpc", names.CONTROLLER_PORT),
         readiness=grpc_readiness(names.CONTROLLER_PORT, "areal.v1.Controller"),
-        mounts=[config_mount, *mounts], resource_block=block.get("resources", {}),
+        mounts=[config_mount, *mounts],
+        resource_block=block.get("resources", {}),
     )
     # Recreate: two controllers would both admit prompt groups against the same Redis state.
-    return deployment(job, "controller", int(running), pod_template(job, "controller", [main], [config_vol, *volumes]), recreate=True)
+    return deployment(
+        job, "controller", int(running), pod_template(job, "controller", [main], [config_vol, *volumes]), recreate=True
+    )
 
 
 def reward_deployment(job: ValidJob, running: bool) -> dict:
     block, reward = job.spec["roles"]["reward"], job.config.reward
     main = container(
-        "reward", image_of(job, "reward"), "areal_k8s.reward",
-        ["--host", "0.0.0.0", "--port", str(names.REWARD_PORT),
-         "--workers", str(reward.workers), "--timeout", str(reward.timeout_seconds), "--job-name", job.config.name,
-         *reward_verifier_args(reward)],
-        block=block, env=process_env(1), port=("grpc", names.REWARD_PORT),
+        "reward",
+        image_of(job, "reward"),
+        "areal_k8s.reward",
+        [
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(names.REWARD_PORT),
+            "--workers",
+            str(reward.workers),
+            "--timeout",
+            str(reward.timeout_seconds),
+            "--job-name",
+            job.config.name,
+            *reward_verifier_args(reward),
+        ],
+        block=block,
+        env=process_env(1),
+        port=("grpc", names.REWARD_PORT),
         readiness=grpc_readiness(names.REWARD_PORT, "areal.v1.Reward"),
-        mounts=[], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
+        mounts=[],
+        resource_block=block.get("resources", {}),
+        gpus=block["gpusPerPod"],
     )
     return deployment(job, "reward", block["replicas"] if running else 0, pod_template(job, "reward", [main], []))
 
@@ -331,12 +439,18 @@ def reward_network_policy(job: ValidJob) -> dict:
     away all egress (policies add up, so neither may admit more than it means to)."""
     own_pods = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job.name}
     return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
         "metadata": metadata(job, names.child_name(job.name, "reward"), "reward"),
         "spec": {
             "podSelector": {"matchLabels": names.selector_labels(job.name, "reward")},
             "policyTypes": ["Ingress"],
-            "ingress": [{"ports": [{"port": names.REWARD_PORT, "protocol": "TCP"}], "from": [{"podSelector": {"matchLabels": own_pods}}]}],
+            "ingress": [
+                {
+                    "ports": [{"port": names.REWARD_PORT, "protocol": "TCP"}],
+                    "from": [{"podSelector": {"matchLabels": own_pods}}],
+                }
+            ],
         },
     }
 
@@ -347,21 +461,53 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
     if rollout.engine == "cpu":
         image = engine_block.get("image") or image_of(job, "rollout")
         module = "areal_k8s.rollout.cpu_engine"
-        args = ["--model-path", config.model, "--host", "127.0.0.1",
-                "--port", str(names.ENGINE_PORT), "--max-batch-size", str(rollout.max_batch_size),
-                "--threads", str(rollout.threads), "--seed", str(config.seed)]
+        args = [
+            "--model-path",
+            config.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(names.ENGINE_PORT),
+            "--max-batch-size",
+            str(rollout.max_batch_size),
+            "--threads",
+            str(rollout.threads),
+            "--seed",
+            str(config.seed),
+        ]
     else:
         image = engine_block.get("image") or names.default_image("sglang")
         module = "sglang.launch_server"
-        args = ["--model-path", config.model, "--tokenizer-path", config.tokenizer_path,
-                "--host", "127.0.0.1", "--port", str(names.ENGINE_PORT), "--tp-size", str(gpus),
-                "--random-seed", str(config.seed)]
+        args = [
+            "--model-path",
+            config.model,
+            "--tokenizer-path",
+            config.tokenizer_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(names.ENGINE_PORT),
+            "--tp-size",
+            str(gpus),
+            "--random-seed",
+            str(config.seed),
+        ]
         if rollout.interrupt == "retract":  # retracted requests wait in the queue, where the cache cannot be flushed
             args.append("--disable-radix-cache")
     # The engine is not one of the services: its metrics, if any, are the engine's own business.
     return container(
-        "engine", image, module, args, block=block, env=process_env(rollout.threads), port=("http", names.ENGINE_PORT),
-        readiness=engine_health_probe(), mounts=mounts, resource_block=engine_block.get("resources", {}), gpus=gpus, metrics=False,
+        "engine",
+        image,
+        module,
+        args,
+        block=block,
+        env=process_env(rollout.threads),
+        port=("http", names.ENGINE_PORT),
+        readiness=engine_health_probe(),
+        mounts=mounts,
+        resource_block=engine_block.get("resources", {}),
+        gpus=gpus,
+        metrics=False,
         # readiness waits for the model to load; an engine that has not answered by then is restarted
         startup={**engine_health_probe(), "periodSeconds": 5, "failureThreshold": ENGINE_STARTUP_SECONDS // 5},
     )
@@ -372,17 +518,38 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
     config_vol, config_mount = config_volume(job)
     volumes, mounts = user_mounts(job)
     agent = container(
-        "rollout", image_of(job, "rollout"), "areal_k8s.rollout",
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.ROLLOUT_PORT), "--when-done", "wait",
-         "--engine-url", ENGINE_URL, "--controller", address(job, "controller", names.CONTROLLER_PORT),
-         "--reward", address(job, "reward", names.REWARD_PORT)],
+        "rollout",
+        image_of(job, "rollout"),
+        "areal_k8s.rollout",
+        [
+            "--job",
+            names.JOB_FILE,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(names.ROLLOUT_PORT),
+            "--when-done",
+            "wait",
+            "--engine-url",
+            ENGINE_URL,
+            "--controller",
+            address(job, "controller", names.CONTROLLER_PORT),
+            "--reward",
+            address(job, "reward", names.REWARD_PORT),
+        ],
         block=block,
-        env=[*process_env(1), redis_env(job), field_env("AREAL_WORKER_ID", "metadata.name"),
-             field_env("POD_IP", "status.podIP"),
-             # the trainer reaches each worker at its pod IP to drive weight updates
-             {"name": "AREAL_ADVERTISE_ADDRESS", "value": f"$(POD_IP):{names.ROLLOUT_PORT}"}],
-        port=("grpc", names.ROLLOUT_PORT), readiness=grpc_readiness(names.ROLLOUT_PORT, "areal.v1.Rollout"),
-        mounts=[config_mount, *mounts], resource_block=block.get("resources", {}),
+        env=[
+            *process_env(1),
+            redis_env(job),
+            field_env("AREAL_WORKER_ID", "metadata.name"),
+            field_env("POD_IP", "status.podIP"),
+            # the trainer reaches each worker at its pod IP to drive weight updates
+            {"name": "AREAL_ADVERTISE_ADDRESS", "value": f"$(POD_IP):{names.ROLLOUT_PORT}"},
+        ],
+        port=("grpc", names.ROLLOUT_PORT),
+        readiness=grpc_readiness(names.ROLLOUT_PORT, "areal.v1.Rollout"),
+        mounts=[config_mount, *mounts],
+        resource_block=block.get("resources", {}),
     )
     template = pod_template(job, "rollout", [agent, engine_container(job, block, mounts)], [config_vol, *volumes])
     return deployment(job, "rollout", (block["replicas"] if replicas is None else replicas) if running else 0, template)
@@ -399,36 +566,67 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
     volumes, mounts = user_mounts(job)
     checkpoint_mount = {"name": names.CHECKPOINT_VOLUME, "mountPath": checkpoint["mountPath"]}
     env = [
-        *process_env(job.config.trainer.threads), redis_env(job), field_env("POD_IP", "status.podIP"),
+        *process_env(job.config.trainer.threads),
+        redis_env(job),
+        field_env("POD_IP", "status.podIP"),
         # the rollout engines join the trainer's weight-update group at this address
         {"name": "AREAL_MASTER_ADDRESS", "value": "$(POD_IP)"},
         # torch.distributed rendezvous of the trainer ranks (torchrun's variables), through the headless Service
-        *plain_env({
-            "MASTER_ADDR": f"{name}-0.{name}",
-            "MASTER_PORT": str(names.TORCH_RENDEZVOUS_PORT),
-            "NNODES": str(pods),
-            "NPROC_PER_NODE": str(ranks_per_pod),
-            "WORLD_SIZE": str(world_size),  # pods × ranks_per_pod
-            "AREAL_TENSOR_PARALLEL_SIZE": str(parallel["tensor"]),
-            "AREAL_PIPELINE_PARALLEL_SIZE": str(parallel["pipeline"]),
-            "AREAL_DATA_PARALLEL_SIZE": str(world_size // (parallel["tensor"] * parallel["pipeline"])),
-        }),
+        *plain_env(
+            {
+                "MASTER_ADDR": f"{name}-0.{name}",
+                "MASTER_PORT": str(names.TORCH_RENDEZVOUS_PORT),
+                "NNODES": str(pods),
+                "NPROC_PER_NODE": str(ranks_per_pod),
+                "WORLD_SIZE": str(world_size),  # pods × ranks_per_pod
+                "AREAL_TENSOR_PARALLEL_SIZE": str(parallel["tensor"]),
+                "AREAL_PIPELINE_PARALLEL_SIZE": str(parallel["pipeline"]),
+                "AREAL_DATA_PARALLEL_SIZE": str(world_size // (parallel["tensor"] * parallel["pipeline"])),
+            }
+        ),
         field_env("NODE_RANK", f"metadata.labels['{names.POD_INDEX_LABEL}']"),
     ]
     main = container(
-        "trainer", image_of(job, "trainer"), "areal_k8s.trainer",
-        ["--job", names.JOB_FILE, "--host", "0.0.0.0", "--port", str(names.TRAINER_PORT), "--when-done", "wait",
-         "--controller", address(job, "controller", names.CONTROLLER_PORT)],
-        block=block, env=env, port=("grpc", names.TRAINER_PORT), readiness=grpc_readiness(names.TRAINER_PORT, "areal.v1.Trainer"),
-        mounts=[config_mount, checkpoint_mount, *mounts], resource_block=block.get("resources", {}), gpus=block["gpusPerPod"],
+        "trainer",
+        image_of(job, "trainer"),
+        "areal_k8s.trainer",
+        [
+            "--job",
+            names.JOB_FILE,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(names.TRAINER_PORT),
+            "--when-done",
+            "wait",
+            "--controller",
+            address(job, "controller", names.CONTROLLER_PORT),
+        ],
+        block=block,
+        env=env,
+        port=("grpc", names.TRAINER_PORT),
+        readiness=grpc_readiness(names.TRAINER_PORT, "areal.v1.Trainer"),
+        mounts=[config_mount, checkpoint_mount, *mounts],
+        resource_block=block.get("resources", {}),
+        gpus=block["gpusPerPod"],
     )
     if ranks_per_pod > 1:
         # one process per GPU, as the trainer requires: torchrun starts them (LOCAL_RANK, RANK) from the variables
         # above and hosts the world's rendezvous store on pod 0, which the ranks join (their world reads it)
-        main["command"] = ["torchrun", "--nnodes=$(NNODES)", "--nproc-per-node=$(NPROC_PER_NODE)", "--node-rank=$(NODE_RANK)",
-                           "--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)", "-m", "areal_k8s.trainer"]
+        main["command"] = [
+            "torchrun",
+            "--nnodes=$(NNODES)",
+            "--nproc-per-node=$(NPROC_PER_NODE)",
+            "--node-rank=$(NODE_RANK)",
+            "--master-addr=$(MASTER_ADDR)",
+            "--master-port=$(MASTER_PORT)",
+            "-m",
+            "areal_k8s.trainer",
+        ]
     if "claimName" in checkpoint:
-        volumes.append({"name": names.CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint["claimName"]}})
+        volumes.append(
+            {"name": names.CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": checkpoint["claimName"]}}
+        )
     spec: dict = {
         "replicas": pods if running else 0,
         "serviceName": name,

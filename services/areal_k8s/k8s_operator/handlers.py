@@ -14,7 +14,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import grpc
 import kopf
@@ -41,7 +41,8 @@ def read_job_status(address: str) -> controller_pb2.JobStatus:
     """Controller.GetJobStatus over gRPC; raises grpc.RpcError when the controller does not answer."""
     with grpc.insecure_channel(address) as channel:
         return controller_pb2_grpc.ControllerStub(channel).GetJobStatus(
-            controller_pb2.GetJobStatusRequest(), timeout=STATUS_TIMEOUT_SECONDS)
+            controller_pb2.GetJobStatusRequest(), timeout=STATUS_TIMEOUT_SECONDS
+        )
 
 
 def controller_service_address(namespace: str, name: str) -> str:
@@ -57,8 +58,11 @@ def hand_off_trainer(address: str) -> int:
     """Trainer.SaveCheckpoint with hand_off: a checkpoint at the next step boundary, after which the world trains no
     more; returns its version. Raises grpc.RpcError when the trainer does not answer or refuses."""
     with grpc.insecure_channel(address) as channel:
-        return trainer_pb2_grpc.TrainerStub(channel).SaveCheckpoint(
-            trainer_pb2.SaveCheckpointRequest(hand_off=True), timeout=HAND_OFF_TIMEOUT_SECONDS).version
+        return (
+            trainer_pb2_grpc.TrainerStub(channel)
+            .SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(hand_off=True), timeout=HAND_OFF_TIMEOUT_SECONDS)
+            .version
+        )
 
 
 def delete_redis_keys(redis_url: str, job_key: str) -> int:
@@ -82,7 +86,7 @@ class Context:
     delete_redis_keys: Callable[[str, str], int] = delete_redis_keys  # (url, job key) -> keys deleted
     trainer_address: Callable[[str, str], str] = trainer_service_address  # (namespace, name) -> rank 0's host:port
     hand_off_trainer: Callable[[str], int] = hand_off_trainer  # address -> the version it handed off at
-    clock: Callable[[], datetime] = field(default=lambda: datetime.now(timezone.utc))
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     interval: float = 10.0  # seconds between level-triggered reconciles
 
 
@@ -101,9 +105,13 @@ def observe_controller(ctx: Context, job: ValidJob, observed: lifecycle.Observed
 def autoscalers_targeting(ctx: Context, job: ValidJob) -> list[str]:
     """HorizontalPodAutoscalers (KEDA makes one per ScaledObject) whose target is this RLJob."""
     found = ctx.kube.list(object_path("autoscaling/v2", "horizontalpodautoscalers", job.namespace), "")
-    return [f"HorizontalPodAutoscaler {hpa['metadata']['name']}" for hpa in found
-            if (target := hpa.get("spec", {}).get("scaleTargetRef") or {}).get("kind") == names.KIND
-            and target.get("name") == job.name and target.get("apiVersion", "").split("/")[0] == names.GROUP]
+    return [
+        f"HorizontalPodAutoscaler {hpa['metadata']['name']}"
+        for hpa in found
+        if (target := hpa.get("spec", {}).get("scaleTargetRef") or {}).get("kind") == names.KIND
+        and target.get("name") == job.name
+        and target.get("apiVersion", "").split("/")[0] == names.GROUP
+    ]
 
 
 def reconcile(ctx: Context, rljob: dict) -> dict:
@@ -114,7 +122,9 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         job = validate(rljob)
     except InvalidSpec as exc:
         log.warning("RLJob %s/%s: invalid spec: %s", meta.get("namespace"), meta.get("name"), exc)
-        return lifecycle.invalid_status(generation=meta.get("generation"), previous=previous, problems=exc.problems, now=now)
+        return lifecycle.invalid_status(
+            generation=meta.get("generation"), previous=previous, problems=exc.problems, now=now
+        )
 
     observed = lifecycle.Observed()
     if not job.spec["suspend"] and not any(lifecycle.is_true(previous, t) for t in lifecycle.TERMINAL):
@@ -132,24 +142,37 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
     if rebalancing and rebalancing.trainer_moved and phase.running:
         # Before the StatefulSet changes: its rolling update would start stopping ranks at once.
         rebalancing = restart_note(rebalancing, hand_off(ctx, job), job.config.trainer.checkpoint_interval)
-    rollout_replicas, trainer_replicas = (rebalancing.rollout_replicas, rebalancing.trainer_replicas) if rebalancing else (None, None)
-    for child in desired_children(job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas):
+    rollout_replicas, trainer_replicas = (
+        (rebalancing.rollout_replicas, rebalancing.trainer_replicas) if rebalancing else (None, None)
+    )
+    for child in desired_children(
+        job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas
+    ):
         try:
             live = apply(ctx.kube, child)
         except ApiError as exc:
             if exc.retriable:
                 raise kopf.TemporaryError(str(exc), delay=ctx.interval) from None
-            observed.apply_errors.append(f"{child['kind']} {child['metadata']['name']}: HTTP {exc.status}: {exc.message}")
+            observed.apply_errors.append(
+                f"{child['kind']} {child['metadata']['name']}: HTTP {exc.status}: {exc.message}"
+            )
             continue
         if child["kind"] in ("Deployment", "StatefulSet"):
             observed.replicas[child["metadata"]["labels"][names.LABEL_COMPONENT]] = lifecycle.workload_replicas(live)
 
     if rebalancing and rebalancing.trainer_moved and phase.running:
         restart_trainer_world(ctx, job)
-    status = lifecycle.job_status(job_name=job.name, job_key=job.config.name, generation=job.generation,
-                                  previous=previous, phase=phase, observed=observed, now=now,
-                                  max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"],
-                                  rebalancing=rebalancing.condition if rebalancing else None)
+    status = lifecycle.job_status(
+        job_name=job.name,
+        job_key=job.config.name,
+        generation=job.generation,
+        previous=previous,
+        phase=phase,
+        observed=observed,
+        now=now,
+        max_dead_lettered=job.spec["failurePolicy"]["maxDeadLetteredItems"],
+        rebalancing=rebalancing.condition if rebalancing else None,
+    )
     if rebalancing:
         status.update(rebalancing.status)
     elif previous.get("rebalance"):
@@ -167,8 +190,12 @@ def hand_off(ctx: Context, job: ValidJob) -> int | str:
     try:
         return ctx.hand_off_trainer(address)
     except grpc.RpcError as exc:
-        log.warning("RLJob %s/%s: the trainer did not hand off (%s): restarting it from its latest periodic checkpoint",
-                    job.namespace, job.name, exc.code().name)
+        log.warning(
+            "RLJob %s/%s: the trainer did not hand off (%s): restarting it from its latest periodic checkpoint",
+            job.namespace,
+            job.name,
+            exc.code().name,
+        )
         return f"{exc.code().name}: {exc.details()}"
 
 
@@ -179,7 +206,9 @@ def restart_trainer_world(ctx: Context, job: ValidJob) -> None:
     selector = f"{names.job_selector(job.name)},{names.LABEL_COMPONENT}=trainer"
     for pod in ctx.kube.list(object_path("v1", "pods", job.namespace), selector):
         ctx.kube.delete(object_path("v1", "pods", job.namespace, pod["metadata"]["name"]))
-    log.info("RLJob %s/%s: the rebalancer moved the trainer; its pods are restarted at the new size", job.namespace, job.name)
+    log.info(
+        "RLJob %s/%s: the rebalancer moved the trainer; its pods are restarted at the new size", job.namespace, job.name
+    )
 
 
 def redis_url_of(ctx: Context, job: ValidJob) -> str:
@@ -190,8 +219,9 @@ def redis_url_of(ctx: Context, job: ValidJob) -> str:
     secret = ctx.kube.get(object_path("v1", "secrets", job.namespace, ref["name"]))
     encoded = ((secret or {}).get("data") or {}).get(ref["key"])
     if encoded is None:
-        raise kopf.TemporaryError(f"Secret {job.namespace}/{ref['name']} has no key {ref['key']!r} (redis.urlSecretRef)",
-                                  delay=ctx.interval)
+        raise kopf.TemporaryError(
+            f"Secret {job.namespace}/{ref['name']} has no key {ref['key']!r} (redis.urlSecretRef)", delay=ctx.interval
+        )
     return base64.b64decode(encoded).decode()
 
 
@@ -201,7 +231,12 @@ def finalize(ctx: Context, rljob: dict) -> None:
     try:
         job = validate(rljob)
     except InvalidSpec as exc:
-        log.warning("RLJob %s/%s: invalid spec, so no Redis URL: its keys stay (%s)", meta.get("namespace"), meta.get("name"), exc)
+        log.warning(
+            "RLJob %s/%s: invalid spec, so no Redis URL: its keys stay (%s)",
+            meta.get("namespace"),
+            meta.get("name"),
+            exc,
+        )
         return
     url = redis_url_of(ctx, job)
     try:

@@ -32,7 +32,9 @@ class ApiError(RuntimeError):
         return self.status in (409, 429) or self.status >= 500
 
 
-def object_path(api_version: str, plural: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+def object_path(
+    api_version: str, plural: str, namespace: str, name: str | None = None, subresource: str | None = None
+) -> str:
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = f"{prefix}/namespaces/{namespace}/{plural}"
     if name:
@@ -62,14 +64,26 @@ class KubeApi:
         """An unauthenticated client for an apiserver at `url` (a local test apiserver)."""
         return cls(client.ApiClient(client.Configuration(host=url.rstrip("/"))))
 
-    def request(self, method: str, path: str, *, body: dict | None = None, content_type: str = "application/json",
-                query: dict[str, str] | None = None) -> dict:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict | None = None,
+        content_type: str = "application/json",
+        query: dict[str, str] | None = None,
+    ) -> dict:
         method_, url, headers, serialized, _ = self.api_client.param_serialize(
-            method=method, resource_path=path, query_params=list((query or {}).items()),
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()),
             header_params={"Accept": "application/json", "Content-Type": content_type},
-            body=body, auth_settings=["BearerToken"],
+            body=body,
+            auth_settings=["BearerToken"],
         )
-        response = self.api_client.call_api(method_, url, header_params=headers, body=serialized, _request_timeout=TIMEOUT_SECONDS)
+        response = self.api_client.call_api(
+            method_, url, header_params=headers, body=serialized, _request_timeout=TIMEOUT_SECONDS
+        )
         data = response.read()
         text = data.decode() if isinstance(data, bytes) else data or ""
         if not 200 <= response.status < 300:

@@ -7,7 +7,7 @@ stay there. Conditions follow metav1.Condition; a condition keeps its lastTransi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.k8s_operator import names
@@ -52,11 +52,11 @@ class Observed:
 
 
 def rfc3339(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(text: str) -> datetime:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def condition_of(status: dict, kind: str) -> dict | None:
@@ -78,13 +78,18 @@ def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) 
     if report is not None and report.phase == controller_pb2.JobStatus.COMPLETED:
         return Phase(COMPLETE, "TrainingFinished", f"trained {report.version} of {report.total_steps} steps")
     if report is not None and report.phase == controller_pb2.JobStatus.FAILED:
-        return Phase(FAILED, report.failure_reason or "JobFailed", report.message or "the controller reports the job failed")
+        return Phase(
+            FAILED, report.failure_reason or "JobFailed", report.message or "the controller reports the job failed"
+        )
     limit = spec["failurePolicy"]["maxRestarts"]
     if observed.total_restarts > limit:
         by_role = ", ".join(f"{role} {count}" for role, count in sorted(observed.restarts.items()) if count)
-        return Phase(FAILED, "RestartLimitExceeded",
-                     f"containers restarted {observed.total_restarts} times ({by_role}), more than "
-                     f"failurePolicy.maxRestarts ({limit})")
+        return Phase(
+            FAILED,
+            "RestartLimitExceeded",
+            f"containers restarted {observed.total_restarts} times ({by_role}), more than "
+            f"failurePolicy.maxRestarts ({limit})",
+        )
     if spec["suspend"]:
         return Phase(SUSPENDED, "SuspendedByUser", "spec.suspend is true: every service is scaled to zero")
     deadline = spec.get("activeDeadlineSeconds")
@@ -96,8 +101,11 @@ def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) 
 
 def workload_replicas(live: dict) -> RoleReplicas:
     status = live.get("status") or {}
-    return RoleReplicas(desired=live.get("spec", {}).get("replicas", 0), current=status.get("replicas", 0),
-                        ready=status.get("readyReplicas", 0))
+    return RoleReplicas(
+        desired=live.get("spec", {}).get("replicas", 0),
+        current=status.get("replicas", 0),
+        ready=status.get("readyReplicas", 0),
+    )
 
 
 def count_restarts(pods: list[dict], job: str) -> dict[str, int]:
@@ -114,7 +122,9 @@ def count_restarts(pods: list[dict], job: str) -> dict[str, int]:
     return counts
 
 
-def merge_conditions(previous: dict, wanted: dict[str, tuple[bool, str, str]], generation: int | None, now: datetime) -> list[dict]:
+def merge_conditions(
+    previous: dict, wanted: dict[str, tuple[bool, str, str]], generation: int | None, now: datetime
+) -> list[dict]:
     """metav1.Conditions for `wanted` (type -> (status, reason, message)), keeping unchanged transition times."""
     out = []
     for kind in CONDITION_TYPES:
@@ -126,8 +136,13 @@ def merge_conditions(previous: dict, wanted: dict[str, tuple[bool, str, str]], g
         status = "True" if value else "False"
         before = condition_of(previous, kind)
         moved = before is None or before.get("status") != status
-        condition = {"type": kind, "status": status, "lastTransitionTime": rfc3339(now) if moved else before["lastTransitionTime"],
-                     "reason": reason, "message": message}
+        condition = {
+            "type": kind,
+            "status": status,
+            "lastTransitionTime": rfc3339(now) if moved else before["lastTransitionTime"],
+            "reason": reason,
+            "message": message,
+        }
         if generation is not None:
             condition["observedGeneration"] = generation
         out.append(condition)
@@ -157,7 +172,11 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
     else:
         ready = (True, "AllReplicasReady", "every service has its replicas ready")
         training = observed.controller is not None and observed.controller.phase == controller_pb2.JobStatus.RUNNING
-        progressing = (True, "Training", "policy version advancing") if training else (True, "Starting", "waiting for the job to start")
+        progressing = (
+            (True, "Training", "policy version advancing")
+            if training
+            else (True, "Starting", "waiting for the job to start")
+        )
     controller = observed.replicas.get("controller")
     controller_ready = controller is not None and 0 < controller.desired <= controller.ready
     if observed.apply_errors:
@@ -167,10 +186,13 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
     elif observed.autoscaler_conflict:
         degraded = (True, "AutoscalerConflict", observed.autoscaler_conflict)
     elif phase.running and observed.controller is not None and observed.controller.dead_lettered > max_dead_lettered:
-        degraded = (True, "ItemsDeadLettered",
-                    f"{observed.controller.dead_lettered} dataset items were dead-lettered (each failed "
-                    f"rollout.max_group_failures groups in a row), more than failurePolicy.maxDeadLetteredItems "
-                    f"({max_dead_lettered}); their reasons are in the job's dead-letter stream")
+        degraded = (
+            True,
+            "ItemsDeadLettered",
+            f"{observed.controller.dead_lettered} dataset items were dead-lettered (each failed "
+            f"rollout.max_group_failures groups in a row), more than failurePolicy.maxDeadLetteredItems "
+            f"({max_dead_lettered}); their reasons are in the job's dead-letter stream",
+        )
     else:
         degraded = (False, "AsExpected", "nothing wrong observed")
     return {
@@ -186,9 +208,18 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
 REBALANCER_OFF = (False, "Disabled", "spec.rebalance.enabled is false: roles.rollout.replicas sizes the rollout pool")
 
 
-def job_status(*, job_name: str, job_key: str, generation: int | None, previous: dict, phase: Phase,
-               observed: Observed, now: datetime, max_dead_lettered: int = 0,
-               rebalancing: tuple[bool, str, str] | None = None) -> dict:
+def job_status(
+    *,
+    job_name: str,
+    job_key: str,
+    generation: int | None,
+    previous: dict,
+    phase: Phase,
+    observed: Observed,
+    now: datetime,
+    max_dead_lettered: int = 0,
+    rebalancing: tuple[bool, str, str] | None = None,
+) -> dict:
     """The status patch for a valid RLJob. Fields the controller did not report this time keep their values.
     `rebalancing` is the Rebalancing condition while the rebalancer is enabled."""
     wanted = job_conditions(phase, observed, max_dead_lettered)
@@ -200,8 +231,15 @@ def job_status(*, job_name: str, job_key: str, generation: int | None, previous:
         "observedGeneration": generation,
         "jobName": job_key,
         "conditions": merge_conditions(previous, wanted, generation, now),
-        "replicas": {role: {"desired": r.desired, "current": r.current, "ready": r.ready,
-                            "restarts": observed.restarts.get(role, 0)} for role, r in observed.replicas.items()},
+        "replicas": {
+            role: {
+                "desired": r.desired,
+                "current": r.current,
+                "ready": r.ready,
+                "restarts": observed.restarts.get(role, 0),
+            }
+            for role, r in observed.replicas.items()
+        },
         "rolloutSelector": names.role_selector(job_name, "rollout"),
         "restarts": observed.total_restarts,
     }
@@ -210,12 +248,25 @@ def job_status(*, job_name: str, job_key: str, generation: int | None, previous:
         status.update(
             policyVersion=report.version,
             totalSteps=report.total_steps,
-            staleness={"mean": round(report.mean_staleness, 4), "max": report.max_staleness_seen, "last": report.last_max_staleness},
-            throughput={"samplesPerSecond": round(report.samples_per_second, 4), "tokensPerSecond": round(report.tokens_per_second, 2)},
+            staleness={
+                "mean": round(report.mean_staleness, 4),
+                "max": report.max_staleness_seen,
+                "last": report.last_max_staleness,
+            },
+            throughput={
+                "samplesPerSecond": round(report.samples_per_second, 4),
+                "tokensPerSecond": round(report.tokens_per_second, 2),
+            },
             deadLetteredItems=report.dead_lettered,
-            groups={"admitted": report.admitted, "running": report.running, "accepted": report.accepted,
-                    "filtered": report.filtered, "failed": report.failed, "requeued": report.requeued,
-                    "dropped": report.dropped},
+            groups={
+                "admitted": report.admitted,
+                "running": report.running,
+                "accepted": report.accepted,
+                "filtered": report.filtered,
+                "failed": report.failed,
+                "requeued": report.requeued,
+                "dropped": report.dropped,
+            },
         )
     if phase.running:
         status["startTime"] = previous.get("startTime") or rfc3339(now)
@@ -229,8 +280,11 @@ def job_status(*, job_name: str, job_key: str, generation: int | None, previous:
 def invalid_status(*, generation: int | None, previous: dict, problems: list[str], now: datetime) -> dict:
     """A spec the operator cannot run: say why; the children and the other conditions stay as they are."""
     message = "; ".join(problems)
-    wanted = {"Ready": (False, "InvalidSpec", message), "Progressing": (False, "InvalidSpec", message),
-              "Degraded": (True, "InvalidSpec", message)}
+    wanted = {
+        "Ready": (False, "InvalidSpec", message),
+        "Progressing": (False, "InvalidSpec", message),
+        "Degraded": (True, "InvalidSpec", message),
+    }
     return {"observedGeneration": generation, "conditions": merge_conditions(previous, wanted, generation, now)}
 
 

@@ -67,19 +67,33 @@ def trainer_pods(spec: dict, data_parallel: int) -> int:
 
 # -- the state in status.rebalance, and back ---------------------------------------------------------------------
 
+
 def _totals_to_status(t: Totals) -> dict:
-    return {"at": t.at, "trainedSamples": t.trained_samples, "trainedTokens": t.trained_tokens, "stalenessSum": t.staleness_sum,
-            "stalenessCounts": list(t.staleness_counts), "trainerWaitSeconds": t.trainer_wait_seconds,
-            "heldByStalenessSeconds": t.held_by_staleness_seconds, "acceptedGroups": t.accepted_groups,
-            "workers": t.workers}
+    return {
+        "at": t.at,
+        "trainedSamples": t.trained_samples,
+        "trainedTokens": t.trained_tokens,
+        "stalenessSum": t.staleness_sum,
+        "stalenessCounts": list(t.staleness_counts),
+        "trainerWaitSeconds": t.trainer_wait_seconds,
+        "heldByStalenessSeconds": t.held_by_staleness_seconds,
+        "acceptedGroups": t.accepted_groups,
+        "workers": t.workers,
+    }
 
 
 def _totals_from_status(d: dict) -> Totals:
-    return Totals(at=d["at"], trained_samples=d["trainedSamples"], trained_tokens=d.get("trainedTokens", 0),
-                  staleness_sum=d["stalenessSum"],
-                  staleness_counts=tuple(d.get("stalenessCounts") or ()), trainer_wait_seconds=d["trainerWaitSeconds"],
-                  held_by_staleness_seconds=d["heldByStalenessSeconds"], accepted_groups=d["acceptedGroups"],
-                  workers=d["workers"])
+    return Totals(
+        at=d["at"],
+        trained_samples=d["trainedSamples"],
+        trained_tokens=d.get("trainedTokens", 0),
+        staleness_sum=d["stalenessSum"],
+        staleness_counts=tuple(d.get("stalenessCounts") or ()),
+        trainer_wait_seconds=d["trainerWaitSeconds"],
+        held_by_staleness_seconds=d["heldByStalenessSeconds"],
+        accepted_groups=d["acceptedGroups"],
+        workers=d["workers"],
+    )
 
 
 def state_from_status(block: dict | None, start: Split) -> State:
@@ -89,16 +103,29 @@ def state_from_status(block: dict | None, start: Split) -> State:
         split=Split(block["rollout"], block["trainer"]),
         window_start=_totals_from_status(block["windowStart"]) if block.get("windowStart") else None,
         last_change_at=block.get("lastChangeAt"),
-        memory=tuple(Verdict(Split(v["rollout"], v["trainer"]), v["side"], v["meanStaleness"], v.get("tokensPerSample", 0.0),
-                             v.get("latencyBound", False), v.get("trainedPerSecond", 0.0))
-                     for v in block.get("memory") or []),
+        memory=tuple(
+            Verdict(
+                Split(v["rollout"], v["trainer"]),
+                v["side"],
+                v["meanStaleness"],
+                v.get("tokensPerSample", 0.0),
+                v.get("latencyBound", False),
+                v.get("trainedPerSecond", 0.0),
+            )
+            for v in block.get("memory") or []
+        ),
     )
 
 
 def _window_to_status(w: Window) -> dict:
-    return {"seconds": round(w.seconds, 3), "samples": w.samples, "meanStaleness": round(w.mean_staleness, 4),
-            "withinBand": round(w.within_band, 4), "trainerIdle": round(w.trainer_idle, 4),
-            "rolloutHeld": round(w.rollout_held, 4)}
+    return {
+        "seconds": round(w.seconds, 3),
+        "samples": w.samples,
+        "meanStaleness": round(w.mean_staleness, 4),
+        "withinBand": round(w.within_band, 4),
+        "trainerIdle": round(w.trainer_idle, 4),
+        "rolloutHeld": round(w.rollout_held, 4),
+    }
 
 
 def state_to_status(state: State) -> dict:
@@ -107,10 +134,18 @@ def state_to_status(state: State) -> dict:
         "trainer": state.split.trainer,
         "windowStart": _totals_to_status(state.window_start) if state.window_start else None,
         "lastChangeAt": state.last_change_at,
-        "memory": [{"rollout": v.split.rollout, "trainer": v.split.trainer, "side": v.side,
-                    "meanStaleness": round(v.mean_staleness, 4), "tokensPerSample": round(v.tokens_per_sample, 2),
-                    "latencyBound": v.latency_bound, "trainedPerSecond": round(v.trained_per_second, 4)}
-                   for v in state.memory],
+        "memory": [
+            {
+                "rollout": v.split.rollout,
+                "trainer": v.split.trainer,
+                "side": v.side,
+                "meanStaleness": round(v.mean_staleness, 4),
+                "tokensPerSample": round(v.tokens_per_sample, 2),
+                "latencyBound": v.latency_bound,
+                "trainedPerSecond": round(v.trained_per_second, 4),
+            }
+            for v in state.memory
+        ],
     }
 
 
@@ -127,8 +162,14 @@ def within_limits(split: Split, limits: Limits) -> Split:
     return Split(max(rollout, limits.min_rollout), trainer)
 
 
-def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | None, autoscalers: list[str],
-              running: bool, now: str) -> Outcome:
+def rebalance(
+    job: ValidJob,
+    previous: dict,
+    report: controller_pb2.JobStatus | None,
+    autoscalers: list[str],
+    running: bool,
+    now: str,
+) -> Outcome:
     """One reconcile's worth of rebalancing for an RLJob with spec.rebalance.enabled. `now` is RFC 3339."""
     spec = job.spec
     limits, settings = limits_of(spec), settings_for(job.config)
@@ -144,8 +185,10 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
         status.update(lastRebalanceTime=now, lastRebalanceReason=message)
         held = {**held, "decision": {"code": "BoundsChanged", "message": message, "time": now}}
     if autoscalers:
-        message = (f"{', '.join(autoscalers)} scales this RLJob while spec.rebalance.enabled is true: delete it or "
-                   f"disable the rebalancer; the split stays at {state.split}")
+        message = (
+            f"{', '.join(autoscalers)} scales this RLJob while spec.rebalance.enabled is true: delete it or "
+            f"disable the rebalancer; the split stays at {state.split}"
+        )
         condition = (False, "AutoscalerConflict", message)
     elif not running or report is None or report.phase != controller_pb2.JobStatus.RUNNING:
         condition = (True, "WaitingForTraining", f"holding {state.split} until the job trains")
@@ -158,24 +201,38 @@ def rebalance(job: ValidJob, previous: dict, report: controller_pb2.JobStatus | 
             if decision.split is not None:
                 status.update(lastRebalanceTime=now, lastRebalanceReason=decision.message)
         last = held.get("decision")
-        condition = (True, last["code"], last["message"]) if last else (True, "CollectingData", "measuring the first window")
+        condition = (
+            (True, last["code"], last["message"]) if last else (True, "CollectingData", "measuring the first window")
+        )
     status["rebalance"] = {**held, **state_to_status(state)}
-    return Outcome(rollout_replicas=state.split.rollout, trainer_replicas=trainer_pods(spec, state.split.trainer),
-                   status=status, condition=condition, trainer_moved=state.split.trainer != was)
+    return Outcome(
+        rollout_replicas=state.split.rollout,
+        trainer_replicas=trainer_pods(spec, state.split.trainer),
+        status=status,
+        condition=condition,
+        trainer_moved=state.split.trainer != was,
+    )
 
 
 def restart_note(outcome: Outcome, handed: int | str, checkpoint_interval: int) -> Outcome:
     """`outcome` of a trainer move, its message saying how the world restarts: from the checkpoint the trainer handed
     off at (`handed`, a version), or, when it did not (`handed`, why not), from its latest periodic one."""
-    note = (f"; the trainer world restarts at {outcome.trainer_replicas} pods from the checkpoint it handed off at "
-            f"version {handed}" if isinstance(handed, int) else
-            f"; the trainer world restarts at {outcome.trainer_replicas} pods from its latest periodic checkpoint (every "
-            f"{checkpoint_interval} steps; the hand-off failed: {handed}): the steps trained since are trained again")
+    note = (
+        f"; the trainer world restarts at {outcome.trainer_replicas} pods from the checkpoint it handed off at "
+        f"version {handed}"
+        if isinstance(handed, int)
+        else f"; the trainer world restarts at {outcome.trainer_replicas} pods from its latest periodic checkpoint "
+        f"(every "
+        f"{checkpoint_interval} steps; the hand-off failed: {handed}): the steps trained since are trained again"
+    )
     status = dict(outcome.status)
     if "lastRebalanceReason" in status:
         status["lastRebalanceReason"] += note
     block = status["rebalance"]
     if block.get("decision"):
-        status["rebalance"] = {**block, "decision": {**block["decision"], "message": block["decision"]["message"] + note}}
+        status["rebalance"] = {
+            **block,
+            "decision": {**block["decision"], "message": block["decision"]["message"] + note},
+        }
     held, reason, message = outcome.condition
     return replace(outcome, status=status, condition=(held, reason, message + note))

@@ -61,7 +61,11 @@ def apply_defaults(schema: dict, value: object) -> object:
 def strict_json_schema(schema: dict) -> dict:
     """The OpenAPI v3.0 schema as JSON Schema draft 4, rejecting unknown fields (what `kubectl --validate=strict`
     does; the apiserver itself would prune them)."""
-    out = {k: strict_json_schema(v) if isinstance(v, dict) else v for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    out = {
+        k: strict_json_schema(v) if isinstance(v, dict) else v
+        for k, v in schema.items()
+        if not k.startswith("x-kubernetes-")
+    }
     if "properties" in schema:
         out["properties"] = {k: strict_json_schema(v) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
@@ -90,8 +94,11 @@ def schema_problems(rljob: dict) -> list[str]:
 def path_problems(spec: dict) -> list[str]:
     """Paths the services resolve against their working directory would point nowhere useful in a pod."""
     optional_paths = {"tokenizer": spec.get("tokenizer"), "dataset.eval": spec["dataset"].get("eval")}
-    return [f"spec.{field}: must be an absolute path inside the pods (got {path!r})"
-            for field, path in optional_paths.items() if path is not None and not path.startswith("/")]
+    return [
+        f"spec.{field}: must be an absolute path inside the pods (got {path!r})"
+        for field, path in optional_paths.items()
+        if path is not None and not path.startswith("/")
+    ]
 
 
 def compose_job_config(rljob: dict) -> JobConfig:
@@ -105,17 +112,36 @@ def compose_job_config(rljob: dict) -> JobConfig:
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
         **{section: spec[section] for section in ("dataset", "reward", "sampling")},
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
-        "trainer": {**spec["trainer"], "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1),
-                    "parallelism": {size: trainer["parallelism"][size] for size in ("tensor", "pipeline")}},
-        "rebalance": {**spec["rebalance"], "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
-                      **({"max_workers": spec["roles"]["rollout"]["maxReplicas"]} if "maxReplicas" in spec["roles"]["rollout"] else {}),
-                      # the trainer's bounds in ranks, as its replicas
-                      **{f"{side}_trainer_replicas": trainer[f"{side}Replicas"] * max(trainer["gpusPerPod"], 1)
-                         for side in ("min", "max") if f"{side}Replicas" in trainer}},
-        "algorithm": {**spec["algorithm"], "max_staleness": spec["staleness"]["eta"],
-                      **({"staleness_target": spec["staleness"]["targetBand"]} if "targetBand" in spec["staleness"] else {})},
-        "rollout": {**spec["rollout"], "workers": workers,
-                    "engine_urls": [ENGINE_URL] * workers if spec["rollout"]["engine"] == "sglang" else []},
+        "trainer": {
+            **spec["trainer"],
+            "replicas": trainer["replicas"] * max(trainer["gpusPerPod"], 1),
+            "parallelism": {size: trainer["parallelism"][size] for size in ("tensor", "pipeline")},
+        },
+        "rebalance": {
+            **spec["rebalance"],
+            "min_workers": spec["roles"]["rollout"].get("minReplicas", 1),
+            **(
+                {"max_workers": spec["roles"]["rollout"]["maxReplicas"]}
+                if "maxReplicas" in spec["roles"]["rollout"]
+                else {}
+            ),
+            # the trainer's bounds in ranks, as its replicas
+            **{
+                f"{side}_trainer_replicas": trainer[f"{side}Replicas"] * max(trainer["gpusPerPod"], 1)
+                for side in ("min", "max")
+                if f"{side}Replicas" in trainer
+            },
+        },
+        "algorithm": {
+            **spec["algorithm"],
+            "max_staleness": spec["staleness"]["eta"],
+            **({"staleness_target": spec["staleness"]["targetBand"]} if "targetBand" in spec["staleness"] else {}),
+        },
+        "rollout": {
+            **spec["rollout"],
+            "workers": workers,
+            "engine_urls": [ENGINE_URL] * workers if spec["rollout"]["engine"] == "sglang" else [],
+        },
         "redis": {"url": spec["redis"].get("url")},  # a URL from a Secret reaches the pods as AREAL_REDIS_URL only
     }
     return parse_job(data, source="spec")
@@ -137,5 +163,11 @@ def validate(rljob: dict) -> ValidJob:
     except JobFileError as exc:
         raise InvalidSpec([str(exc)]) from None
     meta = rljob["metadata"]
-    return ValidJob(name=meta["name"], namespace=meta["namespace"], uid=meta.get("uid"),
-                    generation=meta.get("generation"), spec=rljob["spec"], config=config)
+    return ValidJob(
+        name=meta["name"],
+        namespace=meta["namespace"],
+        uid=meta.get("uid"),
+        generation=meta.get("generation"),
+        spec=rljob["spec"],
+        config=config,
+    )

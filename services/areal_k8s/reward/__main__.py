@@ -24,11 +24,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(env("AREAL_PORT", 50053)), help="0 picks a free port")
     parser.add_argument("--workers", type=int, default=2, help="verifier worker processes")
     parser.add_argument("--timeout", type=float, default=15.0, help="default per-item scoring timeout, seconds")
-    parser.add_argument("--job-name", default=env("AREAL_JOB_NAME", ""), help="the job this service scores for (a metrics label)")
-    parser.add_argument("--allow-verifier", action="append", default=[], metavar="MODULE:FUNCTION",
-                        help="a custom verifier the job declares (repeatable); no other custom verifier runs")
-    parser.add_argument("--code-config", type=code_config, default=CodeRewardConfig(), metavar="JSON",
-                        help="the job's reward.code section: the code verifier's scoring and sandbox limits")
+    parser.add_argument(
+        "--job-name", default=env("AREAL_JOB_NAME", ""), help="the job this service scores for (a metrics label)"
+    )
+    parser.add_argument(
+        "--allow-verifier",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="a custom verifier the job declares (repeatable); no other custom verifier runs",
+    )
+    parser.add_argument(
+        "--code-config",
+        type=code_config,
+        default=CodeRewardConfig(),
+        metavar="JSON",
+        help="the job's reward.code section: the code verifier's scoring and sandbox limits",
+    )
     add_metrics_port(parser)
     parser.add_argument("--log-level", default=env("AREAL_LOG_LEVEL", "INFO"))
     return parser.parse_args()
@@ -48,8 +60,14 @@ def main() -> None:
     async def run(stop: asyncio.Event) -> None:
         metrics = RewardMetrics(args.job_name)
         metrics.serve(args.host, args.metrics_port)
-        service = await serve(f"{args.host}:{args.port}", workers=args.workers, timeout=args.timeout, metrics=metrics,
-                              allowed_verifiers=args.allow_verifier, code_settings=settings_from_config(args.code_config))
+        service = await serve(
+            f"{args.host}:{args.port}",
+            workers=args.workers,
+            timeout=args.timeout,
+            metrics=metrics,
+            allowed_verifiers=args.allow_verifier,
+            code_settings=settings_from_config(args.code_config),
+        )
         log.info("reward service listening on %s:%d", args.host, service.port)
         await stop.wait()
         log.info("reward service stopping")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import Literal, NamedTuple
 
@@ -45,7 +45,7 @@ class Verdict(NamedTuple):
 
 @dataclass(frozen=True)
 class CodeSettings:
-    limits: SandboxLimits = SandboxLimits()
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
     scoring: Scoring = "fraction"
 
 
@@ -111,8 +111,10 @@ def parse_tests(reference: str) -> list[StdioCase] | dict[str, list[str]]:
         if not all(isinstance(test, str) for test in data["asserts"]):
             raise ValueError("reference asserts must be strings of Python code")
         return {"asserts": data["asserts"]}
-    raise ValueError('the code verifier\'s reference must be a non-empty list of {"input", "output"} cases, '
-                     '{"inputs": [...], "outputs": [...]} or {"asserts": [...]}')
+    raise ValueError(
+        'the code verifier\'s reference must be a non-empty list of {"input", "output"} cases, '
+        '{"inputs": [...], "outputs": [...]} or {"asserts": [...]}'
+    )
 
 
 def extract_program(response: str) -> str:
@@ -129,7 +131,9 @@ def normalised_lines(text: str) -> list[str]:
     return lines
 
 
-def run_stdio_cases(sandbox: Sandbox, program: str, cases: list[StdioCase], *, stop_at_first_failure: bool) -> tuple[int, str]:
+def run_stdio_cases(
+    sandbox: Sandbox, program: str, cases: list[StdioCase], *, stop_at_first_failure: bool
+) -> tuple[int, str]:
     passed, first_failure = 0, ""
     for index, case in enumerate(cases):
         result = sandbox.run_program(program, case.input.encode())
@@ -139,7 +143,8 @@ def run_stdio_cases(sandbox: Sandbox, program: str, cases: list[StdioCase], *, s
             if got == normalised_lines(case.output):
                 passed += 1
                 continue
-            failure = f"wrong output: expected {shorten(case.output)}, got {shorten(result.stdout.decode('utf-8', 'replace'))}"
+            got = shorten(result.stdout.decode("utf-8", "replace"))
+            failure = f"wrong output: expected {shorten(case.output)}, got {got}"
         first_failure = first_failure or f"test {index}: {failure}"
         if stop_at_first_failure or was_killed(result):
             break

@@ -13,6 +13,7 @@ replacing a killed worker is cheap; each starts with the service's code-verifier
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import multiprocessing
@@ -62,8 +63,13 @@ Attempt = tuple[Status, float, str]  # (status, reward, message)
 
 
 class ScoringPool:
-    def __init__(self, max_workers: int = 2, default_timeout: float = 15.0, metrics: RewardMetrics | None = None,
-                 code_settings: CodeSettings | None = None):
+    def __init__(
+        self,
+        max_workers: int = 2,
+        default_timeout: float = 15.0,
+        metrics: RewardMetrics | None = None,
+        code_settings: CodeSettings | None = None,
+    ):
         if max_workers < 1 or not default_timeout > 0:
             raise ValueError(f"need max_workers >= 1 and default_timeout > 0, got {max_workers}, {default_timeout}")
         self.max_workers = max_workers
@@ -104,7 +110,11 @@ class ScoringPool:
                 try:
                     scored = await self._run(score_chunk_in_worker, chunk, timeout)
                 except Exception as exc:  # timeout, a dead worker, a broken pool: the alone path tells them apart
-                    log.info("a chunk of %d items failed as a whole (%s); scoring them one by one", len(chunk), type(exc).__name__)
+                    log.info(
+                        "a chunk of %d items failed as a whole (%s); scoring them one by one",
+                        len(chunk),
+                        type(exc).__name__,
+                    )
                 else:
                     return [self._record(item, *result) for item, result in zip(chunk, scored)]
         return list(await asyncio.gather(*(self._score_item(item, timeout) for item in chunk)))
@@ -157,8 +167,12 @@ class ScoringPool:
         context = multiprocessing.get_context("forkserver")
         # Process-wide setting, read when the forkserver starts: its children inherit math-verify already imported.
         context.set_forkserver_preload([verifiers.__name__])
-        return ProcessPool(max_workers=self.max_workers, context=context,
-                           initializer=code_verifier.configure, initargs=(self.code_settings,))
+        return ProcessPool(
+            max_workers=self.max_workers,
+            context=context,
+            initializer=code_verifier.configure,
+            initargs=(self.code_settings,),
+        )
 
 
 def split(items: list[ScoringItem], parts: int) -> list[list[ScoringItem]]:
@@ -166,7 +180,7 @@ def split(items: list[ScoringItem], parts: int) -> list[list[ScoringItem]]:
     parts = max(1, min(parts, len(items)))
     size, extra = divmod(len(items), parts)
     bounds = [i * size + min(i, extra) for i in range(parts + 1)]
-    return [items[first:last] for first, last in zip(bounds, bounds[1:])]
+    return [items[first:last] for first, last in itertools.pairwise(bounds)]
 
 
 def score_chunk_in_worker(items: list[ScoringItem]) -> list[tuple[Status, float, str, float]]:

@@ -13,9 +13,9 @@ from grpc_health.v1 import health
 from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.grpcutil import InvalidArgument, require, rpc, start_server
 from areal_k8s.common.metrics import RewardMetrics
+from areal_k8s.common.sandbox import SandboxError
 from areal_k8s.reward.code_verifier import CodeSettings, sandbox_for
 from areal_k8s.reward.pool import ScoreOutcome, ScoringItem, ScoringPool
-from areal_k8s.common.sandbox import SandboxError
 from areal_k8s.reward.verifiers import BUILTIN_VERIFIERS, UnknownVerifier, check_allowed, resolve
 
 _STATUSES = {
@@ -42,10 +42,14 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         return reward_pb2.ListVerifiersResponse(verifiers=sorted({*BUILTIN_VERIFIERS, *self.allowed_verifiers}))
 
     @rpc
-    async def CheckVerifiers(self, request: reward_pb2.CheckVerifiersRequest, context) -> reward_pb2.CheckVerifiersResponse:
+    async def CheckVerifiers(
+        self, request: reward_pb2.CheckVerifiersRequest, context
+    ) -> reward_pb2.CheckVerifiersResponse:
         require(len(request.verifiers) > 0, "verifiers must not be empty")
         # an import, or the sandbox's trial run, may take a while
-        problems = await asyncio.to_thread(verifier_problems, request.verifiers, self.allowed_verifiers, self.pool.code_settings)
+        problems = await asyncio.to_thread(
+            verifier_problems, request.verifiers, self.allowed_verifiers, self.pool.code_settings
+        )
         require(not problems, "; ".join(problems))
         for name in request.verifiers:  # their failure rates start at 0 rather than missing
             self.pool.metrics.declare_verifier(name)
@@ -134,8 +138,15 @@ class RewardService:
         await self.pool.close()
 
 
-async def serve(address: str, *, workers: int = 2, timeout: float = 15.0, metrics: RewardMetrics | None = None,
-                allowed_verifiers: Collection[str] = (), code_settings: CodeSettings | None = None) -> RewardService:
+async def serve(
+    address: str,
+    *,
+    workers: int = 2,
+    timeout: float = 15.0,
+    metrics: RewardMetrics | None = None,
+    allowed_verifiers: Collection[str] = (),
+    code_settings: CodeSettings | None = None,
+) -> RewardService:
     """Start the reward service on `address` ("host:port", port 0 picks one) with `workers` scoring processes,
     running the built-in verifiers and the custom ones in `allowed_verifiers` (the job's)."""
     pool = ScoringPool(max_workers=workers, default_timeout=timeout, metrics=metrics, code_settings=code_settings)

@@ -128,6 +128,4 @@ def check_custom_verifier(name: str, function: object) -> None:
     try:
         inspect.signature(function).bind("prompt", "response", "reference", {})
     except TypeError as exc:
-        raise UnknownVerifier(
-            f"verifier {name!r} must accept (prompt, response, reference, metadata): {exc}"
-        ) from exc
+        raise UnknownVerifier(f"verifier {name!r} must accept (prompt, response, reference, metadata): {exc}") from exc

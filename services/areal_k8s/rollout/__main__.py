@@ -7,11 +7,19 @@ import socket
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel, start_server
-from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import RolloutMetrics
-from areal_k8s.common.service import add_when_done, base_parser, exit_invalid, load_job, run_service, setup_logging, wait_if_asked
-from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
+from areal_k8s.common.service import (
+    add_when_done,
+    base_parser,
+    exit_invalid,
+    load_job,
+    run_service,
+    setup_logging,
+    wait_if_asked,
+)
 from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
+from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import WorkflowError, load_workflow
@@ -24,12 +32,16 @@ def main() -> None:
     parser = base_parser("rollout", default_port=50052)
     add_when_done(parser)
     parser.add_argument("--worker-id", default=env("AREAL_WORKER_ID", socket.gethostname()))
-    parser.add_argument("--advertise", default=env("AREAL_ADVERTISE_ADDRESS"), help="host:port the trainer reaches this worker at")
+    parser.add_argument(
+        "--advertise", default=env("AREAL_ADVERTISE_ADDRESS"), help="host:port the trainer reaches this worker at"
+    )
     parser.add_argument("--engine-url", default=env("AREAL_ENGINE_URL", "http://127.0.0.1:30000"))
     parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
     parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
     parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
-    parser.add_argument("--engine-timeout", type=float, default=600.0, help="seconds to wait for the engine to become healthy")
+    parser.add_argument(
+        "--engine-timeout", type=float, default=600.0, help="seconds to wait for the engine to become healthy"
+    )
     args = parser.parse_args()
     setup_logging(f"rollout[{args.worker_id}]", args.log_level)
     job = load_job(args.job)
@@ -64,7 +76,8 @@ def main() -> None:
         except UnfitEngine as exc:
             exit_invalid(f"engine {args.engine_url}: {exc}")
         server, port, _health = await start_server(
-            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")], f"{args.host}:{args.port}"
+            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")],
+            f"{args.host}:{args.port}",
         )
         worker.address = args.advertise or f"{args.host}:{port}"
         log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)

@@ -42,8 +42,9 @@ async def generate_interruptible(engine, prompt_ids: list[int], sampling: dict, 
     return await generate_each(engine, [prompt_ids] * len(rids), sampling, rids)
 
 
-async def generate_each(engine, prompts: list[list[int]], sampling: dict, rids: list[str], *,
-                        seed: int | None = None) -> list[Sample]:
+async def generate_each(
+    engine, prompts: list[list[int]], sampling: dict, rids: list[str], *, seed: int | None = None
+) -> list[Sample]:
     """Generate one response per (prompt, rid), in one batched request; after every abort, the aborted ones are
     resubmitted together from their generated prefixes. With a `seed`, every request carries its `request_seed`.
 
@@ -59,9 +60,12 @@ async def generate_each(engine, prompts: list[list[int]], sampling: dict, rids: 
         if seed is not None:
             for request, request_id in zip(params, request_ids):
                 request["sampling_seed"] = request_seed(seed, request_id)
-        results = await engine.generate([prompt_of[rid] + samples[rid].output_ids for rid in pending], params,
-                                        rid=request_ids)
-        pending = [rid for rid, result in zip(pending, results, strict=True) if not record_answer(samples[rid], result, budget)]
+        results = await engine.generate(
+            [prompt_of[rid] + samples[rid].output_ids for rid in pending], params, rid=request_ids
+        )
+        pending = [
+            rid for rid, result in zip(pending, results, strict=True) if not record_answer(samples[rid], result, budget)
+        ]
         attempt += 1
     return [samples[rid] for rid in rids]
 

@@ -22,20 +22,28 @@ def validate_group(group: common_pb2.PromptGroup) -> None:
     require(bool(group.prompt), "group.prompt must not be empty")
     require(bool(group.verifier), "group.verifier is required")
     require(group.n_samples >= 1, f"group.n_samples must be >= 1, got {group.n_samples}")
-    require(group.sampling.max_new_tokens >= 1, f"group.sampling.max_new_tokens must be >= 1, got {group.sampling.max_new_tokens}")
-    require(group.sampling.temperature >= 0, f"group.sampling.temperature must be >= 0, got {group.sampling.temperature}")
+    require(
+        group.sampling.max_new_tokens >= 1,
+        f"group.sampling.max_new_tokens must be >= 1, got {group.sampling.max_new_tokens}",
+    )
+    require(
+        group.sampling.temperature >= 0, f"group.sampling.temperature must be >= 0, got {group.sampling.temperature}"
+    )
     require(0 <= group.sampling.top_p <= 1, f"group.sampling.top_p must be in [0, 1], got {group.sampling.top_p}")
 
 
 def engine_errors(method):
-    """The engine's answer, as a status: it refused the request (FAILED_PRECONDITION) or is unreachable (UNAVAILABLE)."""
+    """The engine's answer, as a status: it refused the request (FAILED_PRECONDITION) or is unreachable
+    (UNAVAILABLE)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
         except EngineError as exc:
-            raise (Unavailable if exc.status is None or exc.status >= 500 else FailedPrecondition)(f"engine: {exc}") from None
+            raise (Unavailable if exc.status is None or exc.status >= 500 else FailedPrecondition)(
+                f"engine: {exc}"
+            ) from None
 
     return wrapper
 
@@ -61,7 +69,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     async def InitWeightUpdateGroup(self, request, context):
         require(bool(request.master_address), "master_address is required")
         require(0 < request.master_port < 65536, f"master_port must be a TCP port, got {request.master_port}")
-        require(0 < request.rank_offset < request.world_size, f"rank_offset {request.rank_offset} must be in [1, world_size={request.world_size})")
+        require(
+            0 < request.rank_offset < request.world_size,
+            f"rank_offset {request.rank_offset} must be in [1, world_size={request.world_size})",
+        )
         require(request.backend in ("gloo", "nccl"), f"backend must be gloo or nccl, got {request.backend!r}")
         require(bool(request.group_name), "group_name is required")
         await self.engine.init_weights_update_group(
@@ -88,9 +99,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         require(len(request.names) > 0, "names must not be empty")
         require(
             len(request.names) == len(request.dtypes) == len(request.shapes),
-            f"names, dtypes and shapes must have equal lengths, got {len(request.names)}, {len(request.dtypes)}, {len(request.shapes)}",
+            f"names, dtypes and shapes must have equal lengths, got {len(request.names)}, {len(request.dtypes)}, "
+            f"{len(request.shapes)}",
         )
-        require(request.load_format in ("", "flattened_bucket"), f"load_format must be '' or 'flattened_bucket', got {request.load_format!r}")
+        require(
+            request.load_format in ("", "flattened_bucket"),
+            f"load_format must be '' or 'flattened_bucket', got {request.load_format!r}",
+        )
         new_version = request.weight_version if request.HasField("weight_version") else None
         require(new_version is None or new_version >= 0, f"weight_version must be >= 0, got {new_version}")
         await self.engine.update_weights_from_distributed(
@@ -135,7 +150,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @engine_errors
     async def GetWeightsChecksum(self, request, context):
         if not isinstance(self.engine, CpuEngineClient):
-            raise FailedPrecondition("weight checksums need the CPU engine (SGLang has no route that returns its weights by Hugging Face name)")
+            raise FailedPrecondition(
+                "weight checksums need the CPU engine (SGLang has no route that returns its weights by Hugging Face "
+                "name)"
+            )
         checksum = await self.engine.weights_checksum(list(request.names) or None)
         return rollout_pb2.WeightsChecksum(
             per_tensor=checksum["per_tensor"], combined=checksum["combined"], version=self.worker.engine_version

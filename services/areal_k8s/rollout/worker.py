@@ -1,6 +1,6 @@
 """The rollout worker: pull admitted prompt groups, run the job's workflow on each (generation, tools, scoring:
-services/areal_k8s/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight pushes,
-every token keeping its policy version (generation.py).
+services/areal_k8s/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight
+pushes, every token keeping its policy version (generation.py).
 """
 
 from __future__ import annotations
@@ -127,11 +127,19 @@ class RolloutWorker:
             max_new_tokens=group.sampling.max_new_tokens,
             stop_token_ids=self.stop_ids,
         )
-        ctx = EpisodeContext(group=group, job=self.job, tokenizer=self.tokenizer, sampling=sampling,
-                             engine_generate=self.generate_samples, reward=self.reward)
+        ctx = EpisodeContext(
+            group=group,
+            job=self.job,
+            tokenizer=self.tokenizer,
+            sampling=sampling,
+            engine_generate=self.generate_samples,
+            reward=self.reward,
+        )
         episodes = await self.workflow.arun_episode(ctx)
         if len(episodes) != group.n_samples:
-            raise ValueError(f"workflow {self.job.rollout.workflow} returned {len(episodes)} episodes for {group.n_samples} samples")
+            raise ValueError(
+                f"workflow {self.job.rollout.workflow} returned {len(episodes)} episodes for {group.n_samples} samples"
+            )
         for episode in episodes:
             episode.check()
         oldest = oldest_token_version(episodes)
@@ -154,11 +162,12 @@ class RolloutWorker:
                 reward_status=episode.reward_status,
                 finish_reason=episode.finish_reason,
                 interruptions=episode.interruptions,
-                response_text=ctx.decode(episode.token_ids[episode.prompt_length:]),
+                response_text=ctx.decode(episode.token_ids[episode.prompt_length :]),
                 admitted_version=group.admitted_version,
                 ticket=group.ticket,
                 timings=common_pb2.Timings(
-                    generation_started_at=ctx.started_at, generation_finished_at=ctx.generated_at,
+                    generation_started_at=ctx.started_at,
+                    generation_finished_at=ctx.generated_at,
                     reward_finished_at=ctx.rewarded_at,
                 ),
             )
@@ -221,7 +230,10 @@ class RolloutWorker:
     async def register(self) -> None:
         reply = await self.controller.RegisterWorker(
             controller_pb2.RegisterWorkerRequest(
-                worker_id=self.worker_id, address=self.address, engine_version=self.engine_version, engine_ranks=self.engine_ranks,
+                worker_id=self.worker_id,
+                address=self.address,
+                engine_version=self.engine_version,
+                engine_ranks=self.engine_ranks,
                 engine_dtype=self.engine_dtype,
             )
         )
@@ -272,7 +284,9 @@ class RolloutWorker:
                 if reply.groups or (free > 0 and self.engine_version >= reply.version):
                     continue  # took work (there may be more), or the controller already held the call for us
                 # Every slot busy, or the engine still behind the controller's version (a weight push under way).
-                await asyncio.wait({stopping, *self.in_flight}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {stopping, *self.in_flight}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
+                )
         finally:
             stopping.cancel()
             await self.abandon_in_flight()
@@ -297,11 +311,16 @@ class RolloutWorker:
         push leaves it out instead of failing on it until its heartbeat times out."""
         try:
             await self.controller.UnregisterWorker(
-                controller_pb2.UnregisterWorkerRequest(worker_id=self.worker_id, incarnation=self.incarnation, reason=why),
-                timeout=5)
+                controller_pb2.UnregisterWorkerRequest(
+                    worker_id=self.worker_id, incarnation=self.incarnation, reason=why
+                ),
+                timeout=5,
+            )
         except grpc.aio.AioRpcError as exc:
-            log.warning("could not unregister (%s); the controller forgets this worker when its heartbeat times out",
-                        exc.code().name)
+            log.warning(
+                "could not unregister (%s); the controller forgets this worker when its heartbeat times out",
+                exc.code().name,
+            )
 
     async def abandon_in_flight(self, why: str = "worker stopped") -> None:
         """Hand unfinished groups back at once (on shutdown, or when the engine went away) rather than waiting for
@@ -318,7 +337,9 @@ class RolloutWorker:
         ]
         try:
             await self.controller.CompleteGroups(
-                controller_pb2.CompleteGroupsRequest(worker_id=self.worker_id, outcomes=outcomes, incarnation=self.incarnation),
+                controller_pb2.CompleteGroupsRequest(
+                    worker_id=self.worker_id, outcomes=outcomes, incarnation=self.incarnation
+                ),
                 timeout=5,
             )
         except grpc.aio.AioRpcError as exc:

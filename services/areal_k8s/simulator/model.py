@@ -83,7 +83,9 @@ class Result:
             "trainer_idle": round(self.trainer_wait_seconds / self.seconds, 4),
             "rollout_idle": round(1 - self.generating_seconds / self.engine_seconds, 4) if self.engine_seconds else 0.0,
             "gpu_busy": round(self.busy_gpu_seconds / self.gpu_seconds, 4) if self.gpu_seconds else 0.0,
-            "mean_staleness": round(sum(s * n for s, n in enumerate(self.staleness_counts)) / trained, 3) if trained else 0.0,
+            "mean_staleness": round(sum(s * n for s, n in enumerate(self.staleness_counts)) / trained, 3)
+            if trained
+            else 0.0,
             "staleness_counts": self.staleness_counts,
             "windows": len(windows),
             "windows_within_band": round(inside / len(windows), 4) if windows else None,
@@ -96,14 +98,28 @@ class Simulation:
     def __init__(self, scenario: Scenario):
         self.s = scenario
         shape = scenario.job
-        algorithm = {"batch_size": shape.batch_size, "group_size": shape.group_size,
-                     "max_staleness": shape.max_staleness, "total_steps": shape.total_steps}
+        algorithm = {
+            "batch_size": shape.batch_size,
+            "group_size": shape.group_size,
+            "max_staleness": shape.max_staleness,
+            "total_steps": shape.total_steps,
+        }
         if shape.staleness_target is not None:
             algorithm["staleness_target"] = shape.staleness_target.model_dump()
-        self.job = parse_job({"name": "sim", "model": "-", "dataset": {"train": "-", "shuffle": False},
-                              "algorithm": algorithm, "rebalance": scenario.rebalance.model_dump(),
-                              "rollout": {"workers": max(scenario.split.rollout, scenario.rebalance.min_workers),
-                                          "groups_per_worker": shape.groups_per_engine}}, source="scenario")
+        self.job = parse_job(
+            {
+                "name": "sim",
+                "model": "-",
+                "dataset": {"train": "-", "shuffle": False},
+                "algorithm": algorithm,
+                "rebalance": scenario.rebalance.model_dump(),
+                "rollout": {
+                    "workers": max(scenario.split.rollout, scenario.rebalance.min_workers),
+                    "groups_per_worker": shape.groups_per_engine,
+                },
+            },
+            source="scenario",
+        )
         self.now = 0.0
         items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
         self.core = ControllerCore(self.job, items, lease_seconds=math.inf, clock=lambda: self.now)
@@ -129,10 +145,18 @@ class Simulation:
         self.reported_wait = 0.0
         self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
         r = scenario.resources
-        self.limits = Limits(rollout_unit=r.rollout_unit_gpus, trainer_unit=r.trainer_unit_gpus, min_rollout=r.min_rollout,
-                             max_rollout=r.max_rollout, min_trainer=r.min_trainer, max_trainer=r.max_trainer,
-                             budget=r.budget_gpus)
-        self.policy = State(Split(scenario.split.rollout, scenario.split.trainer)) if scenario.rebalance.enabled else None
+        self.limits = Limits(
+            rollout_unit=r.rollout_unit_gpus,
+            trainer_unit=r.trainer_unit_gpus,
+            min_rollout=r.min_rollout,
+            max_rollout=r.max_rollout,
+            min_trainer=r.min_trainer,
+            max_trainer=r.max_trainer,
+            budget=r.budget_gpus,
+        )
+        self.policy = (
+            State(Split(scenario.split.rollout, scenario.split.trainer)) if scenario.rebalance.enabled else None
+        )
         self.settings = settings_for(self.job) if scenario.rebalance.enabled else None
 
     # -- the event loop ------------------------------------------------------------------------------------
@@ -150,9 +174,22 @@ class Simulation:
             self.account(when)
             self.now = when
             action()
-        return Result(self.s.name, self.now, self.core.version, self.samples, self.tokens, self.wait_seconds,
-                      self.staleness_counts, self.gpu_seconds, self.busy_gpu_seconds, self.decisions, self.splits,
-                      self.settings.band if self.settings else None, self.engine_seconds, self.generating_seconds)
+        return Result(
+            self.s.name,
+            self.now,
+            self.core.version,
+            self.samples,
+            self.tokens,
+            self.wait_seconds,
+            self.staleness_counts,
+            self.gpu_seconds,
+            self.busy_gpu_seconds,
+            self.decisions,
+            self.splits,
+            self.settings.band if self.settings else None,
+            self.engine_seconds,
+            self.generating_seconds,
+        )
 
     def account(self, until: float) -> None:
         """GPUs held and GPUs busy between the last event and `until`."""
@@ -237,8 +274,11 @@ class Simulation:
         if self.s.cores is None:
             return 1.0
         engines = len(self.generating | ({starting.name} if starting else set()))
-        busy = (engines * self.s.engine.threads + (self.s.trainer.threads if self.training else 0)
-                + self.s.background_threads)
+        busy = (
+            engines * self.s.engine.threads
+            + (self.s.trainer.threads if self.training else 0)
+            + self.s.background_threads
+        )
         return max(1.0, busy / self.s.cores)
 
     def retraction_seconds(self, engine: Engine) -> float:
@@ -255,9 +295,11 @@ class Simulation:
         c, n = self.s.engine, len(engine.finishing)
         k = min(c.max_steps_per_event, engine.finishing[0][0] - engine.steps)
         context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
-        seconds = (k * (c.step_base_seconds + c.step_per_sequence_seconds * n)
-                   + c.step_per_context_token_seconds * (k * context + n * k * (k - 1) / 2)
-                   + c.prefill_per_token_seconds * engine.fresh_prefill) * self.contention(engine)
+        seconds = (
+            k * (c.step_base_seconds + c.step_per_sequence_seconds * n)
+            + c.step_per_context_token_seconds * (k * context + n * k * (k - 1) / 2)
+            + c.prefill_per_token_seconds * engine.fresh_prefill
+        ) * self.contention(engine)
         engine.fresh_prefill = 0
         engine.busy_until, engine.event_steps = self.now + seconds, k
         self.schedule_steps_end(engine)
@@ -284,8 +326,10 @@ class Simulation:
         _, tokens, min_version = engine.groups.pop(group_id)
         if self.s.workload.completion_seconds > 0:
             engine.completing += 1
-            self.at(self.now + self.s.workload.completion_seconds,
-                    lambda: self.group_completed(engine, group_id, tokens, min_version))
+            self.at(
+                self.now + self.s.workload.completion_seconds,
+                lambda: self.group_completed(engine, group_id, tokens, min_version),
+            )
         else:
             self.group_completed(engine, group_id, tokens, min_version)
 
@@ -296,8 +340,12 @@ class Simulation:
         lease = self.core.leases[group_id]
         self.core.complete(group_id, "accepted")
         size = self.s.job.group_size
-        entries = tuple(StreamEntry(f"{group_id}-{i}", group_id, min_version, engine.version, lease.admitted_version,
-                                    lease.ticket, None) for i in range(size))
+        entries = tuple(
+            StreamEntry(
+                f"{group_id}-{i}", group_id, min_version, engine.version, lease.admitted_version, lease.ticket, None
+            )
+            for i in range(size)
+        )
         self.stream.append(Group(group_id, lease.admitted_version, lease.ticket, entries))
         self.tokens_of[group_id] = tokens
         self.try_train()
@@ -309,8 +357,13 @@ class Simulation:
             return
         held = {g.group_id for g in self.stream}
         running = [lease.admitted_version for gid, lease in self.core.leases.items() if gid not in held]
-        batch = select_batch(self.stream, running, version=self.core.version, batch_size=self.s.job.batch_size,
-                             max_staleness=self.s.job.max_staleness)
+        batch = select_batch(
+            self.stream,
+            running,
+            version=self.core.version,
+            batch_size=self.s.job.batch_size,
+            max_staleness=self.s.job.max_staleness,
+        )
         if batch is None:
             if self.waiting_since is None:
                 self.waiting_since = self.now
@@ -322,8 +375,12 @@ class Simulation:
         self.stream = [g for g in self.stream if g.group_id not in taken]
         tokens = sum(self.tokens_of.pop(g.group_id) for g in batch)
         self.training = True
-        seconds = (tokens * self.s.trainer.gpu_seconds_per_token / (self.trainer_units * self.limits.trainer_unit)
-                   * self.contention())
+        seconds = (
+            tokens
+            * self.s.trainer.gpu_seconds_per_token
+            / (self.trainer_units * self.limits.trainer_unit)
+            * self.contention()
+        )
         self.at(self.now + seconds, lambda: self.trained(batch, tokens))
 
     def trained(self, batch: list[Group], tokens: int) -> None:
@@ -344,12 +401,20 @@ class Simulation:
 
     def pushed(self, version: int, groups: int, staleness: list[int], tokens: int) -> None:
         wait, self.reported_wait = self.wait_seconds - self.reported_wait, self.wait_seconds
-        self.core.record_step(version=version, groups=groups, samples=len(staleness), tokens=tokens,
-                              max_staleness=max(staleness), mean_staleness=sum(staleness) / len(staleness),
-                              reward_mean=0.0, eval_accuracy=-1.0, base_evaluation=False,
-                              finished=version >= self.s.job.total_steps,
-                              staleness_counts=[staleness.count(s) for s in range(max(staleness) + 1)],
-                              wait_seconds=wait)
+        self.core.record_step(
+            version=version,
+            groups=groups,
+            samples=len(staleness),
+            tokens=tokens,
+            max_staleness=max(staleness),
+            mean_staleness=sum(staleness) / len(staleness),
+            reward_mean=0.0,
+            eval_accuracy=-1.0,
+            base_evaluation=False,
+            finished=version >= self.s.job.total_steps,
+            staleness_counts=[staleness.count(s) for s in range(max(staleness) + 1)],
+            wait_seconds=wait,
+        )
         self.core.announce_version(version, restored=False)
         for engine in self.engines:
             if engine.ready:

@@ -32,9 +32,11 @@ def plan(scenario: Scenario) -> list[tuple[Split, Result]]:
     """Each static split's simulated run, fastest first (the rebalancer off)."""
     runs = []
     for split in static_splits(scenario):
-        fixed = scenario.model_copy(update={
-            "split": scenario.split.model_copy(update={"rollout": split.rollout, "trainer": split.trainer}),
-            "rebalance": scenario.rebalance.model_copy(update={"enabled": False}),
-        })
+        fixed = scenario.model_copy(
+            update={
+                "split": scenario.split.model_copy(update={"rollout": split.rollout, "trainer": split.trainer}),
+                "rebalance": scenario.rebalance.model_copy(update={"enabled": False}),
+            }
+        )
         runs.append((split, simulate(fixed)))
     return sorted(runs, key=lambda run: run[1].seconds)

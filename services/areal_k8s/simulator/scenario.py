@@ -11,7 +11,13 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from areal_k8s.common.config import JobFileError, RebalanceConfig, StalenessBand, describe_validation_error, read_yaml_file
+from areal_k8s.common.config import (
+    JobFileError,
+    RebalanceConfig,
+    StalenessBand,
+    describe_validation_error,
+    read_yaml_file,
+)
 
 
 class _Part(BaseModel):

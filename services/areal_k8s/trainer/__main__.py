@@ -8,9 +8,18 @@ import torch
 
 from areal_k8s.api.v1 import controller_pb2_grpc, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel, start_server
-from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.metrics import TrainerMetrics
-from areal_k8s.common.service import add_when_done, base_parser, load_items, load_job, run_service, run_until_stopped, setup_logging, wait_if_asked
+from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
+from areal_k8s.common.service import (
+    add_when_done,
+    base_parser,
+    load_items,
+    load_job,
+    run_service,
+    run_until_stopped,
+    setup_logging,
+    wait_if_asked,
+)
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.trainer.server import TrainerServicer
 from areal_k8s.trainer.trainer import Trainer
@@ -26,8 +35,11 @@ def main() -> None:
     parser.add_argument("--controller", default=env("AREAL_CONTROLLER_ADDRESS", "127.0.0.1:50051"))
     parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
     parser.add_argument("--consumer", default=env("AREAL_CONSUMER", "trainer-0"), help="stream consumer name")
-    parser.add_argument("--master-address", default=env("AREAL_MASTER_ADDRESS", "127.0.0.1"),
-                        help="address the rollout engines reach this trainer at for the weight-update group")
+    parser.add_argument(
+        "--master-address",
+        default=env("AREAL_MASTER_ADDRESS", "127.0.0.1"),
+        help="address the rollout engines reach this trainer at for the weight-update group",
+    )
     args = parser.parse_args()
     setup_logging("trainer", args.log_level)
     job = load_job(args.job)
@@ -56,7 +68,7 @@ def main() -> None:
         trainer.metrics.serve(args.host, spec.port_for(args.metrics_port))
         server, port, _health = await start_server(
             [(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(trainer), "areal.v1.Trainer")],
-            f"{args.host}:{spec.port_for(args.port)}"
+            f"{args.host}:{spec.port_for(args.port)}",
         )
         log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
         try:

@@ -70,7 +70,8 @@ def compute_advantages(
 
     `gspo` and `dapo` use GRPO's advantages (GSPO differs in the loss: ratio_level="sequence"). For `dapo` with an
     `overlong_buffer`, the soft overlong penalty of each response's generated `lengths` [groups, n] is added to its
-    reward first; the dynamic-sampling filter (common/rewards.py `is_informative`) belongs to the caller that assembles the batch.
+    reward first; the dynamic-sampling filter (common/rewards.py `is_informative`) belongs to the caller that
+    assembles the batch.
     """
     rewards = rewards.float()
     if name in ("grpo", "gspo"):
@@ -285,7 +286,9 @@ def kl_penalty(
 # -- the learning rate -------------------------------------------------------------------------------------------------
 
 
-def learning_rate(step: int, total_steps: int, peak: float, *, schedule: str, warmup_steps: int = 0, min_ratio: float = 0.0) -> float:
+def learning_rate(
+    step: int, total_steps: int, peak: float, *, schedule: str, warmup_steps: int = 0, min_ratio: float = 0.0
+) -> float:
     """The rate for optimizer step `step` (0-based): linear warm-up to `peak`, then constant, or a linear or cosine
     decay that reaches min_ratio·peak at the last step. A pure function of the step, so a resumed run needs no
     scheduler state."""

@@ -41,12 +41,7 @@ class Group:
 
 def deadlines_feasible(deadlines: Iterable[int], *, version: int, batch_size: int) -> bool:
     """Can groups with these deadlines all be trained in the steps after `version`, B per step?"""
-    due = 0
-    for deadline in sorted(deadlines):
-        due += 1
-        if due > (deadline - version) * batch_size:
-            return False
-    return True
+    return all(due <= (deadline - version) * batch_size for due, deadline in enumerate(sorted(deadlines), start=1))
 
 
 def select_batch(
@@ -72,11 +67,16 @@ def select_batch(
     if deadlines_feasible(left_behind, version=version, batch_size=batch_size):
         return batch
     # Waiting helps only if an earliest-deadline batch over all groups needs one that is still generating.
-    everything = sorted([(g.admitted_version + max_staleness, 0) for g in ordered] + [(d, 1) for d in running_deadlines])
+    everything = sorted(
+        [(g.admitted_version + max_staleness, 0) for g in ordered] + [(d, 1) for d in running_deadlines]
+    )
     if deadlines_feasible([d for d, _ in everything[batch_size:]], version=version, batch_size=batch_size):
         return None
-    log.warning("staleness deadlines cannot all hold at version %d; training the oldest groups (those that fall "
-                "past η are dropped and admitted again)", version)
+    log.warning(
+        "staleness deadlines cannot all hold at version %d; training the oldest groups (those that fall "
+        "past η are dropped and admitted again)",
+        version,
+    )
     return batch
 
 
@@ -136,7 +136,9 @@ class BatchAssembler:
         self.looked_for_lost_at = time.monotonic()
         lost = [e for e in await self.store.read_pending(self.consumer) if e.entry_id not in self.known]
         if lost:
-            log.warning("recovered %d stream entries delivered to %s whose read reply was lost", len(lost), self.consumer)
+            log.warning(
+                "recovered %d stream entries delivered to %s whose read reply was lost", len(lost), self.consumer
+            )
             self.add(lost)
         return len(lost)
 

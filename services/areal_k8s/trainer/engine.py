@@ -80,7 +80,9 @@ class TrainEngine(ABC):
 
     def _new_optimizer(self, parameters) -> torch.optim.Optimizer:
         algorithm = self.job.algorithm
-        return torch.optim.AdamW(parameters, lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay)
+        return torch.optim.AdamW(
+            parameters, lr=algorithm.lr, betas=algorithm.betas, weight_decay=algorithm.weight_decay
+        )
 
     @abstractmethod
     def load(self, model_path: str | Path) -> None:

@@ -40,10 +40,16 @@ class NotThisVersion(RuntimeError):
 def evaluation_group(job: JobConfig, item: DatasetItem, version: int) -> common_pb2.PromptGroup:
     """One held-out item as a group of one greedy sample, admitted at `version`."""
     return common_pb2.PromptGroup(
-        group_id=f"eval-v{version}-{item.id}", prompt_id=item.id, prompt=item.prompt, reference=item.reference,
-        verifier=job.reward.verifier or item.verifier, n_samples=1, admitted_version=version,
+        group_id=f"eval-v{version}-{item.id}",
+        prompt_id=item.id,
+        prompt=item.prompt,
+        reference=item.reference,
+        verifier=job.reward.verifier or item.verifier,
+        n_samples=1,
+        admitted_version=version,
         sampling=common_pb2.SamplingParams(
-            temperature=0.0, max_new_tokens=job.trainer.eval_max_new_tokens or job.sampling.max_new_tokens),
+            temperature=0.0, max_new_tokens=job.trainer.eval_max_new_tokens or job.sampling.max_new_tokens
+        ),
         metadata={"purpose": "evaluation"},
     )
 
@@ -54,8 +60,16 @@ def generated_by(trajectory: common_pb2.Trajectory, version: int) -> bool:
 
 
 class Evaluator:
-    def __init__(self, job: JobConfig, items: list[DatasetItem], targets: Callable[[], list[RolloutTarget]],
-                 catch_up: Callable[[], Awaitable[None]], *, wait_seconds: float = 300.0, timeout: float = 600.0):
+    def __init__(
+        self,
+        job: JobConfig,
+        items: list[DatasetItem],
+        targets: Callable[[], list[RolloutTarget]],
+        catch_up: Callable[[], Awaitable[None]],
+        *,
+        wait_seconds: float = 300.0,
+        timeout: float = 600.0,
+    ):
         """`targets`: the rollout workers whose engines serve the current version (the last push's group);
         `catch_up`: push the current weights to engines that joined since (called while none serves it)."""
         self.job, self.items, self.targets, self.catch_up = job, items, targets, catch_up
@@ -68,8 +82,14 @@ class Evaluator:
         given_up_at = time.monotonic() + self.wait_seconds  # pushed back whenever an item is scored
         while pending:
             if time.monotonic() > given_up_at:
-                log.warning("held-out evaluation of version %d given up: no rollout engine scored an item of it for "
-                            "%.0f s (%d of %d scored)", version, self.wait_seconds, len(rewards), len(self.items))
+                log.warning(
+                    "held-out evaluation of version %d given up: no rollout engine scored an item of it for "
+                    "%.0f s (%d of %d scored)",
+                    version,
+                    self.wait_seconds,
+                    len(rewards),
+                    len(self.items),
+                )
                 return -1.0
             targets = self.targets()
             if not targets:
@@ -77,12 +97,15 @@ class Evaluator:
                 await asyncio.sleep(POLL_SECONDS)
                 continue
             dealt = [(index, targets[n % len(targets)]) for n, index in enumerate(pending)]
-            outcomes = await asyncio.gather(*(self.score(target, index, version) for index, target in dealt),
-                                            return_exceptions=True)
+            outcomes = await asyncio.gather(
+                *(self.score(target, index, version) for index, target in dealt), return_exceptions=True
+            )
             pending = []
             for (index, target), outcome in zip(dealt, outcomes):
                 if isinstance(outcome, BaseException):
-                    log.warning("evaluation item %s on %r failed (%s): dealt again", self.items[index].id, target, outcome)
+                    log.warning(
+                        "evaluation item %s on %r failed (%s): dealt again", self.items[index].id, target, outcome
+                    )
                     pending.append(index)
                 else:
                     rewards[index] = outcome
@@ -96,5 +119,7 @@ class Evaluator:
     async def score(self, target: RolloutTarget, index: int, version: int) -> float:
         (trajectory,) = await target.generate(evaluation_group(self.job, self.items[index], version), self.timeout)
         if not generated_by(trajectory, version):
-            raise NotThisVersion(f"its tokens come from versions {sorted(set(trajectory.versions) - {-1})}, not {version}")
+            raise NotThisVersion(
+                f"its tokens come from versions {sorted(set(trajectory.versions) - {-1})}, not {version}"
+            )
         return trajectory.reward

@@ -34,8 +34,10 @@ async def hand_off(trainer: Trainer) -> Path:
         # Before the first step the base evaluation may still run (outside the lock); after the last, the world is
         # already stopping: neither is a step boundary to resume from.
         if not 0 < trainer.version < trainer.job.algorithm.total_steps:
-            raise FailedPrecondition(f"the trainer is at version {trainer.version} of {trainer.job.algorithm.total_steps}: "
-                                     "it hands off between two steps of the run only")
+            raise FailedPrecondition(
+                f"the trainer is at version {trainer.version} of {trainer.job.algorithm.total_steps}: "
+                "it hands off between two steps of the run only"
+            )
         await trainer.commit()
         await asyncio.to_thread(trainer.world.send, STOP)
     except BaseException:

@@ -62,13 +62,16 @@ class TorchEngine(TrainEngine):
             return
         if self.job.trainer.gradient_checkpointing:
             # transformers 5.x renamed gradient into activation checkpointing; pyproject admits releases before it
-            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable = (
+                getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            )
             enable()
         if self.world_size > 1:
             # Wrapping copies rank 0's parameters (and buffers) to every rank: all ranks start from the same weights.
             # The buffers (rotary frequencies) never change: no broadcast of them before every forward.
             self.replicated = DistributedDataParallel(
-                _Scorer(self.model, self), device_ids=[self.device] if self.device.type == "cuda" else None,
+                _Scorer(self.model, self),
+                device_ids=[self.device] if self.device.type == "cuda" else None,
                 forward_sync_buffers=False,
             )
         self.optimizer = self._new_optimizer(self.model.parameters())
@@ -76,8 +79,11 @@ class TorchEngine(TrainEngine):
     def _logprobs(self, micro_batch: MicroBatch, model=None) -> torch.Tensor:
         with self._compute():
             return token_logprobs(
-                self.model if model is None else model, micro_batch["input_ids"], micro_batch["attention_mask"],
-                self.job.sampling.temperature, self.job.trainer.logprob_chunk_tokens,
+                self.model if model is None else model,
+                micro_batch["input_ids"],
+                micro_batch["attention_mask"],
+                self.job.sampling.temperature,
+                self.job.trainer.logprob_chunk_tokens,
             )
 
     @torch.no_grad()

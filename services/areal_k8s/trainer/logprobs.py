@@ -37,7 +37,9 @@ class _TargetLogprobs(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     # float32 for the reduction, whatever the compute dtype
     return _TargetLogprobs.apply(head(hidden).float(), targets, temperature)
 

@@ -67,7 +67,10 @@ class WeightPublisher:
     async def engines_behind(self, version: int) -> bool:
         """Is a worker outside the current group (registered since it was formed, or the group is gone after a
         failed push) behind `version`?"""
-        return any(w.engine_version < version and self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
+        return any(
+            w.engine_version < version and self.members.get(w.worker_id) != membership(w)
+            for w in await self.list_workers()
+        )
 
     async def outsiders(self) -> bool:
         """Is a registered worker outside the current group (new, restarted, or the group is gone)?"""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 
-
 GRPC_MARGIN = 5.0  # on top of a weight operation's own deadline, so the worker's engine call times out first
 
 
@@ -38,7 +37,9 @@ class RolloutTarget:
             raise WeightTargetError(f"{self!r}: {reply.message}")
         return reply
 
-    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend, *, timeout):
+    async def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend, *, timeout
+    ):
         await self._call(
             self.stub.InitWeightUpdateGroup,
             rollout_pb2.InitWeightUpdateGroupRequest(
@@ -73,7 +74,9 @@ class RolloutTarget:
         await self._call(self.stub.ContinueGeneration, rollout_pb2.ContinueGenerationRequest())
 
     async def destroy_weights_update_group(self, group_name: str):
-        await self._call(self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name))
+        await self._call(
+            self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name)
+        )
 
     async def generate(self, group: common_pb2.PromptGroup, timeout: float) -> list[common_pb2.Trajectory]:
         """The worker's episodes of `group`, scored and returned, not written to the stream (evaluation.py)."""

@@ -21,8 +21,8 @@ import torch
 from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
-from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.common.rewards import is_informative
+from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.algorithm import (
     LossStats,
@@ -35,12 +35,18 @@ from areal_k8s.trainer.algorithm import (
     merge_loss_stats,
 )
 from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
-from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
+from areal_k8s.trainer.checkpoint import (
+    TrainerState,
+    entries_to_train_again,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+)
 from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
-from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
-from areal_k8s.trainer.checkpoint import TrainerState, entries_to_train_again, latest_checkpoint, load_state, save_checkpoint
 from areal_k8s.trainer.evaluation import Evaluator
+from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
 from areal_k8s.trainer.publishing import WeightPublisher
+from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
@@ -64,7 +70,9 @@ class StepRecord:
     samples: int
     tokens: int
     seconds: dict[str, float]  # wait, train, eval: wall time of the step's phases; checkpoint: the previous step's
-    train_seconds: dict[str, float] = field(default_factory=dict)  # train split: prepare, recompute, forward_backward, optimizer
+    train_seconds: dict[str, float] = field(
+        default_factory=dict
+    )  # train split: prepare, recompute, forward_backward, optimizer
     dropped_groups: list[str] = field(default_factory=list)  # dropped before this step as past η (after a rollback)
     learning_rate: float = 0.0
     weight_push: dict = field(default_factory=dict)
@@ -120,8 +128,9 @@ class Trainer:
         self.metrics = metrics or TrainerMetrics(job.name)
         self.metrics.policy_version.set_function(lambda: self.version)
         self.publisher = WeightPublisher(job, controller, master_address, self.metrics)
-        self.evaluator = Evaluator(job, eval_items, targets=lambda: list(self.publisher.targets.values()),
-                                   catch_up=self.bring_engines_in)
+        self.evaluator = Evaluator(
+            job, eval_items, targets=lambda: list(self.publisher.targets.values()), catch_up=self.bring_engines_in
+        )
 
     @property
     def version(self) -> int:
@@ -139,7 +148,8 @@ class Trainer:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
             groups = await self.next_batch()
-            # Held to the step's checkpoint: an on-demand one (handoff.py) falls between steps, never on an unreported one.
+            # Held to the step's checkpoint: an on-demand one (handoff.py) falls between steps, never on an
+            # unreported one.
             async with self.lock:
                 self.phase = "training"
                 await asyncio.to_thread(self.world.send, TRAIN, groups)
@@ -196,8 +206,15 @@ class Trainer:
         try:
             while not batch.done():
                 await asyncio.wait({batch}, timeout=MEMBERSHIP_POLL_SECONDS)
-                if not batch.done() and self.publisher.retry_due() and await self.publisher.engines_behind(self.version):
-                    log.info("rollout engines outside the weight-update group are behind version %d: pushing it", self.version)
+                if (
+                    not batch.done()
+                    and self.publisher.retry_due()
+                    and await self.publisher.engines_behind(self.version)
+                ):
+                    log.info(
+                        "rollout engines outside the weight-update group are behind version %d: pushing it",
+                        self.version,
+                    )
                     await self.push_weights()
         finally:
             batch.cancel()
@@ -210,9 +227,16 @@ class Trainer:
         if not dropped:
             return []
         reason = f"past η = {self.job.algorithm.max_staleness} at version {self.version} (the trainer rolled back)"
-        await self.controller.DropGroups(controller_pb2.DropGroupsRequest(groups=[
-            controller_pb2.DroppedGroup(group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason)
-            for g in dropped]))
+        await self.controller.DropGroups(
+            controller_pb2.DropGroupsRequest(
+                groups=[
+                    controller_pb2.DroppedGroup(
+                        group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason
+                    )
+                    for g in dropped
+                ]
+            )
+        )
         self.unacked += [e for g in dropped for e in g.entries]
         log.warning("dropped %d groups %s", len(dropped), reason)
         return [g.group_id for g in dropped]
@@ -231,8 +255,13 @@ class Trainer:
                 await asyncio.to_thread(self.reference.load, self.job.model)
             if checkpoint:
                 await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
-                log.info("resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
-                         checkpoint, self.version, self.state.world_size, self.world.size)
+                log.info(
+                    "resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
+                    checkpoint,
+                    self.version,
+                    self.state.world_size,
+                    self.world.size,
+                )
             else:
                 await asyncio.to_thread(self.engine.load, self.job.model)
             await asyncio.to_thread(self.engine.gather_for_push)
@@ -264,10 +293,17 @@ class Trainer:
         algorithm, sampling = self.job.algorithm, self.job.sampling
         trajectories = [e.trajectory for g in groups for e in g.entries]
         rewards = torch.tensor([[e.trajectory.reward for e in g.entries] for g in groups], dtype=torch.float32)
-        generated = torch.tensor([[len(e.trajectory.token_ids) - e.trajectory.prompt_length for e in g.entries] for g in groups])
+        generated = torch.tensor(
+            [[len(e.trajectory.token_ids) - e.trajectory.prompt_length for e in g.entries] for g in groups]
+        )
         advantages = compute_advantages(
-            algorithm.name, rewards, generated, eps=algorithm.adv_eps, max_new_tokens=sampling.max_new_tokens,
-            overlong_buffer=algorithm.overlong_buffer, overlong_factor=algorithm.overlong_factor,
+            algorithm.name,
+            rewards,
+            generated,
+            eps=algorithm.adv_eps,
+            max_new_tokens=sampling.max_new_tokens,
+            overlong_buffer=algorithm.overlong_buffer,
+            overlong_factor=algorithm.overlong_factor,
         ).flatten()
         batch = collate(trajectories, advantages, self.tokenizer.pad_token_id)
         lengths = [len(t.token_ids) for t in trajectories]
@@ -284,8 +320,12 @@ class Trainer:
                 batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths, mine)
 
         lr = learning_rate(
-            self.version, algorithm.total_steps, algorithm.lr, schedule=algorithm.lr_schedule,
-            warmup_steps=algorithm.lr_warmup_steps, min_ratio=algorithm.lr_min_ratio,
+            self.version,
+            algorithm.total_steps,
+            algorithm.lr,
+            schedule=algorithm.lr_schedule,
+            warmup_steps=algorithm.lr_warmup_steps,
+            min_ratio=algorithm.lr_min_ratio,
         )
         results = []
         for rows, (share, masked) in zip(minibatches, shares):
@@ -316,10 +356,13 @@ class Trainer:
             learning_rate=lr,
             behaviour_weight_mean=stats.behaviour_weight_mean,
             capped_fraction=stats.capped_fraction,
-            groups_without_signal=sum(not is_informative(r) for r in rewards), world_size=self.world.size,
+            groups_without_signal=sum(not is_informative(r) for r in rewards),
+            world_size=self.world.size,
         )
 
-    def rows_to_train(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]) -> tuple[list[int], bool]:
+    def rows_to_train(
+        self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]
+    ) -> tuple[list[int], bool]:
         """This rank's rows of one minibatch, and whether they only stand in (their loss masked out)."""
         if self.job.algorithm.kl_coef == 0:
             # A zero-advantage sample (its group's rewards all equal) adds nothing to the loss or its gradient; it
@@ -328,13 +371,17 @@ class Trainer:
         if not rows:  # nothing to learn, on any rank: no rank runs a backward, so none waits for an all-reduce
             return [], False
         # every rank of a data-parallel replica (a model split over ranks) trains the same rows
-        share = share_of_rank(rows, lengths, self.job.algorithm.group_size, self.engine.data_rank, self.engine.data_size)
+        share = share_of_rank(
+            rows, lengths, self.job.algorithm.group_size, self.engine.data_rank, self.engine.data_size
+        )
         if share:
             return share, False
         # A rank without a share still joins the gradient all-reduce: one row whose loss is masked out adds zero.
         return [min(rows, key=lengths.__getitem__)], True
 
-    def micro_batches(self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int], masked: bool = False) -> list[MicroBatch]:
+    def micro_batches(
+        self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int], masked: bool = False
+    ) -> list[MicroBatch]:
         """`rows` packed first-fit-decreasing into token-budgeted micro-batches (`masked`: with no loss token)."""
         packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
         micro_batches = [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
@@ -365,7 +412,11 @@ class Trainer:
             )
             if algorithm.kl_coef > 0:
                 value = value + kl_penalty(
-                    logprobs, micro_batch["reference_logprobs"], micro_batch["loss_mask"], coef=algorithm.kl_coef, normaliser=normaliser
+                    logprobs,
+                    micro_batch["reference_logprobs"],
+                    micro_batch["loss_mask"],
+                    coef=algorithm.kl_coef,
+                    normaliser=normaliser,
                 )
             return value, stats
 
@@ -378,14 +429,19 @@ class Trainer:
             return micro_batch["proximal_logprobs"]
         if self.job.algorithm.proximal == "loglinear" and self.job.algorithm.minibatches > 1:
             return loglinear_proximal_logprobs(
-                logprobs, micro_batch["behaviour_logprobs"], micro_batch["versions"],
-                proximal_version=self.version, current_version=self.version + 1,
+                logprobs,
+                micro_batch["behaviour_logprobs"],
+                micro_batch["versions"],
+                proximal_version=self.version,
+                current_version=self.version + 1,
             )
         return logprobs.detach()
 
-    def batch_logprobs(self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]) -> torch.Tensor:
-        """Token logprobs of `rows` under `engine`'s policy (no gradient), computed in micro-batches: [batch rows, L − 1],
-        zero on the other rows."""
+    def batch_logprobs(
+        self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]
+    ) -> torch.Tensor:
+        """Token logprobs of `rows` under `engine`'s policy (no gradient), computed in micro-batches:
+        [batch rows, L − 1], zero on the other rows."""
         result = torch.zeros_like(batch["behaviour_logprobs"])
         for micro in first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens):
             selected = [rows[i] for i in micro]
@@ -399,7 +455,9 @@ class Trainer:
         started = time.monotonic()
         self.state.unacked_entries = [e.entry_id for e in self.unacked]
         await asyncio.to_thread(self.world.send, COMMIT)
-        await asyncio.to_thread(save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints)
+        await asyncio.to_thread(
+            save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints
+        )
         await asyncio.to_thread(self.world.barrier)
         await self.store.ack(self.state.unacked_entries)
         self.assembler.forget(self.state.unacked_entries)
@@ -420,13 +478,17 @@ class Trainer:
         return await self.publisher.push(self.engine.named_weights_for_push, self.version)
 
     async def announce(self, restored: bool) -> None:
-        await self.controller.AnnounceVersion(common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored))
+        await self.controller.AnnounceVersion(
+            common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored)
+        )
 
     # -- evaluation and reporting --------------------------------------------------------------------------
 
     def evaluation_due(self) -> bool:
         interval = self.job.trainer.eval_interval
-        return bool(self.eval_items) and (self.version == self.job.algorithm.total_steps or (interval and self.version % interval == 0))
+        return bool(self.eval_items) and (
+            self.version == self.job.algorithm.total_steps or (interval and self.version % interval == 0)
+        )
 
     async def evaluate(self) -> float:
         """Greedy held-out accuracy of the current version, on the rollout engines (evaluation.py)."""
@@ -452,11 +514,16 @@ class Trainer:
                 m.phase_seconds.labels(phase=phase).inc(seconds)
         m.trained_samples.inc(record.samples)
         m.trained_tokens.inc(record.tokens)
-        for name, value in (("loss", record.loss), ("kl", record.approx_kl), ("clip_fraction", record.clip_fraction),
-                            ("importance_weight_mean", record.behaviour_weight_mean),
-                            ("importance_weight_capped_fraction", record.capped_fraction),
-                            ("grad_norm", record.grad_norm), ("learning_rate", record.learning_rate),
-                            ("reward_mean", record.reward_mean)):
+        for name, value in (
+            ("loss", record.loss),
+            ("kl", record.approx_kl),
+            ("clip_fraction", record.clip_fraction),
+            ("importance_weight_mean", record.behaviour_weight_mean),
+            ("importance_weight_capped_fraction", record.capped_fraction),
+            ("grad_norm", record.grad_norm),
+            ("learning_rate", record.learning_rate),
+            ("reward_mean", record.reward_mean),
+        ):
             getattr(m, name).set(value)
         for lag in record.staleness:
             m.sample_staleness.observe(lag)
@@ -484,6 +551,9 @@ class Trainer:
         )
         log.info(
             "version %d: reward %.3f loss %.4f staleness ≤ %d%s",
-            record.version, record.reward_mean, record.loss, max(record.staleness),
+            record.version,
+            record.reward_mean,
+            record.loss,
+            max(record.staleness),
             f" eval {record.eval_accuracy:.3f}" if record.eval_accuracy >= 0 else "",
         )

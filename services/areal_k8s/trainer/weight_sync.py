@@ -110,22 +110,30 @@ class WeightSender:
         if not dist.is_backend_available(self.backend):  # checked before the targets start waiting for us
             raise WeightSyncError(f"torch.distributed backend {self.backend!r} is not available here")
         # A trainer that died left its group behind on the engines: clear it, or the new init is refused.
-        await asyncio.gather(*(t.destroy_weights_update_group(self.group_name) for t in targets), return_exceptions=True)
+        await asyncio.gather(
+            *(t.destroy_weights_update_group(self.group_name) for t in targets), return_exceptions=True
+        )
         world_size, offsets = group_layout(ranks)
         rendezvous = create_rendezvous_store(self.master_address, self.master_port, world_size, self.timeout)
         port = rendezvous.port
         joins = [
-            asyncio.ensure_future(target.init_weights_update_group(
-                self.master_address, port, offset, world_size, self.group_name, self.backend, timeout=self.timeout
-            ))
+            asyncio.ensure_future(
+                target.init_weights_update_group(
+                    self.master_address, port, offset, world_size, self.group_name, self.backend, timeout=self.timeout
+                )
+            )
             for target, offset in zip(targets, offsets)
         ]
-        own_join = asyncio.ensure_future(in_daemon_thread(
-            _join_as_rank0, self.backend, self.master_address, port, world_size, self.group_name, self.timeout
-        ))
+        own_join = asyncio.ensure_future(
+            in_daemon_thread(
+                _join_as_rank0, self.backend, self.master_address, port, world_size, self.group_name, self.timeout
+            )
+        )
         try:
             # A target that fails fast (bad backend, a dead engine) is reported at once.
-            results = await _first_failure_or_all([own_join, *joins], ["trainer", *targets], "init_weights_update_group")
+            results = await _first_failure_or_all(
+                [own_join, *joins], ["trainer", *targets], "init_weights_update_group"
+            )
         except BaseException:
             # The others wait in the rendezvous for a party that will not come, each as long as its own timeout
             # allows: the next attempt would time out behind those waits, and each after it behind the one before.
@@ -138,7 +146,13 @@ class WeightSender:
             raise
         self._rendezvous = rendezvous  # kept while the group lives: NCCL exchanges its id at the first broadcast
         self._group, self._targets, self._failed = results[0], list(targets), False
-        log.info("weight update group %r connected: %d engines, %d ranks via %s", self.group_name, len(targets), world_size, self.backend)
+        log.info(
+            "weight update group %r connected: %d engines, %d ranks via %s",
+            self.group_name,
+            len(targets),
+            world_size,
+            self.backend,
+        )
 
     async def push(self, named_tensors: NamedTensors, version: int | str) -> PushStats:
         """Send full weights to every target and label them `version`; raises `WeightSyncError` on any failure."""
@@ -195,15 +209,22 @@ class WeightSender:
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         return asyncio.ensure_future(asyncio.to_thread(flatten_bucket, [tensor for _, tensor in bucket], device))
 
-    async def _push_bucket(self, bucket: list[tuple[str, torch.Tensor]], flat: torch.Tensor, version: str | None) -> int:
+    async def _push_bucket(
+        self, bucket: list[tuple[str, torch.Tensor]], flat: torch.Tensor, version: str | None
+    ) -> int:
         """Announce one bucket and broadcast its flattened bytes; returns the bytes sent."""
         names = [name for name, _ in bucket]
         dtypes = [dtype_name(tensor.dtype) for _, tensor in bucket]
         shapes = [list(tensor.shape) for _, tensor in bucket]
         updates = [
             target.update_weights_from_distributed(
-                names, dtypes, shapes, self.group_name, timeout=self.timeout,
-                weight_version=version, load_format="flattened_bucket",
+                names,
+                dtypes,
+                shapes,
+                self.group_name,
+                timeout=self.timeout,
+                weight_version=version,
+                load_format="flattened_bucket",
             )
             for target in self._targets
         ]
@@ -228,7 +249,9 @@ class WeightSender:
                 log.error("continue_generation on %s failed after a failed push: %s", _describe(target), answer)
 
 
-def _join_as_rank0(backend: str, address: str, port: int, world_size: int, group_name: str, timeout: float) -> dist.ProcessGroup:
+def _join_as_rank0(
+    backend: str, address: str, port: int, world_size: int, group_name: str, timeout: float
+) -> dist.ProcessGroup:
     store = connect_to_rendezvous(address, port, world_size, timeout)
     return init_side_group(backend, address, port, world_size, 0, group_name, timeout, store=store)
 
@@ -238,9 +261,7 @@ def _abort_formed_group(join: asyncio.Future) -> None:
         destroy_side_group(join.result(), abort=True)
 
 
-async def _first_failure_or_all(
-    awaitables: list, parties: list, step: str, *, wait_all: bool = False
-) -> list[Any]:
+async def _first_failure_or_all(awaitables: list, parties: list, step: str, *, wait_all: bool = False) -> list[Any]:
     """Run all awaitables concurrently and return their results; on the first failure raise `WeightSyncError`
     naming that party (after all have finished when `wait_all`, else at once, leaving the rest running)."""
     tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]

@@ -58,8 +58,10 @@ class WorldSpec:
         else:
             per_pod = int(env.get("NPROC_PER_NODE", "1"))
             if per_pod > 1 and "LOCAL_RANK" not in env:
-                raise ValueError(f"NPROC_PER_NODE={per_pod}: one trainer process per rank is needed; start them with torchrun "
-                                 "(which sets RANK and LOCAL_RANK)")
+                raise ValueError(
+                    f"NPROC_PER_NODE={per_pod}: one trainer process per rank is needed; start them with torchrun "
+                    "(which sets RANK and LOCAL_RANK)"
+                )
             rank = int(env.get("NODE_RANK", "0")) * per_pod + local_rank
         if not 0 <= rank < size:
             raise ValueError(f"trainer rank {rank} is outside the world of {size} (RANK/NODE_RANK and WORLD_SIZE)")
@@ -87,7 +89,9 @@ class World:
             backend = "nccl"
         address = f"tcp://{self.spec.master_address}:{self.spec.master_port}"
         log.info("joining the trainer world at %s as rank %d of %d (%s)", address, self.rank, self.size, backend)
-        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, init_method=address, rank=self.rank, world_size=self.size, timeout=COLLECTIVE_TIMEOUT
+        )
         return self
 
     def share(self, value: Any) -> Any:

@@ -7,7 +7,7 @@ starts to call them fails loudly instead of computing something untested. No `to
 registered, so SGLang finds no AMX kernels and takes its native-torch paths everywhere.
 """
 
-from typing import Callable
+from collections.abc import Callable
 
 
 def _not_provided(name: str) -> Callable[..., None]:

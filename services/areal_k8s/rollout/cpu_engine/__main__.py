@@ -29,8 +29,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu",
-                        help="where the model lives: cpu, or cuda[:N] (make gpu-smoke receives weights there over NCCL)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model lives: cpu, or cuda[:N] (make gpu-smoke receives weights there over NCCL)",
+    )
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)

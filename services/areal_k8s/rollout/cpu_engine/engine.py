@@ -207,7 +207,9 @@ class Sequence:
     def next_uniform(self) -> float:
         """The next number of this sequence's uniform [0, 1) stream (drawn from `generator` in blocks)."""
         if not self._uniforms:
-            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64, device=self.generator.device)
+            block = torch.rand(
+                UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64, device=self.generator.device
+            )
             self._uniforms = block.tolist()[::-1]
         return self._uniforms.pop()
 
@@ -281,7 +283,9 @@ def sample_next_tokens(logits: torch.Tensor, sequences: list[Sequence]) -> tuple
         # uniform u from the row's own stream. A zero-probability token never exceeds its predecessor's mass.
         cdf = probs.double().cumsum(dim=-1)
         total = cdf[:, -1:]
-        uniforms = torch.tensor([sequences[row].next_uniform() for row in sampled_rows], dtype=torch.float64, device=cdf.device)
+        uniforms = torch.tensor(
+            [sequences[row].next_uniform() for row in sampled_rows], dtype=torch.float64, device=cdf.device
+        )
         targets = torch.minimum(uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         choice = torch.searchsorted(cdf, targets, right=True).squeeze(1)
         tokens[sampled_rows] = choice.clamp_(max=probs.shape[-1] - 1).to(tokens.dtype)
@@ -379,7 +383,9 @@ class SlackLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         length = self.get_seq_length()
-        self._key_buffer, self._value_buffer = (self._copy(b[indices, :, :length], b.shape[-2]) for b in self._buffers())
+        self._key_buffer, self._value_buffer = (
+            self._copy(b[indices, :, :length], b.shape[-2]) for b in self._buffers()
+        )
         self._expose(length)
 
     def write_rows(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -424,8 +430,19 @@ class DecodeBatch:
     than the cache are rows removed or the cache rebuilt, in one copy.
     """
 
-    COUNTERS = ("prefill_seconds", "prefill_passes", "prefill_rows", "prefill_tokens", "decode_seconds", "decode_steps", "decode_rows",
-                "decode_cache_positions", "decode_context_positions", "prefill_cpu_seconds", "decode_cpu_seconds")
+    COUNTERS = (
+        "prefill_seconds",
+        "prefill_passes",
+        "prefill_rows",
+        "prefill_tokens",
+        "decode_seconds",
+        "decode_steps",
+        "decode_rows",
+        "decode_cache_positions",
+        "decode_context_positions",
+        "prefill_cpu_seconds",
+        "decode_cpu_seconds",
+    )
 
     def __init__(self, model: PreTrainedModel, counters: dict[str, float] | None = None, weight_version: str = "0"):
         self.model = model
@@ -501,7 +518,7 @@ class DecodeBatch:
         if self._rows and len(dead) >= len(joining) and width <= self._mask.shape[1]:
             for sequences, prefill, mask, tokens in chunks:
                 self._take_over(dead[: len(sequences)], sequences, prefill, mask, tokens)
-                dead = dead[len(sequences):]
+                dead = dead[len(sequences) :]
         else:
             self._compact()
             parts = [prefill.layers for _, prefill, _, _ in chunks]
@@ -545,7 +562,9 @@ class DecodeBatch:
             mask, logits = mask[index], logits[index]
         return joining, prefill, mask, self._choose(joining, logits)
 
-    def _take_over(self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _take_over(
+        self, rows: list[int], joining: list[Sequence], prefill: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
         """Put prefilled `joining` into dead `rows`, right-aligned to the cache's current length."""
         index = torch.tensor(rows, device=self.device)
         self._mask[index] = torch.nn.functional.pad(mask, (self._mask.shape[1] - mask.shape[1], 0))
@@ -706,8 +725,8 @@ class CpuEngine:
     under whatever weights are loaded by then and go on generating; "in_place" freezes running requests with their
     KV cache. Every answer carries SGLang's `weight_versions`: spans of output tokens sampled by one weight version,
     so a retracted request reports where the policy changed. In every mode, requests arriving while paused are held
-    apart (as SGLang holds them before its scheduler) until `continue_generation`. `flush_cache` is a no-op when idle (there is
-    no cross-request prefix cache) and fails while requests are queued or running, like SGLang's.
+    apart (as SGLang holds them before its scheduler) until `continue_generation`. `flush_cache` is a no-op when idle
+    (there is no cross-request prefix cache) and fails while requests are queued or running, like SGLang's.
     """
 
     def __init__(
@@ -799,7 +818,9 @@ class CpuEngine:
             with self._wakeup:
                 self._pause_mode = mode
             if mode == "abort":
-                log.info("generation paused: %d requests aborted", self._abort(lambda s: True, "Abort by pause_generation"))
+                log.info(
+                    "generation paused: %d requests aborted", self._abort(lambda s: True, "Abort by pause_generation")
+                )
             elif mode == "retract":
                 log.info("generation paused: %d running requests retracted", self._retract())
             else:
@@ -861,7 +882,12 @@ class CpuEngine:
                     log.warning("replacing weight update group %r left by a previous trainer", group_name)
                     destroy_side_group(stale)
                 self._groups[group_name] = init_side_group(
-                    backend, master_address, master_port, world_size, rank_offset, group_name,
+                    backend,
+                    master_address,
+                    master_port,
+                    world_size,
+                    rank_offset,
+                    group_name,
                     self.weight_update_timeout,
                 )
 
@@ -919,8 +945,14 @@ class CpuEngine:
                 group = self._groups.get(group_name)
                 if group is None:
                     raise WeightUpdateError(f"no weight update group named {group_name!r}")
-                tensors = _receive_broadcast(group, torch_dtypes, shapes, flattened=load_format is not None,
-                                             timeout=self.weight_update_timeout, device=self.model.device)
+                tensors = _receive_broadcast(
+                    group,
+                    torch_dtypes,
+                    shapes,
+                    flattened=load_format is not None,
+                    timeout=self.weight_update_timeout,
+                    device=self.model.device,
+                )
                 load = functools.partial(self._load_weights, list(zip(names, tensors)), weight_version)
                 self._submit_command(load).result()
 
@@ -953,10 +985,17 @@ class CpuEngine:
 
     def server_info(self) -> dict[str, Any]:
         """SGLang's /server_info, as far as it describes this engine: one process, no parallelism."""
-        return {"model_path": self.model_path, "tp_size": 1, "pp_size": 1, "dp_size": 1, "device": self.model.device.type,
-                "dtype": str(self.model.dtype).removeprefix("torch."),
-                "max_running_requests": self.max_batch_size, "weight_version": self.weight_version,
-                "disable_radix_cache": True}  # no KV outlives its request
+        return {
+            "model_path": self.model_path,
+            "tp_size": 1,
+            "pp_size": 1,
+            "dp_size": 1,
+            "device": self.model.device.type,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "max_running_requests": self.max_batch_size,
+            "weight_version": self.weight_version,
+            "disable_radix_cache": True,
+        }  # no KV outlives its request
 
     # --- health and lifecycle ---------------------------------------------------------------------------------
 
@@ -1108,7 +1147,9 @@ class CpuEngine:
             except Exception as exc:  # a model failure fails this batch's requests, never the engine
                 log.exception("decode step failed; failing %d requests", len(self._batch) + len(joining))
                 failed = list({id(s): s for s in [*self._batch.sequences, *joining]}.values())
-                self._batch = DecodeBatch(self.model, counters=self._batch.counters(), weight_version=self.weight_version)
+                self._batch = DecodeBatch(
+                    self.model, counters=self._batch.counters(), weight_version=self.weight_version
+                )
                 self._reply(failed, exc)
                 continue
             self._reply(finished)
@@ -1184,7 +1225,12 @@ class CpuEngine:
 
 
 def _receive_broadcast(
-    group: dist.ProcessGroup, dtypes: list[torch.dtype], shapes: list[list[int]], *, flattened: bool, timeout: float,
+    group: dist.ProcessGroup,
+    dtypes: list[torch.dtype],
+    shapes: list[list[int]],
+    *,
+    flattened: bool,
+    timeout: float,
     device: torch.device,
 ) -> list[torch.Tensor]:
     """Receive what group rank 0 broadcasts: one tensor per name, or one flattened bucket of bytes in `names` order

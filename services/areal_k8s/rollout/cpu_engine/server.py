@@ -205,7 +205,7 @@ async def health_generate(request: web.Request) -> web.Response:
     probe = engine.generate([0], {"max_new_tokens": 1, "temperature": 0.0}, return_logprob=False)
     try:
         await asyncio.wait_for(probe, HEALTH_GENERATE_TIMEOUT_S)
-    except (asyncio.TimeoutError, RuntimeError):
+    except (TimeoutError, RuntimeError):
         return web.Response(status=503)
     return web.Response(status=200)
 

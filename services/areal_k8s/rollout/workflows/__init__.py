@@ -46,8 +46,10 @@ def load_user_workflow(name: str, args: dict) -> RolloutWorkflow:
     cls = getattr(module, class_name, None)
     if not (inspect.isclass(cls) and issubclass(cls, RolloutWorkflow)):
         what = "has no" if cls is None else "has a non-RolloutWorkflow"
-        raise WorkflowError(f"{where}: module {module_name!r} {what} {class_name!r} (a subclass of "
-                            "areal_k8s.rollout.workflows.RolloutWorkflow)")
+        raise WorkflowError(
+            f"{where}: module {module_name!r} {what} {class_name!r} (a subclass of "
+            "areal_k8s.rollout.workflows.RolloutWorkflow)"
+        )
     try:
         return cls(**args)
     except TypeError as exc:

@@ -68,9 +68,11 @@ class Episode:
         """Raise ValueError naming what a (user) workflow got wrong, before the episode reaches the trainer."""
         lengths = {len(self.token_ids), len(self.logprobs), len(self.versions), len(self.loss_mask)}
         if len(lengths) != 1:
-            raise ValueError(f"episode lists differ in length: tokens {len(self.token_ids)}, logprobs {len(self.logprobs)}, "
-                             f"versions {len(self.versions)}, loss_mask {len(self.loss_mask)}")
-        if not any(self.loss_mask[self.prompt_length:]) or any(self.loss_mask[: self.prompt_length]):
+            raise ValueError(
+                f"episode lists differ in length: tokens {len(self.token_ids)}, logprobs {len(self.logprobs)}, "
+                f"versions {len(self.versions)}, loss_mask {len(self.loss_mask)}"
+            )
+        if not any(self.loss_mask[self.prompt_length :]) or any(self.loss_mask[: self.prompt_length]):
             raise ValueError("an episode needs model tokens (loss_mask true) after its prompt and none within it")
 
 
@@ -96,7 +98,9 @@ class EpisodeContext:
         """The id of the group's index-th episode (its trajectory id); derive per-turn request ids from it."""
         return f"{self.group.group_id}-{index}"
 
-    async def generate(self, prompts: list[list[int]], rids: list[str], sampling: dict[str, Any] | None = None) -> list[Sample]:
+    async def generate(
+        self, prompts: list[list[int]], rids: list[str], sampling: dict[str, Any] | None = None
+    ) -> list[Sample]:
         """One model turn per (prompt, rid), batched; interrupted by weight pushes and resumed, each token's
         version recorded. `sampling` overrides the job's (e.g. stop strings)."""
         samples = await self.engine_generate(prompts, sampling or self.sampling, rids)
@@ -109,8 +113,13 @@ class EpisodeContext:
         reply = await self.reward.Score(
             reward_pb2.ScoreRequest(
                 items=[
-                    reward_pb2.ScoreItem(item_id=item_id, verifier=group.verifier, prompt=group.prompt, response=text,
-                                         reference=group.reference)
+                    reward_pb2.ScoreItem(
+                        item_id=item_id,
+                        verifier=group.verifier,
+                        prompt=group.prompt,
+                        response=text,
+                        reference=group.reference,
+                    )
                     for item_id, text in zip(item_ids, responses, strict=True)
                 ]
             ),

@@ -18,9 +18,13 @@ class MultiTurn(RolloutWorkflow):
     async def arun_episode(self, ctx: EpisodeContext) -> list[Episode]:
         conversation = ConversationFormat(ctx.tokenizer, ctx.job.rollout.prompt_template)
         prompt_ids = conversation.first_prompt(ctx.group.prompt)
-        return list(await asyncio.gather(*(self.episode(ctx, conversation, prompt_ids, i) for i in range(ctx.n_samples))))
+        return list(
+            await asyncio.gather(*(self.episode(ctx, conversation, prompt_ids, i) for i in range(ctx.n_samples)))
+        )
 
-    async def episode(self, ctx: EpisodeContext, conversation: ConversationFormat, prompt_ids: list[int], index: int) -> Episode:
+    async def episode(
+        self, ctx: EpisodeContext, conversation: ConversationFormat, prompt_ids: list[int], index: int
+    ) -> Episode:
         config, episode = self.config, Episode.start(prompt_ids)
         rewards: list[float] = []
         for turn in range(config.max_turns):
@@ -32,7 +36,9 @@ class MultiTurn(RolloutWorkflow):
             episode.reward_status = status_name(score)
             if score.reward >= config.success_threshold or turn == config.max_turns - 1:
                 break
-            episode.add_environment_tokens(conversation.user_turn(config.feedback.replace("{reward}", f"{score.reward:g}"), sample.output_ids))
+            episode.add_environment_tokens(
+                conversation.user_turn(config.feedback.replace("{reward}", f"{score.reward:g}"), sample.output_ids)
+            )
         discounted = [reward * config.turn_discount**turn for turn, reward in enumerate(rewards)]
         episode.reward = discounted[-1] if config.reward == "last" else sum(discounted)
         return episode

@@ -14,7 +14,7 @@ from areal_k8s.rollout.workflows.api import Episode, EpisodeContext, RolloutWork
 from areal_k8s.rollout.workflows.tools import TOOL_CALL_END, Toolbox, parse_tool_calls
 
 TOOL_INSTRUCTIONS = (
-    "You may call tools by writing <tool_call>{{\"name\": NAME, \"arguments\": {{...}}}}</tool_call>; the results come "
+    'You may call tools by writing <tool_call>{{"name": NAME, "arguments": {{...}}}}</tool_call>; the results come '
     "back as <tool_response>...</tool_response>. Tools: {tools}.\n\n"
 )
 
@@ -29,11 +29,15 @@ class ToolAgent(RolloutWorkflow):
         if conversation.chat:  # the template describes the tools in its own way
             prompt_ids = conversation.first_prompt(ctx.group.prompt, tools=self.toolbox.schemas)
         else:
-            described = "; ".join(f"{s['function']['name']}: {s['function']['description']}" for s in self.toolbox.schemas)
+            described = "; ".join(
+                f"{s['function']['name']}: {s['function']['description']}" for s in self.toolbox.schemas
+            )
             prompt_ids = conversation.first_prompt(TOOL_INSTRUCTIONS.format(tools=described) + ctx.group.prompt)
         # A turn ends at its first complete tool call: the model sees the result before it goes on.
         sampling = {**ctx.sampling, "stop": [TOOL_CALL_END]}
-        episodes = await asyncio.gather(*(self.episode(ctx, conversation, prompt_ids, sampling, i) for i in range(ctx.n_samples)))
+        episodes = await asyncio.gather(
+            *(self.episode(ctx, conversation, prompt_ids, sampling, i) for i in range(ctx.n_samples))
+        )
         final_turns = [final for _, final in episodes]
         rids = [ctx.sample_id(i) for i in range(ctx.n_samples)]
         scores = await ctx.score(final_turns, rids)
@@ -41,8 +45,9 @@ class ToolAgent(RolloutWorkflow):
             episode.reward, episode.reward_status = score.reward, status_name(score)
         return [episode for episode, _ in episodes]
 
-    async def episode(self, ctx: EpisodeContext, conversation: ConversationFormat, prompt_ids: list[int],
-                      sampling: dict, index: int) -> tuple[Episode, str]:
+    async def episode(
+        self, ctx: EpisodeContext, conversation: ConversationFormat, prompt_ids: list[int], sampling: dict, index: int
+    ) -> tuple[Episode, str]:
         """The episode, and its final turn's text (what the verifier scores)."""
         episode, calls_left = Episode.start(prompt_ids), self.config.max_tool_calls
         for turn in range(self.config.max_tool_calls + 1):

@@ -1,6 +1,7 @@
 """The tool_agent's tools and its tool-call format.
 
-Format (Qwen/Hermes): the model writes `<tool_call>{"name": "python", "arguments": {"code": "print(1 + 2)"}}</tool_call>`;
+Format (Qwen/Hermes): the model writes
+`<tool_call>{"name": "python", "arguments": {"code": "print(1 + 2)"}}</tool_call>`;
 `arguments` may also be a JSON string of the object. Each call's result goes back as a tool message (see
 common/prompts.py `ConversationFormat.tool_turn`). A call that cannot be parsed, names an unknown tool or lacks an
 argument gets an `error: ...` result, so the model sees what was wrong.
@@ -26,18 +27,43 @@ from areal_k8s.common.sandbox import Sandbox, SandboxLimits
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOL_CALL_END = "</tool_call>"
 SCHEMAS = {
-    "python": {"type": "function", "function": {
-        "name": "python", "description": "Run a Python program in a sandbox (no network); returns what it prints.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
-                       "required": ["code"]}}},
-    "calculator": {"type": "function", "function": {
-        "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}},
+    "python": {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run a Python program in a sandbox (no network); returns what it prints.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "the program"}},
+                "required": ["code"],
+            },
+        },
+    },
+    "calculator": {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    },
 }
 ARGUMENT = {"python": "code", "calculator": "expression"}
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-             ast.USub: operator.neg, ast.UAdd: operator.pos}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 MAX_EXPONENT = 1000  # 10**10**10 would hold the worker's event loop for good
 
 

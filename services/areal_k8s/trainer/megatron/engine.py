@@ -36,7 +36,15 @@ from transformers import AutoConfig
 from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
 from areal_k8s.trainer.megatron import cpu
 from areal_k8s.trainer.megatron.convert import family_of
-from areal_k8s.trainer.megatron.convert.common import Family, Shape, join_shards, pad_vocab, shard_of, to_hf, to_megatron
+from areal_k8s.trainer.megatron.convert.common import (
+    Family,
+    Shape,
+    join_shards,
+    pad_vocab,
+    shard_of,
+    to_hf,
+    to_megatron,
+)
 from areal_k8s.trainer.megatron.model import Layout, Stage, attention_mask, build_gpt
 from areal_k8s.trainer.stepping import PhaseClock
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
@@ -57,8 +65,10 @@ def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -
         store = tempfile.NamedTemporaryFile(prefix="areal-megatron-", delete=False).name
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
-        distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.total_seconds() // 60))
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.total_seconds() // 60),
+    )
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -66,7 +76,9 @@ def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weights (the megatron backend reads safetensors checkpoints)")
+        raise FileNotFoundError(
+            f"{path}: no *.safetensors weights (the megatron backend reads safetensors checkpoints)"
+        )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights |= load_file(file)
@@ -87,7 +99,10 @@ class MegatronEngine(TrainEngine):
         self.data_group = parallel_state.get_data_parallel_group()
         self.pipeline_group = parallel_state.get_pipeline_model_parallel_group()
         self.pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.data_rank, self.data_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        self.data_rank, self.data_size = (
+            parallel_state.get_data_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+        )
         self.config = None  # the Hugging Face config, its family and sizes
         self.family: Family | None = None
         self.shape: Shape | None = None
@@ -155,8 +170,11 @@ class MegatronEngine(TrainEngine):
         full = self._gather(tensors)
         if self.tensor_rank != 0:
             return None
-        own = {self.stage.global_name(name): tensor for name, tensor in full.items()
-               if not (self.stage.holds_tied_copy and name == "output_layer.weight")}
+        own = {
+            self.stage.global_name(name): tensor
+            for name, tensor in full.items()
+            if not (self.stage.holds_tied_copy and name == "output_layer.weight")
+        }
         if self.stage.first:
             whole = {name: tensor.cpu() for name, tensor in own.items()}
             for source in range(1, self.layout.pipeline):  # then each later stage's, tensor by tensor
@@ -244,10 +262,15 @@ class MegatronEngine(TrainEngine):
 
         with cpu.on_cpu():
             reports = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-                num_microbatches=len(batches), forward_only=loss_fn is None,
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[self.model],
+                num_microbatches=len(batches),
+                forward_only=loss_fn is None,
                 # the shapes of each micro-batch's activations go along with them (variable_seq_lengths)
-                seq_length=batches[0]["input_ids"].shape[1], micro_batch_size=batches[0]["input_ids"].shape[0])
+                seq_length=batches[0]["input_ids"].shape[1],
+                micro_batch_size=batches[0]["input_ids"].shape[0],
+            )
         if self.layout.pipeline > 1:
             shared = [reports if self.stage.last else None]
             dist.broadcast_object_list(shared, group_src=self.layout.pipeline - 1, group=self.pipeline_group)
@@ -354,13 +377,19 @@ class MegatronEngine(TrainEngine):
         group and the stages, the vocabulary's padding stripped: any layout resumes them), on rank 0."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         state = {names[id(p)]: s for p, s in self.optimizer.state.items()}
-        moments = {key: self._gather_model({name: s[key] for name, s in state.items()}) for key in ("exp_avg", "exp_avg_sq")}
+        moments = {
+            key: self._gather_model({name: s[key] for name, s in state.items()}) for key in ("exp_avg", "exp_avg_sq")
+        }
         steps = self._stages_merged({self.stage.global_name(name): float(s["step"]) for name, s in state.items()})
         if steps is None:
             return None
         vocab = self.shape.vocab
-        return {"moments": {key: {name: pad_vocab(name, t, vocab) for name, t in full.items()} for key, full in moments.items()},
-                "step": steps}
+        return {
+            "moments": {
+                key: {name: pad_vocab(name, t, vocab) for name, t in full.items()} for key, full in moments.items()
+            },
+            "step": steps,
+        }
 
     def save_checkpoint(self, path: Path | None) -> None:
         state = self._optimizer_state() if self.data_rank == 0 else None
@@ -379,9 +408,12 @@ class MegatronEngine(TrainEngine):
         files and broadcasts the full tensors; each rank keeps its shards."""
         objects = [None, None, None, None]
         if self.rank == 0:
-            objects = [AutoConfig.from_pretrained(path), read_hf_weights(path),
-                       torch.load(path / OPTIMIZER_FILE, weights_only=True),
-                       torch.load(path / RNG_FILE, weights_only=True) if (path / RNG_FILE).exists() else None]
+            objects = [
+                AutoConfig.from_pretrained(path),
+                read_hf_weights(path),
+                torch.load(path / OPTIMIZER_FILE, weights_only=True),
+                torch.load(path / RNG_FILE, weights_only=True) if (path / RNG_FILE).exists() else None,
+            ]
         if self.world_size > 1:
             dist.broadcast_object_list(objects, src=0)
         config, weights, optimizer, rng = objects
@@ -400,6 +432,16 @@ class MegatronEngine(TrainEngine):
             dim = self._partition_dim(parameter)
             self.optimizer.state[parameter] = {
                 "step": torch.tensor(optimizer["step"][whole]),
-                **{key: shard_of(name, pad_vocab(name, optimizer["moments"][key][whole], rows), dim, self.tensor_rank,
-                                 self.layout.tensor).to(self.device).clone() for key in ("exp_avg", "exp_avg_sq")},
+                **{
+                    key: shard_of(
+                        name,
+                        pad_vocab(name, optimizer["moments"][key][whole], rows),
+                        dim,
+                        self.tensor_rank,
+                        self.layout.tensor,
+                    )
+                    .to(self.device)
+                    .clone()
+                    for key in ("exp_avg", "exp_avg_sq")
+                },
             }

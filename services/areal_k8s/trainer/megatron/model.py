@@ -34,13 +34,18 @@ class Layout:
     def check(self, config, world_size: int) -> None:
         """Refuse a layout the model cannot be split into, naming the sizes."""
         if world_size % (self.tensor * self.pipeline):
-            raise LayoutError(f"{world_size} trainer ranks are not a multiple of tensor ({self.tensor}) × pipeline "
-                              f"({self.pipeline}) parallel")
+            raise LayoutError(
+                f"{world_size} trainer ranks are not a multiple of tensor ({self.tensor}) × pipeline "
+                f"({self.pipeline}) parallel"
+            )
         shape = Shape.of(config)
         if shape.layers % self.pipeline:
             raise LayoutError(f"{shape.layers} layers do not split evenly into {self.pipeline} pipeline stages")
-        for what, count in (("attention heads", shape.heads), ("key/value heads", shape.groups),
-                            ("MLP features", config.intermediate_size)):
+        for what, count in (
+            ("attention heads", shape.heads),
+            ("key/value heads", shape.groups),
+            ("MLP features", config.intermediate_size),
+        ):
             if count % self.tensor:
                 raise LayoutError(f"{count} {what} do not split over tensor parallel {self.tensor}")
 
@@ -78,7 +83,7 @@ class Stage:
 
     def global_name(self, name: str) -> str:
         if name.startswith(LAYERS):
-            index, rest = name[len(LAYERS):].split(".", 1)
+            index, rest = name[len(LAYERS) :].split(".", 1)
             return f"{LAYERS}{int(index) + self.index * self.layers}.{rest}"
         if name == "output_layer.weight" and self.holds_tied_copy:
             return "embedding.word_embeddings.weight"
@@ -93,22 +98,38 @@ def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtyp
 
     shape = Shape.of(config)
     return TransformerConfig(
-        num_layers=shape.layers, hidden_size=shape.hidden, ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=shape.heads, num_query_groups=shape.groups, kv_channels=shape.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=config.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=family.qkv_bias,
+        num_layers=shape.layers,
+        hidden_size=shape.hidden,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=shape.heads,
+        num_query_groups=shape.groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias,
         qk_layernorm=family.qk_norm,
-        tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
         # Stages exchange the residual stream, which stays in the parameters' dtype under autocast. Micro-batches
         # differ in rows and length (packed by tokens), so their shapes go along; the token dispatcher named is
         # the one megatron-core allows with variable lengths (this model has no experts to dispatch to). Each
         # micro-batch's loss is already divided by the batch-wide normaliser: the schedule must not average it.
-        pipeline_dtype=dtype, variable_seq_lengths=layout.pipeline > 1, moe_token_dispatcher_type="alltoall",
+        pipeline_dtype=dtype,
+        variable_seq_lengths=layout.pipeline > 1,
+        moe_token_dispatcher_type="alltoall",
         calculate_per_token_loss=True,
         # (initialised, then overwritten by the loaded weights: initialising is what marks a parameter's shards)
-        params_dtype=dtype, use_cpu_initialization=on_cpu,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype,
+        use_cpu_initialization=on_cpu,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
 
 
@@ -122,10 +143,14 @@ def build_gpt(config, layout: Layout, stage: Stage, device: torch.device, dtype:
     return GPTModel(
         config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu"),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
-        vocab_size=Shape.of(config).padded_vocab(layout.tensor), max_sequence_length=config.max_position_embeddings,
-        position_embedding_type="rope", rotary_base=rope_base(config),
-        share_embeddings_and_output_weights=Shape.of(config).tied, parallel_output=True,
-        pre_process=stage.first, post_process=stage.last,
+        vocab_size=Shape.of(config).padded_vocab(layout.tensor),
+        max_sequence_length=config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rope_base(config),
+        share_embeddings_and_output_weights=Shape.of(config).tied,
+        parallel_output=True,
+        pre_process=stage.first,
+        post_process=stage.last,
     )
 
 

@@ -9,8 +9,8 @@ A family file (qwen2.py, llama.py, qwen3.py) declares how its decoder differs: b
 | `embedding.word_embeddings.weight` | `model.embed_tokens.weight` |
 | `output_layer.weight` | `lm_head.weight` (absent with tied embeddings) |
 | `decoder.final_layernorm.weight` | `model.norm.weight` |
-| `…input_layernorm.weight`, `…pre_mlp_layernorm.weight` | `…input_layernorm.weight`, `…post_attention_layernorm.weight` |
-| `…self_attention.linear_qkv.weight` [groups·(g+2)·d, H] | `…q_proj`, `…k_proj`, `…v_proj` (`.weight`, and `.bias` for Qwen2) |
+| `…input_layernorm.weight`, `…pre_mlp_layernorm.weight` | `…input_layernorm`, `…post_attention_layernorm` |
+| `…self_attention.linear_qkv.weight` [groups·(g+2)·d, H] | `…q_proj`, `…k_proj`, `…v_proj` (`.bias` too: Qwen2) |
 | `…self_attention.linear_proj.weight` | `…self_attn.o_proj.weight` |
 | `…self_attention.q_layernorm.weight`, `…k_layernorm.weight` | `…self_attn.q_norm.weight`, `…k_norm.weight` (Qwen3) |
 | `…mlp.linear_fc1.weight` [2F, H] | `…mlp.gate_proj.weight` stacked on `…mlp.up_proj.weight` |
@@ -59,9 +59,15 @@ class Shape:
     @classmethod
     def of(cls, config) -> Shape:
         heads = config.num_attention_heads
-        return cls(layers=config.num_hidden_layers, heads=heads, groups=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, hidden=config.hidden_size,
-                   vocab=config.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", False)))
+        return cls(
+            layers=config.num_hidden_layers,
+            heads=heads,
+            groups=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            hidden=config.hidden_size,
+            vocab=config.vocab_size,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
 
     @property
     def per_group(self) -> int:
@@ -77,13 +83,17 @@ def _one_to_one(family: Family, shape: Shape) -> list[tuple[str, str]]:
     pairs = [("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(shape.layers):
         m, h = MEGATRON_LAYER.format(i), HF_LAYER.format(i)
-        pairs += [(m + "input_layernorm.weight", h + "input_layernorm.weight"),
-                  (m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight"),
-                  (m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"),
-                  (m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight")]
+        pairs += [
+            (m + "input_layernorm.weight", h + "input_layernorm.weight"),
+            (m + "self_attention.linear_proj.weight", h + "self_attn.o_proj.weight"),
+            (m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"),
+            (m + "mlp.linear_fc2.weight", h + "mlp.down_proj.weight"),
+        ]
         if family.qk_norm:
-            pairs += [(m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight"),
-                      (m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight")]
+            pairs += [
+                (m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight"),
+                (m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight"),
+            ]
     pairs.append(("decoder.final_layernorm.weight", "model.norm.weight"))
     if not shape.tied:
         pairs.append(("output_layer.weight", "lm_head.weight"))
@@ -98,8 +108,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: Shape) ->
     """Hugging Face q/k/v projections (weights [n·d, H] or biases [n·d]) into Megatron's grouped linear_qkv."""
     rest = q.shape[1:]
     g, d = shape.per_group, shape.head_dim
-    grouped = torch.cat([q.reshape(shape.groups, g * d, *rest), k.reshape(shape.groups, d, *rest),
-                         v.reshape(shape.groups, d, *rest)], dim=1)
+    grouped = torch.cat(
+        [q.reshape(shape.groups, g * d, *rest), k.reshape(shape.groups, d, *rest), v.reshape(shape.groups, d, *rest)],
+        dim=1,
+    )
     return grouped.reshape(shape.groups * (g + 2) * d, *rest)
 
 
@@ -122,7 +134,9 @@ def pad_vocab(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
 
 
-def to_megatron(hf: Mapping[str, torch.Tensor], family: Family, shape: Shape, vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
+def to_megatron(
+    hf: Mapping[str, torch.Tensor], family: Family, shape: Shape, vocab_rows: int | None = None
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) Megatron tensors from a Hugging Face state dict, the vocabulary padded with zero rows to
     `vocab_rows` (default: none)."""
     out = {m: pad_vocab(m, hf[h], vocab_rows or shape.vocab) for m, h in _one_to_one(family, shape)}
@@ -130,7 +144,8 @@ def to_megatron(hf: Mapping[str, torch.Tensor], family: Family, shape: Shape, vo
         m, h = MEGATRON_LAYER.format(i), HF_LAYER.format(i)
         for suffix in _qkv_suffixes(family):
             out[m + f"self_attention.linear_qkv.{suffix}"] = fuse_qkv(
-                *(hf[h + f"self_attn.{p}_proj.{suffix}"] for p in "qkv"), shape)
+                *(hf[h + f"self_attn.{p}_proj.{suffix}"] for p in "qkv"), shape
+            )
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
     return out
 
@@ -160,6 +175,7 @@ def to_hf(megatron: Mapping[str, torch.Tensor], family: Family, shape: Shape) ->
 
 
 # -- tensor parallelism ----------------------------------------------------------------------------------------------
+
 
 def _stacked(name: str) -> bool:
     """Gate and up stacked in one matrix: each tensor-parallel shard holds a slice of both."""
