@@ -10,6 +10,7 @@ from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, re
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel, dependency_channel
 from areal_k8s.common.store import JobKeys, TrajectoryStore, connect
+from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import serve
 from areal_k8s.data.dataset import DatasetItem
@@ -59,8 +60,8 @@ async def controller(redis_url):
     await c.stop()
 
 
-def trajectory(group: common_pb2.PromptGroup, i: int) -> common_pb2.Trajectory:
-    return common_pb2.Trajectory(
+def trajectory(group: common_pb2.PromptGroup, i: int) -> Trajectory:
+    return Trajectory(
         trajectory_id=f"{group.group_id}-{i}",
         group_id=group.group_id,
         token_ids=[1, 2],

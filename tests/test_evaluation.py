@@ -4,8 +4,8 @@ evaluates at the start and the end of its run)."""
 
 import asyncio
 
-from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
+from areal_k8s.common.trajectory import PromptGroup, Trajectory
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.evaluation import Evaluator, evaluation_group, generated_by
 
@@ -21,8 +21,8 @@ JOB = parse_job(
 ITEMS = [DatasetItem(id=f"q{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
 
 
-def sample(group: common_pb2.PromptGroup, version: int, reward: float) -> common_pb2.Trajectory:
-    return common_pb2.Trajectory(
+def sample(group: PromptGroup, version: int, reward: float) -> Trajectory:
+    return Trajectory(
         group_id=group.group_id,
         token_ids=[1, 2, 3, 4],
         prompt_length=2,

@@ -2,13 +2,13 @@
 
 import pytest
 
-from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.common.trajectory import Trajectory
 
 
-def trajectory(group_id: str, index: int, versions: list[int], ticket: int = 0) -> common_pb2.Trajectory:
+def trajectory(group_id: str, index: int, versions: list[int], ticket: int = 0) -> Trajectory:
     prompt = [1, 2, 3]
-    return common_pb2.Trajectory(
+    return Trajectory(
         trajectory_id=f"{group_id}-{index}",
         group_id=group_id,
         token_ids=prompt + [4] * len(versions),

@@ -8,9 +8,9 @@ import torch
 from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.store import StreamEntry
+from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.logprobs import token_logprobs
 from areal_k8s.trainer.stepping import collate, split_minibatches
@@ -43,7 +43,7 @@ def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = Tr
                 )[0]
             behaviour = [0.0] * len(prompt) + [float(x) + behaviour_shift for x in logprobs[len(prompt) - 1 :]]
             versions = [-1] * len(prompt) + [rng.choice([0, 1]) for _ in response]
-            trajectory = common_pb2.Trajectory(
+            trajectory = Trajectory(
                 trajectory_id=f"g{g}-{i}",
                 group_id=f"g{g}",
                 token_ids=tokens,
@@ -89,16 +89,14 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
 
 
 def test_collate_lines_up_next_token_arrays():
-    trajectory = common_pb2.Trajectory(
+    trajectory = Trajectory(
         token_ids=[5, 6, 7, 8],
         logprobs=[0, 0, -0.5, -0.25],
         versions=[-1, -1, 3, 4],
         loss_mask=[False, False, True, True],
         prompt_length=2,
     )
-    short = common_pb2.Trajectory(
-        token_ids=[5, 9], logprobs=[0, -1.0], versions=[-1, 2], loss_mask=[False, True], prompt_length=1
-    )
+    short = Trajectory(token_ids=[5, 9], logprobs=[0, -1.0], versions=[-1, 2], loss_mask=[False, True], prompt_length=1)
     batch = collate([trajectory, short], torch.tensor([2.0, -1.0]), pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]

@@ -18,10 +18,10 @@ from tiny_models import build_tiny_qwen2
 from trainer_batches import GROUP_SIZE, make_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, TrajectoryStore, connect
+from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_checkpoint
 from areal_k8s.trainer.stepping import share_of_rank
@@ -209,8 +209,8 @@ def test_the_ranks_torchrun_starts_in_one_pod_form_the_world_through_its_store_o
     assert WorldSpec(local_rank=1).port_for(0) == 0  # a port that is off stays off
 
 
-def trajectory(group: str, index: int) -> common_pb2.Trajectory:
-    return common_pb2.Trajectory(
+def trajectory(group: str, index: int) -> Trajectory:
+    return Trajectory(
         trajectory_id=f"{group}-{index}",
         group_id=group,
         token_ids=[1, 2, 3],

@@ -23,6 +23,7 @@ from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.prompts import ConversationFormat, encode_prompt, stop_token_ids
 from areal_k8s.common.sglang import sampling_params
 from areal_k8s.common.store import JobKeys
+from areal_k8s.common.trajectory import PromptGroup, SamplingParams, Timings, Trajectory
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
 from areal_k8s.rollout.worker import RolloutWorker
@@ -88,15 +89,15 @@ def job(**rollout):
     return parse_job({"name": "wf", "model": "m", "dataset": {"train": "t.jsonl"}, "rollout": rollout})
 
 
-def group(prompt: str, *, n: int = 2, reference: str = "never", max_new_tokens: int = 12) -> common_pb2.PromptGroup:
-    return common_pb2.PromptGroup(
+def group(prompt: str, *, n: int = 2, reference: str = "never", max_new_tokens: int = 12) -> PromptGroup:
+    return PromptGroup(
         group_id="g1",
         prompt_id="p1",
         prompt=prompt,
         reference=reference,
         verifier="exact",
         n_samples=n,
-        sampling=common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens),
+        sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens),
     )
 
 
@@ -131,7 +132,7 @@ def ids(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-async def old_generate_group(engine, reward, tok, job, group) -> list[common_pb2.Trajectory]:
+async def old_generate_group(engine, reward, tok, job, group) -> list[Trajectory]:
     """The worker's hard-wired single-turn path before workflows (its generate_group, minus timings and metrics)."""
     prompt_ids = encode_prompt(tok, group.prompt, job.rollout.prompt_template)
     sampling = sampling_params(
@@ -157,7 +158,7 @@ async def old_generate_group(engine, reward, tok, job, group) -> list[common_pb2
     by_id = {r.item_id: r for r in scores.results}
     n = len(prompt_ids)
     return [
-        common_pb2.Trajectory(
+        Trajectory(
             trajectory_id=rid,
             group_id=group.group_id,
             prompt_id=group.prompt_id,
@@ -189,7 +190,7 @@ async def test_single_turn_gives_the_trajectories_of_the_old_hard_wired_path(eng
             <= trajectory.timings.generation_finished_at
             <= trajectory.timings.reward_finished_at
         )
-        trajectory.ClearField("timings")
+        trajectory.timings = Timings()  # the old path set none
     assert got == expected
     assert [t.response_text for t in got] == ["defghijklmno"] * 3 and [t.reward for t in got] == [1.0] * 3
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.api.v1 import common_pb2
 from areal_k8s.common.store import StreamEntry
+from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.logprobs import token_logprobs
 
@@ -29,7 +29,7 @@ def make_groups(model_path: Path, count: int) -> list[Group]:
                 scored = token_logprobs(
                     model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024
                 )[0]
-            trajectory = common_pb2.Trajectory(
+            trajectory = Trajectory(
                 trajectory_id=f"g{g}-{i}",
                 group_id=f"g{g}",
                 token_ids=tokens,

@@ -18,6 +18,8 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ResponseError
 
 from areal_k8s.api.v1 import common_pb2
+from areal_k8s.common.trajectory import Trajectory
+from areal_k8s.common.wire import trajectory_message, trajectory_record
 
 CONSUMER_GROUP = "trainer"
 # Entries kept in a job's dead-letter stream; the oldest go first. Nothing consumes it: it is there to be read.
@@ -69,10 +71,10 @@ class StreamEntry:
     max_version: int
     admitted_version: int
     ticket: int
-    trajectory: common_pb2.Trajectory
+    trajectory: Trajectory
 
 
-def policy_versions(trajectory: common_pb2.Trajectory) -> tuple[int, int]:
+def policy_versions(trajectory: Trajectory) -> tuple[int, int]:
     """(oldest, newest) policy version among the generated tokens."""
     generated = [v for v in trajectory.versions if v >= 0]
     if not generated:
@@ -81,7 +83,7 @@ def policy_versions(trajectory: common_pb2.Trajectory) -> tuple[int, int]:
 
 
 def _decode(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
-    trajectory = common_pb2.Trajectory.FromString(fields[b"payload"])
+    trajectory = trajectory_record(common_pb2.Trajectory.FromString(fields[b"payload"]))
     return StreamEntry(
         entry_id=entry_id.decode(),
         group_id=fields[b"group_id"].decode(),
@@ -111,7 +113,7 @@ class TrajectoryStore:
 
     # -- producers (rollout) -------------------------------------------------------------------------------
 
-    async def write_group(self, trajectories: list[common_pb2.Trajectory]) -> list[str] | None:
+    async def write_group(self, trajectories: list[Trajectory]) -> list[str] | None:
         """Append one group's trajectories atomically and at most once. None: the controller revoked the group (not
         written); an empty list: it was written already."""
         group_ids = {t.group_id for t in trajectories}
@@ -120,7 +122,14 @@ class TrajectoryStore:
         args: list[object] = [group_ids.pop()]
         for t in trajectories:
             oldest, newest = policy_versions(t)
-            args += [t.trajectory_id, oldest, newest, t.admitted_version, t.ticket, t.SerializeToString()]
+            args += [
+                t.trajectory_id,
+                oldest,
+                newest,
+                t.admitted_version,
+                t.ticket,
+                trajectory_message(t).SerializeToString(),
+            ]
         ids = await self._write_group(keys=[self.keys.stream, self.keys.written, self.keys.revoked], args=args)
         return None if ids is None else [i.decode() for i in ids]
 

@@ -9,6 +9,7 @@ import time
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
 from areal_k8s.common.sglang import CpuEngineClient, EngineError
+from areal_k8s.common.wire import group_record, trajectory_message
 from areal_k8s.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
     @engine_errors
     async def Generate(self, request, context):
         validate_group(request.group)
-        return rollout_pb2.GenerateResponse(trajectories=await self.worker.generate_group(request.group))
+        trajectories = await self.worker.generate_group(group_record(request.group))
+        return rollout_pb2.GenerateResponse(trajectories=[trajectory_message(t) for t in trajectories])
 
     @rpc
     @engine_errors

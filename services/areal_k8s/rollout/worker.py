@@ -11,13 +11,15 @@ import time
 
 import grpc
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import stop_token_ids
 from areal_k8s.common.rewards import is_informative
 from areal_k8s.common.sglang import EngineError, sampling_params
 from areal_k8s.common.store import TrajectoryStore
+from areal_k8s.common.trajectory import PromptGroup, Timings, Trajectory
+from areal_k8s.common.wire import group_record
 from areal_k8s.rollout.generation import Sample, generate_each
 from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow, load_workflow
 
@@ -109,7 +111,7 @@ class RolloutWorker:
         self.engine_dtype = ""  # the dtype the engine serves weights in: what the trainer pushes when asked for auto
         self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
         self.incarnation = 0  # this process's registration, as the controller numbers it: the leases are its
-        self.in_flight: dict[asyncio.Task, common_pb2.PromptGroup] = {}
+        self.in_flight: dict[asyncio.Task, PromptGroup] = {}
         self.metrics = metrics or RolloutMetrics(job.name)
         self.requests = IdleClock(self.metrics.idle_seconds)
         self.metrics.inflight_requests.set_function(lambda: self.requests.active)
@@ -118,7 +120,7 @@ class RolloutWorker:
 
     # -- one group -----------------------------------------------------------------------------------------
 
-    async def generate_group(self, group: common_pb2.PromptGroup) -> list[common_pb2.Trajectory]:
+    async def generate_group(self, group: PromptGroup) -> list[Trajectory]:
         """Run the workflow on the group: its n_samples episodes, scored; the trajectories are returned, not written."""
         sampling = sampling_params(
             temperature=group.sampling.temperature,
@@ -149,7 +151,7 @@ class RolloutWorker:
                 f"{group.admitted_version}: it restarted, and the worker registers again for the current weights"
             )
         return [
-            common_pb2.Trajectory(
+            Trajectory(
                 trajectory_id=ctx.sample_id(i),
                 group_id=group.group_id,
                 prompt_id=group.prompt_id,
@@ -165,7 +167,7 @@ class RolloutWorker:
                 response_text=ctx.decode(episode.token_ids[episode.prompt_length :]),
                 admitted_version=group.admitted_version,
                 ticket=group.ticket,
-                timings=common_pb2.Timings(
+                timings=Timings(
                     generation_started_at=ctx.started_at,
                     generation_finished_at=ctx.generated_at,
                     reward_finished_at=ctx.rewarded_at,
@@ -191,7 +193,7 @@ class RolloutWorker:
             m.interruptions.inc(sample.interruptions)
         return samples
 
-    async def process_group(self, group: common_pb2.PromptGroup) -> None:
+    async def process_group(self, group: PromptGroup) -> None:
         """Generate, score, write, report. Any failure re-queues the prompt at the controller; nothing is lost."""
         result, reason = controller_pb2.GroupOutcome.ACCEPTED, ""
         try:
@@ -277,7 +279,7 @@ class RolloutWorker:
                 if reply.finished:
                     log.info("job finished; worker %s stops", self.worker_id)
                     return
-                for group in reply.groups:
+                for group in map(group_record, reply.groups):
                     task = asyncio.create_task(self.process_group(group))
                     self.in_flight[task] = group
                     task.add_done_callback(lambda done: self.in_flight.pop(done, None))

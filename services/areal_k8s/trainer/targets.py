@@ -8,8 +8,10 @@ deadline; the worker gives its engine call what is left of it.
 
 from __future__ import annotations
 
-from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_k8s.api.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.trajectory import PromptGroup, Trajectory
+from areal_k8s.common.wire import group_message, trajectory_record
 
 GRPC_MARGIN = 5.0  # on top of a weight operation's own deadline, so the worker's engine call times out first
 
@@ -78,10 +80,10 @@ class RolloutTarget:
             self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name)
         )
 
-    async def generate(self, group: common_pb2.PromptGroup, timeout: float) -> list[common_pb2.Trajectory]:
+    async def generate(self, group: PromptGroup, timeout: float) -> list[Trajectory]:
         """The worker's episodes of `group`, scored and returned, not written to the stream (evaluation.py)."""
-        reply = await self.stub.Generate(rollout_pb2.GenerateRequest(group=group), timeout=timeout)
-        return list(reply.trajectories)
+        reply = await self.stub.Generate(rollout_pb2.GenerateRequest(group=group_message(group)), timeout=timeout)
+        return [trajectory_record(t) for t in reply.trajectories]
 
     async def weights_checksum(self) -> str:
         reply = await self._call(self.stub.GetWeightsChecksum, rollout_pb2.GetWeightsChecksumRequest())

@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from areal_k8s.api.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.trajectory import PromptGroup
 from areal_k8s.rollout.generation import Sample
 
 SCORE_DEADLINE_SECONDS = 600.0
@@ -80,7 +81,7 @@ class Episode:
 class EpisodeContext:
     """What a workflow may use for one prompt group. `generate` and `score` stamp the group's timings."""
 
-    group: common_pb2.PromptGroup
+    group: PromptGroup
     job: JobConfig
     tokenizer: Any
     sampling: dict[str, Any]  # SGLang sampling_params of every model turn (max_new_tokens: per turn)
