@@ -70,19 +70,19 @@ async def test_generate_refuses_an_invalid_group_naming_the_field(rollout, chang
 
 
 async def test_weight_update_with_mismatched_metadata_is_invalid(rollout):
-    request = rollout_pb2.UpdateWeightsRequest(names=["a", "b"], dtypes=["float32"], shapes=[])
+    request = rollout_pb2.UpdateWeightsFromDistributedRequest(names=["a", "b"], dtypes=["float32"], shapes=[])
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await rollout.UpdateWeights(request)
+        await rollout.UpdateWeightsFromDistributed(request)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "equal lengths" in raised.value.details()
 
 
 async def test_an_unreachable_engine_is_unavailable_and_the_service_keeps_serving(rollout):
-    request = rollout_pb2.InitWeightUpdateGroupRequest(
+    request = rollout_pb2.InitWeightsUpdateGroupRequest(
         master_address="127.0.0.1", master_port=29500, rank_offset=1, world_size=2, group_name="g", backend="gloo"
     )
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await rollout.InitWeightUpdateGroup(request)
+        await rollout.InitWeightsUpdateGroup(request)
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert raised.value.details().startswith("engine:")
     with pytest.raises(grpc.aio.AioRpcError) as again:  # still answering, with a precise status

@@ -68,7 +68,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc
     @engine_errors
-    async def InitWeightUpdateGroup(self, request, context):
+    async def InitWeightsUpdateGroup(self, request, context):
         require(bool(request.master_address), "master_address is required")
         require(0 < request.master_port < 65536, f"master_port must be a TCP port, got {request.master_port}")
         require(
@@ -90,14 +90,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
 
     @rpc
     @engine_errors
-    async def DestroyWeightUpdateGroup(self, request, context):
+    async def DestroyWeightsUpdateGroup(self, request, context):
         require(bool(request.group_name), "group_name is required")
         await self.engine.destroy_weights_update_group(request.group_name)
         return _ok()
 
     @rpc
     @engine_errors
-    async def UpdateWeights(self, request, context):
+    async def UpdateWeightsFromDistributed(self, request, context):
         require(len(request.names) > 0, "names must not be empty")
         require(
             len(request.names) == len(request.dtypes) == len(request.shapes),

@@ -43,8 +43,8 @@ class RolloutTarget:
         self, master_address, master_port, rank_offset, world_size, group_name, backend, *, timeout
     ):
         await self._call(
-            self.stub.InitWeightUpdateGroup,
-            rollout_pb2.InitWeightUpdateGroupRequest(
+            self.stub.InitWeightsUpdateGroup,
+            rollout_pb2.InitWeightsUpdateGroupRequest(
                 master_address=master_address,
                 master_port=master_port,
                 rank_offset=rank_offset,
@@ -58,7 +58,7 @@ class RolloutTarget:
     async def update_weights_from_distributed(
         self, names, dtypes, shapes, group_name, *, timeout, weight_version=None, load_format=None
     ):
-        request = rollout_pb2.UpdateWeightsRequest(
+        request = rollout_pb2.UpdateWeightsFromDistributedRequest(
             names=names,
             dtypes=dtypes,
             shapes=[rollout_pb2.TensorShape(dims=list(shape)) for shape in shapes],
@@ -67,7 +67,7 @@ class RolloutTarget:
         )
         if weight_version is not None:
             request.weight_version = int(weight_version)
-        await self._call(self.stub.UpdateWeights, request, timeout=timeout + GRPC_MARGIN)
+        await self._call(self.stub.UpdateWeightsFromDistributed, request, timeout=timeout + GRPC_MARGIN)
 
     async def pause_generation(self, mode: str = "abort"):
         await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode))
@@ -77,7 +77,7 @@ class RolloutTarget:
 
     async def destroy_weights_update_group(self, group_name: str):
         await self._call(
-            self.stub.DestroyWeightUpdateGroup, rollout_pb2.DestroyWeightUpdateGroupRequest(group_name=group_name)
+            self.stub.DestroyWeightsUpdateGroup, rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name)
         )
 
     async def generate(self, group: PromptGroup, timeout: float) -> list[Trajectory]:
