@@ -1,4 +1,4 @@
-"""Staleness-bounded admission: AReaL's rule for when a rollout may start (areal-design-notes §1)."""
+"""Staleness-bounded admission: AReaL's rule for when a rollout may start (arXiv 2505.24298, Eq. 3)."""
 
 
 def admission_rooms(

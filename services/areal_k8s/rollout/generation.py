@@ -2,8 +2,8 @@
 
 When the trainer pauses the engine to push weights, in-flight requests come back with finish_reason "abort" and
 the tokens so far; they are resubmitted as prompt + generated prefix, the engine recomputes the KV cache under the
-new weights, and every token keeps the policy version that produced it (AReaL's partial rollout,
-areal-design-notes §3). With `rollout.interrupt: retract` the engine does the same inside: it re-queues the
+new weights, and every token keeps the policy version that produced it (AReaL's interruptible
+generation, arXiv 2505.24298). With `rollout.interrupt: retract` the engine does the same inside: it re-queues the
 request, recomputes its cache after the update and answers once, its `weight_versions` spans naming each token's
 version. An engine also retracts on its own under KV-cache pressure, with unchanged weights: the spans show that
 too, and the request simply goes on. A workflow's every model turn is one such generation, so the versions stay

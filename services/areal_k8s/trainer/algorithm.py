@@ -1,5 +1,6 @@
-"""The RL objective as pure tensor functions (areal-design-notes §2): advantage estimators, the decoupled PPO policy
-loss and its variants, AReaL's log-linear proximal approximation, and a KL penalty against a reference policy.
+"""The RL objective as pure tensor functions: advantage estimators, the decoupled PPO policy loss of the AReaL paper
+(arXiv 2505.24298, Eq. 5) and its variants, AReaL's log-linear proximal approximation, and a KL penalty against a
+reference policy.
 
 Shapes: per-response quantities are [groups, n] (n responses to one prompt per row). Per-token quantities are
 [batch, tokens], right-padded, with `mask` marking the tokens that count (the generated ones, already shifted to line

@@ -1,5 +1,5 @@
-"""Token-budgeted micro-batches (areal-design-notes §6, dynamic batching): first-fit decreasing packing of sequences,
-and taking one micro-batch out of a right-padded batch.
+"""Token-budgeted micro-batches (dynamic batching, Algorithm 1 of the AReaL paper): first-fit decreasing packing of
+sequences, and taking one micro-batch out of a right-padded batch.
 
 A micro-batched loss equals the full-batch loss when every micro-batch's loss is divided by the same batch-wide
 normaliser (`algorithm.loss_normaliser`) and the losses are summed (their gradients accumulated); the stats combine
