@@ -1,5 +1,5 @@
 """`make bench-logprobs`: peak memory of per-token log-probabilities over a large vocabulary, the full-logits way (what
-the trainer did before trainer/logprobs.py) against the chunked one, with and without the backward pass.
+the trainer did before trainer/backends/logprobs.py) against the chunked one, with and without the backward pass.
 
 Only the output layer differs between the two, so that is what runs: hidden states [tokens, hidden] (a leaf that
 requires grad, standing in for the transformer's output) through a bias-free [vocab, hidden] head, Qwen2.5-0.5B's
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from figures import write_between
 
-from areal_k8s.trainer.logprobs import chunked_target_logprobs
+from areal_k8s.trainer.backends.logprobs import chunked_target_logprobs
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "logprob_memory.json"

@@ -78,7 +78,7 @@ def scored_batch(groups) -> dict[str, torch.Tensor]:
 
 
 async def push_twice(weights, url: str, backend: str, bucket_bytes: int) -> tuple[list[dict], bool]:
-    from areal_k8s.trainer.weight_sync import WeightSender
+    from areal_k8s.trainer.weights.sender import WeightSender
 
     client = CpuEngineClient(url, control_timeout=600)
     sender = WeightSender(backend, bucket_bytes=bucket_bytes, timeout=600)
@@ -119,8 +119,8 @@ def rank_main(
 def smoke_on_rank(world, job, receiver_url: str, push_dtype: str, bucket_bytes: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from areal_k8s.trainer.logprobs import token_logprobs
-    from areal_k8s.trainer.trainer import Trainer
+    from areal_k8s.trainer.backends.logprobs import token_logprobs
+    from areal_k8s.trainer.loop.trainer import Trainer
 
     groups = make_groups(Path(job.model), 4)
     batch = scored_batch(groups)

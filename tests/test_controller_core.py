@@ -11,7 +11,7 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.controller.admission import admission_capacity
 from areal_k8s.controller.core import ControllerCore, UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.batching import Group, past_the_bound, select_batch, staleness
+from areal_k8s.trainer.step.batching import Group, past_the_bound, select_batch, staleness
 
 
 class Clock:

@@ -18,12 +18,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
+from areal_k8s.trainer.backends.logprobs import token_logprobs
+from areal_k8s.trainer.backends.megatron.convert import UnsupportedModel, family_of
+from areal_k8s.trainer.backends.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron
+from areal_k8s.trainer.backends.megatron.model import Layout, LayoutError, Stage
 from areal_k8s.trainer.checkpoint import TrainerState, save_checkpoint
-from areal_k8s.trainer.logprobs import token_logprobs
-from areal_k8s.trainer.megatron.convert import UnsupportedModel, family_of
-from areal_k8s.trainer.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron
-from areal_k8s.trainer.megatron.model import Layout, LayoutError, Stage
-from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.world import World, WorldSpec
 
 pytest.importorskip("megatron.core")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.trainer.algorithm import decoupled_ppo_loss, kl_penalty, loss_normaliser, merge_loss_stats
-from areal_k8s.trainer.packing import first_fit_decreasing, padded_cost, take_rows
+from areal_k8s.trainer.step.packing import first_fit_decreasing, padded_cost, take_rows
 
 # -- hand-checked ------------------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from areal_k8s.common.sglang import SGLangClient, UnfitEngine, sampling_params, 
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.rollout.generation import generate_interruptible
 from areal_k8s.trainer.checkpoint import checkpoint_dir
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 
 pytestmark = pytest.mark.e2e
 

@@ -178,7 +178,7 @@ async def test_entries_whose_read_reply_was_lost_are_recovered_once_by_the_live_
     """A read that timed out after Redis answered (a trainer stalled longer than the client's socket timeout) is
     sent again and asks for new entries: the first reply's entries stay in the consumer's pending list, unseen. The
     assembler finds them there, once, and forgets entries once they are acknowledged."""
-    from areal_k8s.trainer.batching import BatchAssembler
+    from areal_k8s.trainer.step.batching import BatchAssembler
 
     assembler = BatchAssembler(store, "trainer-0", controller=None, batch_size=1, group_size=2, max_staleness=1)
     await store.ensure_consumer_group()

@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.config import TrainerConfig, parse_job
 from areal_k8s.trainer.algorithm import LossStats
-from areal_k8s.trainer.engine import ENGINES, make_engine
-from areal_k8s.trainer.hf_engine import TorchEngine
-from areal_k8s.trainer.logprobs import token_logprobs
+from areal_k8s.trainer.backends.engine import ENGINES, make_engine
+from areal_k8s.trainer.backends.logprobs import token_logprobs
+from areal_k8s.trainer.backends.torch import TorchEngine
 
 CHUNK = 5
 

@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.common.trajectory import Trajectory
-from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.logprobs import token_logprobs
-from areal_k8s.trainer.stepping import collate, split_minibatches
-from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.backends.logprobs import token_logprobs
+from areal_k8s.trainer.loop.trainer import Trainer
+from areal_k8s.trainer.step.batching import Group
+from areal_k8s.trainer.step.collation import collate, split_minibatches
 
 GROUPS, SAMPLES = 3, 4
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")

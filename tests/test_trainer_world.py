@@ -22,10 +22,10 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, TrajectoryStore, connect
 from areal_k8s.common.trajectory import Trajectory
-from areal_k8s.trainer.batching import Group
 from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_checkpoint
-from areal_k8s.trainer.stepping import share_of_rank
-from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.loop.trainer import Trainer
+from areal_k8s.trainer.step.batching import Group
+from areal_k8s.trainer.step.collation import share_of_rank
 from areal_k8s.trainer.world import COMMIT, STOP, World, WorldSpec
 
 

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 
 torch.set_num_threads(1)
 
@@ -257,7 +257,7 @@ TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
     from areal_k8s.common.distributed import create_rendezvous_store
     from areal_k8s.common.sglang import CpuEngineClient
     from areal_k8s.common.weights import weights_checksum
-    from areal_k8s.trainer.weight_sync import WeightSender
+    from areal_k8s.trainer.weights.sender import WeightSender
 
     async def main(url, group_name):
         client = CpuEngineClient(url)
@@ -347,7 +347,7 @@ async def test_an_interrupted_sample_resumes_under_the_new_weights_with_exact_lo
 
 def test_engines_with_tensor_parallelism_get_room_for_every_rank():
     """SGLang joins each TP rank at rank_offset + tp_rank: offsets 1 + i collided as soon as an engine had TP 2."""
-    from areal_k8s.trainer.weight_sync import group_layout
+    from areal_k8s.trainer.weights.sender import group_layout
 
     assert group_layout([1]) == (2, [1])
     assert group_layout([1, 1, 1]) == (4, [1, 2, 3])
@@ -423,7 +423,7 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
     from areal_k8s.common.store import TrajectoryStore, connect
     from areal_k8s.rollout.server import RolloutServicer
     from areal_k8s.rollout.worker import RolloutWorker
-    from areal_k8s.trainer.targets import RolloutTarget
+    from areal_k8s.trainer.weights.targets import RolloutTarget
 
     process, url = frozen_engine
     engine = CpuEngineClient(url, control_timeout=2)
@@ -477,7 +477,7 @@ def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
     from areal_k8s.api.v1 import controller_pb2
     from areal_k8s.common.config import parse_job
     from areal_k8s.common.sglang import served_dtype
-    from areal_k8s.trainer.publishing import push_dtype_for
+    from areal_k8s.trainer.weights.publisher import push_dtype_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float32"}))
     assert served_dtype({"dtype": "float32"}, tmp_path) == "float32"  # SGLang started with --dtype float32

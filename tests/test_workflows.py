@@ -293,7 +293,7 @@ async def test_tool_agent_with_a_chat_template_answers_an_unknown_tool_with_an_e
 async def test_a_weight_push_in_the_middle_of_an_episode_keeps_every_tokens_version(engine, model_path, reward):
     from transformers import AutoModelForCausalLM
 
-    from areal_k8s.trainer.weight_sync import WeightSender
+    from areal_k8s.trainer.weights.sender import WeightSender
 
     tok = tokenizer(model_path)
     weights_ = AutoModelForCausalLM.from_pretrained(model_path).named_parameters

@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.common.trajectory import Trajectory
-from areal_k8s.trainer.batching import Group
-from areal_k8s.trainer.logprobs import token_logprobs
+from areal_k8s.trainer.backends.logprobs import token_logprobs
+from areal_k8s.trainer.step.batching import Group
 
 GROUP_SIZE = 4
 

@@ -1,7 +1,7 @@
 """SGLang's HTTP API as the pinned version defines it (images/sglang: v0.5.20), and the one client of it.
 
 The rollout agent drives its engine with `SGLangClient`; the trainer reaches the same operations through the agent
-(trainer/targets.py), both typed by `WeightTarget`. Our CPU engine serves these routes with SGLang's request and
+(trainer/weights/targets.py), both typed by `WeightTarget`. Our CPU engine serves these routes with SGLang's request and
 response shapes; what only it has lives under `/areal/` and only `CpuEngineClient` calls it.
 
 `ROUTES`, `SAMPLING_PARAMS` and `READS` spell out every route we call, field we send and field we read:

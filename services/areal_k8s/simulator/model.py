@@ -28,7 +28,7 @@ from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.scenario import Scenario
-from areal_k8s.trainer.batching import Group, select_batch
+from areal_k8s.trainer.step.batching import Group, select_batch
 
 PROMPTS = 1024  # dataset items the simulated controller cycles through
 

@@ -21,8 +21,8 @@ from areal_k8s.common.service import (
     wait_if_asked,
 )
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.server import TrainerServicer
-from areal_k8s.trainer.trainer import Trainer
 from areal_k8s.trainer.world import World, WorldSpec
 
 log = logging.getLogger("areal.trainer")

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
-from areal_k8s.trainer.engine import TrainEngine
+from areal_k8s.trainer.backends.engine import TrainEngine
 
 STATE_FILE = "trainer_state.json"
 

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams, Trajectory
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.targets import RolloutTarget
+from areal_k8s.trainer.weights.targets import RolloutTarget
 
 log = logging.getLogger(__name__)
 

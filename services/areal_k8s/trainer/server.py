@@ -1,11 +1,11 @@
-"""Trainer gRPC shell: status, on-demand checkpoints and hand-offs (handoff.py)."""
+"""Trainer gRPC shell: status, on-demand checkpoints and hand-offs (loop/handoff.py)."""
 
 from __future__ import annotations
 
 from areal_k8s.api.v1 import trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.grpcutil import rpc
-from areal_k8s.trainer.handoff import hand_off
-from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.loop.handoff import hand_off
+from areal_k8s.trainer.loop.trainer import Trainer
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from areal_k8s.trainer.megatron.convert import llama, qwen2, qwen3
-from areal_k8s.trainer.megatron.convert.common import Family
+from areal_k8s.trainer.backends.megatron.convert import llama, qwen2, qwen3
+from areal_k8s.trainer.backends.megatron.convert.common import Family
 
 FAMILIES: tuple[Family, ...] = (qwen2.FAMILY, qwen3.FAMILY, llama.FAMILY)
 

@@ -1,4 +1,4 @@
-"""The seam between the training loop (trainer.py) and a training backend.
+"""The seam between the training loop (loop/trainer.py) and a training backend.
 
 The loop decides what to train on and how the objective reads (advantages, packing and `decoupled_ppo_loss` are
 backend-free tensor code); an engine owns the model, its optimizer and its parallel layout, and runs forward,
@@ -6,14 +6,16 @@ backward and the optimizer step on the micro-batches it is given. One implementa
 `trainer.backend` (`make_engine`); the registry names each by module path, so a backend's imports (megatron-core)
 are only paid by the jobs that choose it.
 
-A micro-batch is a dict of right-padded [rows, L] / [rows, L − 1] tensors on the CPU (`stepping.collate`): `input_ids`
-and `attention_mask` are what an engine reads; the rest goes to the loss function, moved to the engine's device.
+A micro-batch is a dict of right-padded [rows, L] / [rows, L − 1] tensors on the CPU (`step.collation.collate`):
+`input_ids` and `attention_mask` are what an engine reads; the rest goes to the loss function, moved to the engine's
+device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,8 +32,8 @@ MicroBatch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, LossStats]]
 
 ENGINES = {  # trainer.backend -> its TrainEngine
-    "torch": "areal_k8s.trainer.hf_engine:TorchEngine",
-    "megatron": "areal_k8s.trainer.megatron.engine:MegatronEngine",
+    "torch": "areal_k8s.trainer.backends.torch:TorchEngine",
+    "megatron": "areal_k8s.trainer.backends.megatron.engine:MegatronEngine",
 }
 
 
@@ -44,6 +46,26 @@ class MinibatchResult:
     stats: list[LossStats]
     grad_norm: float
     seconds: dict[str, float]
+
+
+class PhaseClock:
+    """Adds up wall time per phase: `with clock("optimizer"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.add({phase: time.monotonic() - started})
+
+    def add(self, seconds: dict[str, float]) -> None:
+        """Count time measured elsewhere (by an engine)."""
+        for phase, value in seconds.items():
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + value
 
 
 class TrainEngine(ABC):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from areal_k8s.common.grpcutil import FailedPrecondition
 from areal_k8s.trainer.checkpoint import latest_checkpoint
-from areal_k8s.trainer.trainer import Trainer
+from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.world import STOP
 
 log = logging.getLogger(__name__)

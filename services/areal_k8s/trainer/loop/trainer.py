@@ -1,10 +1,10 @@
 """The trainer: consume trajectories, step the policy, checkpoint, push weights, announce the version.
 
 `Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested. The loop
-knows no training backend: the policy is a `TrainEngine` (engine.py) chosen by `trainer.backend`, which the loop
-hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the stream,
-picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the other ranks,
-which `follow`: every rank trains its share of every minibatch, and the gradients add up over the ranks.
+knows no training backend: the policy is a `TrainEngine` (backends/engine.py) chosen by `trainer.backend`, which the
+loop hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the
+stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the other
+ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add up over the ranks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from areal_k8s.trainer.algorithm import (
     loss_normaliser,
     merge_loss_stats,
 )
-from areal_k8s.trainer.batching import BatchAssembler, Group, staleness
+from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, PhaseClock, TrainEngine, make_engine
 from areal_k8s.trainer.checkpoint import (
     TrainerState,
     entries_to_train_again,
@@ -42,11 +42,11 @@ from areal_k8s.trainer.checkpoint import (
     load_state,
     save_checkpoint,
 )
-from areal_k8s.trainer.engine import LossFn, MicroBatch, TrainEngine, make_engine
 from areal_k8s.trainer.evaluation import Evaluator
-from areal_k8s.trainer.packing import first_fit_decreasing, take_rows
-from areal_k8s.trainer.publishing import WeightPublisher
-from areal_k8s.trainer.stepping import PhaseClock, collate, share_of_rank, split_minibatches
+from areal_k8s.trainer.step.batching import BatchAssembler, Group, staleness
+from areal_k8s.trainer.step.collation import collate, share_of_rank, split_minibatches
+from areal_k8s.trainer.step.packing import first_fit_decreasing, take_rows
+from areal_k8s.trainer.weights.publisher import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class Trainer:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
             groups = await self.next_batch()
-            # Held to the step's checkpoint: an on-demand one (handoff.py) falls between steps, never on an
+            # Held to the step's checkpoint: an on-demand one (loop/handoff.py) falls between steps, never on an
             # unreported one.
             async with self.lock:
                 self.phase = "training"
@@ -474,7 +474,7 @@ class Trainer:
     # -- weights -------------------------------------------------------------------------------------------
 
     async def push_weights(self) -> tuple[dict, dict[str, bool]]:
-        """The current weights to every rollout engine (publishing.py)."""
+        """The current weights to every rollout engine (weights/publisher.py)."""
         return await self.publisher.push(self.engine.named_weights_for_push, self.version)
 
     async def announce(self, restored: bool) -> None:

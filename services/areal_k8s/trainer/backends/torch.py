@@ -27,9 +27,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
-from areal_k8s.trainer.logprobs import token_logprobs
-from areal_k8s.trainer.stepping import PhaseClock
+from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainEngine
+from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.world import gather_from_ranks
 
 OPTIMIZER_FILE = "optimizer.pt"

@@ -1,10 +1,7 @@
-"""Plain pieces of a training step: collating trajectories into tensors, minibatch split, a minibatch's share per rank
-of the trainer world, and the clock that splits a step's wall time by phase."""
+"""Plain pieces of a training step: collating trajectories into tensors, minibatch split, and a minibatch's share per
+rank of the trainer world."""
 
 from __future__ import annotations
-
-import contextlib
-import time
 
 import torch
 
@@ -31,26 +28,6 @@ def share_of_rank(rows: list[int], lengths: list[int], group_size: int, rank: in
         if taker == rank:
             mine += groups[group]
     return sorted(mine)
-
-
-class PhaseClock:
-    """Adds up wall time per phase: `with clock("optimizer"): ...`."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        started = time.monotonic()
-        try:
-            yield
-        finally:
-            self.add({phase: time.monotonic() - started})
-
-    def add(self, seconds: dict[str, float]) -> None:
-        """Count time measured elsewhere (by an engine)."""
-        for phase, value in seconds.items():
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + value
 
 
 def collate(trajectories: list, advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Rank 0 of the trainer world owns one `WeightPublisher`. It keeps the group formed with the workers the controller
 lists, forms it again when they come, go or restart, and pushes the policy in buckets with generation paused around
-it (weight_sync.py). A push that fails twice does not stop the training: the publisher drops the group, backs off,
+it (sender.py). A push that fails twice does not stop the training: the publisher drops the group, backs off,
 and pushes again when the trainer next waits for data or at the next step.
 """
 
@@ -20,8 +20,8 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.weights import parse_dtype, weights_checksum
-from areal_k8s.trainer.targets import RolloutTarget
-from areal_k8s.trainer.weight_sync import WeightSender, WeightSyncError
+from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
+from areal_k8s.trainer.weights.targets import RolloutTarget
 
 log = logging.getLogger(__name__)
 

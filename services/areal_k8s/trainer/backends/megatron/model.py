@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from areal_k8s.trainer.megatron.convert import family_of, rope_base
-from areal_k8s.trainer.megatron.convert.common import Family, Shape
+from areal_k8s.trainer.backends.megatron.convert import family_of, rope_base
+from areal_k8s.trainer.backends.megatron.convert.common import Family, Shape
 
 
 class LayoutError(ValueError):

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
-from areal_k8s.trainer.engine import LossFn, MicroBatch, MinibatchResult, TrainEngine
-from areal_k8s.trainer.megatron import cpu
-from areal_k8s.trainer.megatron.convert import family_of
-from areal_k8s.trainer.megatron.convert.common import (
+from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainEngine
+from areal_k8s.trainer.backends.megatron import cpu
+from areal_k8s.trainer.backends.megatron.convert import family_of
+from areal_k8s.trainer.backends.megatron.convert.common import (
     Family,
     Shape,
     join_shards,
@@ -45,8 +45,7 @@ from areal_k8s.trainer.megatron.convert.common import (
     to_hf,
     to_megatron,
 )
-from areal_k8s.trainer.megatron.model import Layout, Stage, attention_mask, build_gpt
-from areal_k8s.trainer.stepping import PhaseClock
+from areal_k8s.trainer.backends.megatron.model import Layout, Stage, attention_mask, build_gpt
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
 
 WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE = "model.safetensors", "optimizer.pt", "rng.pt"

@@ -81,7 +81,7 @@ class RolloutTarget:
         )
 
     async def generate(self, group: PromptGroup, timeout: float) -> list[Trajectory]:
-        """The worker's episodes of `group`, scored and returned, not written to the stream (evaluation.py)."""
+        """The worker's episodes of `group`, scored and returned, not written to the stream (trainer/evaluation.py)."""
         reply = await self.stub.Generate(rollout_pb2.GenerateRequest(group=group_message(group)), timeout=timeout)
         return [trajectory_record(t) for t in reply.trajectories]
 
