@@ -1,4 +1,4 @@
-"""The seam between the training loop (loop/trainer.py) and a training backend.
+"""The seam between the training loop (loop/, and the step it runs: step/) and a training backend.
 
 The loop decides what to train on and how the objective reads (advantages, packing and `decoupled_ppo_loss` are
 backend-free tensor code); an engine owns the model, its optimizer and its parallel layout, and runs forward,

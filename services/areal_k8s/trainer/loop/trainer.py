@@ -2,9 +2,10 @@
 
 `Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested. The loop
 knows no training backend: the policy is a `TrainEngine` (backends/engine.py) chosen by `trainer.backend`, which the
-loop hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the
-stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the other
-ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add up over the ranks.
+step (step/train_step.py) hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world
+(world.py) reads the stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends
+each batch to the other ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add
+up over the ranks.
 """
 
 from __future__ import annotations
@@ -13,28 +14,15 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-
-import torch
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
-from areal_k8s.common.rewards import is_informative
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.algorithm import (
-    LossStats,
-    compute_advantages,
-    decoupled_ppo_loss,
-    kl_penalty,
-    learning_rate,
-    loglinear_proximal_logprobs,
-    loss_normaliser,
-    merge_loss_stats,
-)
-from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, PhaseClock, TrainEngine, make_engine
+from areal_k8s.trainer.backends.engine import TrainEngine, make_engine
 from areal_k8s.trainer.checkpoint import (
     TrainerState,
     entries_to_train_again,
@@ -43,46 +31,15 @@ from areal_k8s.trainer.checkpoint import (
     save_checkpoint,
 )
 from areal_k8s.trainer.evaluation import Evaluator
-from areal_k8s.trainer.step.batching import BatchAssembler, Group, staleness
-from areal_k8s.trainer.step.collation import collate, share_of_rank, split_minibatches
-from areal_k8s.trainer.step.packing import first_fit_decreasing, take_rows
+from areal_k8s.trainer.loop.record import StepRecord
+from areal_k8s.trainer.step.batching import BatchAssembler, Group
+from areal_k8s.trainer.step.train_step import TrainStep
 from areal_k8s.trainer.weights.publisher import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
 
 MEMBERSHIP_POLL_SECONDS = 1.0  # while waiting for data, how often to look for engines that joined since the last push
-
-
-@dataclass
-class StepRecord:
-    """One line of steps.jsonl: what a step consumed and how it went."""
-
-    version: int
-    groups: list[str]
-    entries: list[str]
-    staleness: list[int]
-    reward_mean: float
-    loss: float
-    clip_fraction: float
-    approx_kl: float
-    grad_norm: float
-    samples: int
-    tokens: int
-    seconds: dict[str, float]  # wait, train, eval: wall time of the step's phases; checkpoint: the previous step's
-    train_seconds: dict[str, float] = field(
-        default_factory=dict
-    )  # train split: prepare, recompute, forward_backward, optimizer
-    dropped_groups: list[str] = field(default_factory=list)  # dropped before this step as past η (after a rollback)
-    learning_rate: float = 0.0
-    weight_push: dict = field(default_factory=dict)
-    weights_verified: dict[str, bool] = field(default_factory=dict)
-    eval_accuracy: float = -1.0
-    behaviour_weight_mean: float = 1.0  # mean π_prox/π_behav: how far behind the behaviour policies were
-    capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
-    groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
-    world_size: int = 1  # trainer ranks that trained it
-    finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
 
 class Trainer:
@@ -112,6 +69,7 @@ class Trainer:
         self.engine: TrainEngine = make_engine(job)
         # The KL penalty's reference is the initial model, frozen.
         self.reference: TrainEngine | None = make_engine(job, trainable=False) if job.algorithm.kl_coef > 0 else None
+        self.step = TrainStep(job, self.engine, self.reference, tokenizer, self.world.size)
         self.assembler = BatchAssembler(
             store,
             consumer,
@@ -288,166 +246,11 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------------------
 
     def train_step(self, groups: list[Group]) -> StepRecord:
-        """Advantages, then `minibatches` AdamW updates of the decoupled PPO loss over token-budgeted micro-batches."""
-        started = time.monotonic()
-        algorithm, sampling = self.job.algorithm, self.job.sampling
-        trajectories = [e.trajectory for g in groups for e in g.entries]
-        rewards = torch.tensor([[e.trajectory.reward for e in g.entries] for g in groups], dtype=torch.float32)
-        generated = torch.tensor(
-            [[len(e.trajectory.token_ids) - e.trajectory.prompt_length for e in g.entries] for g in groups]
-        )
-        advantages = compute_advantages(
-            algorithm.name,
-            rewards,
-            generated,
-            eps=algorithm.adv_eps,
-            max_new_tokens=sampling.max_new_tokens,
-            overlong_buffer=algorithm.overlong_buffer,
-            overlong_factor=algorithm.overlong_factor,
-        ).flatten()
-        batch = collate(trajectories, advantages, self.tokenizer.pad_token_id)
-        lengths = [len(t.token_ids) for t in trajectories]
-        minibatches = split_minibatches(len(groups), algorithm.group_size, algorithm.minibatches)
-        shares = [self.rows_to_train(batch, rows, lengths) for rows in minibatches]  # this rank's, per minibatch
-        mine = sorted({row for rows, _ in shares for row in rows})
-        clock = PhaseClock()
-        # The proximal policy is the one before this step's first update: with one update it is the current policy.
-        if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
-            with clock("recompute"):
-                batch["proximal_logprobs"] = self.batch_logprobs(self.engine, batch, lengths, mine)
-        if self.reference:
-            with clock("recompute"):
-                batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths, mine)
-
-        lr = learning_rate(
-            self.version,
-            algorithm.total_steps,
-            algorithm.lr,
-            schedule=algorithm.lr_schedule,
-            warmup_steps=algorithm.lr_warmup_steps,
-            min_ratio=algorithm.lr_min_ratio,
-        )
-        results = []
-        for rows, (share, masked) in zip(minibatches, shares):
-            # the whole minibatch's, on every rank (each holds the whole batch): the ranks' losses add up to its loss
-            normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], sampling.max_new_tokens)
-            micro_batches = self.micro_batches(batch, share, lengths, masked)
-            results.append(self.engine.train_minibatch(micro_batches, self.loss_fn(normaliser), lr=lr))
-            clock.add(results[-1].seconds)
-        self.engine.gather_for_push()  # (every rank) the weights rank 0 pushes next
-        stats = merge_loss_stats([stats for result in results for stats in result.stats])
-        total_tokens = int(batch["loss_mask"].sum())
-        self.state.trained_samples += len(trajectories)
-        self.state.trained_tokens += total_tokens
-        return StepRecord(
-            version=self.version + 1,
-            groups=[g.group_id for g in groups],
-            entries=[e.entry_id for g in groups for e in g.entries],
-            staleness=[staleness(self.version, g) for g in groups for _ in g.entries],
-            reward_mean=float(rewards.mean()),
-            loss=sum(result.loss for result in results),
-            clip_fraction=stats.clip_fraction,
-            approx_kl=stats.approx_kl,
-            grad_norm=max(result.grad_norm for result in results),
-            samples=len(trajectories),
-            tokens=total_tokens,
-            seconds={"train": (train := time.monotonic() - started)},
-            train_seconds={"prepare": train - sum(clock.seconds.values()), **clock.seconds},
-            learning_rate=lr,
-            behaviour_weight_mean=stats.behaviour_weight_mean,
-            capped_fraction=stats.capped_fraction,
-            groups_without_signal=sum(not is_informative(r) for r in rewards),
-            world_size=self.world.size,
-        )
-
-    def rows_to_train(
-        self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int]
-    ) -> tuple[list[int], bool]:
-        """This rank's rows of one minibatch, and whether they only stand in (their loss masked out)."""
-        if self.job.algorithm.kl_coef == 0:
-            # A zero-advantage sample (its group's rewards all equal) adds nothing to the loss or its gradient; it
-            # still counts in the normaliser, as in the full-batch loss.
-            rows = [i for i in rows if batch["advantages"][i, 0] != 0]
-        if not rows:  # nothing to learn, on any rank: no rank runs a backward, so none waits for an all-reduce
-            return [], False
-        # every rank of a data-parallel replica (a model split over ranks) trains the same rows
-        share = share_of_rank(
-            rows, lengths, self.job.algorithm.group_size, self.engine.data_rank, self.engine.data_size
-        )
-        if share:
-            return share, False
-        # A rank without a share still joins the gradient all-reduce: one row whose loss is masked out adds zero.
-        return [min(rows, key=lengths.__getitem__)], True
-
-    def micro_batches(
-        self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int], masked: bool = False
-    ) -> list[MicroBatch]:
-        """`rows` packed first-fit-decreasing into token-budgeted micro-batches (`masked`: with no loss token)."""
-        packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
-        micro_batches = [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
-        for micro_batch in micro_batches if masked else []:
-            micro_batch["loss_mask"] = torch.zeros_like(micro_batch["loss_mask"])
-        return micro_batches
-
-    def loss_fn(self, normaliser: float) -> LossFn:
-        """The objective of one micro-batch, divided by its minibatch's `normaliser` so the micro-batch losses add up
-        to the minibatch's."""
-        algorithm = self.job.algorithm
-
-        def loss(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossStats]:
-            value, stats = decoupled_ppo_loss(
-                logprobs,
-                self.proximal_logprobs(micro_batch, logprobs),
-                micro_batch["behaviour_logprobs"],
-                micro_batch["advantages"],
-                micro_batch["loss_mask"],
-                normaliser=normaliser,
-                eps_clip=algorithm.eps_clip,
-                eps_clip_high=algorithm.eps_clip_high,
-                dual_clip=algorithm.dual_clip,
-                behaviour_weight_cap=algorithm.behaviour_weight_cap,
-                cap_mode=algorithm.behaviour_cap_mode,
-                decoupled=algorithm.decoupled,
-                ratio_level="sequence" if algorithm.name == "gspo" else "token",
-            )
-            if algorithm.kl_coef > 0:
-                value = value + kl_penalty(
-                    logprobs,
-                    micro_batch["reference_logprobs"],
-                    micro_batch["loss_mask"],
-                    coef=algorithm.kl_coef,
-                    normaliser=normaliser,
-                )
-            return value, stats
-
-        return loss
-
-    def proximal_logprobs(self, micro_batch: dict[str, torch.Tensor], logprobs: torch.Tensor) -> torch.Tensor:
-        """The pre-update policy's logprobs: recomputed before the first update, approximated log-linearly, or (with a
-        single update per step, when the model still is the proximal policy) the current ones."""
-        if "proximal_logprobs" in micro_batch:
-            return micro_batch["proximal_logprobs"]
-        if self.job.algorithm.proximal == "loglinear" and self.job.algorithm.minibatches > 1:
-            return loglinear_proximal_logprobs(
-                logprobs,
-                micro_batch["behaviour_logprobs"],
-                micro_batch["versions"],
-                proximal_version=self.version,
-                current_version=self.version + 1,
-            )
-        return logprobs.detach()
-
-    def batch_logprobs(
-        self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]
-    ) -> torch.Tensor:
-        """Token logprobs of `rows` under `engine`'s policy (no gradient), computed in micro-batches:
-        [batch rows, L − 1], zero on the other rows."""
-        result = torch.zeros_like(batch["behaviour_logprobs"])
-        for micro in first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens):
-            selected = [rows[i] for i in micro]
-            logprobs = engine.token_logprobs(take_rows(batch, selected, lengths))
-            result[selected, : logprobs.shape[1]] = logprobs
-        return result
+        """The step from the current version (step/train_step.py), counted in the trainer's state."""
+        record = self.step.train(groups, self.version)
+        self.state.trained_samples += record.samples
+        self.state.trained_tokens += record.tokens
+        return record
 
     async def commit(self) -> float:
         """Checkpoint, then acknowledge the entries the checkpoint covers once every rank is past the steps that

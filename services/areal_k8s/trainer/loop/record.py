@@ -1,0 +1,36 @@
+"""The record of a step: what it consumed and how it went, as steps.jsonl keeps it and the metrics export it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One line of steps.jsonl: what a step consumed and how it went."""
+
+    version: int
+    groups: list[str]
+    entries: list[str]
+    staleness: list[int]
+    reward_mean: float
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    grad_norm: float
+    samples: int
+    tokens: int
+    seconds: dict[str, float]  # wait, train, eval: wall time of the step's phases; checkpoint: the previous step's
+    train_seconds: dict[str, float] = field(
+        default_factory=dict
+    )  # train split: prepare, recompute, forward_backward, optimizer
+    dropped_groups: list[str] = field(default_factory=list)  # dropped before this step as past η (after a rollback)
+    learning_rate: float = 0.0
+    weight_push: dict = field(default_factory=dict)
+    weights_verified: dict[str, bool] = field(default_factory=dict)
+    eval_accuracy: float = -1.0
+    behaviour_weight_mean: float = 1.0  # mean π_prox/π_behav: how far behind the behaviour policies were
+    capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
+    groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
+    world_size: int = 1  # trainer ranks that trained it
+    finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
