@@ -474,9 +474,9 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
 
 
 def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
-    from areal_k8s.api.v1 import controller_pb2
     from areal_k8s.common.config import parse_job
     from areal_k8s.common.sglang import served_dtype
+    from areal_k8s.trainer.controller import WorkerInfo
     from areal_k8s.trainer.weights.publisher import push_dtype_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float32"}))
@@ -495,7 +495,7 @@ def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
             "rollout": {"engine": "sglang", "engine_urls": ["http://e:1"]},
         }
     )
-    worker = lambda dtype: controller_pb2.WorkerInfo(worker_id="w", engine_dtype=dtype)  # noqa: E731
+    worker = lambda dtype: WorkerInfo(worker_id="w", engine_dtype=dtype)  # noqa: E731
     assert push_dtype_for(job, [worker("float32")]) == torch.float32  # the engine's, not the job's guess (bfloat16)
     assert push_dtype_for(job, [worker("bfloat16"), worker("float16")]) == torch.float32  # disagreeing: exact for both
     assert push_dtype_for(job, [worker("")]) == torch.bfloat16  # an older worker: the job's guess

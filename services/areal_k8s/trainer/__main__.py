@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from areal_k8s.api.v1 import controller_pb2_grpc, trainer_pb2_grpc
+from areal_k8s.api.v1 import trainer_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel, start_server
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
@@ -21,6 +21,7 @@ from areal_k8s.common.service import (
     wait_if_asked,
 )
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.trainer.controller_client import ControllerClient
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.server import TrainerServicer
 from areal_k8s.trainer.world import World, WorldSpec
@@ -56,7 +57,7 @@ def main() -> None:
         trainer = Trainer(
             job=job,
             store=TrajectoryStore(redis_client, job.name),
-            controller=controller_pb2_grpc.ControllerStub(controller_channel),
+            controller=ControllerClient(controller_channel),
             tokenizer=load_tokenizer(job.tokenizer_path),
             eval_items=eval_items,
             consumer=args.consumer,

@@ -1,8 +1,11 @@
-"""The record of a step: what it consumed and how it went, as steps.jsonl keeps it and the metrics export it."""
+"""The record of a step: what it consumed and how it went, as steps.jsonl keeps it, the metrics export it and the
+controller is told."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from areal_k8s.trainer.controller import StepReport
 
 
 @dataclass
@@ -34,3 +37,21 @@ class StepRecord:
     groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
     world_size: int = 1  # trainer ranks that trained it
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
+
+    def report(self, finished: bool) -> StepReport:
+        """What the controller keeps of the step for the job status (`finished`: the run's last step)."""
+        return StepReport(
+            version=self.version,
+            group_ids=self.groups,
+            samples=self.samples,
+            tokens=self.tokens,
+            max_staleness=max(self.staleness),
+            mean_staleness=sum(self.staleness) / len(self.staleness),
+            staleness_counts=[self.staleness.count(s) for s in range(max(self.staleness) + 1)],
+            wait_seconds=self.seconds.get("wait", 0.0),
+            reward_mean=self.reward_mean,
+            loss=self.loss,
+            step_seconds=sum(self.seconds.values()),
+            finished=finished,
+            eval_accuracy=self.eval_accuracy,
+        )

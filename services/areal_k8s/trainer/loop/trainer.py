@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.store import TrajectoryStore
@@ -30,6 +29,7 @@ from areal_k8s.trainer.checkpoint import (
     load_state,
     save_checkpoint,
 )
+from areal_k8s.trainer.controller import Controller, DroppedGroup, StepReport, WeightVersion
 from areal_k8s.trainer.evaluation import Evaluator
 from areal_k8s.trainer.loop.record import StepRecord
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
@@ -48,7 +48,7 @@ class Trainer:
         *,
         job: JobConfig,
         store: TrajectoryStore,
-        controller,
+        controller: Controller,
         tokenizer,
         eval_items: list[DatasetItem],
         consumer: str,
@@ -185,15 +185,11 @@ class Trainer:
         if not dropped:
             return []
         reason = f"past η = {self.job.algorithm.max_staleness} at version {self.version} (the trainer rolled back)"
-        await self.controller.DropGroups(
-            controller_pb2.DropGroupsRequest(
-                groups=[
-                    controller_pb2.DroppedGroup(
-                        group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason
-                    )
-                    for g in dropped
-                ]
-            )
+        await self.controller.drop_groups(
+            [
+                DroppedGroup(group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason)
+                for g in dropped
+            ]
         )
         self.unacked += [e for g in dropped for e in g.entries]
         log.warning("dropped %d groups %s", len(dropped), reason)
@@ -238,8 +234,8 @@ class Trainer:
         if checkpoint is None:
             self.phase = "evaluating"
             self.state.base_accuracy = await self.evaluate()
-            await self.controller.ReportTrainStep(
-                controller_pb2.TrainStepReport(version=0, eval_accuracy=self.state.base_accuracy, base_evaluation=True)
+            await self.controller.report_step(
+                StepReport(version=0, eval_accuracy=self.state.base_accuracy, base_evaluation=True)
             )
             log.info("base model held-out accuracy %.3f", self.state.base_accuracy)
 
@@ -281,8 +277,8 @@ class Trainer:
         return await self.publisher.push(self.engine.named_weights_for_push, self.version)
 
     async def announce(self, restored: bool) -> None:
-        await self.controller.AnnounceVersion(
-            common_pb2.WeightVersion(version=self.version, published_at=time.time(), restored=restored)
+        await self.controller.announce_version(
+            WeightVersion(version=self.version, published_at=time.time(), restored=restored)
         )
 
     # -- evaluation and reporting --------------------------------------------------------------------------
@@ -335,23 +331,7 @@ class Trainer:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
         with self.steps_log.open("a") as f:
             f.write(json.dumps(asdict(record)) + "\n")
-        await self.controller.ReportTrainStep(
-            controller_pb2.TrainStepReport(
-                version=record.version,
-                group_ids=record.groups,
-                samples=record.samples,
-                tokens=record.tokens,
-                max_staleness=max(record.staleness),
-                mean_staleness=sum(record.staleness) / len(record.staleness),
-                staleness_counts=[record.staleness.count(s) for s in range(max(record.staleness) + 1)],
-                wait_seconds=record.seconds.get("wait", 0.0),
-                reward_mean=record.reward_mean,
-                loss=record.loss,
-                step_seconds=sum(record.seconds.values()),
-                finished=finished,
-                eval_accuracy=record.eval_accuracy,
-            )
-        )
+        await self.controller.report_step(record.report(finished))
         log.info(
             "version %d: reward %.3f loss %.4f staleness ≤ %d%s",
             record.version,

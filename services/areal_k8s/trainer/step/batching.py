@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
+from areal_k8s.trainer.controller import Controller
 
 log = logging.getLogger(__name__)
 LOOK_FOR_LOST_SECONDS = 5.0  # waiting for a batch this long, the trainer checks its pending list for lost deliveries
@@ -95,7 +95,7 @@ class BatchAssembler:
         self,
         store: TrajectoryStore,
         consumer: str,
-        controller,
+        controller: Controller,
         *,
         batch_size: int,
         group_size: int,
@@ -166,10 +166,10 @@ class BatchAssembler:
         while True:
             # Ask the controller first, then read: a group it no longer counts as running was written before it
             # was reported, so the read below sees it. (The other order could miss a group in both places.)
-            outstanding = await self.controller.GetOutstanding(controller_pb2.GetOutstandingRequest())
+            outstanding = await self.controller.outstanding()
             await self.drain()
             # A group written but not yet reported back is in both places: count it once, as complete.
-            running = [version for gid, version in outstanding.running.items() if gid not in self.buffer]
+            running = [version for gid, version in outstanding.items() if gid not in self.buffer]
             for group in past_the_bound(self.complete_groups(), version=version, max_staleness=self.max_staleness):
                 del self.buffer[group.group_id]
                 self.dropped.append(group)

@@ -16,10 +16,10 @@ from dataclasses import asdict
 
 import torch
 
-from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.weights import parse_dtype, weights_checksum
+from areal_k8s.trainer.controller import Controller, WorkerInfo
 from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 from areal_k8s.trainer.weights.targets import RolloutTarget
 
@@ -30,7 +30,7 @@ FAILED_PUSH_BACKOFF = (2.0, 60.0)  # after a failed push, wait this long (doubli
 WeightsFor = Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]]  # the policy's tensors in a push dtype
 
 
-def push_dtype_for(job: JobConfig, workers: list[controller_pb2.WorkerInfo]) -> torch.dtype:
+def push_dtype_for(job: JobConfig, workers: list[WorkerInfo]) -> torch.dtype:
     """`trainer.push_dtype`, or for `auto` the dtype the engines serve (as their workers registered it): weights
     pushed in another dtype would be cast on arrival, and a behaviour policy rounded away from the trainer's. Engines
     that disagree get float32, which every one of them casts from exactly; workers too old to say, the job's guess."""
@@ -42,14 +42,14 @@ def push_dtype_for(job: JobConfig, workers: list[controller_pb2.WorkerInfo]) -> 
     return parse_dtype(served.pop() if served else job.push_dtype)
 
 
-def membership(worker: controller_pb2.WorkerInfo) -> tuple[str, int, float]:
+def membership(worker: WorkerInfo) -> tuple[str, int, float]:
     """What identifies a worker's place in the weight-update group: a new address, engine size or registration (a
     restarted worker) needs the group formed again."""
     return worker.address, max(worker.engine_ranks, 1), worker.registered_at
 
 
 class WeightPublisher:
-    def __init__(self, job: JobConfig, controller, master_address: str, metrics: TrainerMetrics):
+    def __init__(self, job: JobConfig, controller: Controller, master_address: str, metrics: TrainerMetrics):
         self.job, self.controller, self.master_address, self.metrics = job, controller, master_address, metrics
         self.push_dtype = parse_dtype(job.push_dtype)
         self.sender: WeightSender | None = None
@@ -61,24 +61,21 @@ class WeightPublisher:
     def retry_due(self) -> bool:
         return time.monotonic() >= self.retry_at
 
-    async def list_workers(self) -> list[controller_pb2.WorkerInfo]:
-        return list((await self.controller.ListWorkers(controller_pb2.ListWorkersRequest())).workers)
-
     async def engines_behind(self, version: int) -> bool:
         """Is a worker outside the current group (registered since it was formed, or the group is gone after a
         failed push) behind `version`?"""
         return any(
             w.engine_version < version and self.members.get(w.worker_id) != membership(w)
-            for w in await self.list_workers()
+            for w in await self.controller.list_workers()
         )
 
     async def outsiders(self) -> bool:
         """Is a registered worker outside the current group (new, restarted, or the group is gone)?"""
-        return any(self.members.get(w.worker_id) != membership(w) for w in await self.list_workers())
+        return any(self.members.get(w.worker_id) != membership(w) for w in await self.controller.list_workers())
 
     async def refresh(self) -> None:
         """Form the weight-update group again when rollout workers came, went or registered again (a restart)."""
-        workers = await self.list_workers()
+        workers = await self.controller.list_workers()
         wanted = {w.worker_id: membership(w) for w in workers}
         if self.sender and wanted == self.members:
             return
