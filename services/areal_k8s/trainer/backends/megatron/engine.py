@@ -19,6 +19,9 @@ What rank 0 hands the rest of the job (the push, the checkpoint) is Hugging Face
 load, `gather_for_push` (a collective on every rank) gathers the tensor-parallel shards, and then the later stages'
 tensors, onto rank 0, which converts them (convert/). Checkpoints hold the model in Hugging Face format and AdamW's
 state unsharded under the whole model's Megatron names, so they resume on any layout.
+
+The engine runs the schedule and the optimizer; where the shards sit and how they are gathered is sharding.py, the
+gradients' sums over the parallel groups and their clipping gradients.py, what a checkpoint holds checkpoint.py.
 """
 
 from __future__ import annotations
@@ -30,25 +33,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainEngine
 from areal_k8s.trainer.backends.megatron import cpu
+from areal_k8s.trainer.backends.megatron.checkpoint import (
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    WEIGHTS_FILE,
+    load_optimizer_state,
+    optimizer_state,
+    read_hf_weights,
+)
 from areal_k8s.trainer.backends.megatron.convert import family_of
-from areal_k8s.trainer.backends.megatron.convert.common import (
-    Family,
-    Shape,
-    join_shards,
-    pad_vocab,
-    shard_of,
-    to_hf,
-    to_megatron,
+from areal_k8s.trainer.backends.megatron.convert.common import Family, Shape, to_hf, to_megatron
+from areal_k8s.trainer.backends.megatron.gradients import (
+    clip_gradients,
+    complete_replicated_gradients,
+    sum_gradients_over_replicas,
+    sum_tied_embedding_gradients,
 )
 from areal_k8s.trainer.backends.megatron.model import Layout, Stage, attention_mask, build_gpt
+from areal_k8s.trainer.backends.megatron.sharding import Sharding
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
-
-WEIGHTS_FILE, OPTIMIZER_FILE, RNG_FILE = "model.safetensors", "optimizer.pt", "rng.pt"
 
 
 def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -> None:
@@ -70,18 +78,6 @@ def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -
     )
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"{path}: no *.safetensors weights (the megatron backend reads safetensors checkpoints)"
-        )
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights |= load_file(file)
-    return weights
 
 
 class MegatronEngine(TrainEngine):
@@ -107,6 +103,7 @@ class MegatronEngine(TrainEngine):
         self.shape: Shape | None = None
         self.stage: Stage | None = None
         self.model = None
+        self.sharding: Sharding | None = None  # this rank's shards of the model, once built
         self.optimizer: torch.optim.Optimizer | None = None
         self.gathered: dict[str, torch.Tensor] | None = None  # rank 0: the full Megatron-named weights
 
@@ -122,7 +119,16 @@ class MegatronEngine(TrainEngine):
         self.stage = Stage.of(config, self.layout, self.pipeline_rank)
         with cpu.on_cpu():  # a tied output layer on the last stage is moved to "cuda" for its first all-reduce
             self.model = build_gpt(config, self.layout, self.stage, self.device).to(self.device)
-        self._load_full(self._to_megatron(hf_weights))
+        self.sharding = Sharding(
+            self.model,
+            self.layout,
+            self.stage,
+            self.device,
+            tensor_rank=self.tensor_rank,
+            tensor_group=self.tensor_group,
+            pipeline_group=self.pipeline_group,
+        )
+        self.sharding.load_full(self._to_megatron(hf_weights))
         if not self.trainable:
             self.model.eval().requires_grad_(False)
             return
@@ -131,88 +137,11 @@ class MegatronEngine(TrainEngine):
     def _to_megatron(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return to_megatron(hf, self.family, self.shape, self.shape.padded_vocab(self.layout.tensor))
 
-    def _partition_dim(self, parameter: torch.Tensor) -> int | None:
-        return parameter.partition_dim if getattr(parameter, "tensor_model_parallel", False) else None
-
-    @torch.no_grad()
-    def _load_full(self, full: dict[str, torch.Tensor]) -> None:
-        """This rank's shard of each full Megatron tensor (the whole model's names) into its stage; every parameter
-        must be given."""
-        parameters = dict(self.model.named_parameters())
-        if missing := {self.stage.global_name(name) for name in parameters} - full.keys():
-            raise KeyError(f"the converted weights lack {sorted(missing)[:5]}")
-        for name, parameter in parameters.items():
-            tensor = full[self.stage.global_name(name)]
-            shard = shard_of(name, tensor, self._partition_dim(parameter), self.tensor_rank, self.layout.tensor)
-            parameter.copy_(shard)
-
-    def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full tensors from this tensor-parallel group's shards (keyed by parameter name), on every rank of it."""
-        if self.layout.tensor == 1:
-            return tensors
-        parameters = dict(self.model.named_parameters())
-        full = {}
-        for name, shard in tensors.items():
-            dim = self._partition_dim(parameters[name])
-            if dim is None:
-                full[name] = shard
-                continue
-            shards = [torch.empty_like(shard) for _ in range(self.layout.tensor)]
-            dist.all_gather(shards, shard.contiguous(), group=self.tensor_group)
-            full[name] = join_shards(name, [s.cpu() for s in shards], dim)
-        return full
-
-    def _gather_model(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """The whole model's full tensors under its Megatron names, on the CPU of its first stage's tensor rank 0,
-        from every rank's shards (keyed by parameter name); None on the other ranks. Every rank of the replica calls
-        it. A tied output layer's copy on the last stage is left out: the embedding is the first stage's."""
-        full = self._gather(tensors)
-        if self.tensor_rank != 0:
-            return None
-        own = {
-            self.stage.global_name(name): tensor
-            for name, tensor in full.items()
-            if not (self.stage.holds_tied_copy and name == "output_layer.weight")
-        }
-        if self.stage.first:
-            whole = {name: tensor.cpu() for name, tensor in own.items()}
-            for source in range(1, self.layout.pipeline):  # then each later stage's, tensor by tensor
-                for name, shape, dtype in self._receive_from_stage(source):
-                    received = torch.empty(shape, dtype=dtype, device=self.device)
-                    dist.recv(received, group_src=source, group=self.pipeline_group)
-                    whole[name] = received.cpu()
-            return whole
-        self._send_to_first_stage([(name, tuple(t.shape), t.dtype) for name, t in own.items()])
-        for tensor in own.values():
-            dist.send(tensor.to(self.device).contiguous(), group_dst=0, group=self.pipeline_group)
-        return None
-
-    def _send_to_first_stage(self, value) -> None:
-        """A picklable value from this (later) stage to the first, which takes it with `_receive_from_stage`."""
-        dist.send_object_list([value], group_dst=0, group=self.pipeline_group)
-
-    def _receive_from_stage(self, source: int):
-        box = [None]
-        dist.recv_object_list(box, group_src=source, group=self.pipeline_group)
-        return box[0]
-
-    def _stages_merged(self, part: dict) -> dict | None:
-        """Every stage's dict merged on the first stage's tensor rank 0 (None elsewhere), over the pipeline group."""
-        if self.tensor_rank != 0:
-            return None
-        if not self.stage.first:
-            self._send_to_first_stage(part)
-            return None
-        merged = dict(part)
-        for source in range(1, self.layout.pipeline):
-            merged |= self._receive_from_stage(source)
-        return merged
-
     def gather_for_push(self) -> None:
         # Only the ranks of the replica rank 0 belongs to gather: the others hold the same values.
         if self.data_rank != 0:
             return
-        full = self._gather_model({name: p.detach() for name, p in self.model.named_parameters()})
+        full = self.sharding.gather_model({name: p.detach() for name, p in self.model.named_parameters()})
         self.gathered = full if self.rank == 0 else None
 
     def named_weights_for_push(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
@@ -300,98 +229,23 @@ class MegatronEngine(TrainEngine):
         with clock("forward_backward"):
             reports = self._schedule(micro_batches, loss_fn) if micro_batches else []
             losses, stats = [loss for loss, _ in reports], [loss_stats for _, loss_stats in reports]
-            self._complete_replicated_gradients()
-            self._sum_tied_embedding_gradients()
-            self._sum_gradients_over_replicas()
+            complete_replicated_gradients(self.model, self.layout, self.tensor_group)
+            sum_tied_embedding_gradients(self.model, self.layout, self.stage)
+            sum_gradients_over_replicas(self.model, self.data_size, self.data_group)
             if self.data_size > 1:  # the result is the whole minibatch's (every rank of a replica has the same)
                 replicas: list = [None] * self.data_size
                 dist.all_gather_object(replicas, (sum(losses), stats), group=self.data_group)
                 losses, stats = [loss for loss, _ in replicas], [s for _, replica in replicas for s in replica]
         with clock("optimizer"):
-            grad_norm = self._clip_gradients(self.job.algorithm.max_grad_norm)
+            grad_norm = clip_gradients(self.model, self.layout, self.job.algorithm.max_grad_norm, self.device)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return MinibatchResult(loss=sum(losses), stats=stats, grad_norm=grad_norm, seconds=clock.seconds)
 
-    def _complete_replicated_gradients(self) -> None:
-        """A tensor every tensor-parallel rank holds whole but applies to its own heads only (Qwen3's query/key norms)
-        gets a part of its gradient on each rank: sum the parts, as megatron-core's finalize_model_grads does; a
-        parameter marked to average across the tensor-parallel ranks is averaged."""
-        if self.layout.tensor == 1:
-            return
-        for name, parameter in self.model.named_parameters():
-            if parameter.grad is None:
-                continue
-            if getattr(parameter, "average_gradients_across_tp_domain", False):
-                dist.all_reduce(parameter.grad, group=self.tensor_group)
-                parameter.grad.div_(self.layout.tensor)
-            elif "q_layernorm" in name or "k_layernorm" in name:
-                dist.all_reduce(parameter.grad, group=self.tensor_group)
-
-    def _sum_tied_embedding_gradients(self) -> None:
-        """Tied embeddings split over stages: the first stage's input embedding and the last stage's output layer are
-        one weight held twice, so their gradients are summed over megatron-core's embedding group (as its
-        finalize_model_grads does) and both copies take the same update."""
-        from megatron.core import parallel_state
-
-        if not (self.stage.tied and self.layout.pipeline > 1) or not (self.stage.first or self.stage.last):
-            return
-        weight = self.model.embedding.word_embeddings.weight if self.stage.first else self.model.output_layer.weight
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
-
-    def _sum_gradients_over_replicas(self) -> None:
-        if self.data_size == 1:
-            return
-        gradients = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch._utils._flatten_dense_tensors(gradients)
-        dist.all_reduce(flat, group=self.data_group)
-        for gradient, summed in zip(gradients, torch._utils._unflatten_dense_tensors(flat, gradients)):
-            gradient.copy_(summed)
-
-    def _clip_gradients(self, max_norm: float) -> float:
-        """Clip to `max_norm` by the norm of the whole model's gradient (every stage's, each tensor once: a tied
-        output layer's copy not counted); returns the norm before clipping."""
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        parameters = [p for p in self.model.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for p in parameters:
-            if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-                squares += p.grad.float().pow(2).sum()
-        if self.layout.tensor * self.layout.pipeline > 1:
-            dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-        norm = float(squares.sqrt())
-        if norm > max_norm:
-            for p in parameters:
-                p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
-
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
-    def _optimizer_state(self) -> dict | None:
-        """AdamW's state keyed by the whole model's parameter names, its moments full (gathered over the tensor-parallel
-        group and the stages, the vocabulary's padding stripped: any layout resumes them), on rank 0."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        state = {names[id(p)]: s for p, s in self.optimizer.state.items()}
-        moments = {
-            key: self._gather_model({name: s[key] for name, s in state.items()}) for key in ("exp_avg", "exp_avg_sq")
-        }
-        steps = self._stages_merged({self.stage.global_name(name): float(s["step"]) for name, s in state.items()})
-        if steps is None:
-            return None
-        vocab = self.shape.vocab
-        return {
-            "moments": {
-                key: {name: pad_vocab(name, t, vocab) for name, t in full.items()} for key, full in moments.items()
-            },
-            "step": steps,
-        }
-
     def save_checkpoint(self, path: Path | None) -> None:
-        state = self._optimizer_state() if self.data_rank == 0 else None
+        state = optimizer_state(self.optimizer, self.sharding, self.shape) if self.data_rank == 0 else None
         if path is None:  # a rank other than 0: its shards went to rank 0
             return
         if self.gathered is None:
@@ -417,30 +271,6 @@ class MegatronEngine(TrainEngine):
             dist.broadcast_object_list(objects, src=0)
         config, weights, optimizer, rng = objects
         self._build(config, weights)
-        self._load_optimizer_state(optimizer)
+        load_optimizer_state(self.optimizer, self.sharding, self.shape, optimizer)
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
-
-    def _load_optimizer_state(self, optimizer: dict) -> None:
-        """AdamW's moments as `_optimizer_state` wrote them, each rank taking its shards."""
-        rows = self.shape.padded_vocab(self.layout.tensor)
-        for name, parameter in self.model.named_parameters():
-            whole = self.stage.global_name(name)
-            if whole not in optimizer["step"]:  # no update reached it yet
-                continue
-            dim = self._partition_dim(parameter)
-            self.optimizer.state[parameter] = {
-                "step": torch.tensor(optimizer["step"][whole]),
-                **{
-                    key: shard_of(
-                        name,
-                        pad_vocab(name, optimizer["moments"][key][whole], rows),
-                        dim,
-                        self.tensor_rank,
-                        self.layout.tensor,
-                    )
-                    .to(self.device)
-                    .clone()
-                    for key in ("exp_avg", "exp_avg_sq")
-                },
-            }
