@@ -1,22 +1,19 @@
 """The trainer's step on a real (tiny) model: the micro-batching, collation and loss wiring give one update,
 whatever the token budget, and every objective variant trains."""
 
-import random
-
 import pytest
 import torch
 from tiny_models import build_tiny_qwen2
+from trainer_batches import GROUP_SIZE, make_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.store import StreamEntry
 from areal_k8s.common.trajectory import Trajectory
-from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.step.batching import Group
 from areal_k8s.trainer.step.collation import collate, split_minibatches
 
-GROUPS, SAMPLES = 3, 4
+GROUPS, SAMPLES = 3, GROUP_SIZE
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")
 
 
@@ -25,37 +22,17 @@ def model_path(tmp_path_factory):
     return build_tiny_qwen2(tmp_path_factory.mktemp("trainer-step"), seed=3)
 
 
-def make_groups(model_path, behaviour_shift: float = 0.0, silent_last: bool = True) -> list[Group]:
-    """Sampled-looking trajectories of varied lengths; behaviour logprobs are the model's own (plus a shift, to make
-    the behaviour policy stale), versions and rewards vary within each group."""
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    rng = random.Random(0)
-    groups = []
-    for g in range(GROUPS):
-        prompt = [rng.randrange(1, 200) for _ in range(rng.randint(2, 6))]
-        entries = []
-        for i in range(SAMPLES):
-            response = [rng.randrange(1, 200) for _ in range(rng.randint(1, 12))]
-            tokens = prompt + response
-            with torch.no_grad():
-                logprobs = token_logprobs(
-                    model, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.long), 1.0, 1024
-                )[0]
-            behaviour = [0.0] * len(prompt) + [float(x) + behaviour_shift for x in logprobs[len(prompt) - 1 :]]
-            versions = [-1] * len(prompt) + [rng.choice([0, 1]) for _ in response]
-            trajectory = Trajectory(
-                trajectory_id=f"g{g}-{i}",
-                group_id=f"g{g}",
-                token_ids=tokens,
-                prompt_length=len(prompt),
-                logprobs=behaviour,
-                versions=versions,
-                loss_mask=[False] * len(prompt) + [True] * len(response),
-                reward=1.0 if silent_last and g == GROUPS - 1 else float(i % 2),  # all equal: no signal
-            )
-            entries.append(StreamEntry(f"{g}-{i}", f"g{g}", 0, 1, 0, g, trajectory))
-        groups.append(Group(f"g{g}", 0, g, tuple(entries)))
-    return groups
+def step_groups(model_path, silent_last: bool = True) -> list[Group]:
+    """The step tests' batch: its tokens from two policy versions, the rewards alternating within each group."""
+    return make_groups(
+        model_path,
+        GROUPS,
+        seed=0,
+        longest_response=12,
+        versions=(0, 1),
+        reward=lambda group, sample: float(sample % 2),
+        silent_last=silent_last,
+    )
 
 
 def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
@@ -114,7 +91,7 @@ def test_split_minibatches_keeps_groups_whole():
 
 @pytest.mark.parametrize("objective", [{}, {"name": "gspo"}, {"decoupled": False, "dual_clip": 3.0}, {"kl_coef": 0.1}])
 def test_the_update_does_not_depend_on_the_micro_batch_budget_or_the_logprob_chunk(model_path, objective):
-    groups = make_groups(model_path, behaviour_shift=-0.05)
+    groups = step_groups(model_path)
     whole, record = trained_parameters(model_path, groups, micro_batch_tokens=4096, **objective)
     # a few sequences per micro-batch, a few tokens per chunk of logits
     packed, _ = trained_parameters(model_path, groups, micro_batch_tokens=24, logprob_chunk_tokens=7, **objective)
@@ -126,7 +103,7 @@ def test_the_update_does_not_depend_on_the_micro_batch_budget_or_the_logprob_chu
 
 
 def test_a_bf16_step_with_activation_checkpointing_moves_the_weights_as_the_fp32_one(model_path):
-    groups = make_groups(model_path, behaviour_shift=-0.05)
+    groups = step_groups(model_path)
     initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
     fp32, _ = trained_parameters(model_path, groups)
     bf16, record = trained_parameters(
@@ -139,7 +116,7 @@ def test_a_bf16_step_with_activation_checkpointing_moves_the_weights_as_the_fp32
 
 
 def test_several_minibatches_with_recomputed_or_loglinear_proximal_policy(model_path):
-    groups = make_groups(model_path, behaviour_shift=-0.05, silent_last=False)
+    groups = step_groups(model_path, silent_last=False)
     unclipped = {"max_grad_norm": 1e6}
     recomputed, record = trained_parameters(model_path, groups, minibatches=2, proximal="recompute", **unclipped)
     loglinear, _ = trained_parameters(model_path, groups, minibatches=2, proximal="loglinear", **unclipped)
@@ -152,7 +129,7 @@ def test_several_minibatches_with_recomputed_or_loglinear_proximal_policy(model_
 
 
 def test_a_step_splits_its_time_and_exports_its_figures(model_path):
-    groups = make_groups(model_path, behaviour_shift=-0.05, silent_last=False)
+    groups = step_groups(model_path, silent_last=False)
     _, record = trained_parameters(model_path, groups, minibatches=2, proximal="recompute")
     split = record.train_seconds
     assert set(split) == {"prepare", "recompute", "forward_backward", "optimizer"}
