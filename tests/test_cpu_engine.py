@@ -19,14 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
 from areal_k8s.common.weights import weights_checksum
-from areal_k8s.rollout.cpu_engine.engine import (
-    CpuEngine,
-    DecodeBatch,
-    SamplingParams,
-    Sequence,
-    context_length,
-    generate_batch,
-)
+from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch, Sequence, context_length, generate_batch
+from areal_k8s.rollout.cpu_engine.engine import CpuEngine
+from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
 
 torch.set_num_threads(1)

@@ -17,7 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_k8s.rollout.cpu_engine.engine import CpuEngine, InvalidRequest, WeightUpdateError
+from areal_k8s.rollout.cpu_engine.engine import CpuEngine, WeightUpdateError
+from areal_k8s.rollout.cpu_engine.requests import InvalidRequest
 
 log = logging.getLogger(__name__)
 
