@@ -25,7 +25,7 @@ async def rollout(redis_url, unused_tcp_port):
         worker_id="w0",
         address="127.0.0.1:0",
         controller=None,
-        reward=None,
+        scorer=None,
         engine=engine,
         store=TrajectoryStore(connect(redis_url), JOB.name),
         tokenizer=build_tokenizer(),

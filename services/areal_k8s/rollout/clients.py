@@ -1,5 +1,6 @@
-"""The rollout worker's services over gRPC: the controller (controller_link.py's `Controller`). Records become messages
-here (common/wire.py) and failed controller calls the plain errors the worker reacts to."""
+"""The rollout worker's services over gRPC: the controller (controller_link.py's `Controller`) and the reward service
+(the workflows' `Scorer`). Records become messages here (common/wire.py) and failed controller calls the plain errors
+the worker reacts to."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.wire import group_record, to_message
 from areal_k8s.rollout.controller_link import (
     Acquired,
@@ -19,6 +20,9 @@ from areal_k8s.rollout.controller_link import (
     Registration,
     Superseded,
 )
+from areal_k8s.rollout.workflows.api import ScoreItem, ScoreResult, ScoreStatus
+
+SCORE_DEADLINE_SECONDS = 600.0
 
 
 @contextlib.contextmanager
@@ -79,3 +83,29 @@ class ControllerClient:
         request = controller_pb2.UnregisterWorkerRequest(worker_id=worker_id, incarnation=incarnation, reason=reason)
         with controller_errors():
             await self.stub.UnregisterWorker(request, timeout=timeout)
+
+
+class RewardScorer:
+    """`Scorer` over areal.v1.Reward."""
+
+    def __init__(self, stub: reward_pb2_grpc.RewardStub):
+        self.stub = stub
+
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        reply = await self.stub.Score(
+            reward_pb2.ScoreRequest(items=[to_message(item, reward_pb2.ScoreItem) for item in items]),
+            # A reward pod restarting is waited for (failing the group would spend one of its retries), up to a
+            # deadline that a healthy service meets with time to spare.
+            wait_for_ready=True,
+            timeout=SCORE_DEADLINE_SECONDS,
+        )
+        return [
+            ScoreResult(
+                item_id=result.item_id,
+                reward=result.reward,
+                status=ScoreStatus(result.status),
+                message=result.message,
+                latency_seconds=result.latency_seconds,
+            )
+            for result in reply.results
+        ]

@@ -1,7 +1,7 @@
 """The rollout worker: pull admitted prompt groups, run the job's workflow on each (generation, tools, scoring:
 services/areal_k8s/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight
-pushes, every token keeping its policy version (generation.py). It talks to the controller through
-controller_link.py's `Controller` (clients.py: over gRPC).
+pushes, every token keeping its policy version (generation.py). Plain Python: it talks to the controller and the
+reward service through controller_link.py's `Controller` and the workflows' `Scorer` (clients.py: over gRPC).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 
-from areal_k8s.api.v1 import reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import stop_token_ids
@@ -30,6 +29,7 @@ from areal_k8s.rollout.controller_link import (
 )
 from areal_k8s.rollout.generation import Sample, generate_each
 from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow, load_workflow
+from areal_k8s.rollout.workflows.api import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class RolloutWorker:
         worker_id: str,
         address: str,
         controller: Controller,
-        reward: reward_pb2_grpc.RewardStub,
+        scorer: Scorer,
         engine,
         store: TrajectoryStore,
         tokenizer,
@@ -99,7 +99,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.address = address
         self.controller = controller
-        self.reward = reward
+        self.scorer = scorer
         self.engine = engine
         self.store = store
         self.tokenizer = tokenizer
@@ -138,7 +138,7 @@ class RolloutWorker:
             tokenizer=self.tokenizer,
             sampling=sampling,
             engine_generate=self.generate_samples,
-            reward=self.reward,
+            scorer=self.scorer,
         )
         episodes = await self.workflow.arun_episode(ctx)
         if len(episodes) != group.n_samples:
