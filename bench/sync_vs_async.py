@@ -37,7 +37,7 @@ from areal_k8s.cli.launcher import LocalRun  # noqa: E402
 from areal_k8s.cli.report import read_steps, started_at  # noqa: E402
 from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
 from areal_k8s.demo.build import build_demo_assets  # noqa: E402
-from areal_k8s.rollout.cpu_engine.engine import DecodeBatch  # noqa: E402
+from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch  # noqa: E402
 
 THRESHOLDS = (0.30, 0.40, 0.45, 0.50)
 RESULTS = ROOT / "bench" / "results" / "sync_vs_async.json"  # the committed results: `--out`'s default

@@ -19,14 +19,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
 from areal_k8s.common.weights import weights_checksum
-from areal_k8s.rollout.cpu_engine.engine import (
-    CpuEngine,
-    DecodeBatch,
-    SamplingParams,
-    Sequence,
-    context_length,
-    generate_batch,
-)
+from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch, Sequence, context_length, generate_batch
+from areal_k8s.rollout.cpu_engine.engine import CpuEngine
+from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
 
 torch.set_num_threads(1)
@@ -389,14 +384,14 @@ async def test_retract_pause_requeues_running_requests_and_names_the_version_of_
     try:
         load = engine.load()
         assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
-        await engine._in_scheduler(lambda: engine._load_weights([], "7"))  # a new version label, same weights
+        await engine._scheduler.run(lambda: engine._weights.load([], "7"))  # a new version label, same weights
         assert not retracted.done()
     finally:
         await engine.continue_generation()
     try:
         answer = await retracted
     finally:
-        await engine._in_scheduler(lambda: engine._load_weights([], before))
+        await engine._scheduler.run(lambda: engine._weights.load([], before))
     meta = answer["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 200} and meta["num_retractions"] == 1
     assert answer["output_ids"] == uninterrupted["output_ids"]  # nothing lost or repeated across the retraction

@@ -25,7 +25,7 @@ async def rollout(redis_url, unused_tcp_port):
         worker_id="w0",
         address="127.0.0.1:0",
         controller=None,
-        reward=None,
+        scorer=None,
         engine=engine,
         store=TrajectoryStore(connect(redis_url), JOB.name),
         tokenizer=build_tokenizer(),
@@ -178,3 +178,69 @@ def test_a_group_lost_with_its_engine_is_told_apart_from_a_failed_one():
 
     assert oldest_token_version([episode([3, 4]), episode([2, 5])]) == 2
     assert oldest_token_version([episode([])]) is None
+
+
+async def test_the_controller_client_trades_records_and_raises_the_errors_the_worker_reacts_to(
+    redis_url, unused_tcp_port
+):
+    """ControllerClient over a real controller on loopback: groups arrive as PromptGroup records, outcomes leave as
+    plain ones, and the refusals the worker reacts to arrive as NotRegistered (FAILED_PRECONDITION), Superseded
+    (ABORTED) and ControllerUnavailable (anything else: here, nothing listening)."""
+    from areal_k8s.api.v1 import controller_pb2_grpc
+    from areal_k8s.common.trajectory import PromptGroup
+    from areal_k8s.controller.core import ControllerCore
+    from areal_k8s.controller.server import serve
+    from areal_k8s.data.dataset import DatasetItem
+    from areal_k8s.rollout.clients import ControllerClient
+    from areal_k8s.rollout.controller_link import (
+        AcquireRequest,
+        ControllerUnavailable,
+        GroupOutcome,
+        NotRegistered,
+        Registration,
+        Result,
+        Superseded,
+    )
+
+    def poll(incarnation: int) -> AcquireRequest:
+        return AcquireRequest(
+            worker_id="w0",
+            max_groups=1,
+            engine_version=0,
+            wait_ms=0,
+            holding=[],
+            reports_holding=False,
+            incarnation=incarnation,
+        )
+
+    items = [DatasetItem(id="p0", prompt="1+1=", reference="2", verifier="addition")]
+    redis_client = connect(redis_url)
+    server, port, _, reaper = await serve(
+        ControllerCore(JOB, items, lease_seconds=60), TrajectoryStore(redis_client, JOB.name), "127.0.0.1:0"
+    )
+    client_channel = channel(f"127.0.0.1:{port}")
+    client = ControllerClient(controller_pb2_grpc.ControllerStub(client_channel))
+    try:
+        with pytest.raises(NotRegistered) as unknown:
+            await client.acquire_groups(poll(0))
+        assert unknown.value.status == "FAILED_PRECONDITION"
+        registration = Registration(
+            worker_id="w0", address="127.0.0.1:9", engine_version=0, engine_ranks=1, engine_dtype=""
+        )
+        old = await client.register(registration)
+        acquired = await client.acquire_groups(poll(old))
+        [group] = acquired.groups
+        assert isinstance(group, PromptGroup) and group.prompt == "1+1=" and not acquired.finished
+        new = await client.register(registration)
+        with pytest.raises(Superseded, match=f"incarnation {old} was superseded by incarnation {new}"):
+            await client.complete_groups("w0", [GroupOutcome(group.group_id, Result.ACCEPTED)], old)
+        await client.unregister("w0", new, "test over")
+    finally:
+        reaper.cancel()
+        await client_channel.close()
+        await server.stop(None)
+        await redis_client.aclose()
+    async with channel(f"127.0.0.1:{unused_tcp_port}") as nothing:
+        with pytest.raises(ControllerUnavailable) as unreachable:
+            await ControllerClient(controller_pb2_grpc.ControllerStub(nothing)).acquire_groups(poll(0))
+    assert unreachable.value.status == "UNAVAILABLE"

@@ -18,7 +18,8 @@ import pytest
 from sglang_server import sglang_package
 
 from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION
-from areal_k8s.rollout.cpu_engine.engine import CpuEngine, SamplingParams
+from areal_k8s.rollout.cpu_engine.engine import CpuEngine
+from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
 
 ROOT = Path(__file__).resolve().parents[1]

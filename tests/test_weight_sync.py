@@ -433,7 +433,7 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
         worker_id="w0",
         address="",
         controller=None,
-        reward=None,
+        scorer=None,
         engine=engine,
         store=TrajectoryStore(connect(redis_url), job.name),
         tokenizer=build_tokenizer(),

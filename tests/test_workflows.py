@@ -25,6 +25,7 @@ from areal_k8s.common.sglang import sampling_params
 from areal_k8s.common.store import JobKeys
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams, Timings, Trajectory
 from areal_k8s.reward.server import serve
+from areal_k8s.rollout.clients import RewardScorer
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import EpisodeContext, WorkflowError, load_workflow
@@ -107,7 +108,7 @@ def worker(job, engine, reward, tokenizer) -> RolloutWorker:
         worker_id="w0",
         address="",
         controller=None,
-        reward=reward,
+        scorer=RewardScorer(reward),
         engine=engine,
         store=None,
         tokenizer=tokenizer,
@@ -320,7 +321,7 @@ async def test_a_weight_push_in_the_middle_of_an_episode_keeps_every_tokens_vers
             tokenizer=tok,
             sampling=sampling,
             engine_generate=generate_pushing_during_the_second_turn,
-            reward=reward,
+            scorer=RewardScorer(reward),
         )
         (episode,) = await MultiTurn(MultiTurnConfig(max_turns=2)).arun_episode(ctx)
     finally:

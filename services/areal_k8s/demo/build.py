@@ -33,7 +33,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.demo import task
-from areal_k8s.rollout.cpu_engine.engine import generate_batch
+from areal_k8s.rollout.cpu_engine.decoding import generate_batch
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 MANIFEST = "manifest.json"

@@ -20,6 +20,7 @@ from areal_k8s.common.service import (
 )
 from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.rollout.clients import ControllerClient, RewardScorer
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import WorkflowError, load_workflow
@@ -60,8 +61,8 @@ def main() -> None:
             job=job,
             worker_id=args.worker_id,
             address="",
-            controller=controller_pb2_grpc.ControllerStub(controller_channel),
-            reward=reward_pb2_grpc.RewardStub(reward_channel),
+            controller=ControllerClient(controller_pb2_grpc.ControllerStub(controller_channel)),
+            scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward_channel)),
             engine=engine,
             store=TrajectoryStore(redis_client, job.name),
             tokenizer=load_tokenizer(job.tokenizer_path),

@@ -1,6 +1,7 @@
 """The rollout worker: pull admitted prompt groups, run the job's workflow on each (generation, tools, scoring:
 services/areal_k8s/rollout/workflows/), write the trajectories to the stream. Generation is interruptible by weight
-pushes, every token keeping its policy version (generation.py).
+pushes, every token keeping its policy version (generation.py). Plain Python: it talks to the controller and the
+reward service through controller_link.py's `Controller` and the workflows' `Scorer` (clients.py: over gRPC).
 """
 
 from __future__ import annotations
@@ -9,9 +10,6 @@ import asyncio
 import logging
 import time
 
-import grpc
-
-from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import stop_token_ids
@@ -19,9 +17,19 @@ from areal_k8s.common.rewards import is_informative
 from areal_k8s.common.sglang import EngineError, sampling_params
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.common.trajectory import PromptGroup, Timings, Trajectory
-from areal_k8s.common.wire import group_record
+from areal_k8s.rollout.controller_link import (
+    AcquireRequest,
+    Controller,
+    ControllerError,
+    ControllerUnavailable,
+    GroupOutcome,
+    NotRegistered,
+    Registration,
+    Result,
+)
 from areal_k8s.rollout.generation import Sample, generate_each
 from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow, load_workflow
+from areal_k8s.rollout.workflows.api import Scorer
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +40,6 @@ ENGINE_RECHECK_SECONDS = 1.0  # how often a worker whose engine went away asks w
 class EngineWentBack(RuntimeError):
     """The engine answered with weights older than the group was admitted at: it restarted and serves the weights
     it loaded at start. The group's tokens would break the staleness bound and are not written."""
-
-
-class Superseded(RuntimeError):
-    """Another process registered under this worker's name since this one did: it took the leases over, and this
-    one stops (the controller answers its calls with ABORTED)."""
 
 
 def engine_went_away(exc: Exception) -> bool:
@@ -81,8 +84,8 @@ class RolloutWorker:
         job: JobConfig,
         worker_id: str,
         address: str,
-        controller: controller_pb2_grpc.ControllerStub,
-        reward: reward_pb2_grpc.RewardStub,
+        controller: Controller,
+        scorer: Scorer,
         engine,
         store: TrajectoryStore,
         tokenizer,
@@ -96,7 +99,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.address = address
         self.controller = controller
-        self.reward = reward
+        self.scorer = scorer
         self.engine = engine
         self.store = store
         self.tokenizer = tokenizer
@@ -135,7 +138,7 @@ class RolloutWorker:
             tokenizer=self.tokenizer,
             sampling=sampling,
             engine_generate=self.generate_samples,
-            reward=self.reward,
+            scorer=self.scorer,
         )
         episodes = await self.workflow.arun_episode(ctx)
         if len(episodes) != group.n_samples:
@@ -195,12 +198,12 @@ class RolloutWorker:
 
     async def process_group(self, group: PromptGroup) -> None:
         """Generate, score, write, report. Any failure re-queues the prompt at the controller; nothing is lost."""
-        result, reason = controller_pb2.GroupOutcome.ACCEPTED, ""
+        result, reason = Result.ACCEPTED, ""
         try:
             trajectories = await self.generate_group(group)
             if self.job.algorithm.dynamic_sampling and not is_informative([t.reward for t in trajectories]):
                 # No signal: dropped here, and the controller admits another group in its place.
-                result, reason = controller_pb2.GroupOutcome.FILTERED, f"all {len(trajectories)} rewards equal"
+                result, reason = Result.FILTERED, f"all {len(trajectories)} rewards equal"
             else:
                 now = time.time()
                 for t in trajectories:
@@ -215,23 +218,19 @@ class RolloutWorker:
             if engine_went_away(exc):  # not the prompt's fault: handed back, not counted against it
                 log.warning("group %s handed back: %s", group.group_id, exc)
                 self.engine_lost = True
-                result = controller_pb2.GroupOutcome.REQUEUED
+                result = Result.REQUEUED
             else:
                 log.exception("group %s failed", group.group_id)
-                result = controller_pb2.GroupOutcome.FAILED
-        await self.controller.CompleteGroups(
-            controller_pb2.CompleteGroupsRequest(
-                worker_id=self.worker_id,
-                outcomes=[controller_pb2.GroupOutcome(group_id=group.group_id, result=result, reason=reason)],
-                incarnation=self.incarnation,
-            )
+                result = Result.FAILED
+        await self.controller.complete_groups(
+            self.worker_id, [GroupOutcome(group.group_id, result, reason)], self.incarnation
         )
 
     # -- the pull loop -------------------------------------------------------------------------------------
 
     async def register(self) -> None:
-        reply = await self.controller.RegisterWorker(
-            controller_pb2.RegisterWorkerRequest(
+        self.incarnation = await self.controller.register(
+            Registration(
                 worker_id=self.worker_id,
                 address=self.address,
                 engine_version=self.engine_version,
@@ -239,7 +238,6 @@ class RolloutWorker:
                 engine_dtype=self.engine_dtype,
             )
         )
-        self.incarnation = reply.incarnation
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat.
@@ -256,8 +254,8 @@ class RolloutWorker:
                 self.requests.flush()
                 free = self.job.rollout.groups_per_worker - len(self.in_flight)
                 try:
-                    reply = await self.controller.AcquireGroups(
-                        controller_pb2.AcquireGroupsRequest(
+                    reply = await self.controller.acquire_groups(
+                        AcquireRequest(
                             worker_id=self.worker_id,
                             max_groups=free,
                             engine_version=self.engine_version,
@@ -267,19 +265,18 @@ class RolloutWorker:
                             incarnation=self.incarnation,
                         )
                     )
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the controller restarted and forgot us
-                        await self.register()
-                    elif exc.code() == grpc.StatusCode.ABORTED:  # another process registered under our name since
-                        raise Superseded(exc.details()) from None
-                    else:
-                        log.warning("controller unreachable (%s); retrying", exc.code().name)
-                        await asyncio.sleep(1.0)
+                # Superseded (another process registered under our name since) is not caught: this one stops.
+                except NotRegistered:  # the controller restarted and forgot us
+                    await self.register()
+                    continue
+                except ControllerUnavailable as exc:
+                    log.warning("controller unreachable (%s); retrying", exc.status)
+                    await asyncio.sleep(1.0)
                     continue
                 if reply.finished:
                     log.info("job finished; worker %s stops", self.worker_id)
                     return
-                for group in map(group_record, reply.groups):
+                for group in reply.groups:
                     task = asyncio.create_task(self.process_group(group))
                     self.in_flight[task] = group
                     task.add_done_callback(lambda done: self.in_flight.pop(done, None))
@@ -312,16 +309,11 @@ class RolloutWorker:
         """Tell the controller this worker is gone for good (scaled down or stopped), so the trainer's next weight
         push leaves it out instead of failing on it until its heartbeat times out."""
         try:
-            await self.controller.UnregisterWorker(
-                controller_pb2.UnregisterWorkerRequest(
-                    worker_id=self.worker_id, incarnation=self.incarnation, reason=why
-                ),
-                timeout=5,
-            )
-        except grpc.aio.AioRpcError as exc:
+            await self.controller.unregister(self.worker_id, self.incarnation, why, timeout=5)
+        except ControllerError as exc:
             log.warning(
                 "could not unregister (%s); the controller forgets this worker when its heartbeat times out",
-                exc.code().name,
+                exc.status,
             )
 
     async def abandon_in_flight(self, why: str = "worker stopped") -> None:
@@ -333,16 +325,8 @@ class RolloutWorker:
         await asyncio.gather(*self.in_flight, return_exceptions=True)
         if not abandoned:
             return
-        outcomes = [
-            controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.REQUEUED, reason=why)
-            for g in abandoned
-        ]
+        outcomes = [GroupOutcome(g.group_id, Result.REQUEUED, why) for g in abandoned]
         try:
-            await self.controller.CompleteGroups(
-                controller_pb2.CompleteGroupsRequest(
-                    worker_id=self.worker_id, outcomes=outcomes, incarnation=self.incarnation
-                ),
-                timeout=5,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.warning("could not hand back %d groups (%s); their leases will expire", len(abandoned), exc.code().name)
+            await self.controller.complete_groups(self.worker_id, outcomes, self.incarnation, timeout=5)
+        except ControllerError as exc:
+            log.warning("could not hand back %d groups (%s); their leases will expire", len(abandoned), exc.status)

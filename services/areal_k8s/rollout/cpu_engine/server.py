@@ -4,7 +4,7 @@ own additions live under /areal/.
 
 Errors: a malformed body or a bad field is 400 with `{"error": {"message": ...}}`; weight-group operations answer
 `{"success": bool, "message": str}` with 200 or 400 as SGLang does. Anything unexpected is logged and answered 500;
-no request can take the server down. Blocking work runs off the event loop (see engine.py).
+no request can take the server down. Blocking work runs off the event loop (see scheduler.py, weights.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_k8s.rollout.cpu_engine.engine import CpuEngine, InvalidRequest, WeightUpdateError
+from areal_k8s.rollout.cpu_engine.engine import CpuEngine
+from areal_k8s.rollout.cpu_engine.requests import InvalidRequest
+from areal_k8s.rollout.cpu_engine.weights import WeightUpdateError
 
 log = logging.getLogger(__name__)
 

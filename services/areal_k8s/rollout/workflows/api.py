@@ -1,5 +1,5 @@
-"""The RolloutWorkflow interface: what one prompt group's episodes are, given the engine, the tokenizer, the reward
-service and the job (AReaL-lite's `RolloutWorkflow.arun_episode(engine, data)` is the model).
+"""The RolloutWorkflow interface: what one prompt group's episodes are, given the engine, the tokenizer, a scorer (the
+reward service) and the job (AReaL-lite's `RolloutWorkflow.arun_episode(engine, data)` is the model).
 
 A workflow gets an `EpisodeContext` and returns the group's `Episode`s, one per sample. Each episode is a token
 sequence with, per token, the loss mask, the behaviour logprob and the policy version:
@@ -15,14 +15,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from enum import IntEnum
+from typing import Any, Protocol
 
-from areal_k8s.api.v1 import reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.trajectory import PromptGroup
 from areal_k8s.rollout.generation import Sample
 
-SCORE_DEADLINE_SECONDS = 600.0
 ENVIRONMENT_VERSION = -1  # the version of a token no policy produced (prompt, tool output, feedback)
 
 
@@ -78,6 +77,43 @@ class Episode:
 
 
 @dataclass
+class ScoreItem:
+    """A response for the reward service to judge (its ScoreItem message's fields)."""
+
+    item_id: str
+    verifier: str  # a verifier name the reward service knows
+    prompt: str
+    response: str
+    reference: str
+
+
+class ScoreStatus(IntEnum):
+    """The reward service's ScoreResult.Status, with its numbers: user code that compares a result's `status` with
+    the protobuf's constants keeps working."""
+
+    STATUS_UNSPECIFIED = 0
+    OK = 1
+    TIMEOUT = 2  # scored 0
+    ERROR = 3  # the verifier raised or its worker died; scored 0
+
+
+@dataclass
+class ScoreResult:
+    """The reward service's verdict on one item (its ScoreResult message's fields)."""
+
+    item_id: str
+    reward: float
+    status: ScoreStatus
+    message: str = ""
+    latency_seconds: float = 0.0
+
+
+class Scorer(Protocol):
+    async def score(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        """A verdict for every item, told apart by `item_id`."""
+
+
+@dataclass
 class EpisodeContext:
     """What a workflow may use for one prompt group. `generate` and `score` stamp the group's timings."""
 
@@ -86,7 +122,7 @@ class EpisodeContext:
     tokenizer: Any
     sampling: dict[str, Any]  # SGLang sampling_params of every model turn (max_new_tokens: per turn)
     engine_generate: Callable[[list[list[int]], dict[str, Any], list[str]], Awaitable[list[Sample]]]
-    reward: reward_pb2_grpc.RewardStub
+    scorer: Scorer
     started_at: float = field(default_factory=time.time)
     generated_at: float = 0.0
     rewarded_at: float = 0.0
@@ -108,37 +144,31 @@ class EpisodeContext:
         self.generated_at = time.time()
         return samples
 
-    async def score(self, responses: list[str], item_ids: list[str]) -> list[reward_pb2.ScoreResult]:
+    async def score(self, responses: list[str], item_ids: list[str]) -> list[ScoreResult]:
         """The reward service's verdicts on `responses` to the group's prompt, by its verifier and reference."""
         group = self.group
-        reply = await self.reward.Score(
-            reward_pb2.ScoreRequest(
-                items=[
-                    reward_pb2.ScoreItem(
-                        item_id=item_id,
-                        verifier=group.verifier,
-                        prompt=group.prompt,
-                        response=text,
-                        reference=group.reference,
-                    )
-                    for item_id, text in zip(item_ids, responses, strict=True)
-                ]
-            ),
-            # A reward pod restarting is waited for (failing the group would spend one of its retries), up to a
-            # deadline that a healthy service meets with time to spare.
-            wait_for_ready=True,
-            timeout=SCORE_DEADLINE_SECONDS,
+        results = await self.scorer.score(
+            [
+                ScoreItem(
+                    item_id=item_id,
+                    verifier=group.verifier,
+                    prompt=group.prompt,
+                    response=text,
+                    reference=group.reference,
+                )
+                for item_id, text in zip(item_ids, responses, strict=True)
+            ]
         )
         self.rewarded_at = time.time()
-        by_id = {result.item_id: result for result in reply.results}
+        by_id = {result.item_id: result for result in results}
         return [by_id[item_id] for item_id in item_ids]
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def status_name(result: reward_pb2.ScoreResult) -> str:
-    return reward_pb2.ScoreResult.Status.Name(result.status).lower()
+def status_name(result: ScoreResult) -> str:
+    return ScoreStatus(result.status).name.lower()
 
 
 class RolloutWorkflow(ABC):
