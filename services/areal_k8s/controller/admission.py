@@ -15,7 +15,7 @@ def admission_rooms(
 
     staleness: (η + v + 1)·B − (accepted + running), AReaL's StalenessManager, which is Eq. 3 of the paper with
     N_r = accepted + running + 1: a group admitted at version v lands in a training batch no later than version
-    v + η (the trainer forces it in; see trainer/batching.py). concurrency: max_concurrent − running.
+    v + η (the trainer forces it in; see trainer/step/batching.py). concurrency: max_concurrent − running.
     remaining_work: we never start more than the run will ever train (`total_groups`).
     Filtered groups are in neither count, so dropping them does not use up the staleness budget.
     """
