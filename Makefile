@@ -29,7 +29,7 @@ dashboards: proto
 	$(PY) -m areal_k8s.observability.dashboards --write
 	$(PY) -m areal_k8s.common.metrics --write README.md
 
-# the RLJob CRD is generated from the job schema (services/areal_k8s/common/config.py); a test checks it is current
+# the RLJob CRD is generated from the job schema (services/areal_k8s/common/config/); a test checks it is current
 crd: proto
 	$(PY) -m areal_k8s.k8s_operator.schema --write
 
