@@ -1,5 +1,5 @@
 """The RLJob's workloads, one per service, and the reward pods' NetworkPolicy. The wiring mirrors the local
-launcher (services/areal_k8s/cli/launcher.py): the same modules, flags and ports, with Services in place of
+launcher's (services/areal_k8s/cli/commands.py): the same modules, flags and ports, with Services in place of
 loopback addresses."""
 
 from __future__ import annotations
