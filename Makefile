@@ -29,7 +29,7 @@ dashboards: proto
 	$(PY) -m areal_k8s.observability.dashboards --write
 	$(PY) -m areal_k8s.common.metrics --write README.md
 
-# the RLJob CRD is generated from the job schema (services/areal_k8s/common/config.py); a test checks it is current
+# the RLJob CRD is generated from the job schema (services/areal_k8s/common/config/); a test checks it is current
 crd: proto
 	$(PY) -m areal_k8s.k8s_operator.schema --write
 
@@ -39,7 +39,8 @@ demo-assets: proto
 demo: demo-assets
 	$(VENV)/bin/arealctl run examples/demo.yaml --fresh
 
-# the real SGLang (the version the chart pins) for this CPU, in an env of its own (tests/sglang_server.py runs it)
+# the real SGLang (the version the chart pins) for this CPU, in an env of its own
+# (services/areal_k8s/common/sglang_server.py runs it)
 SGLANG_CPU := scripts/sglang-cpu
 sglang-env: .cache/sglang-env/.built
 .cache/sglang-env/.built: $(addprefix $(SGLANG_CPU)/,build.py check_env.py requirements.txt constraints.txt)

@@ -20,17 +20,15 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from figures import spread, write_between
+
+from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.cli.report import read_steps, started_at
+from areal_k8s.common.config import JobConfig, load_job_file
+from areal_k8s.common.sglang import SGLANG_VERSION
+from areal_k8s.common.sglang_server import SGLangServer, missing_env_reason
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the SGLang launcher the tests use (tests/sglang_server.py)
-
-from figures import spread, write_between  # noqa: E402
-from sglang_server import SGLangServer, missing_env_reason  # noqa: E402
-
-from areal_k8s.cli.launcher import LocalRun  # noqa: E402
-from areal_k8s.cli.report import read_steps, started_at  # noqa: E402
-from areal_k8s.common.config import JobConfig, load_job_file  # noqa: E402
-from areal_k8s.common.sglang import SGLANG_VERSION  # noqa: E402
-
 ENGINES = 2
 RESULTS = ROOT / "bench" / "results" / "sglang_vs_cpu.json"
 

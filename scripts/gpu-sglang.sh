@@ -21,7 +21,8 @@ if [ ! -f .cache/gpu-venv/.installed ]; then
   .cache/gpu-venv/bin/pip install --quiet -e '.[test]'
   touch .cache/gpu-venv/.installed
 fi
-# SGLang as its own metadata pins it (CUDA kernels included), where tests/sglang_server.py looks for it
+# SGLang as its own metadata pins it (CUDA kernels included), where services/areal_k8s/common/sglang_server.py
+# looks for it
 if [ ! -f .cache/sglang-env/.built ] || ! grep -q cuda .cache/sglang-env/.built; then
   rm -rf .cache/sglang-env
   "$PYTHON" -m venv .cache/sglang-env

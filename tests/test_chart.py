@@ -634,7 +634,7 @@ def chart_pod(component: str) -> dict:
 
 
 def job_pod(role: str, job: str = "demo") -> dict:
-    return names.labels(job, role)  # exactly what children.py puts on the pods
+    return names.labels(job, role)  # exactly what pod_templates.py puts on the pods
 
 
 REDIS = ("redis", 6379)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from areal_k8s.common.config import parse_job
 from areal_k8s.controller.admission import admission_capacity
-from areal_k8s.controller.core import ControllerCore, UnknownWorker
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.step.batching import Group, past_the_bound, select_batch, staleness
 

@@ -15,7 +15,8 @@ from operator_fixtures import CRD_FILE, EXAMPLES, committed_crd, with_changes
 from areal_k8s.common.config import AlgorithmConfig, JobConfig, RolloutConfig, SamplingConfig, TrainerConfig
 from areal_k8s.k8s_operator import names, schema
 from areal_k8s.k8s_operator.rules import RULES, Rule, nodes_at
-from areal_k8s.k8s_operator.schema import CHART_CRD_PATH, JOB_SECTIONS, OPERATOR_OWNED, render
+from areal_k8s.k8s_operator.schema import CHART_CRD_PATH, render
+from areal_k8s.k8s_operator.schema_job import JOB_SECTIONS, OPERATOR_OWNED
 from areal_k8s.k8s_operator.validation import (
     InvalidSpec,
     apply_defaults,

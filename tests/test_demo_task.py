@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.demo import task
+from areal_k8s.reward.addition_verifier import ANSWER_START, extract_answer, score
 
 operands = st.integers(min_value=0, max_value=10**15)
 
@@ -19,14 +20,14 @@ operands = st.integers(min_value=0, max_value=10**15)
 def test_solution_scores_one_against_its_own_answer(left, right):
     problem = task.Problem(left, right)
     solution = task.solution_text(problem)
-    assert task.extract_answer(solution) == str(left + right) == problem.answer
-    assert task.score(solution, problem.answer) == 1.0
+    assert extract_answer(solution) == str(left + right) == problem.answer
+    assert score(solution, problem.answer) == 1.0
 
 
 @given(operands, operands)
 def test_scratchpad_columns_are_correct_and_least_significant_first(left, right):
     problem = task.Problem(left, right)
-    scratchpad = task.solution_text(problem).split(task.ANSWER_START)[0]
+    scratchpad = task.solution_text(problem).split(ANSWER_START)[0]
     entries = scratchpad.split(task.COLUMN_SEPARATOR)
     assert len(entries) == max(len(str(left)), len(str(right)))
     carry = 0
@@ -42,7 +43,7 @@ def test_scratchpad_columns_are_correct_and_least_significant_first(left, right)
 def test_wrong_answers_score_zero(left, right, offset):
     problem = task.Problem(left, right)
     wrong = task.solution_text(task.Problem(left + offset, right))
-    assert task.score(wrong, problem.answer) == 0.0
+    assert score(wrong, problem.answer) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -59,19 +60,19 @@ def test_wrong_answers_score_zero(left, right, offset):
     ],
 )
 def test_extract_answer_rejects_incomplete_responses(response):
-    assert task.extract_answer(response) is None
-    assert task.score(response, "3") == 0.0
+    assert extract_answer(response) is None
+    assert score(response, "3") == 0.0
 
 
 def test_the_last_answer_counts():
-    assert task.extract_answer("|4.|7.") == "7"
-    assert task.score("|03.", "3") == 0.0  # exact match: no normalisation of leading zeros
+    assert extract_answer("|4.|7.") == "7"
+    assert score("|03.", "3") == 0.0  # exact match: no normalisation of leading zeros
 
 
 @given(st.text(), st.text())
 def test_score_and_extract_never_raise(response, reference):
-    assert task.score(response, reference) in (0.0, 1.0)
-    answer = task.extract_answer(response)
+    assert score(response, reference) in (0.0, 1.0)
+    answer = extract_answer(response)
     assert answer is None or answer.isdigit()
 
 
@@ -82,8 +83,8 @@ def test_prompt_and_solution_stay_in_the_alphabet(noise):
 
 
 def test_non_string_inputs_score_zero():
-    assert task.extract_answer(None) is None
-    assert task.score(b"|3.", "3") == 0.0
+    assert extract_answer(None) is None
+    assert score(b"|3.", "3") == 0.0
 
 
 def test_problem_lengths_are_long_tailed():

@@ -33,7 +33,12 @@ DOCKERFILES = {path.parent.name: path for path in sorted(IMAGES.glob("*/Dockerfi
 SLIM_IMAGES = {
     "operator": ["areal_k8s.k8s_operator.__main__", "areal_k8s.k8s_operator.handlers"],
     "controller": ["areal_k8s.controller.__main__", "areal_k8s.controller.server", "areal_k8s.data.dataset"],
-    "reward": ["areal_k8s.reward.__main__", "areal_k8s.reward.server", "areal_k8s.reward.pool", "areal_k8s.demo.task"],
+    "reward": [
+        "areal_k8s.reward.__main__",
+        "areal_k8s.reward.server",
+        "areal_k8s.reward.pool",
+        "areal_k8s.reward.addition_verifier",
+    ],
 }
 # Imported only when installed (as in this test environment), never needed by the images: the import probe
 # hides them, as an image without them would.

@@ -15,8 +15,9 @@ from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import parse_job
 from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.apply import apply, is_subset, merge_patch
-from areal_k8s.k8s_operator.children import config_hash, desired_children, to_yaml
+from areal_k8s.k8s_operator.children import desired_children, to_yaml
 from areal_k8s.k8s_operator.kube import KubeApi
+from areal_k8s.k8s_operator.pod_templates import config_hash
 from areal_k8s.k8s_operator.validation import InvalidSpec, validate
 from areal_k8s.reward.__main__ import parse_args as reward_args
 from areal_k8s.rollout.cpu_engine.__main__ import parse_args as engine_args

@@ -11,11 +11,11 @@ import asyncio
 
 import pytest
 import torch
-from cpu_engines import cpu_engine, engine_client
 from e2e_jobs import make_job, read_steps
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.rollout.cpu_engine.launcher import cpu_engine, engine_client
 from areal_k8s.rollout.generation import generate_each, request_seed
 from areal_k8s.trainer.checkpoint import checkpoint_dir
 

@@ -3,9 +3,9 @@ the engine, and an engine that cannot be reached is reported as UNAVAILABLE, nev
 
 import grpc
 import pytest
-from tiny_models import build_tokenizer
 
 from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_k8s.common.byte_tokenizer import build_tokenizer
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, token_versions, weight_group_ranks

@@ -15,13 +15,14 @@ import pytest
 import redis
 import torch
 from e2e_jobs import make_job, read_steps
-from sglang_server import GPU, SGLangServer, skip_or_fail_without_env
+from sglang_server import skip_or_fail_without_env
 from tiny_models import perturbed
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, sampling_params, weight_group_ranks
+from areal_k8s.common.sglang_server import GPU, SGLangServer
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.rollout.generation import generate_interruptible
 from areal_k8s.trainer.checkpoint import checkpoint_dir

@@ -10,8 +10,10 @@ import urllib.request
 
 import pytest
 import torch
-from sglang_server import SGLangServer, SGLangServerError, skip_or_fail_without_env
+from sglang_server import skip_or_fail_without_env
 from transformers import Qwen2ForCausalLM
+
+from areal_k8s.common.sglang_server import SGLangServer, SGLangServerError
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # SGLang and transformers both compute in float32 here; they differ only by the order of float operations

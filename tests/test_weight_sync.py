@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 import torch
-from cpu_engines import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import build_tiny_qwen2, perturbed
@@ -23,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
+from areal_k8s.rollout.cpu_engine.launcher import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
 from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 
 torch.set_num_threads(1)
@@ -415,9 +415,8 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
     """Trainer -> rollout worker (gRPC) -> engine (HTTP), as in a run. Every call has a deadline: an engine that stops
     answering fails the push after `timeout` (it used to block the trainer for an hour), and once it answers again
     the group is rebuilt and the full weights land."""
-    from tiny_models import build_tokenizer
-
     from areal_k8s.api.v1 import rollout_pb2_grpc
+    from areal_k8s.common.byte_tokenizer import build_tokenizer
     from areal_k8s.common.config import parse_job
     from areal_k8s.common.grpcutil import start_server
     from areal_k8s.common.store import TrajectoryStore, connect

@@ -11,7 +11,6 @@ import uuid
 
 import pytest
 import redis
-from cpu_engines import cpu_engine, engine_client
 from e2e_jobs import make_job, read_steps
 from tiny_models import build_scripted_qwen2
 from transformers import AutoTokenizer
@@ -26,6 +25,7 @@ from areal_k8s.common.store import JobKeys
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams, Timings, Trajectory
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.clients import RewardScorer
+from areal_k8s.rollout.cpu_engine.launcher import cpu_engine, engine_client
 from areal_k8s.rollout.generation import generate_each, generate_interruptible
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import EpisodeContext, WorkflowError, load_workflow

@@ -1,6 +1,7 @@
 """`arealctl run`: the four services (and N rollout engines) as local processes on loopback.
 
-Same binaries, flags and gRPC contracts as the pods in a cluster; Redis is embedded when the job names none.
+Same binaries, flags (commands.py) and gRPC contracts as the pods in a cluster; Redis is embedded when the job names
+none.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,10 +19,19 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from areal_k8s.cli.commands import (
+    Endpoints,
+    controller_command,
+    engine_command,
+    port_of,
+    reward_command,
+    rollout_command,
+    trainer_command,
+)
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
-from areal_k8s.common.config import JobConfig, reward_verifier_args
+from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
 from areal_k8s.common.redis_server import EmbeddedRedis, free_port
@@ -30,16 +39,6 @@ from areal_k8s.common.redis_server import EmbeddedRedis, free_port
 
 class LaunchError(RuntimeError):
     """A run that could not start or did not finish; the message is one readable line."""
-
-
-@dataclass
-class Endpoints:
-    controller: str
-    reward: str
-    trainer: str
-    rollouts: list[str]
-    engines: list[str]
-    metrics: dict[str, str]  # service name -> host:port of its Prometheus /metrics
 
 
 def child_env(threads: int) -> dict[str, str]:
@@ -105,6 +104,55 @@ def wait_ready(controller: Service, address: str, deadline: float) -> None:
             return None if status.ready else status.message
 
         poll_until(controller, deadline, pending)
+
+
+def run_summary(
+    job: JobConfig,
+    status: controller_pb2.JobStatus,
+    interrupted: bool,
+    *,
+    wall_seconds: float,
+    rollout_workers_at_end: int,
+    trainer_ranks_at_end: int,
+    restarts: dict[str, int],
+) -> dict:
+    """What summary.json says about a run: the job's status at its end and the run's own figures."""
+    return {
+        "job": job.name,
+        "completed": status.phase == controller_pb2.JobStatus.COMPLETED and not interrupted,
+        "interrupted": interrupted,
+        "base_accuracy": status.base_accuracy,
+        "final_accuracy": status.eval_accuracy,
+        "accuracy_gain_points": round(100 * (status.eval_accuracy - status.base_accuracy), 2)
+        if status.base_accuracy >= 0 and status.eval_accuracy >= 0
+        else None,
+        "steps": status.version,
+        "total_steps": status.total_steps,
+        "wall_seconds": wall_seconds,
+        "max_staleness": job.algorithm.max_staleness,
+        "max_staleness_seen": status.max_staleness_seen,
+        "mean_staleness": round(status.mean_staleness, 3),
+        "trajectories_produced": status.accepted * status.group_size,
+        "trajectories_consumed": status.consumed * status.group_size,
+        "steps_redone": status.steps_redone,
+        # every group admitted, by how it was settled (those still running at the end are in none)
+        "groups": {
+            "admitted": status.admitted,
+            "accepted": status.accepted,
+            "filtered": status.filtered,
+            "failed": status.failed,
+            "requeued": status.requeued,
+            "running": status.running,
+            "dropped": status.dropped,
+        },
+        "dead_lettered_items": status.dead_lettered,
+        "samples_per_second": round(status.samples_per_second, 3),
+        "tokens_per_second": round(status.tokens_per_second, 1),
+        "rollout_workers": job.rollout.workers,
+        "rollout_workers_at_end": rollout_workers_at_end,
+        "trainer_ranks_at_end": trainer_ranks_at_end,
+        "restarts": restarts,
+    }
 
 
 class LocalRun:
@@ -185,49 +233,10 @@ class LocalRun:
         if prometheus:
             self.start_prometheus(ends, prometheus)
         logs = self.run_dir / "logs"
-        common = ["--job", str(job_file), "--host", self.host]
         deadline = time.monotonic() + timeout
-
-        def metrics(name: str) -> list[str]:
-            return ["--metrics-port", port_of(ends.metrics[name])]
-
-        controller = self.spawn(
-            "controller",
-            [
-                "areal_k8s.controller",
-                *common,
-                "--port",
-                port_of(ends.controller),
-                "--redis-url",
-                redis_url,
-                "--reward",
-                ends.reward,
-                *metrics("controller"),
-            ],
-            logs,
-            1,
-        )
+        controller = self.spawn("controller", controller_command(job_file, self.host, ends, redis_url), logs, 1)
         self.started_controller = ends.controller
-        reward = self.spawn(
-            "reward",
-            [
-                "areal_k8s.reward",
-                "--host",
-                self.host,
-                "--port",
-                port_of(ends.reward),
-                "--workers",
-                str(self.job.reward.workers),
-                "--timeout",
-                str(self.job.reward.timeout_seconds),
-                "--job-name",
-                self.job.name,
-                *metrics("reward"),
-                *reward_verifier_args(self.job.reward),
-            ],
-            logs,
-            1,
-        )
+        reward = self.spawn("reward", reward_command(self.job, self.host, ends), logs, 1)
         wait_serving(controller, ends.controller, deadline)
         wait_serving(reward, ends.reward, deadline)
         wait_ready(controller, ends.controller, deadline)
@@ -243,8 +252,7 @@ class LocalRun:
         """`ranks` processes forming one torch.distributed world, as torchrun would start them: rank 0 (`trainer`)
         serves the endpoints the run knows; ranks 1.. (`trainer-<rank>`) serve on ports of their own and export no
         metrics (rank 0's are the step's)."""
-        ends, common = self.endpoints, ["--job", str(self.run_dir / "job.yaml"), "--host", self.host]
-        rendezvous = self.free_address()
+        ends, job_file, rendezvous = self.endpoints, self.run_dir / "job.yaml", self.free_address()
         for rank in range(ranks):
             world = {
                 "RANK": str(rank),
@@ -256,18 +264,7 @@ class LocalRun:
             port, metrics = (ends.trainer, ends.metrics["trainer"]) if rank == 0 else (self.free_address(), ":0")
             self.spawn(
                 "trainer" if rank == 0 else f"trainer-{rank}",
-                [
-                    "areal_k8s.trainer",
-                    *common,
-                    "--port",
-                    port_of(port),
-                    "--controller",
-                    ends.controller,
-                    "--redis-url",
-                    self.redis_url,
-                    "--metrics-port",
-                    port_of(metrics),
-                ],
+                trainer_command(job_file, self.host, port_of(port), ends, self.redis_url, port_of(metrics)),
                 self.run_dir / "logs",
                 self.job.trainer.threads,
                 world,
@@ -277,50 +274,8 @@ class LocalRun:
         """Rollout worker `rollout-<i>` and, with the CPU engine, its engine `engine-<i>`."""
         ends, logs, job_file = self.endpoints, self.run_dir / "logs", self.run_dir / "job.yaml"
         if self.job.rollout.engine == "cpu":
-            self.spawn(
-                f"engine-{i}",
-                [
-                    "areal_k8s.rollout.cpu_engine",
-                    "--model-path",
-                    self.job.model,
-                    "--host",
-                    self.host,
-                    "--port",
-                    port_of(ends.engines[i]),
-                    "--max-batch-size",
-                    str(self.job.rollout.max_batch_size),
-                    "--threads",
-                    str(self.job.rollout.threads),
-                ],
-                logs,
-                self.job.rollout.threads,
-            )
-        self.spawn(
-            f"rollout-{i}",
-            [
-                "areal_k8s.rollout",
-                "--job",
-                str(job_file),
-                "--host",
-                self.host,
-                "--port",
-                port_of(ends.rollouts[i]),
-                "--worker-id",
-                f"rollout-{i}",
-                "--engine-url",
-                ends.engines[i],
-                "--controller",
-                ends.controller,
-                "--reward",
-                ends.reward,
-                "--redis-url",
-                self.redis_url,
-                "--metrics-port",
-                port_of(ends.metrics[f"rollout-{i}"]),
-            ],
-            logs,
-            1,
-        )
+            self.spawn(f"engine-{i}", engine_command(self.job, self.host, ends, i), logs, self.job.rollout.threads)
+        self.spawn(f"rollout-{i}", rollout_command(job_file, self.host, ends, i, self.redis_url), logs, 1)
 
     # -- the pools, resized while the job runs (the staleness rebalancer) ---------------------------------
 
@@ -482,46 +437,14 @@ class LocalRun:
 
     def write_summary(self, status: controller_pb2.JobStatus | None, interrupted: bool) -> dict:
         """summary.json from the job's status (None: the controller never answered; the counts are then zero)."""
-        status = status or controller_pb2.JobStatus(job=self.job.name)
-        summary = {
-            "job": self.job.name,
-            "completed": status.phase == controller_pb2.JobStatus.COMPLETED and not interrupted,
-            "interrupted": interrupted,
-            "base_accuracy": status.base_accuracy,
-            "final_accuracy": status.eval_accuracy,
-            "accuracy_gain_points": round(100 * (status.eval_accuracy - status.base_accuracy), 2)
-            if status.base_accuracy >= 0 and status.eval_accuracy >= 0
-            else None,
-            "steps": status.version,
-            "total_steps": status.total_steps,
-            "wall_seconds": round(time.time() - self.started_at, 1),
-            "max_staleness": self.job.algorithm.max_staleness,
-            "max_staleness_seen": status.max_staleness_seen,
-            "mean_staleness": round(status.mean_staleness, 3),
-            "trajectories_produced": status.accepted * status.group_size,
-            "trajectories_consumed": status.consumed * status.group_size,
-            "steps_redone": status.steps_redone,
-            # every group admitted, by how it was settled (those still running at the end are in none)
-            "groups": {
-                "admitted": status.admitted,
-                "accepted": status.accepted,
-                "filtered": status.filtered,
-                "failed": status.failed,
-                "requeued": status.requeued,
-                "running": status.running,
-                "dropped": status.dropped,
-            },
-            "dead_lettered_items": status.dead_lettered,
-            "samples_per_second": round(status.samples_per_second, 3),
-            "tokens_per_second": round(status.tokens_per_second, 1),
-            "rollout_workers": self.job.rollout.workers,
-            "rollout_workers_at_end": len(self.rollout_workers()),
-            "trainer_ranks_at_end": self.trainer_ranks(),
-            "restarts": dict(self.supervisor.restarts),
-        }
+        summary = run_summary(
+            self.job,
+            status or controller_pb2.JobStatus(job=self.job.name),
+            interrupted,
+            wall_seconds=round(time.time() - self.started_at, 1),
+            rollout_workers_at_end=len(self.rollout_workers()),
+            trainer_ranks_at_end=self.trainer_ranks(),
+            restarts=dict(self.supervisor.restarts),
+        )
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-
-def port_of(address: str) -> str:
-    return address.rsplit(":", 1)[1]

@@ -11,9 +11,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import NoReturn
 
-from areal_k8s.common.config import DatasetConfig, JobConfig, JobFileError, load_job_file
+from areal_k8s.common.config import JobConfig, JobFileError, load_job_file
 from areal_k8s.common.metrics import metrics_port
-from areal_k8s.data.dataset import DatasetError, DatasetItem, load_dataset
 
 log = logging.getLogger("areal")
 
@@ -73,13 +72,6 @@ def load_job(path: str) -> JobConfig:
     try:
         return load_job_file(path)
     except JobFileError as exc:
-        exit_invalid(str(exc))
-
-
-def load_items(path: str, dataset: DatasetConfig) -> list[DatasetItem]:
-    try:
-        return load_dataset(path, dataset.format, dataset.code)
-    except DatasetError as exc:
         exit_invalid(str(exc))
 
 

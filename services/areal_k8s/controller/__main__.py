@@ -6,10 +6,11 @@ import os
 from areal_k8s.api.v1 import reward_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel
 from areal_k8s.common.metrics import ControllerMetrics
-from areal_k8s.common.service import base_parser, load_items, load_job, run_service, setup_logging
+from areal_k8s.common.service import base_parser, load_job, run_service, setup_logging
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import job_verifiers, serve
+from areal_k8s.data.dataset import load_items
 
 log = logging.getLogger("areal.controller")
 

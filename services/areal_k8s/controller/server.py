@@ -23,7 +23,8 @@ from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgument, require, rpc, start_server
 from areal_k8s.common.metrics import HOLD_REASONS
 from areal_k8s.common.store import TrajectoryStore
-from areal_k8s.controller.core import Admitted, ControllerCore, UnknownWorker
+from areal_k8s.controller.core import Admitted, ControllerCore
+from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 
 log = logging.getLogger(__name__)
@@ -211,11 +212,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
-        if why := self.core.superseded(request.worker_id, request.incarnation):
+        if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
             await self.revoke(
-                self.core.unheld_leases(request.worker_id, set(request.holding)), "its answer never reached the worker"
+                self.core.leases.unheld(request.worker_id, set(request.holding)), "its answer never reached the worker"
             )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
@@ -255,7 +256,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @rpc
     async def CompleteGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
-        if why := self.core.superseded(request.worker_id, request.incarnation):
+        if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
         for outcome in request.outcomes:
             require(bool(outcome.group_id), "every outcome needs a group_id")

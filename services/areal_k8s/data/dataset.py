@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from areal_k8s.common.config import CodeDatasetConfig
+from areal_k8s.common.config import CodeDatasetConfig, DatasetConfig
+from areal_k8s.common.service import exit_invalid
 from areal_k8s.data.code import CodeRecordError, is_code_record, parse_code_record
 
 GSM8K_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -60,6 +61,14 @@ def load_dataset(path: str | Path, fmt: Format = "auto", code: CodeDatasetConfig
     if not items:
         raise DatasetError(f"{path}:1: empty file: no JSON records")
     return items
+
+
+def load_items(path: str, dataset: DatasetConfig) -> list[DatasetItem]:
+    """`load_dataset` for a service starting up: a bad file ends the process with its one line (exit code 2)."""
+    try:
+        return load_dataset(path, dataset.format, dataset.code)
+    except DatasetError as exc:
+        exit_invalid(str(exc))
 
 
 def _records(path: Path):

@@ -33,6 +33,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.demo import task
+from areal_k8s.reward.addition_verifier import score
 from areal_k8s.rollout.cpu_engine.decoding import generate_batch
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
@@ -207,8 +208,7 @@ def greedy_accuracy(
             max_batch_size=batch_size,
         )
         correct += sum(
-            task.score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer)
-            for r, p in zip(responses, chunk)
+            score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer) for r, p in zip(responses, chunk)
         )
     return correct / len(problems)
 

@@ -21,8 +21,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-ANSWER_START = "|"
-END_MARK = "."
+from areal_k8s.reward.addition_verifier import ANSWER_START, END_MARK
+
 COLUMN_SEPARATOR = ","
 VERIFIER = "addition"
 # Every character a prompt or solution can contain (the demo tokenizer's vocabulary).
@@ -100,26 +100,6 @@ def solution_text(problem: Problem) -> str:
         entries.append(f"{a}+{b}+{carry}={total:02d}")
         carry = total // 10
     return COLUMN_SEPARATOR.join(entries) + ANSWER_START + problem.answer + END_MARK
-
-
-def extract_answer(response: str) -> str | None:
-    """The digits between the last answer start and the end marker after it; None if absent or not a number."""
-    if not isinstance(response, str):
-        return None
-    start = response.rfind(ANSWER_START)
-    if start < 0:
-        return None
-    end = response.find(END_MARK, start + 1)
-    if end < 0:
-        return None  # truncated before the end marker
-    answer = response[start + 1 : end]
-    return answer if answer.isascii() and answer.isdigit() else None
-
-
-def score(response: str, reference: str) -> float:
-    """1.0 iff the extracted answer equals `reference` exactly, else 0.0."""
-    answer = extract_answer(response)
-    return 1.0 if answer is not None and answer == reference else 0.0
 
 
 def make_problems(

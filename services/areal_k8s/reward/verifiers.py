@@ -1,10 +1,10 @@
 """Verifiers: a name resolves to `verifier(prompt, response, reference, metadata) -> reward`.
 
-Built-in names are "math", "addition" (the demo task), "exact" and "code" (the response's program against the
-reference's tests in the sandbox: code_verifier.py). Any other name of the form "package.module:function" is a
-custom verifier: a plain Python function taking the same four positional arguments (prompt, response,
-reference: str; metadata: dict[str, str]) and returning a finite real number, or a `Verdict(reward, reason)`
-(importable from here), whose reason becomes the result's message.
+Built-in names are "math", "addition" (the demo task's answers: addition_verifier.py), "exact" and "code" (the
+response's program against the reference's tests in the sandbox: code_verifier.py). Any other name of the form
+"package.module:function" is a custom verifier: a plain Python function taking the same four positional arguments
+(prompt, response, reference: str; metadata: dict[str, str]) and returning a finite real number, or a
+`Verdict(reward, reason)` (importable from here), whose reason becomes the result's message.
 A custom verifier runs only if the job declares it (`reward.verifier` or `reward.allowed_verifiers`): naming one
 in a request or a dataset row is not enough, since importing a module runs its code (`check_allowed`).
 Verifiers run in pool worker processes, so a slow or crashing one costs its item, never the service.
@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from areal_k8s.reward.addition_verifier import addition_reward
 from areal_k8s.reward.code_verifier import Verdict, code_reward
 
 Verifier = Callable[[str, str, str, Mapping[str, str]], float | Verdict]
@@ -69,13 +70,6 @@ def parse_reference(reference: str) -> list:
     if "\\boxed" in reference or "$" in reference:
         return parse_math(reference)
     return parse_math(f"\\boxed{{{reference}}}") or parse_math(reference)
-
-
-def addition_reward(prompt: str, response: str, reference: str, metadata: Mapping[str, str]) -> float:
-    # Imported on use so that this module loads without the demo package.
-    from areal_k8s.demo.task import score
-
-    return score(response, reference)
 
 
 def exact_reward(prompt: str, response: str, reference: str, metadata: Mapping[str, str]) -> float:

@@ -19,35 +19,18 @@ import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from areal_k8s.common.config import parse_job
-from areal_k8s.common.rebalance import Decision, Limits, Split, State, advance, settings_for, totals_of
+from areal_k8s.common.rebalance import Decision, Split, State, advance, settings_for, totals_of
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.simulator.engine import Engine
 from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.trainer.step.batching import Group, select_batch
 
 PROMPTS = 1024  # dataset items the simulated controller cycles through
-
-
-@dataclass
-class Engine:
-    name: str
-    ready: bool = False
-    version: int = 0
-    steps: int = 0  # decode steps run so far: each advanced every sequence then in the batch by one token
-    finishing: list[tuple[int, int, str, int]] = field(default_factory=list)  # heap: (last step, n, group, join step)
-    joined: int = 0  # sum of the join steps of the sequences in the batch (for the context they attend to)
-    groups: dict[str, list[int]] = field(default_factory=dict)  # group -> [sequences left, tokens, min version]
-    hold: int | None = None  # a request for work the staleness bound is holding
-    busy_until: float = 0.0  # when the decode steps under way end
-    event_steps: int = 0  # how many they are
-    generation: int = 0  # bumped to cancel a scheduled event (a push delays it, a removal drops it)
-    fresh_prefill: int = 0  # prompt tokens of sequences that joined since the last event
-    completing: int = 0  # groups generated, on their way to the stream (scored and written)
 
 
 @dataclass
@@ -97,29 +80,7 @@ class Result:
 class Simulation:
     def __init__(self, scenario: Scenario):
         self.s = scenario
-        shape = scenario.job
-        algorithm = {
-            "batch_size": shape.batch_size,
-            "group_size": shape.group_size,
-            "max_staleness": shape.max_staleness,
-            "total_steps": shape.total_steps,
-        }
-        if shape.staleness_target is not None:
-            algorithm["staleness_target"] = shape.staleness_target.model_dump()
-        self.job = parse_job(
-            {
-                "name": "sim",
-                "model": "-",
-                "dataset": {"train": "-", "shuffle": False},
-                "algorithm": algorithm,
-                "rebalance": scenario.rebalance.model_dump(),
-                "rollout": {
-                    "workers": max(scenario.split.rollout, scenario.rebalance.min_workers),
-                    "groups_per_worker": shape.groups_per_engine,
-                },
-            },
-            source="scenario",
-        )
+        self.job = scenario.job_config()
         self.now = 0.0
         items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
         self.core = ControllerCore(self.job, items, lease_seconds=math.inf, clock=lambda: self.now)
@@ -144,16 +105,7 @@ class Simulation:
         self.tokens_of: dict[str, int] = {}  # tokens of each generated group not yet trained
         self.reported_wait = 0.0
         self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
-        r = scenario.resources
-        self.limits = Limits(
-            rollout_unit=r.rollout_unit_gpus,
-            trainer_unit=r.trainer_unit_gpus,
-            min_rollout=r.min_rollout,
-            max_rollout=r.max_rollout,
-            min_trainer=r.min_trainer,
-            max_trainer=r.max_trainer,
-            budget=r.budget_gpus,
-        )
+        self.limits = scenario.limits()
         self.policy = (
             State(Split(scenario.split.rollout, scenario.split.trainer)) if scenario.rebalance.enabled else None
         )
@@ -246,11 +198,7 @@ class Simulation:
         prompt = self.s.workload.prompt_tokens
         for a in admitted:
             lengths = [self.response_length() for _ in range(self.s.job.group_size)]
-            engine.groups[a.lease.group_id] = [len(lengths), sum(lengths), engine.version]
-            for n in lengths:
-                heapq.heappush(engine.finishing, (engine.steps + n, next(self.order), a.lease.group_id, engine.steps))
-            engine.joined += engine.steps * len(lengths)
-            engine.fresh_prefill += prompt * len(lengths)
+            engine.admit(a.lease.group_id, lengths, prompt, self.order)
         refused = room > 0 and not admitted and self.core.refusal(engine.name, room, engine.version) == "staleness"
         if refused and engine.hold is None:
             engine.hold = self.core.begin_hold("staleness")
@@ -285,23 +233,14 @@ class Simulation:
         """Recomputing the cache of every sequence the engine holds, after a push that retracted them."""
         if not self.s.push.retract:
             return 0.0
-        n = len(engine.finishing)
-        context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
+        context = engine.context_tokens(self.s.workload.prompt_tokens)
         return context * self.s.engine.prefill_per_token_seconds * self.contention(engine)
 
     def schedule_steps(self, engine: Engine) -> None:
-        """Run the batch up to its next completed sequence, in closed form: with n sequences attending to C tokens
-        at the first step, k steps cost k·(base + per_sequence·n) + per_context·(k·C + n·k(k−1)/2)."""
-        c, n = self.s.engine, len(engine.finishing)
-        k = min(c.max_steps_per_event, engine.finishing[0][0] - engine.steps)
-        context = n * self.s.workload.prompt_tokens + n * engine.steps - engine.joined
-        seconds = (
-            k * (c.step_base_seconds + c.step_per_sequence_seconds * n)
-            + c.step_per_context_token_seconds * (k * context + n * k * (k - 1) / 2)
-            + c.prefill_per_token_seconds * engine.fresh_prefill
-        ) * self.contention(engine)
+        """Run the batch up to its next completed sequence (Engine.next_steps), slowed by CPU contention."""
+        steps, seconds = engine.next_steps(self.s.engine, self.s.workload.prompt_tokens)
         engine.fresh_prefill = 0
-        engine.busy_until, engine.event_steps = self.now + seconds, k
+        engine.busy_until, engine.event_steps = self.now + seconds * self.contention(engine), steps
         self.schedule_steps_end(engine)
 
     def schedule_steps_end(self, engine: Engine) -> None:
@@ -312,14 +251,8 @@ class Simulation:
     def steps_done(self, engine: Engine, token: int, steps: int) -> None:
         if token != engine.generation:
             return  # rescheduled (a push paused it) or dropped (the engine was removed)
-        engine.steps += steps
-        while engine.finishing and engine.finishing[0][0] <= engine.steps:
-            _, _, group_id, joined = heapq.heappop(engine.finishing)
-            engine.joined -= joined
-            group = engine.groups[group_id]
-            group[0] -= 1
-            if group[0] == 0:
-                self.group_done(engine, group_id)
+        for group_id in engine.advance(steps):
+            self.group_done(engine, group_id)
         self.fill(engine)
 
     def group_done(self, engine: Engine, group_id: str) -> None:

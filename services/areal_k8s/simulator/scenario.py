@@ -12,12 +12,15 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from areal_k8s.common.config import (
+    JobConfig,
     JobFileError,
     RebalanceConfig,
     StalenessBand,
     describe_validation_error,
+    parse_job,
     read_yaml_file,
 )
+from areal_k8s.common.rebalance import Limits
 
 
 class _Part(BaseModel):
@@ -110,6 +113,45 @@ class Scenario(_Part):
     # outnumber the cores, each runs cores/threads as fast. None: every side has its own hardware (a cluster).
     cores: Annotated[float, Field(gt=0)] | None = None
     background_threads: Annotated[float, Field(ge=0)] = 0.0  # with `cores`: the other processes' mean busy threads
+
+    def job_config(self) -> JobConfig:
+        """The job the simulated controller and rebalancer run: the scenario's shape and rebalance settings."""
+        shape = self.job
+        algorithm = {
+            "batch_size": shape.batch_size,
+            "group_size": shape.group_size,
+            "max_staleness": shape.max_staleness,
+            "total_steps": shape.total_steps,
+        }
+        if shape.staleness_target is not None:
+            algorithm["staleness_target"] = shape.staleness_target.model_dump()
+        return parse_job(
+            {
+                "name": "sim",
+                "model": "-",
+                "dataset": {"train": "-", "shuffle": False},
+                "algorithm": algorithm,
+                "rebalance": self.rebalance.model_dump(),
+                "rollout": {
+                    "workers": max(self.split.rollout, self.rebalance.min_workers),
+                    "groups_per_worker": shape.groups_per_engine,
+                },
+            },
+            source="scenario",
+        )
+
+    def limits(self) -> Limits:
+        """The bounds of the split, in GPUs."""
+        r = self.resources
+        return Limits(
+            rollout_unit=r.rollout_unit_gpus,
+            trainer_unit=r.trainer_unit_gpus,
+            min_rollout=r.min_rollout,
+            max_rollout=r.max_rollout,
+            min_trainer=r.min_trainer,
+            max_trainer=r.max_trainer,
+            budget=r.budget_gpus,
+        )
 
 
 def load_scenario(path: Path) -> Scenario:

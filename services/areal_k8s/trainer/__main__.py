@@ -13,7 +13,6 @@ from areal_k8s.common.prompts import load_tokenizer, require_model_dirs
 from areal_k8s.common.service import (
     add_when_done,
     base_parser,
-    load_items,
     load_job,
     run_service,
     run_until_stopped,
@@ -21,6 +20,7 @@ from areal_k8s.common.service import (
     wait_if_asked,
 )
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.data.dataset import load_items
 from areal_k8s.trainer.controller_client import ControllerClient
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.server import TrainerServicer

@@ -1,4 +1,5 @@
-"""CPU engine processes for tests: real subprocesses serving SGLang's HTTP API on loopback."""
+"""Our CPU engine as a process of its own, for the tests, the weight-push benchmark and the GPU smoke:
+`python -m areal_k8s.rollout.cpu_engine` on a free loopback port, ready once it logs the line that names its URL."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-import pytest
-
 from areal_k8s.common.sglang import CpuEngineClient
 
 READY = re.compile(r"CPU engine ready on (http://\S+)")
 SUBPROCESS_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+class EngineNotReady(RuntimeError):
+    """The engine exited or did not get ready in time; the message ends with its log."""
 
 
 @contextmanager
@@ -61,11 +64,12 @@ async def engine_client(url: str):
 
 
 def wait_for_ready_line(process: subprocess.Popen, log_path: Path, timeout: float = 120.0) -> str:
+    """The URL the engine logs once it is ready; EngineNotReady if it exits first or `timeout` passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if match := READY.search(log_path.read_text()):
             return match.group(1)
         if process.poll() is not None:
-            pytest.fail(f"engine exited with {process.returncode}:\n{log_path.read_text()}")
+            raise EngineNotReady(f"engine exited with {process.returncode}:\n{log_path.read_text()}")
         time.sleep(0.1)
-    pytest.fail(f"engine not ready after {timeout} s:\n{log_path.read_text()}")
+    raise EngineNotReady(f"engine not ready after {timeout} s:\n{log_path.read_text()}")

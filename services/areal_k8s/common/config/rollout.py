@@ -1,0 +1,122 @@
+"""The `rollout` section: the workers, their engines and the workflow an episode runs."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from areal_k8s.common.config.section import Section
+
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/areal_k8s/rollout/workflows/
+CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class MultiTurnConfig(Section):
+    max_turns: Annotated[int, Field(ge=1)] = Field(3, description="`multi_turn`: answers per episode, at most.")
+    success_threshold: float = Field(
+        1.0,
+        description="`multi_turn`: a turn whose reward reaches this ends the episode; below it the model gets "
+        "`feedback` and answers again.",
+    )
+    feedback: str = Field(
+        "Your answer is incorrect, try again.",
+        description="`multi_turn`: the environment's reply to an answer below the threshold (a user turn; `{reward}` "
+        "is replaced by the turn's reward).",
+    )
+    reward: Literal["last", "sum"] = Field(
+        "last",
+        description="`multi_turn`: the episode's reward: the last turn's, or the sum over turns, each "
+        "discounted by `turn_discount`^turn (turn 0 first).",
+    )
+    turn_discount: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="`multi_turn`: γ: a reward earned at turn t counts γ^t (1: no discount)."
+    )
+
+
+class ToolAgentConfig(Section):
+    tools: list[Literal["python", "calculator"]] = Field(
+        ["python"],
+        description="`tool_agent`: the tools offered: `python` (the program runs in the `reward.code` "
+        "sandbox, its stdout is the result), `calculator` (arithmetic expressions).",
+    )
+    max_tool_calls: Annotated[int, Field(ge=1)] = Field(
+        4, description="`tool_agent`: tool calls executed per episode; a response after the budget is spent ends it."
+    )
+    max_tool_output_chars: Annotated[int, Field(ge=16)] = Field(
+        1000, description="`tool_agent`: a tool's result is cut to this many characters before it is tokenized."
+    )
+
+
+class RolloutConfig(Section):
+    workers: Annotated[int, Field(ge=1)] = Field(1, description="Rollout workers (each drives one engine).")
+    engine: Literal["cpu", "sglang"] = Field(
+        "cpu", description="`cpu`: our engine, started beside each worker; `sglang`: an SGLang server."
+    )
+    engine_urls: list[str] = Field(
+        default_factory=list, description="SGLang server URLs, one per worker (engine `sglang` only)."
+    )
+    max_batch_size: Annotated[int, Field(ge=1)] = Field(64, description="CPU engine: sequences decoded together.")
+    threads: Annotated[int, Field(ge=1)] = Field(1, description="CPU engine: torch threads.")
+    groups_per_worker: Annotated[int, Field(ge=1)] = Field(
+        8, description="Prompt groups a worker keeps in flight (its share of the admission capacity)."
+    )
+    max_group_failures: Annotated[int, Field(ge=1)] = Field(
+        3,
+        description="A prompt whose group fails this many times in a row (any cause, a lost worker too) is "
+        "dead-lettered: never admitted again, recorded with its last reason in the job's dead-letter stream in Redis "
+        "(areal:{job}:dead-letters) and counted in the status; another prompt takes its place. The job fails once "
+        "every prompt is dead-lettered.",
+    )
+    prompt_template: Literal["raw", "chat"] = Field("raw", description="`chat` applies the tokenizer's chat template.")
+    workflow: str = Field(
+        "single_turn",
+        description="What one episode is (services/areal_k8s/rollout/workflows/): `single_turn` (prompt, response, "
+        "reward), "
+        "`multi_turn` (answer, verifier feedback, answer again: `rollout.multi_turn`), `tool_agent` (the model calls "
+        "tools, their results are appended: `rollout.tool_agent`), or `package.module:Class`, a RolloutWorkflow of "
+        "your own (the rollout image must be able to import it).",
+    )
+    workflow_args: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for a `package.module:Class` workflow's constructor."
+    )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig, description="The `multi_turn` workflow's settings."
+    )
+    tool_agent: ToolAgentConfig = Field(
+        default_factory=ToolAgentConfig, description="The `tool_agent` workflow's settings."
+    )
+    interrupt: Literal["abort", "retract"] = Field(
+        "abort",
+        description="How a weight push interrupts in-flight requests. `abort` (AReaL's choice): they come back with "
+        "their tokens so far and the worker resubmits prompt + prefix. `retract`: the engine re-queues them itself "
+        "and reports each token's version (SGLang's `weight_versions` spans); same trajectories, no round trip per "
+        "request. Either way the prefix's KV cache is recomputed under the new weights.",
+    )
+
+    @field_validator("workflow")
+    @classmethod
+    def _known_workflow(cls, name: str) -> str:
+        if name not in BUILTIN_WORKFLOWS and not re.match(CUSTOM_WORKFLOW_PATTERN, name):
+            raise ValueError(f"expected one of {', '.join(BUILTIN_WORKFLOWS)} or 'package.module:Class'")
+        return name
+
+    @model_validator(mode="after")
+    def _workflow_args_are_for_custom_workflows(self) -> RolloutConfig:
+        if self.workflow_args and self.workflow in BUILTIN_WORKFLOWS:
+            raise ValueError(
+                f"workflow_args is for a package.module:Class workflow; the built-in {self.workflow} "
+                "takes its settings from rollout.multi_turn or rollout.tool_agent"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_urls_match(self) -> RolloutConfig:
+        if self.engine == "sglang" and len(self.engine_urls) != self.workers:
+            raise ValueError(
+                f"engine sglang needs one entry in engine_urls per worker ({self.workers}), got {len(self.engine_urls)}"
+            )
+        if self.engine == "cpu" and self.engine_urls:
+            raise ValueError("engine_urls is only used with engine: sglang")
+        return self

@@ -1,0 +1,64 @@
+"""The leases: prompt groups admitted and handed to rollout workers, not yet reported back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Lease:
+    """A prompt group admitted and handed to a worker, not yet reported back."""
+
+    group_id: str
+    item_index: int
+    ticket: int
+    admitted_version: int
+    worker_id: str
+    admitted_at: float
+    failures: int = 0  # failed attempts at this prompt in a row before this one
+
+
+class Leases(Mapping[str, Lease]):
+    """The leases by group id. Each admission takes the next ticket, which names its group."""
+
+    def __init__(self, next_ticket: int = 0, leases: Iterable[Lease] = ()):
+        self.next_ticket = next_ticket
+        self._leases = {lease.group_id: lease for lease in leases}
+
+    def __getitem__(self, group_id: str) -> Lease:
+        return self._leases[group_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._leases)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def grant(self, item_index: int, admitted_version: int, worker_id: str, admitted_at: float, failures: int) -> Lease:
+        lease = Lease(
+            group_id=f"g{self.next_ticket}",
+            item_index=item_index,
+            ticket=self.next_ticket,
+            admitted_version=admitted_version,
+            worker_id=worker_id,
+            admitted_at=admitted_at,
+            failures=failures,
+        )
+        self.next_ticket += 1
+        self._leases[lease.group_id] = lease
+        return lease
+
+    def settle(self, group_id: str) -> Lease | None:
+        """Take a lease out as its group is reported back; None if it is unknown."""
+        return self._leases.pop(group_id, None)
+
+    def held_by(self, worker_id: str) -> list[str]:
+        return [gid for gid, lease in self._leases.items() if lease.worker_id == worker_id]
+
+    def unheld(self, worker_id: str, holding: set[str]) -> list[str]:
+        """The groups leased to `worker_id` that it says it is not working on: their answer never reached it."""
+        return [gid for gid in self.held_by(worker_id) if gid not in holding]
+
+    def snapshot(self) -> list[dict]:
+        return [asdict(lease) for lease in self._leases.values()]
