@@ -30,16 +30,15 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from trainer_batches import make_groups  # noqa: E402  (the synthetic groups the step tests train on)
+from areal_k8s.common.byte_tokenizer import build_tokenizer
+from areal_k8s.common.config import parse_job
+from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.sglang import CpuEngineClient
+from areal_k8s.common.weights import parse_dtype, weights_checksum
+from areal_k8s.rollout.cpu_engine.launcher import cpu_engine
+from areal_k8s.trainer.step.synthetic import make_groups
 
-from areal_k8s.common.byte_tokenizer import build_tokenizer  # noqa: E402
-from areal_k8s.common.config import parse_job  # noqa: E402
-from areal_k8s.common.redis_server import free_port  # noqa: E402
-from areal_k8s.common.sglang import CpuEngineClient  # noqa: E402
-from areal_k8s.common.weights import parse_dtype, weights_checksum  # noqa: E402
-from areal_k8s.rollout.cpu_engine.launcher import cpu_engine  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # bf16 compute agrees with fp32 Hugging Face scoring to about a hundredth of a nat on short rows; fp32 to 1e-4
 TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from tiny_models import build_tiny_decoder
-from trainer_batches import make_groups, padded_batch
+from trainer_batches import padded_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
@@ -24,6 +24,7 @@ from areal_k8s.trainer.backends.megatron.convert.common import Shape, join_shard
 from areal_k8s.trainer.backends.megatron.model import Layout, LayoutError, Stage
 from areal_k8s.trainer.checkpoint import TrainerState, save_checkpoint
 from areal_k8s.trainer.loop.trainer import Trainer
+from areal_k8s.trainer.step.synthetic import make_groups
 from areal_k8s.trainer.world import World, WorldSpec
 
 pytest.importorskip("megatron.core")

@@ -4,7 +4,6 @@ whatever the token budget, and every objective variant trains."""
 import pytest
 import torch
 from tiny_models import build_tiny_qwen2
-from trainer_batches import GROUP_SIZE, make_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
@@ -12,6 +11,7 @@ from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.step.batching import Group
 from areal_k8s.trainer.step.collation import collate, split_minibatches
+from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
 
 GROUPS, SAMPLES = 3, GROUP_SIZE
 TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")

@@ -15,7 +15,6 @@ import redis
 import torch
 import torch.multiprocessing as mp
 from tiny_models import build_tiny_qwen2
-from trainer_batches import GROUP_SIZE, make_groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
@@ -26,6 +25,7 @@ from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_chec
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.step.batching import Group
 from areal_k8s.trainer.step.collation import share_of_rank
+from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
 from areal_k8s.trainer.world import COMMIT, STOP, World, WorldSpec
 
 
