@@ -24,15 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from figures import write_between
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-from areal_k8s.common.byte_tokenizer import build_tokenizer
 from areal_k8s.common.config import TrainerConfig
 from areal_k8s.common.distributed import (
     broadcast_within,
@@ -40,6 +38,7 @@ from areal_k8s.common.distributed import (
     create_rendezvous_store,
     init_side_group,
 )
+from areal_k8s.common.random_qwen2 import QWEN2_5_0_5B, Qwen2Shape, save_random_qwen2
 from areal_k8s.common.weights import weights_checksum
 from areal_k8s.demo import build as demo_build
 from areal_k8s.rollout.cpu_engine.launcher import SUBPROCESS_ENV, cpu_engine, engine_client
@@ -53,58 +52,21 @@ WARMUP = 1  # unrecorded rounds of each before the measured ones
 TIMEOUT = 600.0
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A Qwen2-architecture shape; `demo` is the demo job's own model (services/areal_k8s/demo/build.py)."""
-
-    name: str
-    hidden: int = 0
-    intermediate: int = 0
-    layers: int = 0
-    heads: int = 0
-    kv_heads: int = 0
-    vocab: int = 0
-    tied: bool = False
-
-
-SHAPES = {
-    shape.name: shape
-    for shape in [
-        ModelShape("demo"),
-        ModelShape("qwen2-50m", hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=2, vocab=32000),
-        ModelShape("qwen2-150m", hidden=768, intermediate=2048, layers=16, heads=12, kv_heads=4, vocab=32000),
-        # Qwen2.5-0.5B's config: 494M parameters, tied embeddings
-        ModelShape(
-            "qwen2.5-0.5b", hidden=896, intermediate=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied=True
-        ),
-    ]
+# Qwen2-architecture shapes by name; "demo" is the demo job's own model (services/areal_k8s/demo/build.py)
+SHAPES: dict[str, Qwen2Shape | None] = {
+    "demo": None,
+    "qwen2-50m": Qwen2Shape(hidden=512, intermediate=1408, layers=8, heads=8, kv_heads=2, vocab=32000),
+    "qwen2-150m": Qwen2Shape(hidden=768, intermediate=2048, layers=16, heads=12, kv_heads=4, vocab=32000),
+    "qwen2.5-0.5b": QWEN2_5_0_5B,
 }
 
 
-def build_model(shape: ModelShape, path: Path) -> Qwen2ForCausalLM:
+def build_model(name: str, path: Path) -> Qwen2ForCausalLM:
     """The model in bfloat16 (the engine's dtype), saved with its tokenizer under `path` for the engine to load."""
-    if shape.name == "demo":
-        tokenizer = demo_build.build_tokenizer()
-        model = demo_build.build_model(demo_build.DemoBuildConfig(), tokenizer)
-    else:
-        tokenizer = build_tokenizer()
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                vocab_size=max(shape.vocab, len(tokenizer)),
-                hidden_size=shape.hidden,
-                intermediate_size=shape.intermediate,
-                num_hidden_layers=shape.layers,
-                num_attention_heads=shape.heads,
-                num_key_value_heads=shape.kv_heads,
-                max_position_embeddings=2048,
-                tie_word_embeddings=shape.tied,
-                eos_token_id=tokenizer.eos_token_id,
-                bos_token_id=None,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-    model = model.to(torch.bfloat16).eval()
+    if SHAPES[name] is not None:
+        return save_random_qwen2(path, SHAPES[name], dtype="bfloat16")
+    tokenizer = demo_build.build_tokenizer()
+    model = demo_build.build_model(demo_build.DemoBuildConfig(), tokenizer).to(torch.bfloat16).eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
@@ -167,18 +129,18 @@ class RawBroadcast:
             raise RuntimeError(f"the raw receiver exited with {self.receiver.returncode}")
 
 
-async def measure_model(args: argparse.Namespace, shape: ModelShape, scratch: Path) -> dict:
-    model = build_model(shape, scratch / shape.name)
+async def measure_model(args: argparse.Namespace, model_name: str, scratch: Path) -> dict:
+    model = build_model(model_name, scratch / model_name)
     device = torch.device("cuda", 0) if args.backend == "nccl" else torch.device("cpu")
     weights = [(name, parameter.detach().to(device)) for name, parameter in model.named_parameters()]
     nbytes = sum(tensor.numel() * tensor.element_size() for _, tensor in weights)
     parameters = sum(tensor.numel() for _, tensor in weights)
     del model
-    print(f"{shape.name}: {parameters / 1e6:.1f}M parameters, {nbytes / 2**20:.1f} MiB in bfloat16", flush=True)
+    print(f"{model_name}: {parameters / 1e6:.1f}M parameters, {nbytes / 2**20:.1f} MiB in bfloat16", flush=True)
     raw = RawBroadcast(args, nbytes, device)
     pushes, raws, buckets = [], [], set()
     options = ["--dtype", "bfloat16", "--device", args.receiver_device]
-    with cpu_engine(scratch / shape.name, scratch / f"{shape.name}-engine.log", *options) as url:
+    with cpu_engine(scratch / model_name, scratch / f"{model_name}-engine.log", *options) as url:
         async with engine_client(url) as client:
             sender = WeightSender(args.backend, bucket_bytes=int(args.bucket_mb * 2**20), timeout=TIMEOUT)
             await sender.connect([client])
@@ -191,7 +153,7 @@ async def measure_model(args: argparse.Namespace, shape: ModelShape, scratch: Pa
                     held = await client.weights_checksum()
                     if held["combined"] != weights_checksum(weights)[1] or held["weight_version"] != str(repeat):
                         raise RuntimeError(
-                            f"{shape.name}: the engine does not hold push {repeat} (checksum or version)"
+                            f"{model_name}: the engine does not hold push {repeat} (checksum or version)"
                         )
                     assert stats.bytes == nbytes, (stats.bytes, nbytes)
                     print(
@@ -207,7 +169,7 @@ async def measure_model(args: argparse.Namespace, shape: ModelShape, scratch: Pa
                 await sender.close()
     raw.close()
     return {
-        "model": shape.name,
+        "model": model_name,
         "parameters": parameters,
         "bytes": nbytes,
         "buckets": sorted(buckets),
@@ -256,7 +218,7 @@ async def compare(args: argparse.Namespace) -> None:
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models:
-            runs.append(await measure_model(args, SHAPES[name], Path(scratch)))
+            runs.append(await measure_model(args, name, Path(scratch)))
             print(json.dumps({name: summarise(runs[-1])}), flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(

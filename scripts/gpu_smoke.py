@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from areal_k8s.common.byte_tokenizer import build_tokenizer
 from areal_k8s.common.config import parse_job
+from areal_k8s.common.random_qwen2 import Qwen2Shape, save_random_qwen2
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import parse_dtype, weights_checksum
@@ -45,23 +45,8 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
 def build_model(path: Path, hidden: int, layers: int) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=max(2, hidden // 64),
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    shape = Qwen2Shape(hidden=hidden, intermediate=4 * hidden, layers=layers, heads=max(2, hidden // 64), kv_heads=2)
+    save_random_qwen2(path, shape)
     return path
 
 
