@@ -28,7 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 from figures import spread, write_between
 from sync_vs_async import ROOT, configure, engine_load, run
 
@@ -38,6 +37,7 @@ from areal_k8s.common.prompts import encode_prompt, load_tokenizer
 from areal_k8s.common.sglang import SGLangClient
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.demo.build import build_demo_assets
+from areal_k8s.simulator.calibration import fit_engine_cost
 from areal_k8s.simulator.model import simulate
 from areal_k8s.simulator.scenario import Scenario
 
@@ -123,21 +123,9 @@ def engine_costs(job: JobConfig) -> dict:
     finally:
         process.terminate()
         process.wait(timeout=60)
-    # decode_seconds = base·steps + per_sequence·rows + per_context·context positions, one equation per experiment
-    terms = np.array(
-        [[d["decode_steps"], d["decode_rows"], d["decode_context_positions"]] for d in deltas], dtype=float
-    )
-    seconds = np.array([d["decode_seconds"] for d in deltas])
-    (base, per_sequence, per_context), *_ = np.linalg.lstsq(terms, seconds, rcond=None)
-    fitted = terms @ np.array([base, per_sequence, per_context])
     logs = [math.log(n) for n in lengths if n > 0]
     return {
-        "step_base_seconds": max(float(base), 0.0),
-        "step_per_sequence_seconds": max(float(per_sequence), 0.0),
-        "step_per_context_token_seconds": max(float(per_context), 0.0),
-        "prefill_per_token_seconds": sum(d["prefill_seconds"] for d in deltas)
-        / sum(d["prefill_tokens"] for d in deltas),
-        "fit_worst_error": round(float(max(abs(fitted / seconds - 1))), 4),
+        **fit_engine_cost(deltas),
         "experiments": deltas,
         "length_sigma": statistics.pstdev(logs),
         "prompt_tokens": round(statistics.fmean(len(p) for p in prompts)),

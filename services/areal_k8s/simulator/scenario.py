@@ -21,6 +21,7 @@ from areal_k8s.common.config import (
     read_yaml_file,
 )
 from areal_k8s.common.rebalance import Limits
+from areal_k8s.simulator.calibration import MeasuredCostError, measured_engine_cost
 
 
 class _Part(BaseModel):
@@ -29,7 +30,10 @@ class _Part(BaseModel):
 
 class EngineCost(_Part):
     """One decode step of an engine's continuous batch costs step_base + step_per_sequence × sequences +
-    step_per_context_token × the tokens the sequences attend to; a new request first costs its prefill."""
+    step_per_context_token × the tokens the sequences attend to; a new request first costs its prefill.
+
+    In a scenario file, `measured: PATH` (relative to the file) takes the four costs from a GPU check's results
+    (scripts/gpu_check.py, bench/results/gpu_check.json); costs written beside it override them."""
 
     step_base_seconds: Annotated[float, Field(ge=0)] = 0.02
     step_per_sequence_seconds: Annotated[float, Field(ge=0)] = 1e-4
@@ -157,6 +161,13 @@ class Scenario(_Part):
 def load_scenario(path: Path) -> Scenario:
     """A scenario file, or JobFileError with one readable line naming the field."""
     data = read_yaml_file(path, "scenario file")
+    engine = data.get("engine") if isinstance(data, dict) else None
+    if isinstance(engine, dict) and "measured" in engine:
+        given = {name: value for name, value in engine.items() if name != "measured"}
+        try:
+            data["engine"] = measured_engine_cost(Path(path).parent / str(engine["measured"])) | given
+        except MeasuredCostError as exc:
+            raise JobFileError(f"{path}: engine.measured: {exc}") from None
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
