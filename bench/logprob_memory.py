@@ -3,9 +3,11 @@ the trainer did before trainer/backends/logprobs.py) against the chunked one, wi
 
 Only the output layer differs between the two, so that is what runs: hidden states [tokens, hidden] (a leaf that
 requires grad, standing in for the transformer's output) through a bias-free [vocab, hidden] head, Qwen2.5-0.5B's
-shape by default (896 × 151,936). Each measurement runs in a fresh process on the CPU, and its peak is the growth of
-the process's maximum resident set over the computation (getrusage); the values and the hidden states' gradients of
-every run are compared with the full-logits run's. Memory claims live here, never in tests.
+shape by default (896 × 151,936). Each measurement runs in a fresh process, and its peak is the growth of the
+process's maximum resident set over the computation (getrusage) on the CPU, of the memory PyTorch allocated on a GPU
+(`--device cuda`, where a run that does not fit is recorded as out of memory); the values and the hidden states'
+gradients of every run are compared with the full-logits run's. Memory claims live here, never in tests.
+`--results PATH` writes elsewhere than the committed results and leaves the README alone (scripts/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -66,24 +68,37 @@ def full_logits(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
 def measure(args: argparse.Namespace) -> None:
     """One computation in this process: its peak memory growth (MiB) on stdout, values and gradient to `--out`."""
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    head = torch.nn.Linear(args.hidden, args.vocab, bias=False)
-    hidden = torch.randn(args.tokens, args.hidden, requires_grad=args.backward)
-    targets = torch.randint(0, args.vocab, (args.tokens,))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with torch.set_grad_enabled(args.backward):
-        if args.chunk:
-            values = chunked_target_logprobs(head, hidden, targets, temperature=1.0, chunk_tokens=args.chunk)
-        else:
-            values = full_logits(head, hidden, targets)
-        if args.backward:
-            values.sum().backward()
-    peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    torch.save({"values": values.detach(), "grad": hidden.grad}, args.out)
-    print(json.dumps({"peak_mib": peak_mib}))
+    head = torch.nn.Linear(args.hidden, args.vocab, bias=False, device=device)
+    hidden = torch.randn(args.tokens, args.hidden, requires_grad=args.backward, device=device)
+    targets = torch.randint(0, args.vocab, (args.tokens,), device=device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with torch.set_grad_enabled(args.backward):
+            if args.chunk:
+                values = chunked_target_logprobs(head, hidden, targets, temperature=1.0, chunk_tokens=args.chunk)
+            else:
+                values = full_logits(head, hidden, targets)
+            if args.backward:
+                values.sum().backward()
+    except torch.OutOfMemoryError:
+        print(json.dumps({"peak_mib": None}))
+        return
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    torch.save({"values": values.detach().cpu(), "grad": hidden.grad.cpu() if args.backward else None}, args.out)
+    print(json.dumps({"peak_mib": peak / 2**20}))
 
 
-def run(args: argparse.Namespace, chunk: int, backward: bool, out: Path) -> float:
+def run(args: argparse.Namespace, chunk: int, backward: bool, out: Path) -> float | None:
+    """The peak memory (MiB) of one computation in a fresh process; None: it did not fit (a GPU's memory)."""
     command = [
         sys.executable,
         __file__,
@@ -96,12 +111,17 @@ def run(args: argparse.Namespace, chunk: int, backward: bool, out: Path) -> floa
         str(args.vocab),
         "--chunk",
         str(chunk),
+        "--device",
+        args.device,
         "--out",
         str(out),
     ] + (["--backward"] if backward else [])
     result = subprocess.run(
-        command, capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     )
+    if result.returncode != 0:  # its reason is the last line of its traceback
+        said = [line for line in result.stderr.splitlines() if line.strip()]
+        raise RuntimeError(f"a measurement (chunk {chunk}, backward {backward}) failed: {said[-1] if said else '?'}")
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
 
 
@@ -112,6 +132,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the peak is then the GPU memory allocated")
+    parser.add_argument(
+        "--results", type=Path, default=RESULTS, help="the results file (the README is written from the default)"
+    )
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--backward", action="store_true", help=argparse.SUPPRESS)
@@ -127,50 +151,59 @@ def main() -> None:
 
 
 def compare(args: argparse.Namespace) -> None:
+    report = {
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "vocab": args.vocab,
+        "dtype": "float32",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "runs": measure_runs(args),
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.results}")
+    if args.results == RESULTS:
+        write_between(ROOT / "README.md", README_BEGIN, README_END, readme_block(report))
+
+
+def measure_runs(args: argparse.Namespace) -> list[dict]:
+    """Full logits, then each chunk size, without and with the backward: peak memory and the difference from the
+    full-logits values and gradients. A run that did not fit has no peak (`out_of_memory`); the chunked runs are
+    then compared with nothing."""
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for backward in (False, True):
             reference = Path(scratch) / f"full-{backward}.pt"
             full = run(args, 0, backward, reference)
-            expected = torch.load(reference)
-            rows.append({"path": "full logits", "backward": backward, "chunk": None, "peak_mib": round(full)})
+            expected = torch.load(reference) if full is not None else None
+            rows.append(
+                {"path": "full logits", "backward": backward, "chunk": None, "peak_mib": rounded(full)}
+                | ({"out_of_memory": True} if full is None else {})
+            )
             for chunk in args.chunks:
                 out = Path(scratch) / f"{chunk}-{backward}.pt"
                 peak = run(args, chunk, backward, out)
-                got = torch.load(out)
-                rows.append(
-                    {
-                        "path": "chunked",
-                        "backward": backward,
-                        "chunk": chunk,
-                        "peak_mib": round(peak),
+                row = {"path": "chunked", "backward": backward, "chunk": chunk, "peak_mib": rounded(peak)}
+                if peak is None:
+                    row["out_of_memory"] = True
+                elif expected is not None:
+                    got = torch.load(out)
+                    row |= {
                         "ratio_to_full": round(full / peak, 1),
                         "max_value_difference": float((got["values"] - expected["values"]).abs().max()),
                         "max_grad_difference": float((got["grad"] - expected["grad"]).abs().max())
                         if backward
                         else None,
                     }
-                )
-                print(json.dumps(rows[-1]))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        json.dumps(
-            {
-                "tokens": args.tokens,
-                "hidden": args.hidden,
-                "vocab": args.vocab,
-                "dtype": "float32",
-                "device": "cpu",
-                "machine": platform.processor() or platform.machine(),
-                "torch": torch.__version__,
-                "runs": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {RESULTS}")
-    write_between(ROOT / "README.md", README_BEGIN, README_END, readme_block(json.loads(RESULTS.read_text())))
+                rows.append(row)
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def rounded(peak_mib: float | None) -> int | None:
+    return None if peak_mib is None else round(peak_mib)
 
 
 if __name__ == "__main__":
