@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 
 from aiohttp import web
@@ -31,8 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--device",
-        default="cpu",
-        help="where the model lives: cpu, or cuda[:N] (make gpu-smoke receives weights there over NCCL)",
+        default=os.environ.get("AREAL_ENGINE_DEVICE", "cpu"),
+        help="where the model lives: cpu, or cuda[:N] (make gpu-smoke receives weights there over NCCL); default "
+        "$AREAL_ENGINE_DEVICE, else cpu (how scripts/gpu_check.py puts the engines of an `arealctl run` on a GPU)",
     )
     parser.add_argument("--weight-version", default="0")
     parser.add_argument("--log-level", default="INFO")
