@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke
+.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle
 
 venv: $(VENV)/.installed
 
@@ -66,6 +66,11 @@ gpu-sglang:
 gpu-smoke: proto
 	$(PY) scripts/gpu_smoke.py $(ARGS)
 
+# what a lent GPU machine lacks for `make gpu-check` (it reaches no registry): wheels for its Python 3.12 and the gRPC
+# stubs, in .gpu-bundle/ (git-ignored), checked to travel under 64 MiB with the working tree (docs/gpu.md)
+gpu-bundle: proto
+	$(PY) scripts/gpu_bundle.py .gpu-bundle
+
 # the container images of images/ (needs a Docker engine; IMAGES="cpu operator" for a subset, PUSH=1 to push)
 images:
 	bash images/build.sh
@@ -122,4 +127,4 @@ bench-sim: proto
 	$(PY) bench/simulated.py --seeds 3
 
 clean:
-	rm -rf $(VENV) build runs .cache .pytest_cache .hypothesis services/areal_k8s/api/v1/*_pb2*.py* $(STUBS)
+	rm -rf $(VENV) build runs .cache .gpu-bundle .pytest_cache .hypothesis services/areal_k8s/api/v1/*_pb2*.py* $(STUBS)
