@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle
+.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 venv: $(VENV)/.installed
 
@@ -70,6 +70,14 @@ gpu-smoke: proto
 # stubs, in .gpu-bundle/ (git-ignored), checked to travel under 64 MiB with the working tree (docs/gpu.md)
 gpu-bundle: proto
 	$(PY) scripts/gpu_bundle.py .gpu-bundle
+
+# the GPU path on one GPU in at most 8 minutes: megatron and torch backends in bf16 against Hugging Face, log-probability
+# memory at 32k tokens, our engine's decode and prefill times and the simulator's cost model fitted to them, a 10-step
+# `arealctl run` (bench/results/gpu_check.json; ARGS="--device cpu --jobs 5" for the CPU form the tests run). On a lent
+# GPU machine, after `make gpu-bundle` here, the device tool runs it with carry [".gpu-bundle"] and timeout_s 560:
+# python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-bundle/wheels/*.whl && cp .gpu-bundle/stubs/* services/areal_k8s/api/v1/ && PYTHONPATH=/tmp/site:$PWD/services PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --work /tmp/gpu-check --out $OUT/gpu_check.json; tar -czf $OUT/gpu-check-logs.tar.gz -C /tmp/gpu-check logs run/logs
+gpu-check: proto
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 # the container images of images/ (needs a Docker engine; IMAGES="cpu operator" for a subset, PUSH=1 to push)
 images:
