@@ -238,6 +238,7 @@ def test_finished_job_admits_nothing_and_total_work_is_capped():
     assert core.status()["finished"] is True and core.status()["eval_accuracy"] == 0.5
 
 
+@pytest.mark.parametrize("policy", ["strict", "admission"])
 @settings(max_examples=150, deadline=None)
 @given(
     batch_size=st.integers(1, 4),
@@ -245,14 +246,18 @@ def test_finished_job_admits_nothing_and_total_work_is_capped():
     concurrency=st.integers(1, 12),
     seed=st.integers(0, 10_000),
 )
-def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(batch_size, eta, concurrency, seed):
-    """Controller admission + the trainer's batch rule, under random completion order and filtering."""
+def test_simulated_run_under_each_staleness_policy(policy, batch_size, eta, concurrency, seed):
+    """Controller admission + the trainer's batch rule, under random completion order and filtering: the run never
+    deadlocks and trains no group twice, every group it accepted is trained or still waiting; `strict` never trains
+    a group staler than η, and `admission` never waits while B groups are complete."""
     rng = random.Random(seed)
     core = make_core(
         items=7, batch_size=batch_size, max_staleness=eta, total_steps=6, max_concurrent_rollouts=concurrency
     )
     running: dict[str, tuple[int, int]] = {}  # group id -> (admitted version, ticket)
     finished: list[Group] = []
+    accepted: set[str] = set()
+    trained: list[str] = []
     version = 0
     for _ in range(10_000):
         if version == 6:
@@ -267,16 +272,26 @@ def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(
             result = "filtered" if rng.random() < 0.1 else "accepted"
             core.complete(gid, result)
             if result == "accepted":
+                accepted.add(gid)
                 # tokens come from the engine's version, which is at least the admitted one
                 entry = type("E", (), {"min_version": rng.randint(admitted, version)})()
                 finished.append(Group(gid, admitted, ticket, (entry,)))
         else:
             batch = select_batch(
-                finished, list(core.outstanding().values()), version=version, batch_size=batch_size, max_staleness=eta
+                finished,
+                list(core.outstanding().values()),
+                version=version,
+                batch_size=batch_size,
+                max_staleness=eta,
+                policy=policy,
             )
             if batch is None:
+                assert policy == "strict" or len(finished) < batch_size
                 continue
-            assert all(staleness(version, g) <= eta for g in batch)
+            assert len(batch) == batch_size and all(g in finished for g in batch)
+            if policy == "strict":
+                assert all(staleness(version, g) <= eta for g in batch)
+            trained += [g.group_id for g in batch]
             finished = [g for g in finished if g not in batch]
             version += 1
             core.announce_version(version, restored=False)
@@ -293,6 +308,7 @@ def test_simulated_run_never_trains_a_group_staler_than_eta_and_never_deadlocks(
                 finished=version == 6,
             )
     assert version == 6, "the run stalled"
+    assert len(trained) == len(set(trained)) and set(trained) | {g.group_id for g in finished} == accepted
 
 
 def group(admitted: int, ticket: int) -> Group:
@@ -318,6 +334,18 @@ def test_batch_waits_when_too_many_groups_would_be_due_next_step():
     # complete group admitted at 0 goes first; but taking a group admitted at 1 would leave two due at 1.
     assert [g.ticket for g in select_batch([group(0, 0)], [0], version=0, batch_size=1, max_staleness=1)] == [0]
     assert select_batch([group(1, 9)], [0, 0], version=0, batch_size=1, max_staleness=1) is None
+
+
+def test_admission_takes_the_oldest_complete_groups_without_waiting_for_a_straggler():
+    """The straggler admitted at 1 is due now under `strict`; AReaL's rule trains the complete groups and the
+    straggler later, at its real staleness, and drops nothing."""
+    complete = [group(2, 5), group(2, 4), group(3, 6)]
+    assert select_batch(complete, [1], version=3, batch_size=2, max_staleness=2) is None
+    batch = select_batch(complete, [1], version=3, batch_size=2, max_staleness=2, policy="admission")
+    assert [g.ticket for g in batch] == [4, 5]
+    late = group(1, 2)
+    assert past_the_bound([late], version=6, max_staleness=2, policy="admission") == []
+    assert select_batch([late, group(5, 9)], [], version=6, batch_size=1, max_staleness=2, policy="admission") == [late]
 
 
 def test_after_a_rollback_nothing_past_the_bound_is_trained():

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from areal_k8s.common.config.section import Section
 
+StalenessPolicy = Literal["strict", "admission"]
+
 
 class StalenessBand(Section):
     min: Annotated[float, Field(ge=0)] = Field(0.0, description="Lower edge of the band for the mean staleness.")
@@ -28,8 +30,16 @@ class AlgorithmConfig(Section):
     group_size: Annotated[int, Field(ge=1)] = Field(8, description="n: responses sampled per prompt.")
     max_staleness: Annotated[int, Field(ge=0)] = Field(
         2,
-        description="η: a trajectory is trained at most η versions after the oldest policy that produced it. "
-        "0 makes the run synchronous: generation and training alternate.",
+        description="η: the staleness bound. Generation runs at most η versions ahead of training; under the `strict` "
+        "policy a trajectory is also trained at most η versions after the oldest policy that produced it. 0 makes "
+        "the run synchronous: generation and training alternate.",
+    )
+    staleness_policy: StalenessPolicy = Field(
+        "strict",
+        description="What η bounds. `strict`: every sample (a group is trained by its admission version + η; the "
+        "trainer waits for a straggler whose place is needed). `admission`: AReaL's rule, admission only (the trainer "
+        "takes the first B complete groups in admission order and never waits; a straggler trains later at its real "
+        "staleness).",
     )
     staleness_target: StalenessBand | None = Field(
         None,

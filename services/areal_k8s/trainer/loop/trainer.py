@@ -77,6 +77,7 @@ class Trainer:
             batch_size=job.algorithm.batch_size,
             group_size=job.algorithm.group_size,
             max_staleness=job.algorithm.max_staleness,
+            policy=job.algorithm.staleness_policy,
         )
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"

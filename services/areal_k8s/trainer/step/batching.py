@@ -1,16 +1,19 @@
-"""Forming training batches from the trajectory stream without any sample exceeding the staleness bound.
+"""Forming training batches from the trajectory stream, under the job's staleness policy.
 
-A group admitted at version a must be trained at a version no later than its deadline a + η. The controller's
-admission rule (controller/admission.py) makes the deadlines satisfiable: by the time the trainer reaches
-version w, at most (w − v + 1)·B unconsumed groups are due. AReaL stops there, so a straggler can still be
-trained late when newer groups overtook it. We keep the bound per sample: the trainer takes the oldest
-complete groups, but only if the groups left behind (complete or still generating) can all still meet their
-deadlines with B per step; otherwise it waits for the straggler whose place in this batch is needed.
-This is earliest-deadline-first scheduling, and it only ever waits when the bound would otherwise break.
+The controller's admission rule (controller/admission.py) bounds how far generation runs ahead of training: by the
+time the trainer reaches version w, at most (w − v + 1)·B unconsumed groups are due. What the trainer does with a
+straggler, a group still generating while newer ones finished, is the policy (`algorithm.staleness_policy`):
 
-A trainer that rolled back to a checkpoint can hold more groups than it can train in time. It never trains one
-past the bound to get out of that corner: a group whose tokens are more than η versions old is dropped (its
-entries acknowledged at the next checkpoint) and the controller admits its prompt again.
+- `strict` keeps the bound per sample: a group admitted at version a is trained no later than its deadline a + η.
+  The trainer takes the oldest complete groups, but only if the groups left behind (complete or still generating)
+  can all still meet their deadlines with B per step; otherwise it waits for the straggler whose place in this
+  batch is needed (earliest-deadline-first: it waits only when the bound would otherwise break). A trainer that
+  rolled back to a checkpoint can hold more groups than it can train in time; it never trains one past the bound
+  to get out of that corner: a group whose tokens are more than η versions old is dropped (its entries
+  acknowledged at the next checkpoint) and the controller admits its prompt again.
+- `admission` is AReaL's rule: the bound limits admission only. The trainer takes the B oldest complete groups
+  (admission order) as soon as B are complete and never waits for a straggler, which trains later at its real
+  staleness; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from areal_k8s.common.config import StalenessPolicy
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 from areal_k8s.trainer.controller import Controller
 
@@ -51,17 +55,20 @@ def select_batch(
     version: int,
     batch_size: int,
     max_staleness: int,
+    policy: StalenessPolicy = "strict",
 ) -> list[Group] | None:
     """The batch to train at `version`, or None to wait for more groups.
 
-    `running` holds the admitted versions of groups still generating. If no choice can keep every deadline
-    (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway: the
-    caller drops, before each step, the groups that fell past the bound (`past_the_bound`).
+    `running` holds the admitted versions of groups still generating. Under `strict`, if no choice can keep every
+    deadline (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway:
+    the caller drops, before each step, the groups that fell past the bound (`past_the_bound`).
     """
     if len(complete) < batch_size:
         return None
     ordered = sorted(complete, key=lambda g: (g.admitted_version, g.ticket))
     batch = ordered[:batch_size]
+    if policy == "admission":
+        return batch
     running_deadlines = [admitted + max_staleness for admitted in running]
     left_behind = [g.admitted_version + max_staleness for g in ordered[batch_size:]] + running_deadlines
     if deadlines_feasible(left_behind, version=version, batch_size=batch_size):
@@ -80,8 +87,13 @@ def select_batch(
     return batch
 
 
-def past_the_bound(groups: Iterable[Group], *, version: int, max_staleness: int) -> list[Group]:
-    """Groups that training at `version` or later would take past η: they can only be dropped."""
+def past_the_bound(
+    groups: Iterable[Group], *, version: int, max_staleness: int, policy: StalenessPolicy = "strict"
+) -> list[Group]:
+    """Groups that training at `version` or later would take past η, which `strict` can only drop (`admission`
+    drops nothing: a late group trains at its real staleness)."""
+    if policy == "admission":
+        return []
     return [g for g in groups if staleness(version, g) > max_staleness]
 
 
@@ -100,6 +112,7 @@ class BatchAssembler:
         batch_size: int,
         group_size: int,
         max_staleness: int,
+        policy: StalenessPolicy = "strict",
         poll_ms: int = 200,
     ):
         self.store = store
@@ -108,6 +121,7 @@ class BatchAssembler:
         self.batch_size = batch_size
         self.group_size = group_size
         self.max_staleness = max_staleness
+        self.policy = policy
         self.poll_ms = poll_ms
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
@@ -170,7 +184,10 @@ class BatchAssembler:
             await self.drain()
             # A group written but not yet reported back is in both places: count it once, as complete.
             running = [version for gid, version in outstanding.items() if gid not in self.buffer]
-            for group in past_the_bound(self.complete_groups(), version=version, max_staleness=self.max_staleness):
+            late = past_the_bound(
+                self.complete_groups(), version=version, max_staleness=self.max_staleness, policy=self.policy
+            )
+            for group in late:
                 del self.buffer[group.group_id]
                 self.dropped.append(group)
             batch = select_batch(
@@ -179,6 +196,7 @@ class BatchAssembler:
                 version=version,
                 batch_size=self.batch_size,
                 max_staleness=self.max_staleness,
+                policy=self.policy,
             )
             if batch is not None:
                 for group in batch:
