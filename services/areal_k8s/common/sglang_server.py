@@ -83,11 +83,16 @@ class SGLangServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
+        # --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a core at 100% (a request
+        # wakes it at once); on a small CPU machine a spinning server starves the processes beside it
         device = (
             ["--device", "cuda"]
             if GPU
-            else ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule"]
-        )
+            else [
+                "--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+                "--sleep-on-idle",
+            ]
+        )  # fmt: skip
         return [
             str(SGLANG_PYTHON), "-m", "sglang.launch_server",
             "--model-path", str(self.model_path), *device,
