@@ -1,8 +1,11 @@
 """Our rollout agent and our trainer's weight push against the real SGLang (0.5.20, the version the chart pins) on
 this CPU: the production path, not our imitation of it.
 
-The module runs a server of its own (these tests change its weights), with a KV pool small enough that SGLang
-retracts requests under memory pressure. The last test runs `arealctl run` of a small job on it end to end.
+The module runs servers of its own (these tests change their weights), with a KV pool small enough that SGLang
+retracts requests under memory pressure: one as SGLang starts by default, one without its radix cache (what
+`rollout.interrupt: retract` needs) and one of two tensor-parallel ranks. The servers the selected tests use are
+launched together when the first is asked for; each test waits only for its own. A test runs `arealctl run` of a
+small job on the first end to end.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import pytest
 import redis
@@ -36,13 +40,71 @@ PROMPT = [5, 6, 7, 8, 9]
 BACKEND = "nccl" if GPU else "gloo"  # the trainer's side of the weight push (the engines join with the same)
 
 
+# The module's servers by name: SGLangServer's options (every one with the small KV pool).
+SERVERS = {
+    "server": {},
+    "no-radix": {"extra_args": ("--disable-radix-cache",)},
+    # one core per rank: SGLang's CPU rule
+    "tp2": {"extra_args": ("--tp", "2"), "extra_env": {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}},
+}
+# A liveness bound, not a timing assertion: the servers start together, and each start-up shares the two cores.
+LAUNCH_TIMEOUT_S = 600.0
+
+
+def servers_used(item: pytest.Item) -> set[str]:
+    """The servers a test of this module runs against."""
+    used = {"server"} if "server" in item.fixturenames else set()
+    if "tp2_starting" in item.fixturenames and not GPU:
+        used.add("tp2")
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("paused_client") == "retract":
+        used.add("no-radix")
+    return used
+
+
+class Launcher:
+    """The module's servers, each started on a thread of its own: launched together, a server's start-up (mostly
+    processes importing SGLang) overlaps the others' instead of following them, and each test waits for its own."""
+
+    def __init__(self, model_path, tmp_path_factory):
+        self.model_path, self.tmp_path_factory = model_path, tmp_path_factory
+        self.pool = ThreadPoolExecutor(len(SERVERS))
+        self.servers: dict[str, SGLangServer] = {}
+        self.starts: dict[str, Future] = {}
+
+    def launch(self, name: str) -> Future:
+        if name not in self.starts:
+            log = self.tmp_path_factory.mktemp(f"sglang-rl-{name}") / "server.log"
+            self.servers[name] = SGLangServer(self.model_path, log, max_total_tokens=KV_TOKENS, **SERVERS[name])
+            self.starts[name] = self.pool.submit(self.servers[name].start, LAUNCH_TIMEOUT_S)
+        return self.starts[name]
+
+    def get(self, name: str) -> SGLangServer:
+        return self.launch(name).result()
+
+    def stop(self) -> None:
+        """Every server stopped, together (each stop waits for SGLang's own drain), once its start has ended."""
+        wait(self.starts.values())
+        list(self.pool.map(SGLangServer.stop, self.servers.values()))
+        self.pool.shutdown()
+
+
 @pytest.fixture(scope="module")
-def server(sglang_model, tmp_path_factory):
+def launcher(request, sglang_model, tmp_path_factory):
     skip_or_fail_without_env()
-    with SGLangServer(
-        sglang_model, tmp_path_factory.mktemp("sglang-rl") / "server.log", max_total_tokens=KV_TOKENS
-    ) as running:
-        yield running
+    launcher = Launcher(sglang_model, tmp_path_factory)
+    for name in SERVERS:  # what the module's selected tests use, launched at once
+        if any(name in servers_used(item) for item in request.session.items if item.module is request.module):
+            launcher.launch(name)
+    try:
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+@pytest.fixture(scope="module")
+def server(launcher):
+    return launcher.get("server")
 
 
 @pytest.fixture
@@ -149,12 +211,9 @@ async def test_a_bad_update_is_refused_and_a_rebuilt_group_works(client, trained
 
 
 @pytest.fixture(scope="module")
-def server_without_radix_cache(sglang_model, tmp_path_factory):
+def server_without_radix_cache(launcher):
     """What `rollout.interrupt: retract` needs (the operator starts SGLang so)."""
-    skip_or_fail_without_env()
-    log = tmp_path_factory.mktemp("sglang-no-radix") / "server.log"
-    with SGLangServer(sglang_model, log, max_total_tokens=KV_TOKENS, extra_args=("--disable-radix-cache",)) as running:
-        yield running
+    return launcher.get("no-radix")
 
 
 @pytest.fixture(params=["abort", "retract"])
@@ -257,7 +316,17 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
     )
 
 
-async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_another(sglang_model, trained, tmp_path):
+@pytest.fixture
+def tp2_starting(launcher) -> Future:
+    """The TP-2 server's start, under way since the module's servers were launched."""
+    if GPU:
+        pytest.skip("the CPU engine cannot join an NCCL group; on GPUs the layout is covered by the TP-2 engine alone")
+    return launcher.launch("tp2")
+
+
+async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_another(
+    sglang_model, trained, tmp_path, tp2_starting
+):
     """A TP-2 SGLang engine takes group ranks 1 and 2 (SGLang joins at rank_offset + tp_rank), so a second engine
     joins at 3 in a group of 4. With offsets 1 + i it joined at 2 beside the first engine's second rank, and the
     rendezvous hung. Both engines then serve exactly the pushed weights."""
@@ -269,24 +338,16 @@ async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_an
     from areal_k8s.common.sglang import CpuEngineClient
     from areal_k8s.common.weights import weights_checksum
 
-    skip_or_fail_without_env()
-    if GPU:
-        pytest.skip("the CPU engine cannot join an NCCL group; on GPUs the layout is covered by the TP-2 engine alone")
-    tp2 = SGLangServer(
-        sglang_model,
-        tmp_path / "tp2.log",
-        max_total_tokens=KV_TOKENS,
-        extra_args=("--tp", "2"),
-        extra_env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"},
-    )  # one core per rank: SGLang's CPU rule
     log_path = tmp_path / "cpu-engine.log"
-    with open(log_path, "wb") as log, tp2:
+    with open(log_path, "wb") as log:
+        # the CPU engine starts while the TP-2 server may still be starting
         cpu = subprocess.Popen(
             [sys.executable, "-m", "areal_k8s.rollout.cpu_engine", "--model-path", str(sglang_model), "--port", "0"],
             stdout=log,
             stderr=subprocess.STDOUT,
         )
         try:
+            tp2 = tp2_starting.result()
             deadline = time.monotonic() + 300
             while not (ready := re.search(r"CPU engine ready on (http://\S+)", log_path.read_text())):
                 assert cpu.poll() is None and time.monotonic() < deadline, log_path.read_text()
