@@ -2,6 +2,7 @@
 with a real Redis server, real gRPC, real gloo weight pushes and real torch training."""
 
 import json
+import time
 import urllib.request
 
 import pytest
@@ -247,26 +248,45 @@ def test_a_restarted_rollout_worker_gets_the_current_weights_and_the_run_complet
         run.stop()
 
 
-@pytest.mark.parametrize("victim", ["controller", "reward", "redis", "engine-0"])
-def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(
-    assets, tmp_path, reward_importable, victim
-):
-    """The controller, the reward service, Redis or an engine (its rollout worker alive) is SIGKILLed mid-run. The
-    launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
+SERVICE_VICTIMS = ["controller", "reward", "redis", "engine-0"]
+SERVICE_KILLS_AFTER = [2, 4, 6, 8]  # the steps after which each is killed, in turn
+SERVICE_RUN_STEPS = 12
+
+
+def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable):
+    """The controller, the reward service, Redis and an engine (its rollout worker alive) are each SIGKILLed mid-run,
+    one at a time: each is killed once the one before it has been restarted and the run has trained a step since.
+    The launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
     (gRPC calls wait for the channel to be ready and idempotent ones are sent again; Redis commands are sent
     again), the controller restores its state from Redis, a worker whose engine came back with its initial weights
     writes nothing sampled with them and registers again for the current ones, and the run completes with every
-    trained sample within η and no trajectory trained twice."""
-    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 6}, trainer={"checkpoint_interval": 2})
+    trained sample within η and no trajectory trained twice.
+
+    (One run for the four victims, where there was a run per victim: every kill still restarts only its victim, once,
+    and the checks of the end of the run hold after all four.)"""
+    job = make_job(
+        assets, tmp_path / "run", algorithm={"total_steps": SERVICE_RUN_STEPS}, trainer={"checkpoint_interval": 2}
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
-        kill_after_step(run, 2, run.redis.process if victim == "redis" else run.service(victim).process)
+        for victim, after in zip(SERVICE_VICTIMS, SERVICE_KILLS_AFTER):
+            trained = max((s["version"] for s in read_steps(run.run_dir)), default=0)
+            # a step after the previous victim's restart: the run is whole again before the next kill
+            kill_after_step(
+                run, max(after, trained + 1), run.redis.process if victim == "redis" else run.service(victim).process
+            )
+            deadline = time.monotonic() + 300  # a liveness bound
+            while run.supervisor.restarts[victim] < 1:
+                assert time.monotonic() < deadline, f"{victim} was not restarted"
+                run.supervisor.tick()
+                time.sleep(0.02)
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
-        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
-        assert run.supervisor.restarts == {victim: 1}  # nothing else died with it
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == SERVICE_RUN_STEPS
+        # each victim restarted once, and nothing else died with any of them
+        assert run.supervisor.restarts == dict.fromkeys(SERVICE_VICTIMS, 1)
         steps = read_steps(run.run_dir)
-        assert [s["version"] for s in steps] == [1, 2, 3, 4, 5, 6]
+        assert [s["version"] for s in steps] == list(range(1, SERVICE_RUN_STEPS + 1))
         assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
         entries = [e for s in steps for e in s["entries"]]
         assert len(entries) == len(set(entries))
