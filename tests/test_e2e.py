@@ -1,17 +1,20 @@
 """The whole system as processes on loopback: controller, reward, trainer, rollout workers and CPU engines,
 with a real Redis server, real gRPC, real gloo weight pushes and real torch training."""
 
+import contextlib
 import json
+import signal
 import time
 import urllib.request
 
+import grpc
 import pytest
 import redis
 import torch
 from e2e_jobs import kill_after_step, make_job, read_steps
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.common.weights import weights_checksum
@@ -143,25 +146,39 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
         run.stop()
 
 
-@pytest.mark.parametrize("victim", ["trainer", "trainer-1"])
-def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, reward_importable, victim):
+def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, reward_importable):
     """Either rank killed: the other's next collective fails, both are restarted, the world forms again and resumes
-    from rank 0's last checkpoint; the entries trained since are trained again, nothing is left pending."""
+    from rank 0's last checkpoint; the entries trained since are trained again, nothing is left pending. One run
+    kills rank 0 after step 3 and then, once the world it restarted has trained step 5, rank 1 (there was a run for
+    each): step 3 is trained again from the checkpoint at 2, step 5 from the checkpoint at 4."""
     job = make_job(
         assets,
         tmp_path / "run",
-        algorithm={"total_steps": 6},
+        algorithm={"total_steps": 8},
         trainer={"replicas": 2, "checkpoint_interval": 2, "verify_weight_sync": True},
     )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
-        kill_after_step(run, 3, run.service(victim).process)
+        kill_after_step(run, 3, run.service("trainer").process)
+        deadline = time.monotonic() + 300  # a liveness bound
+        while run.supervisor.restarts != {"trainer": 1, "trainer-1": 1}:  # the world is restarted, both ranks
+            assert time.monotonic() < deadline, dict(run.supervisor.restarts)
+            run.supervisor.tick()
+            time.sleep(0.02)
+        kill_after_step(run, 5, run.service("trainer-1").process)
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)
-        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 6
-        assert run.supervisor.restarts == {"trainer": 1, "trainer-1": 1}
+        assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 8
+        assert run.supervisor.restarts == {"trainer": 2, "trainer-1": 2}
         versions = [s["version"] for s in read_steps(run.run_dir)]
-        assert versions[-4:] == [3, 4, 5, 6] and versions[:3] == [1, 2, 3]  # step 3 again, from the checkpoint at 2
+        worlds: list[list[int]] = []  # the versions each world trained: a new one starts again at or below the last
+        for version in versions:
+            if not worlds or version <= worlds[-1][-1]:
+                worlds.append([])
+            worlds[-1].append(version)
+        assert len(worlds) == 3 and worlds[0][:3] == [1, 2, 3], versions
+        assert worlds[1][:3] == [3, 4, 5], versions  # step 3 again, from the checkpoint at 2 (rank 0 killed)
+        assert worlds[2] == [5, 6, 7, 8], versions  # step 5 again, from the checkpoint at 4 (rank 1 killed)
         assert all(all(s["weights_verified"].values()) for s in read_steps(run.run_dir))
         client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
         stream = JobKeys(job.name).stream
@@ -172,36 +189,69 @@ def test_a_killed_rank_restarts_the_world_from_the_checkpoint(assets, tmp_path, 
         run.stop()
 
 
-@pytest.mark.parametrize("kill_at", [4, 1], ids=["after-a-checkpoint", "before-the-first-checkpoint"])
-def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable, kill_at):
+def kill_once_reported(run: LocalRun, controller: str, step: int, service) -> None:
+    """SIGKILL `service`'s process (its incarnation of the moment) once the trainer has recorded a step >= `step`
+    and the controller has its report (the trainer writes steps.jsonl first: a kill between the two left the
+    controller a step behind the record, and it then counted no step as trained again), supervising the run
+    meanwhile. 300 s: a liveness bound."""
+    deadline = time.monotonic() + 300
+    with grpc.insecure_channel(controller) as channel:
+        stub = controller_pb2_grpc.ControllerStub(channel)
+        while True:
+            assert time.monotonic() < deadline, f"no step {step} in time"
+            if max((s["version"] for s in read_steps(run.run_dir)), default=0) >= step:
+                with contextlib.suppress(grpc.RpcError):
+                    if stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5).version >= step:
+                        break
+            run.supervisor.tick()
+            time.sleep(0.02)
+    service.process.send_signal(signal.SIGKILL)
+    service.process.wait()
+
+
+def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable):
+    """The trainer killed twice in one run (there was a run for each kill): first once it has trained a step before
+    its first checkpoint (at 3): it starts again from the base model, and the controller, which had seen the step's
+    report, follows it back to version 0; then once it has trained a step after the checkpoint at 3 (its entries
+    trained but not acknowledged): it resumes from the checkpoint. Each time, what it trained since its checkpoint
+    is pending in the stream, and its next incarnation reclaims it and trains it again."""
     job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 8}, trainer={"checkpoint_interval": 3})
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
         trainer = run.service("trainer")
-        # Killed as soon as a step after the checkpoint at 3 is recorded (its entries trained but not acknowledged),
-        # or one before the first checkpoint: the trainer starts again from the base model, and the controller,
-        # which had seen the step's report, follows it back to version 0.
-        kill_after_step(run, kill_at, trainer.process)
-        before = read_steps(run.run_dir)
-        latest = latest_checkpoint(run.run_dir / "checkpoints")
-        checkpointed = load_state(latest).version if latest else 0
-        uncheckpointed = {e for s in before if s["version"] > checkpointed for e in s["entries"]}
         client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
         stream = JobKeys(job.name).stream
-        pending = {p["message_id"].decode() for p in client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10_000)}
-        assert uncheckpointed and uncheckpointed <= pending  # trained, but never acknowledged
+        kills = []  # per kill: (the records before it, the checkpointed version, its uncheckpointed entries, log size)
+        for kill_at in (1, 4):  # before the first checkpoint, then after the checkpoint at 3
+            kill_once_reported(run, endpoints.controller, kill_at, trainer)
+            before = read_steps(run.run_dir)
+            latest = latest_checkpoint(run.run_dir / "checkpoints")
+            checkpointed = load_state(latest).version if latest else 0
+            uncheckpointed = {e for s in before if s["version"] > checkpointed for e in s["entries"]}
+            pending = {
+                p["message_id"].decode() for p in client.xpending_range(stream, CONSUMER_GROUP, "-", "+", 10_000)
+            }
+            assert uncheckpointed and uncheckpointed <= pending, kill_at  # trained, but never acknowledged
+            kills.append((before, checkpointed, uncheckpointed, len(trainer.log_path.read_text())))
 
         final = run.wait(endpoints.controller, lambda status: None, poll=0.5, timeout=300)  # restarts it, same flags
-        assert run.supervisor.restarts == {"trainer": 1}
-        after = read_steps(run.run_dir)[len(before) :]
-        assert [s["version"] for s in after] == list(range(checkpointed + 1, 9))  # resumed from the checkpoint
-        retrained = {e for s in after for e in s["entries"]}
-        assert uncheckpointed <= retrained
-        assert "reclaimed" in trainer.log_path.read_text()
+        assert run.supervisor.restarts == {"trainer": 2}
+        records, log = read_steps(run.run_dir), trainer.log_path.read_text()
+        redone = []
+        for i, (before, checkpointed, uncheckpointed, logged) in enumerate(kills):
+            # what it trained from its restart until the next kill, or until the end
+            until = len(kills[i + 1][0]) if i + 1 < len(kills) else len(records)
+            after = records[len(before) : until]
+            versions = [s["version"] for s in after]
+            assert versions == list(range(checkpointed + 1, checkpointed + 1 + len(versions))), versions  # resumed
+            assert versions[-1] == 8 if until == len(records) else versions[-1] >= 4, versions  # from the checkpoint
+            retrained = {e for s in records[len(before) :] for e in s["entries"]}
+            assert uncheckpointed <= retrained
+            assert "reclaimed" in log[logged : kills[i + 1][3] if i + 1 < len(kills) else len(log)]
+            redone += [s for s in after if s["version"] <= before[-1]["version"]]
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 8
         # the history holds each step once; the steps trained again are counted as such, not as consumption
-        redone = [s for s in after if s["version"] <= before[-1]["version"]]
         assert final.consumed == 8 * job.algorithm.batch_size and final.steps_redone == len(redone) > 0
         client.close()
     finally:
