@@ -181,13 +181,19 @@ def condition(status: dict, kind: str) -> tuple[str, str]:
     return found.get("status"), found.get("reason")
 
 
-@contextlib.asynccontextmanager
-async def example_cluster(tmp_path: Path):
-    """A node with the demo's assets on their claim and the chart's Redis ready."""
-    assets = tmp_path / "assets"
+@pytest.fixture(scope="module")
+def demo_assets(tmp_path_factory) -> Path:
+    """The demo's assets, built once for the module's jobs: every pod mounts them read-only."""
+    assets = tmp_path_factory.mktemp("demo") / "assets"
     build_demo_assets(assets, seed=0, **TINY_ASSETS)
     for path in [assets, *assets.rglob("*")]:  # as the e2e script's build Job leaves the claim: readable by the pods
         path.chmod(0o755 if path.is_dir() else 0o644)
+    return assets
+
+
+@contextlib.asynccontextmanager
+async def example_cluster(tmp_path: Path, assets: Path):
+    """A node with the demo's assets on their claim and the chart's Redis ready."""
     async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets}) as cluster:
         for obj in chart_redis():
             cluster.apply(obj)
@@ -233,11 +239,11 @@ def trained_steps(cluster: Cluster, job: ValidJob) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path):
+async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path, demo_assets):
     rljob = the_example()
     job = validate(rljob)
 
-    async with example_cluster(tmp_path) as cluster:
+    async with example_cluster(tmp_path, demo_assets) as cluster:
         statuses, described = await run_to_the_end(cluster, job, timeout=180)
         steps = trained_steps(cluster, job)
 
@@ -295,7 +301,7 @@ def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
 
 
 @pytest.mark.timeout(420)
-async def test_every_container_killed_once_the_job_completes_on_container_restarts_alone(tmp_path):
+async def test_every_container_killed_once_the_job_completes_on_container_restarts_alone(tmp_path, demo_assets):
     """The example, shorter, with each of its containers and the chart's Redis SIGKILLed once while it trains: the
     kubelet restarts each in place (same pod, name and address, its emptyDir kept: Redis reads its append-only
     file), and the job completes with nothing lost, nothing trained twice and every sample within η; the operator
@@ -307,7 +313,7 @@ async def test_every_container_killed_once_the_job_completes_on_container_restar
     algorithm = job.config.algorithm
     pending = [(3 * (i + 1), victim) for i, victim in enumerate(CHAOS_VICTIMS)]  # after steps 3, 6, ...
 
-    async with example_cluster(tmp_path) as cluster:
+    async with example_cluster(tmp_path, demo_assets) as cluster:
 
         def kill_when_due(status: dict) -> None:
             trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
