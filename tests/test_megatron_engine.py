@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from forked_ranks import Ranks
 from safetensors.torch import load_file
 from tiny_models import build_tiny_decoder
 from trainer_batches import padded_batch
@@ -31,6 +31,14 @@ pytest.importorskip("megatron.core")
 
 # Qwen2's vocabulary is the tokenizer's 259 tokens, which two tensor-parallel ranks split only once it is padded.
 VOCABULARY = {"qwen2": 259, "qwen3": 260, "llama": 260}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The module's worlds: their ranks forked from a process that imported this module once (tests/forked_ranks.py)."""
+    forker = Ranks([__name__])
+    yield forker
+    forker.close()
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +208,7 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
     ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2", "llama-tied-pp2", "qwen3-tp2-pp2"],
 )
 def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
-    models, tmp_path, family, tied, tensor, pipeline, replicas
+    models, ranks, tmp_path, family, tied, tensor, pipeline, replicas
 ):
     """Split over tensor-, pipeline- or data-parallel ranks, the `megatron` backend's log-probabilities equal the
     Hugging Face model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO
@@ -211,7 +219,7 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
     torch.set_num_threads(1)
     expected = step(job_for(model_path, tmp_path / "torch", "torch"), groups, World())
     job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, pipeline=pipeline, replicas=replicas)
-    mp.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
+    ranks.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
 
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -270,7 +278,7 @@ def resume_on_rank(
     ],
     ids=["tp2-to-dp2", "pp2-to-tp2-tied"],
 )
-def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path, written, resumed, tied):
+def test_a_checkpoint_resumes_on_another_parallel_layout(ranks, tmp_path, written, resumed, tied):
     """Written by two tensor- or pipeline-parallel ranks (AdamW's moments gathered from the shards and the stages, the
     model in Hugging Face format), resumed by two ranks of another layout, rank 1 reading nothing (rank 0's copy
     reaches it): the next step is the same as the uninterrupted one's. The odd vocabulary is padded when split and not
@@ -278,11 +286,15 @@ def test_a_checkpoint_resumes_on_another_parallel_layout(tmp_path, written, resu
     model_path = build_tiny_decoder(tmp_path / "model", "qwen2", seed=4, vocab_size=259, tie_word_embeddings=tied)
     groups = make_groups(model_path, 4)
     split = job_for(model_path, tmp_path / "run", "megatron", replicas=2, batch_size=2, lr=1e-2, **written)
-    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), split, groups, None, tmp_path, "uninterrupted"), nprocs=2)
+    ranks.spawn(
+        resume_on_rank, args=(2, free_port("127.0.0.1"), split, groups, None, tmp_path, "uninterrupted"), nprocs=2
+    )
     (checkpoint,) = (tmp_path / "checkpoints").glob("v*")
     assert AutoModelForCausalLM.from_pretrained(checkpoint) is not None  # a Hugging Face model, as it says
     other = job_for(model_path, tmp_path / "run", "megatron", replicas=2, batch_size=2, lr=1e-2, **resumed)
-    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), other, groups, checkpoint, tmp_path, "resumed"), nprocs=2)
+    ranks.spawn(
+        resume_on_rank, args=(2, free_port("127.0.0.1"), other, groups, checkpoint, tmp_path, "resumed"), nprocs=2
+    )
     uninterrupted, resumed = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "resumed.pt")
     for name, weight in uninterrupted.items():
         # AdamW's step is ~lr per weight; a rank without the moments would be off by the whole step

@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 import torch.multiprocessing as mp
+from forked_ranks import Ranks
 from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +28,14 @@ from areal_k8s.trainer.step.batching import Group
 from areal_k8s.trainer.step.collation import share_of_rank
 from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
 from areal_k8s.trainer.world import COMMIT, STOP, World, WorldSpec
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """The module's worlds: their ranks forked from a process that imported this module once (tests/forked_ranks.py)."""
+    forker = Ranks([__name__])
+    yield forker
+    forker.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +103,11 @@ def step_on_rank(rank: int, size: int, port: int, job, groups: list[Group], out:
     ],
     ids=["one-minibatch", "two-minibatches", "activation-checkpointing"],
 )
-def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, tmp_path, algorithm):
+def test_a_two_rank_step_moves_the_weights_as_the_one_rank_step(model_path, ranks, tmp_path, algorithm):
     groups = make_groups(model_path, 3 if "minibatches" in algorithm else 4)
     job = job_for(model_path, tmp_path / "run", **{**algorithm, "batch_size": len(groups)})
     alone = step(job, groups, World())
-    mp.spawn(step_on_rank, args=(2, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=2)
+    ranks.spawn(step_on_rank, args=(2, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
     initial = dict(AutoModelForCausalLM.from_pretrained(model_path).named_parameters())
     for name, expected in alone["weights"].items():
@@ -119,7 +128,7 @@ def resume_on_rank(rank: int, size: int, port: int, job, groups: list[Group], ch
     )
 
 
-def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, tmp_path):
+def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, ranks, tmp_path):
     """Model, AdamW moments and RNG come from rank 0's checkpoint on every rank: the next step is the one-rank one."""
     groups = make_groups(model_path, 4)
     job = job_for(model_path, tmp_path / "run", batch_size=len(groups), lr=1e-2)
@@ -135,7 +144,7 @@ def test_a_checkpoint_of_one_rank_resumes_on_two_from_rank_0s_copy(model_path, t
     trainer.train_step(groups)
     checkpoint = save_checkpoint(tmp_path / "checkpoints", trainer.engine, TrainerState(version=1), keep=1)
     alone = step(job, groups[::-1], World(), checkpoint)
-    mp.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), job, groups[::-1], checkpoint, tmp_path), nprocs=2)
+    ranks.spawn(resume_on_rank, args=(2, free_port("127.0.0.1"), job, groups[::-1], checkpoint, tmp_path), nprocs=2)
     for rank in range(2):
         resumed = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for name, expected in alone["weights"].items():
@@ -257,10 +266,12 @@ def commit_on_rank(rank: int, size: int, port: int, job, redis_url: str, seen: d
     seen["consumers"] = [c["name"].decode() for c in client.xinfo_consumers(stream, CONSUMER_GROUP)]
 
 
-def test_entries_are_acknowledged_by_rank_0_only_once_every_rank_is_past_the_commit(model_path, tmp_path, redis_url):
+def test_entries_are_acknowledged_by_rank_0_only_once_every_rank_is_past_the_commit(
+    model_path, ranks, tmp_path, redis_url
+):
     job = job_for(model_path, tmp_path / "run")
     with mp.Manager() as manager:
         seen = manager.dict()
-        mp.spawn(commit_on_rank, args=(2, free_port("127.0.0.1"), job, redis_url, seen), nprocs=2)
+        ranks.spawn(commit_on_rank, args=(2, free_port("127.0.0.1"), job, redis_url, seen), nprocs=2)
         seen = dict(seen)
     assert seen == {"pending before the barrier": GROUP_SIZE, "pending after the commit": 0, "consumers": ["trainer-0"]}
