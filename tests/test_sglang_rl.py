@@ -83,10 +83,15 @@ class Launcher:
         return self.launch(name).result()
 
     def stop(self) -> None:
-        """Every server stopped, together (each stop waits for SGLang's own drain), once its start has ended."""
+        """Every server stopped, together, once its start has ended. The stops go on while the next tests run (each
+        waits seconds for SGLang's own drain, its servers idle); `join` waits for them."""
         wait(self.starts.values())
-        list(self.pool.map(SGLangServer.stop, self.servers.values()))
-        self.pool.shutdown()
+        for server in self.servers.values():
+            self.pool.submit(server.stop)
+        self.pool.shutdown(wait=False)
+
+    def join(self) -> None:
+        self.pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,7 @@ def launcher(request, sglang_model, tmp_path_factory):
     for name in SERVERS:  # what the module's selected tests use, launched at once
         if any(name in servers_used(item) for item in request.session.items if item.module is request.module):
             launcher.launch(name)
+    request.config.add_cleanup(launcher.join)  # at the end of the session, the stops are over
     try:
         yield launcher
     finally:
