@@ -24,7 +24,8 @@ The sglang image is SGLang's own, with nothing of ours installed in it: skipped.
 Environments live in .cache/image-envs/<image>-<hash of their inputs>: the Dockerfile's plan, the requirements files
 it copies, the package wheel's requirements and extras, the interpreter and pip. They are built two at a time and
 reused while those are unchanged; a change of the package's code only swaps the new package wheel in. The wheel is
-built once a run, from one snapshot of the build context, for every image.
+built once a run, from one snapshot of the build context, for every image. $AREAL_IMAGE_ENVS, when set, names
+another cache folder (an empty one times a fresh clone's builds without emptying the shared cache).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from areal_k8s.k8s_operator.validation import validate
 
 # From an empty cache the builds take minutes, more on a loaded machine; the first test waits for its image's.
 pytestmark = pytest.mark.timeout(1800)
-CACHE = ROOT / ".cache" / "image-envs"
+CACHE = Path(os.environ.get("AREAL_IMAGE_ENVS") or ROOT / ".cache" / "image-envs")  # the variable: another cache
 SCRATCH = CACHE / "tmp"  # pip's and the commands' temporary files: nothing is written outside .cache and pip's cache
 ENV_PATH = "/opt/areal"  # where every image that builds the package puts its environment
 TORCH_PIN = pyproject_requirements()["torch"]
