@@ -188,6 +188,7 @@ def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after
     assert (core.status()["consumed"], core.progress.trained_samples) == (4, 16)
     core.announce_version(1, restored=True)  # the trainer restarted from its checkpoint at 1
     assert core.status()["consumed"] == 2  # step 2 left the history
+    core.announce_version(2, restored=False)  # trained again
     assert report(2) and not report(2)
     assert core.progress.last_step == 2
     # step 2 is in the history once, and counted as re-done work (its samples were trained twice)
@@ -603,3 +604,20 @@ def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_resta
     assert {
         k: revived.status()[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")
     } == {k: status[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")}
+
+
+def test_a_step_is_counted_as_trained_again_when_its_version_goes_live_once_more():
+    """The trainer announces a step's version, then writes its record and reports it. One killed in between trained
+    the step, though its report never came: the step it trains again after its restore counts as re-done. An
+    announcement sent again (its answer lost) is not a step."""
+    core = make_core(max_staleness=3)
+    core.announce_version(0, restored=True)
+    for version in (1, 2, 3):
+        core.announce_version(version, restored=False)
+    core.announce_version(3, restored=False)
+    assert core.progress.steps_redone == 0
+    core.announce_version(1, restored=True)  # killed before its report of step 3: restored from its checkpoint at 1
+    core.announce_version(2, restored=False)
+    core.announce_version(3, restored=False)
+    core.announce_version(4, restored=False)
+    assert (core.progress.steps_redone, core.progress.highest_step) == (2, 4)

@@ -556,3 +556,49 @@ async def test_a_dependency_whose_name_does_not_resolve_yet_is_waited_for():
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waited; UNAVAILABLE would be at once
     finally:
         await dependency.close()
+
+
+# -- counts a restart must keep ----------------------------------------------------------------------------------
+
+
+async def announce(stub, version, restored=False):
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=version, restored=restored))
+
+
+async def report(stub, version, groups=2):
+    await stub.ReportTrainStep(
+        controller_pb2.TrainStepReport(
+            version=version, group_ids=[f"s{version}-{i}" for i in range(groups)], samples=4, tokens=8
+        )
+    )
+
+
+async def test_a_step_trained_again_is_counted_though_its_first_report_died_with_the_trainer(redis_url):
+    """The chaos run of seed 671758 (kills: trainer after step 9, controller after step 10) replayed call by call.
+
+    The trainer announces a step's version, writes the step's line to steps.jsonl, then reports it. Killed after the
+    line and before its report reached the controller, it restarts from its checkpoint at 8 and trains step 9 again:
+    the run trained step 9 twice, and the history holds it once. The controller then dies after step 10 and a new
+    one carries on from Redis: its status must say what the trainer's lines say, one step re-done."""
+    first = await Controller(redis_url).start()
+    stub = first.stub
+    await announce(stub, 0, restored=True)
+    for version in range(1, 10):
+        await announce(stub, version)
+        if version < 9:  # step 9's report never left the trainer: SIGKILL after its line
+            await report(stub, version)
+    await announce(stub, 8, restored=True)  # the restarted trainer, from its checkpoint at 8
+    for version in (9, 10):
+        await announce(stub, version)
+        await report(stub, version)
+    await first.stop()  # the controller killed after step 10
+
+    second = await Controller(redis_url).start()
+    try:
+        await report(second.stub, 10)  # the trainer's report of step 10, sent again: recorded already
+        status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.version, status.consumed, status.steps_redone) == (10, 20, 1)
+        await announce(second.stub, 10)  # an announcement sent again (its answer lost) is no second step
+        assert (await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).steps_redone == 1
+    finally:
+        await second.stop()

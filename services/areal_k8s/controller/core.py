@@ -316,12 +316,16 @@ class ControllerCore:
     # -- versions and progress -----------------------------------------------------------------------------
 
     def announce_version(self, version: int, restored: bool) -> None:
-        """A version is live on every engine. Only a restarted trainer may move it back (to its checkpoint)."""
+        """A version is live on every engine: a step produced it, or (`restored`) a restarted trainer loaded it
+        from its checkpoint, the only way back. The current version announced again (a call sent again after its
+        answer was lost) changes nothing."""
         if version < self.version and not restored:
             raise ValueError(f"version {version} is older than the current version {self.version}")
-        self.version = version
         if restored:
             self.progress.rewind(version)
+        elif version > self.version:
+            self.progress.trained(version)
+        self.version = version
 
     def record_step(self, **report: Any) -> bool:
         """Record a step report (the arguments of Progress.record); False for a step already recorded."""
