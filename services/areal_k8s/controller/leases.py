@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Lease:
     """A prompt group admitted and handed to a worker, not yet reported back."""
 
@@ -20,11 +20,13 @@ class Lease:
 
 
 class Leases(Mapping[str, Lease]):
-    """The leases by group id. Each admission takes the next ticket, which names its group."""
+    """The leases by group id. Each admission takes the next ticket, which names its group. The groups granted or
+    settled since the last `take_changed` are remembered, for the shell to persist just those."""
 
     def __init__(self, next_ticket: int = 0, leases: Iterable[Lease] = ()):
         self.next_ticket = next_ticket
         self._leases = {lease.group_id: lease for lease in leases}
+        self._changed: set[str] = set()
 
     def __getitem__(self, group_id: str) -> Lease:
         return self._leases[group_id]
@@ -47,11 +49,15 @@ class Leases(Mapping[str, Lease]):
         )
         self.next_ticket += 1
         self._leases[lease.group_id] = lease
+        self._changed.add(lease.group_id)
         return lease
 
     def settle(self, group_id: str) -> Lease | None:
         """Take a lease out as its group is reported back; None if it is unknown."""
-        return self._leases.pop(group_id, None)
+        lease = self._leases.pop(group_id, None)
+        if lease is not None:
+            self._changed.add(group_id)
+        return lease
 
     def held_by(self, worker_id: str) -> list[str]:
         return [gid for gid, lease in self._leases.items() if lease.worker_id == worker_id]
@@ -60,5 +66,7 @@ class Leases(Mapping[str, Lease]):
         """The groups leased to `worker_id` that it says it is not working on: their answer never reached it."""
         return [gid for gid in self.held_by(worker_id) if gid not in holding]
 
-    def snapshot(self) -> list[dict]:
-        return [asdict(lease) for lease in self._leases.values()]
+    def take_changed(self) -> dict[str, Lease | None]:
+        """The leases granted or settled since the last call: group id -> its lease, None once settled."""
+        changed, self._changed = self._changed, set()
+        return {gid: self._leases.get(gid) for gid in changed}

@@ -1,4 +1,5 @@
-"""Controller gRPC shell: validates requests, calls the core, persists its snapshot to Redis, reaps dead workers.
+"""Controller gRPC shell: validates requests, calls the core, writes what changed to Redis before answering
+(state_store.py), reaps dead workers.
 
 At start it asks the reward service whether it can load every verifier the job uses (the job's own, or each
 dataset item's): the controller is the one service that reads the dataset, and the reward pods hold no job file.
@@ -10,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -24,6 +24,8 @@ from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgume
 from areal_k8s.common.metrics import HOLD_REASONS
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore
+from areal_k8s.controller.durable import Changes
+from areal_k8s.controller.state_store import ControllerStateStore, StateWriter
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 
@@ -82,7 +84,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, core: ControllerCore, store: TrajectoryStore):
         self.core = core
         self.store = store
-        self._persist_lock = asyncio.Lock()
+        self.state = ControllerStateStore(store.client, store.keys)
+        self.writer = StateWriter(core, self.state, seq=0)
         self._wakeup = Wakeup()
 
     def admission_may_have_opened(self) -> None:
@@ -91,33 +94,21 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self._wakeup = Wakeup()
 
     async def restore(self) -> None:
-        snapshot = await self.store.load_controller_state()
-        if snapshot:
-            self.core.restore(json.loads(snapshot))
-            log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
-        version = await self.store.get_version()
-        if version is not None:
-            self.core.announce_version(version, restored=True)
-
-    async def persist(self) -> None:
-        # The snapshot is taken inside the lock, so whichever write lands last carries the newest state.
-        async with self._persist_lock:
-            letters, self.core.unwritten_dead_letters = self.core.unwritten_dead_letters, []
-            try:
-                await self.store.save_controller_state(json.dumps(self.core.snapshot()), [asdict(d) for d in letters])
-            except BaseException:
-                self.core.unwritten_dead_letters[:0] = letters  # they go with the next snapshot
-                raise
-        for letter in letters:
-            log.warning(
-                "prompt %s (item %d) dead-lettered after %d failed groups in a row; the last, %s on %s: %s",
-                letter.prompt_id,
-                letter.item_index,
-                letter.attempts,
-                letter.group_id,
-                letter.worker_id,
-                letter.reason,
-            )
+        """Carry on from the state the last controller of this job wrote, or from an older controller's snapshot."""
+        if loaded := await self.state.load():
+            self.writer.seq, state = loaded
+            self.core.restore(state)
+        elif legacy := await self.state.load_legacy():
+            state, version = legacy
+            self.core.restore(state)
+            if version is not None:
+                self.core.announce_version(version, restored=True)
+            self.writer.seq = 1
+            await self.state.write(self.writer.seq, Changes.everything(self.core.durable_state()))
+            await self.state.forget_legacy()
+        else:
+            return
+        log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
 
     async def check_verifiers(self, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]) -> None:
         """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
@@ -150,19 +141,20 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         """Revoke the groups of workers that went silent."""
         expired = self.core.expired_leases()
         await self.revoke(expired, "its worker went silent")
+        if expired:
+            await self.writer.written()
         return len(expired)
 
     async def revoke(self, group_ids: list[str], why: str) -> None:
         """Settle groups whose worker is gone: a group already written counts as accepted, the others are
         re-queued (not counted against their prompt: it was not at fault); a late write by the old worker is
-        refused."""
+        refused. The caller writes the change."""
         for group_id in group_ids:
             already_written = await self.store.revoke_group(group_id)
             self.core.complete(group_id, "accepted" if already_written else "requeued", why)
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
         if group_ids:
             self.admission_may_have_opened()
-            await self.persist()
 
     async def observe_stream(self) -> None:
         stream, m = await self.store.stream_stats(), self.core.metrics
@@ -191,6 +183,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             max(request.engine_ranks, 1),
         )
         await self.revoke(orphaned, "its worker restarted")
+        await self.writer.written()  # its incarnation's number is never handed out again
         return controller_pb2.RegisterWorkerResponse(
             version=self.core.version,
             job=self.core.job.name,
@@ -205,7 +198,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return controller_pb2.UnregisterWorkerResponse()
         log.info("worker %s left (%s)", request.worker_id, request.reason or "no reason given")
         await self.revoke(held, f"its worker left ({request.reason or 'no reason given'})")
-        await self.persist()
+        await self.writer.written()
         return controller_pb2.UnregisterWorkerResponse(requeued=len(held))
 
     @rpc
@@ -214,10 +207,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
+        revoked = []
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
-            await self.revoke(
-                self.core.leases.unheld(request.worker_id, set(request.holding)), "its answer never reached the worker"
-            )
+            revoked = self.core.leases.unheld(request.worker_id, set(request.holding))
+            await self.revoke(revoked, "its answer never reached the worker")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
         max_groups = request.max_groups
@@ -244,8 +237,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:
             raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None
-        if admitted:
-            await self.persist()
+        if admitted or revoked:
+            await self.writer.written()
         return controller_pb2.AcquireGroupsResponse(
             groups=[prompt_group(self.core.job, a) for a in admitted],
             version=self.core.version,
@@ -270,9 +263,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if result in ("failed", "requeued") and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
             unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
-        await self.store.settle_written([o.group_id for o in request.outcomes if _RESULTS[o.result] == "accepted"])
         self.admission_may_have_opened()
-        await self.persist()
+        await self.writer.written()  # (also for outcomes known already: a first attempt's write may be under way)
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
 
     @rpc
@@ -291,7 +283,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             )
         if dropped:
             self.admission_may_have_opened()
-            await self.persist()
+        await self.writer.written()
         return controller_pb2.DropGroupsResponse(dropped=len(dropped))
 
     @rpc
@@ -324,8 +316,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self.admission_may_have_opened()
-        await self.store.set_version(request.version)
-        await self.persist()
+        await self.writer.written()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
         return controller_pb2.AnnounceVersionResponse(version=self.core.version)
 
@@ -354,12 +345,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         )
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
-            return controller_pb2.ReportTrainStepResponse()
-        if (
-            request.finished
-        ):  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
+        elif request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers polls
             self.admission_may_have_opened()
-        await self.persist()
+        await self.writer.written()
         return controller_pb2.ReportTrainStepResponse()
 
     @rpc
@@ -398,12 +386,14 @@ async def serve(
     verifiers: list[str] | None = None,
 ):
     """Start the controller on `address`; with `reward`, check `verifiers` (default: the training items') with it
-    before admitting anything. Returns (server, port, servicer, background task: the check and the reaper)."""
+    before admitting anything. Returns (server, port, servicer, background task: the state's writer, the check and
+    the reaper)."""
     servicer = ControllerServicer(core, store)
     if reward is not None:
         core.waiting_for = "waiting for the reward service to check the job's verifiers"  # from the first status on
     await servicer.restore()
     await store.ensure_consumer_group()
+    writer = asyncio.create_task(servicer.writer.run())
     server, port, _health = await start_server(
         [(controller_pb2_grpc.add_ControllerServicer_to_server, servicer, "areal.v1.Controller")], address
     )
@@ -419,6 +409,9 @@ async def serve(
 
     async def background() -> None:
         checks = [servicer.check_verifiers(reward, verifiers or job_verifiers(core.job, core.items))] if reward else []
-        await asyncio.gather(reaper(), *checks)
+        try:
+            await asyncio.gather(reaper(), *checks)
+        finally:
+            writer.cancel()
 
     return server, port, servicer, asyncio.create_task(background())
