@@ -1,5 +1,6 @@
 """The controller's admission, leases and recovery, as plain Python (no network)."""
 
+import asyncio
 import random
 from collections import deque
 
@@ -11,6 +12,7 @@ from areal_k8s.common.config import parse_job
 from areal_k8s.controller.admission import admission_capacity
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.durable import from_snapshot
+from areal_k8s.controller.polls import HeldPolls
 from areal_k8s.controller.retry import RetryQueue
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
@@ -694,3 +696,44 @@ def test_the_retry_queue_is_a_deque_whose_changed_places_rebuild_it(operations):
     places = {place: entry for place, entry in written.items() if entry is not None}
     assert list(queue) == list(reference) == list(RetryQueue(queue.head, [places[p] for p in sorted(places)]))
     assert sorted(places) == list(range(queue.head, queue.tail))
+
+
+def test_leases_are_found_by_worker_without_looking_at_the_others():
+    core = make_core(max_staleness=5)
+    core.register("v", "127.0.0.1:2", 0)
+    mine = [a.lease.group_id for a in core.acquire("w", 2, engine_version=0)]
+    theirs = [a.lease.group_id for a in core.acquire("v", 2, engine_version=0)]
+    leases = core.leases
+    assert leases.held_by("w") == mine and leases.held_by("v") == theirs and leases.held_by("x") == []
+    assert leases.unheld("w", {mine[0]}) == [mine[1]] and set(leases.holders()) == {"w", "v"}
+    core.complete(theirs[0], "accepted")
+    core.complete(theirs[1], "accepted")
+    assert set(leases.holders()) == {"w"}
+
+
+async def test_held_polls_are_woken_in_order_one_per_group_of_room_and_pass_unused_room_on():
+    room = [0]
+    polls = HeldPolls(room=lambda: room[0])
+    first, second, third = (asyncio.ensure_future(polls.wait(60)) for _ in range(3))
+    await asyncio.sleep(0)
+    polls.open()  # no room: nobody wakes
+    room[0] = 1
+    polls.open()
+    await asyncio.sleep(0)
+    assert (first.done(), second.done(), polls.woken) == (True, False, 1) and first.result() is True
+    polls.served()  # the first took nothing (its engine was behind): the room goes to the next
+    await asyncio.sleep(0)
+    assert second.done() and not third.done() and polls.woken == 1
+    room[0] = 0
+    polls.served()  # the second took the group
+    idle = asyncio.ensure_future(polls.wait(0.01))
+    assert await idle is False  # a hold that nothing lifts times out
+    late = asyncio.ensure_future(polls.wait(60))
+    await asyncio.sleep(0)
+    room[0] = 1
+    polls.open()
+    third.cancel()  # woken, but its caller went away before it ran: its share goes on to the next
+    with pytest.raises(asyncio.CancelledError):
+        await third
+    await asyncio.sleep(0)
+    assert late.done() and late.result() is True and polls.woken == 1 and len(polls) == 0

@@ -767,3 +767,27 @@ async def test_the_snapshot_an_older_controller_left_is_carried_on_from(redis_ur
     finally:
         await c.stop()
         await raw.aclose()
+
+
+async def test_a_held_poll_is_woken_only_by_room_and_one_per_group_that_room_admits(controller):
+    """Under the staleness bound an accepted group opens no room (it moves from running to accepted): it wakes no
+    held poll. A filtered one opens room for one group: it wakes one poll, the first that waited."""
+    stub, polls = controller.stub, controller.servicer.polls
+    for worker in ("w0", "w1", "w2"):
+        await stub.RegisterWorker(register(worker))
+    groups = (await acquire(stub, 10)).groups  # the window: (η + v + 1)·B = 4
+    waiting = [await held_acquire(stub, 1, wait_ms=60_000, worker=w) for w in ("w1", "w2")]
+    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: both polls are held
+    assert len(polls) == 2
+    await stub.CompleteGroups(
+        controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[0], "ACCEPTED")])
+    )
+    assert len(polls) == 2 and polls.woken == 0
+    await stub.CompleteGroups(
+        controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[1], "FILTERED")])
+    )
+    first = await asyncio.wait_for(waiting[0], timeout=30)
+    assert len(first.groups) == 1 and len(polls) == 1 and not waiting[1].done()
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
+    second = await asyncio.wait_for(waiting[1], timeout=30)  # an engine behind the new version: answered at once
+    assert list(second.groups) == [] and second.version == 1 and len(polls) == 0

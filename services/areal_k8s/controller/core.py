@@ -152,6 +152,10 @@ class ControllerCore:
     def capacity(self) -> int:
         return admission_capacity(**self.admission_state())
 
+    def admissible(self) -> int:
+        """Groups a request could be given now: the capacity, unless the job is over or a start-up check waits."""
+        return 0 if self.over or self.waiting_for is not None else self.capacity()
+
     def register(
         self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1, engine_dtype: str = ""
     ) -> list[str]:
@@ -297,10 +301,10 @@ class ControllerCore:
         """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
         deadline = self.clock() - self.lease_seconds
         silent = {w.worker_id for w in self.workers.values() if w.last_seen < deadline}
-        silent |= {lease.worker_id for lease in self.leases.values() if lease.worker_id not in self.workers}
+        silent |= {holder for holder in self.leases.holders() if holder not in self.workers}
         for worker_id in silent & self.workers.keys():
             del self.workers[worker_id]
-        return [gid for gid, lease in self.leases.items() if lease.worker_id in silent]
+        return [gid for worker_id in silent for gid in self.leases.held_by(worker_id)]
 
     def outstanding(self) -> dict[str, int]:
         """Groups still generating: group id -> the version they were admitted at."""
