@@ -1,5 +1,6 @@
 """The controller's admission, leases and recovery, as plain Python (no network)."""
 
+import asyncio
 import random
 from collections import deque
 
@@ -10,6 +11,9 @@ from hypothesis import strategies as st
 from areal_k8s.common.config import parse_job
 from areal_k8s.controller.admission import admission_capacity
 from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.durable import from_snapshot
+from areal_k8s.controller.polls import HeldPolls
+from areal_k8s.controller.retry import RetryQueue
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.step.batching import Group, past_the_bound, select_batch, staleness
@@ -133,7 +137,7 @@ def test_version_can_go_back_only_for_a_restored_trainer():
     assert core.version == 3
 
 
-def test_snapshot_restores_cursor_counters_and_leases():
+def test_the_durable_state_restores_cursor_counters_and_leases():
     clock = Clock()
     core = make_core(clock, max_staleness=3)
     held = core.acquire("w", 3, engine_version=0)
@@ -153,8 +157,8 @@ def test_snapshot_restores_cursor_counters_and_leases():
     )
     revived = make_core(clock, max_staleness=3)
     revived.workers.clear()
-    revived.restore(core.snapshot())
-    assert revived.snapshot() == core.snapshot()
+    revived.restore(core.durable_state())
+    assert revived.durable_state() == core.durable_state()
     with pytest.raises(UnknownWorker):  # a restarted controller knows lease holders, but not their addresses
         revived.acquire("w", 1, engine_version=1)
     assert revived.register("w", "127.0.0.1:1", 1) == []  # the worker lives on: its groups are still generating
@@ -188,12 +192,13 @@ def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after
     assert (core.status()["consumed"], core.progress.trained_samples) == (4, 16)
     core.announce_version(1, restored=True)  # the trainer restarted from its checkpoint at 1
     assert core.status()["consumed"] == 2  # step 2 left the history
+    core.announce_version(2, restored=False)  # trained again
     assert report(2) and not report(2)
     assert core.progress.last_step == 2
     # step 2 is in the history once, and counted as re-done work (its samples were trained twice)
     assert (core.status()["consumed"], core.status()["steps_redone"], core.progress.trained_samples) == (4, 1, 24)
     revived = make_core()
-    revived.restore(core.snapshot())
+    revived.restore(core.durable_state())
     assert not revived.record_step(
         version=2,
         groups=2,
@@ -453,7 +458,7 @@ def test_a_success_ends_a_prompts_run_of_failures():
     assert retried.lease.failures == 1
     core.complete(retried.lease.group_id, "accepted")
     assert fail_next(core) == "p0"  # the next epoch's first failure of p0: one in a row, not two
-    assert core.unwritten_dead_letters == [] and core.retry == deque([(0, 1)])
+    assert core.unwritten_dead_letters == [] and list(core.retry) == [(0, 1)]
 
 
 def test_a_group_handed_back_for_a_cause_outside_its_prompt_is_requeued_without_counting_against_it():
@@ -469,8 +474,8 @@ def test_a_group_handed_back_for_a_cause_outside_its_prompt_is_requeued_without_
     assert (status["requeued"], status["failed"], status["dead_lettered"]) == (5, 1, 0)
     assert core.metrics.value("areal_controller_groups_total", result="requeued") == 5
     restored = dead_letter_core(max_group_failures=2, items=2)
-    restored.restore(core.snapshot())
-    assert restored.status()["requeued"] == 5 and restored.retry == deque([(0, 1)])
+    restored.restore(core.durable_state())
+    assert restored.status()["requeued"] == 5 and list(restored.retry) == [(0, 1)]
 
 
 def test_a_written_group_the_trainer_drops_is_admitted_again_once_and_leaves_the_admission_counts():
@@ -487,7 +492,7 @@ def test_a_written_group_the_trainer_drops_is_admitted_again_once_and_leaves_the
     assert (status["dropped"], status["accepted"], status["admitted"]) == (1, 1, 2)
     assert core.metrics.value("areal_controller_groups_total", result="dropped") == 1
     restored = dead_letter_core(max_group_failures=2, items=3)
-    restored.restore(core.snapshot())
+    restored.restore(core.durable_state())
     assert not restored.drop(first.lease.group_id, first.item.id) and restored.status()["dropped"] == 1
 
 
@@ -545,8 +550,8 @@ def test_failures_in_a_row_and_dead_letters_survive_a_restart():
     fail_next(core)  # p1 failed once
     [held] = core.acquire("w", 1, engine_version=0)  # p1's second attempt, in flight
     revived = dead_letter_core(max_group_failures=3, items=3, clock=clock)
-    revived.restore(core.snapshot())
-    assert revived.snapshot() == core.snapshot() and revived.unwritten_dead_letters == []
+    revived.restore(core.durable_state())
+    assert revived.durable_state() == core.durable_state() and revived.unwritten_dead_letters == []
     revived.register("w", "127.0.0.1:1", 0)
     assert revived.leases[held.lease.group_id].failures == 1
     revived.complete(held.lease.group_id, "failed", "again")
@@ -556,12 +561,27 @@ def test_failures_in_a_row_and_dead_letters_survive_a_restart():
     assert [a.item.id for a in revived.acquire("w", 3, engine_version=0)] == ["p2", "p2", "p2"]
 
 
-def test_a_snapshot_from_before_dead_letters_restores_with_no_failures_counted():
+def test_the_snapshot_of_an_older_controller_restores_with_what_it_lacked_defaulted():
+    """An older controller wrote its whole state as one JSON document; one from before dead-lettering holds bare item
+    indices in its retry list, and no dead items or re-queued count."""
     core = dead_letter_core(max_group_failures=2)
-    old = {**core.snapshot(), "retry": [3, 1]}  # bare item indices
-    del old["dead_items"]
-    core.restore(old)
-    assert core.retry == deque([(3, 0), (1, 0)]) and core.dead_items == set()
+    lease = {
+        "group_id": "g8",
+        "item_index": 4,
+        "ticket": 8,
+        "admitted_version": 3,
+        "worker_id": "w",
+        "admitted_at": 9.0,
+    }
+    old = {
+        **{"version": 3, "epoch": 1, "position": 2, "next_ticket": 9, "accepted": 5, "filtered": 1, "failed": 2},
+        **{"retry": [3, 1], "leases": [lease], "started_at": 900.0},
+        "progress": {"groups_by_step": [2, 2, 2], "highest_step": 3, "last_step": 3, "retired_figure": 1},
+    }
+    core.restore(from_snapshot(old))
+    assert list(core.retry) == [(3, 0), (1, 0)] and core.dead_items == set() and core.requeued == 0
+    assert (core.version, core.cursor.epoch, core.cursor.position, core.leases.next_ticket) == (3, 1, 2, 9)
+    assert core.leases["g8"].failures == 0 and core.status()["consumed"] == 6 and core.started_at == 900.0
 
 
 def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits():
@@ -627,7 +647,121 @@ def test_the_status_keeps_running_totals_a_rebalancer_can_difference_and_a_resta
     assert (status["trainer_wait_seconds"], status["held_by_staleness_seconds"]) == (3.0, 4.0)
     assert core.metrics.value("areal_controller_held_seconds_total", reason="concurrency") == 9.0
     revived = make_core(max_staleness=3)
-    revived.restore(core.snapshot())
+    revived.restore(core.durable_state())
     assert {
         k: revived.status()[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")
     } == {k: status[k] for k in ("staleness_counts", "trainer_wait_seconds", "held_by_staleness_seconds")}
+
+
+# -- what a write carries, and the counts a restart keeps ----------------------------------------------------------
+
+
+def test_a_step_is_counted_as_trained_again_when_its_version_goes_live_once_more():
+    """The trainer announces a step's version, then writes its record and reports it. One killed in between trained
+    the step, though its report never came: the step it trains again after its restore counts as re-done. An
+    announcement sent again (its answer lost) is not a step."""
+    core = make_core(max_staleness=3)
+    core.announce_version(0, restored=True)
+    for version in (1, 2, 3):
+        core.announce_version(version, restored=False)
+    core.announce_version(3, restored=False)
+    assert core.progress.steps_redone == 0
+    core.announce_version(1, restored=True)  # killed before its report of step 3: restored from its checkpoint at 1
+    core.announce_version(2, restored=False)
+    core.announce_version(3, restored=False)
+    core.announce_version(4, restored=False)
+    assert (core.progress.steps_redone, core.progress.highest_step) == (2, 4)
+
+
+def test_take_changes_carries_only_the_records_that_changed_since_the_last():
+    core = dead_letter_core(max_group_failures=1, items=4)
+    first = core.take_changes()
+    assert (first.leases, first.retry, first.dead_letters) == ({}, {}, [])
+    assert first.progress is not None  # the first write carries the figures
+    a, b, c = core.acquire("w", 3, engine_version=0)
+    core.complete(a.lease.group_id, "accepted")
+    changes = core.take_changes()
+    # a, granted and settled since: its record goes (and its written-set entry is settled with it)
+    assert changes.leases == {a.lease.group_id: None, b.lease.group_id: b.lease, c.lease.group_id: c.lease}
+    assert changes.counters["accepted"] == 1 and changes.counters["next_ticket"] == 3 and changes.progress is None
+    core.complete(b.lease.group_id, "requeued")
+    core.complete(c.lease.group_id, "failed", "boom")  # dead-lettered at once (max_group_failures 1)
+    core.drop(a.lease.group_id, a.item.id)
+    changes = core.take_changes()
+    assert changes.leases == {b.lease.group_id: None, c.lease.group_id: None}
+    assert changes.retry == {-1: (0, 0), 0: (1, 0)}  # a's prompt at the front, b's at the back
+    assert [letter.prompt_id for letter in changes.dead_letters] == ["p2"] and changes.dropped_groups == {"g0"}
+    core.acquire("w", 1, engine_version=0)
+    changes = core.take_changes()
+    assert changes.retry == {-1: None} and len(changes.leases) == 1
+    assert core.take_changes().leases == {}
+
+
+def test_changes_absorb_later_ones_record_by_record():
+    core = dead_letter_core(max_group_failures=3, items=3)
+    [a, b] = core.acquire("w", 2, engine_version=0)
+    failed_write = core.take_changes()
+    core.complete(a.lease.group_id, "failed")
+    failed_write.absorb(core.take_changes())
+    assert failed_write.leases == {a.lease.group_id: None, b.lease.group_id: b.lease}
+    assert failed_write.retry == {0: (0, 1)} and failed_write.counters["failed"] == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(["append", "appendleft", "popleft"]), max_size=60))
+def test_the_retry_queue_is_a_deque_whose_changed_places_rebuild_it(operations):
+    queue, reference, written = RetryQueue(), deque(), {}
+    for n, operation in enumerate(operations):
+        if operation == "popleft":
+            if reference:
+                assert queue.popleft() == reference.popleft()
+        else:
+            getattr(queue, operation)((n, 0))
+            getattr(reference, operation)((n, 0))
+        if n % 7 == 0:  # a write now and then: the places changed since the last
+            written.update(queue.take_changed())
+    written.update(queue.take_changed())
+    places = {place: entry for place, entry in written.items() if entry is not None}
+    assert list(queue) == list(reference) == list(RetryQueue(queue.head, [places[p] for p in sorted(places)]))
+    assert sorted(places) == list(range(queue.head, queue.tail))
+
+
+def test_leases_are_found_by_worker_without_looking_at_the_others():
+    core = make_core(max_staleness=5)
+    core.register("v", "127.0.0.1:2", 0)
+    mine = [a.lease.group_id for a in core.acquire("w", 2, engine_version=0)]
+    theirs = [a.lease.group_id for a in core.acquire("v", 2, engine_version=0)]
+    leases = core.leases
+    assert leases.held_by("w") == mine and leases.held_by("v") == theirs and leases.held_by("x") == []
+    assert leases.unheld("w", {mine[0]}) == [mine[1]] and set(leases.holders()) == {"w", "v"}
+    core.complete(theirs[0], "accepted")
+    core.complete(theirs[1], "accepted")
+    assert set(leases.holders()) == {"w"}
+
+
+async def test_held_polls_are_woken_in_order_one_per_group_of_room_and_pass_unused_room_on():
+    room = [0]
+    polls = HeldPolls(room=lambda: room[0])
+    first, second, third = (asyncio.ensure_future(polls.wait(60)) for _ in range(3))
+    await asyncio.sleep(0)
+    polls.open()  # no room: nobody wakes
+    room[0] = 1
+    polls.open()
+    await asyncio.sleep(0)
+    assert (first.done(), second.done(), polls.woken) == (True, False, 1) and first.result() is True
+    polls.served()  # the first took nothing (its engine was behind): the room goes to the next
+    await asyncio.sleep(0)
+    assert second.done() and not third.done() and polls.woken == 1
+    room[0] = 0
+    polls.served()  # the second took the group
+    idle = asyncio.ensure_future(polls.wait(0.01))
+    assert await idle is False  # a hold that nothing lifts times out
+    late = asyncio.ensure_future(polls.wait(60))
+    await asyncio.sleep(0)
+    room[0] = 1
+    polls.open()
+    third.cancel()  # woken, but its caller went away before it ran: its share goes on to the next
+    with pytest.raises(asyncio.CancelledError):
+        await third
+    await asyncio.sleep(0)
+    assert late.done() and late.result() is True and polls.woken == 1 and len(polls) == 0

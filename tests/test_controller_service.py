@@ -1,9 +1,12 @@
 """The controller over real gRPC on loopback, persisting to a real Redis server."""
 
 import asyncio
+import json
+import random
 
 import grpc
 import pytest
+import redis.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2_grpc
@@ -556,3 +559,235 @@ async def test_a_dependency_whose_name_does_not_resolve_yet_is_waited_for():
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # waited; UNAVAILABLE would be at once
     finally:
         await dependency.close()
+
+
+# -- counts a restart must keep ----------------------------------------------------------------------------------
+
+
+async def announce(stub, version, restored=False):
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=version, restored=restored))
+
+
+async def report(stub, version, groups=2):
+    await stub.ReportTrainStep(
+        controller_pb2.TrainStepReport(
+            version=version, group_ids=[f"s{version}-{i}" for i in range(groups)], samples=4, tokens=8
+        )
+    )
+
+
+async def test_a_step_trained_again_is_counted_though_its_first_report_died_with_the_trainer(redis_url):
+    """The chaos run of seed 671758 (kills: trainer after step 9, controller after step 10) replayed call by call.
+
+    The trainer announces a step's version, writes the step's line to steps.jsonl, then reports it. Killed after the
+    line and before its report reached the controller, it restarts from its checkpoint at 8 and trains step 9 again:
+    the run trained step 9 twice, and the history holds it once. The controller then dies after step 10 and a new
+    one carries on from Redis: its status must say what the trainer's lines say, one step re-done."""
+    first = await Controller(redis_url).start()
+    stub = first.stub
+    await announce(stub, 0, restored=True)
+    for version in range(1, 10):
+        await announce(stub, version)
+        if version < 9:  # step 9's report never left the trainer: SIGKILL after its line
+            await report(stub, version)
+    await announce(stub, 8, restored=True)  # the restarted trainer, from its checkpoint at 8
+    for version in (9, 10):
+        await announce(stub, version)
+        await report(stub, version)
+    await first.stop()  # the controller killed after step 10
+
+    second = await Controller(redis_url).start()
+    try:
+        await report(second.stub, 10)  # the trainer's report of step 10, sent again: recorded already
+        status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.version, status.consumed, status.steps_redone) == (10, 20, 1)
+        await announce(second.stub, 10)  # an announcement sent again (its answer lost) is no second step
+        assert (await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).steps_redone == 1
+    finally:
+        await second.stop()
+
+
+def outcome(group, result):
+    return controller_pb2.GroupOutcome(group_id=group.group_id, result=getattr(controller_pb2.GroupOutcome, result))
+
+
+async def random_calls(c: Controller, rng, calls: int) -> None:
+    """Calls of every kind that changes the controller's state, as workers and a trainer would make them. After each
+    answer, Redis holds exactly the state the controller holds in memory."""
+    stub, held, written, version = c.stub, {}, [], 0
+    incarnations = {}
+    for worker in ("w0", "w1", "w2"):
+        incarnations[worker] = (await stub.RegisterWorker(register(worker))).incarnation
+    await announce(stub, 0, restored=True)
+    for _ in range(calls):
+        _, stored = await c.servicer.state.load()
+        assert stored == c.servicer.core.durable_state()
+        worker = rng.choice(sorted(incarnations))
+        mine = [g for g in held.values() if g[1] == worker]
+        action = rng.random()
+        if action < 0.35:
+            request = controller_pb2.AcquireGroupsRequest(
+                worker_id=worker,
+                max_groups=rng.randint(0, 3),
+                engine_version=version,
+                incarnation=incarnations[worker],
+                holding=[g.group_id for g, _ in mine if rng.random() < 0.9],  # now and then an answer was lost
+                reports_holding=True,
+            )
+            reply = await stub.AcquireGroups(request)
+            held = {gid: g for gid, g in held.items() if gid in (await c.stub.GetOutstanding(OUTSTANDING)).running}
+            held.update({g.group_id: (g, worker) for g in reply.groups})
+        elif action < 0.7 and mine:
+            group, _ = rng.choice(mine)
+            result = rng.choice(["ACCEPTED", "ACCEPTED", "FILTERED", "FAILED", "REQUEUED"])
+            if result == "ACCEPTED" or rng.random() < 0.2:  # a failed one now and then was written before it failed
+                await c.store.write_group([trajectory(group, 0)])
+                written.append(group)
+            request = controller_pb2.CompleteGroupsRequest(
+                worker_id=worker, outcomes=[outcome(group, result)], incarnation=incarnations[worker]
+            )
+            await stub.CompleteGroups(request)
+            del held[group.group_id]
+        elif action < 0.78 and written:
+            group = written.pop(rng.randrange(len(written)))
+            dropped = controller_pb2.DroppedGroup(group_id=group.group_id, prompt_id=group.prompt_id, reason="past η")
+            await stub.DropGroups(controller_pb2.DropGroupsRequest(groups=[dropped]))
+        elif action < 0.88:
+            restored = rng.random() < 0.2 and version > 0
+            version = version - 1 if restored else version + 1
+            await announce(stub, version, restored=restored)
+            if not restored:
+                await report(stub, version)
+        elif action < 0.95:
+            incarnations[worker] = (await stub.RegisterWorker(register(worker))).incarnation  # restarted: orphans
+            held = {gid: g for gid, g in held.items() if g[1] != worker}
+        else:
+            request = controller_pb2.UnregisterWorkerRequest(worker_id=worker, incarnation=incarnations[worker])
+            await stub.UnregisterWorker(request)
+            incarnations[worker] = (await stub.RegisterWorker(register(worker))).incarnation
+            held = {gid: g for gid, g in held.items() if g[1] != worker}
+
+
+OUTSTANDING = controller_pb2.GetOutstandingRequest()
+
+
+def register(worker):
+    return controller_pb2.RegisterWorkerRequest(worker_id=worker, address="127.0.0.1:9")
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_a_restarted_controller_rebuilds_exactly_what_it_acknowledged(redis_url, seed):
+    """Every call that changed the state was answered only once its change was written: a controller stopped after
+    a random run of every such call (as if killed: nothing more is written) is rebuilt from Redis exactly, and the
+    written-group set holds no settled group."""
+    job = JOB.model_copy(
+        update={
+            "algorithm": JOB.algorithm.model_copy(update={"max_staleness": 3, "total_steps": 100}),
+            "rollout": JOB.rollout.model_copy(update={"max_group_failures": 2}),
+        }
+    )
+    first = await Controller(redis_url, job=job).start()
+    try:
+        await random_calls(first, random.Random(seed), calls=150)
+        acknowledged = first.servicer.core.durable_state()
+        letters = len(await first.store.read_dead_letters())
+    finally:
+        await first.stop()
+    second = await Controller(redis_url, job=job).start()
+    try:
+        assert second.servicer.core.durable_state() == acknowledged
+        assert letters == len(acknowledged.dead_items) and acknowledged.counters["next_ticket"] > 20
+        written = {gid.decode() for gid in await second.redis.smembers(second.store.keys.written)}
+        assert written <= {lease.group_id for lease in acknowledged.leases}
+    finally:
+        await second.stop()
+
+
+async def test_a_write_sent_again_or_late_changes_nothing(redis_url):
+    """Each write of the state carries a number and is applied only if it is newer than the last one applied."""
+    c = await Controller(redis_url).start()
+    try:
+        state, core = c.servicer.state, c.servicer.core
+        await c.stub.RegisterWorker(register("w0"))
+        [group] = (await acquire(c.stub, 1)).groups
+        seq = c.servicer.writer.seq
+        stale = core.take_changes()  # (nothing changed since the last write)
+        core.complete(group.group_id, "accepted")
+        newer = core.take_changes()
+        assert await state.write(seq + 1, newer)
+        assert not await state.write(seq + 1, stale) and not await state.write(seq, stale)
+        _, loaded = await state.load()
+        assert loaded.leases == [] and loaded.counters["accepted"] == 1
+    finally:
+        await c.stop()
+
+
+async def test_a_written_group_reported_failed_again_after_the_controller_died_midway_is_counted_once(redis_url):
+    """A worker reports a written group FAILED; the controller finds it written (it counts as accepted) and dies
+    before writing that. The worker sends its report again to the next controller, which must find it written still:
+    else the prompt would be generated and trained a second time."""
+    first = await Controller(redis_url).start()
+    await first.stub.RegisterWorker(register("w0"))
+    [group] = (await acquire(first.stub, 1)).groups
+    await first.store.write_group([trajectory(group, 0)])
+    assert await first.store.revoke_group(group.group_id)  # the first controller's step before it died
+    await first.stop()
+    second = await Controller(redis_url).start()
+    try:
+        await second.stub.RegisterWorker(register("w0"))
+        request = controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(group, "FAILED")])
+        assert (await second.stub.CompleteGroups(request)).unknown == 0
+        status = await second.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.accepted, status.failed, status.running) == (1, 0, 0)
+        assert await second.redis.smembers(second.store.keys.written) == set()
+        assert (await acquire(second.stub, 1)).groups[0].prompt_id != group.prompt_id  # not admitted again
+    finally:
+        await second.stop()
+
+
+async def test_the_snapshot_an_older_controller_left_is_carried_on_from(redis_url):
+    """A job whose controller is upgraded mid-run: the new one starts from the old one's whole-state snapshot (and
+    the version it announced last, written before that snapshot), writes it as records and drops the snapshot."""
+    keys = JobKeys(JOB.name)
+    lease = {"group_id": "g3", "item_index": 3, "ticket": 3, "admitted_version": 1, "worker_id": "w0", "admitted_at": 9}
+    snapshot = {
+        **{"version": 1, "epoch": 0, "position": 4, "next_ticket": 4, "accepted": 3, "filtered": 0, "failed": 0},
+        **{"retry": [], "leases": [lease], "started_at": 5.0},
+        "progress": {"groups_by_step": [2], "highest_step": 1, "last_step": 1},
+    }
+    raw = redis.asyncio.Redis.from_url(redis_url)
+    await raw.mset({keys.legacy_snapshot: json.dumps(snapshot), keys.legacy_version: 2})
+    c = await Controller(redis_url).start()
+    try:
+        status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.version, status.running, status.dataset_cursor, status.accepted) == (2, 1, 4, 3)
+        assert await raw.exists(keys.legacy_snapshot, keys.legacy_version) == 0
+        _, state = await c.servicer.state.load()
+        assert state == c.servicer.core.durable_state()
+    finally:
+        await c.stop()
+        await raw.aclose()
+
+
+async def test_a_held_poll_is_woken_only_by_room_and_one_per_group_that_room_admits(controller):
+    """Under the staleness bound an accepted group opens no room (it moves from running to accepted): it wakes no
+    held poll. A filtered one opens room for one group: it wakes one poll, the first that waited."""
+    stub, polls = controller.stub, controller.servicer.polls
+    for worker in ("w0", "w1", "w2"):
+        await stub.RegisterWorker(register(worker))
+    groups = (await acquire(stub, 10)).groups  # the window: (η + v + 1)·B = 4
+    waiting = [await held_acquire(stub, 1, wait_ms=60_000, worker=w) for w in ("w1", "w2")]
+    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: both polls are held
+    assert len(polls) == 2
+    await stub.CompleteGroups(
+        controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[0], "ACCEPTED")])
+    )
+    assert len(polls) == 2 and polls.woken == 0
+    await stub.CompleteGroups(
+        controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[1], "FILTERED")])
+    )
+    first = await asyncio.wait_for(waiting[0], timeout=30)
+    assert len(first.groups) == 1 and len(polls) == 1 and not waiting[1].done()
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
+    second = await asyncio.wait_for(waiting[1], timeout=30)  # an engine behind the new version: answered at once
+    assert list(second.groups) == [] and second.version == 1 and len(polls) == 0

@@ -60,7 +60,7 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         group = next(g for g in client.xinfo_groups(keys.stream) if g["name"] == CONSUMER_GROUP.encode())
         assert group["entries-read"] >= len(entries)
         assert client.xpending(keys.stream, CONSUMER_GROUP)["pending"] == 0
-        assert int(client.get(keys.version)) == 5
+        assert int(client.hget(keys.controller_counters, "version")) == 5
         client.close()
 
         # and independently of the trainer's own check: the engines' final weights are the final checkpoint's

@@ -189,7 +189,7 @@ async def test_deleting_the_rljob_deletes_its_redis_keys_and_no_others(cluster: 
     other_key = names.job_key("another-namespace", "demo")  # same name, other namespace, same Redis
     client = redis.Redis.from_url(redis_url)
     for key in (JobKeys(job_key), JobKeys(other_key)):
-        client.set(key.version, 3)
+        client.hset(key.controller_counters, "version", 3)
         client.xadd(key.stream, {"payload": b"x"})
 
     await cluster.create(rljob(redis_url=redis_url))
@@ -199,7 +199,7 @@ async def test_deleting_the_rljob_deletes_its_redis_keys_and_no_others(cluster: 
 
     assert client.keys(f"areal:{{{job_key}}}:*") == []
     assert sorted(client.keys(f"areal:{{{other_key}}}:*")) == sorted(
-        [JobKeys(other_key).version.encode(), JobKeys(other_key).stream.encode()]
+        [JobKeys(other_key).controller_counters.encode(), JobKeys(other_key).stream.encode()]
     )
     client.close()
 

@@ -4,12 +4,12 @@ One stream per job. Rollout workers append a whole group atomically (a Lua scrip
 controller has revoked, so a re-issued group is never trained twice). The trainer reads through a consumer
 group, acknowledges entries only after the step that used them is checkpointed, reclaims the pending entries
 of a dead consumer with XAUTOCLAIM, and trims what nobody needs any more (bounded retention). Prompts whose
-groups keep failing go to a second, capped stream, the job's dead letters, written with the controller's snapshot.
+groups keep failing go to a second, capped stream, the job's dead letters, which the controller writes with its own
+state (controller/state_store.py; its keys are named here with the others).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -41,10 +41,11 @@ redis.call('SADD', KEYS[2], ARGV[1])
 return ids
 """
 
-# KEYS: written, revoked. ARGV: group_id. Returns 1 if the group was already written (it counts as accepted, and is
-# settled), else marks it revoked so a late write by its old worker is refused.
+# KEYS: written, revoked. ARGV: group_id. Returns 1 if the group was already written (it counts as accepted; it stays
+# in the written set until the controller's write that settles its lease takes it out), else marks it revoked so a
+# late write by its old worker is refused. Asked again, it answers the same.
 _REVOKE_GROUP = """
-if redis.call('SREM', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
 redis.call('SADD', KEYS[2], ARGV[1])
 return 0
 """
@@ -56,11 +57,19 @@ class JobKeys:
     def __init__(self, job: str):
         self.prefix = f"areal:{{{job}}}"
         self.stream = f"{self.prefix}:trajectories"
-        self.version = f"{self.prefix}:version"
         self.written = f"{self.prefix}:written-groups"
         self.revoked = f"{self.prefix}:revoked-groups"
-        self.controller_state = f"{self.prefix}:controller"
         self.dead_letters = f"{self.prefix}:dead-letters"
+        # the controller's durable state (controller/state_store.py): counters, a record per lease and per retry place,
+        # the items dead-lettered and the groups dropped
+        self.controller_counters = f"{self.prefix}:controller:counters"
+        self.controller_leases = f"{self.prefix}:controller:leases"
+        self.controller_retry = f"{self.prefix}:controller:retry"
+        self.controller_dead_items = f"{self.prefix}:controller:dead-items"
+        self.controller_dropped = f"{self.prefix}:controller:dropped"
+        # what an older controller kept: its whole state as one JSON document, and the version it last announced
+        self.legacy_snapshot = f"{self.prefix}:controller"
+        self.legacy_version = f"{self.prefix}:version"
 
 
 @dataclass(frozen=True)
@@ -136,30 +145,14 @@ class TrajectoryStore:
     # -- controller ----------------------------------------------------------------------------------------
 
     async def revoke_group(self, group_id: str) -> bool:
-        """Stop a group from being written later. True if it had already been written (nothing to redo)."""
+        """Stop a group from being written later. True if it had already been written (nothing to redo).
+
+        A written group stays in the written set until the controller settles its lease, whether or not it was
+        trained already: a worker that dies after writing a group and before reporting it leaves a lease the
+        controller later revokes, and the revocation must still see it written (else its prompt is generated and
+        trained a second time). A controller that dies between this call and its write asks again, and is answered
+        the same."""
         return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
-
-    async def settle_written(self, group_ids: list[str]) -> None:
-        """Groups whose worker reported them accepted: no revocation will ask about them any more.
-
-        A group stays in the written set until then, whether or not it was trained already: a worker that dies after
-        writing a group and before reporting it leaves a lease the controller later revokes, and the revocation must
-        still see it written (else its prompt is generated and trained a second time)."""
-        if group_ids:
-            await self.client.srem(self.keys.written, *group_ids)
-
-    async def load_controller_state(self) -> str | None:
-        state = await self.client.get(self.keys.controller_state)
-        return None if state is None else state.decode()
-
-    async def save_controller_state(self, state: str, dead_letters: Sequence[Mapping[str, str | int]] = ()) -> None:
-        """The controller's snapshot and the dead letters settled since the previous one, in one transaction: a
-        snapshot that no longer re-queues an item always comes with that item's dead letter."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            for entry in dead_letters:
-                pipe.xadd(self.keys.dead_letters, entry, maxlen=DEAD_LETTER_RETENTION, approximate=False)
-            pipe.set(self.keys.controller_state, state)
-            await pipe.execute()
 
     async def read_dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The newest `count` dead letters, oldest first, each with its stream entry id under `id`."""
@@ -231,13 +224,6 @@ class TrajectoryStore:
         await self.client.xtrim(self.keys.stream, minid=keep_from, approximate=False)
 
     # -- shared state --------------------------------------------------------------------------------------
-
-    async def get_version(self) -> int | None:
-        value = await self.client.get(self.keys.version)
-        return None if value is None else int(value)
-
-    async def set_version(self, version: int) -> None:
-        await self.client.set(self.keys.version, version)
 
     async def stream_stats(self) -> dict[str, float]:
         """length: entries kept; pending: delivered, unacknowledged; lag: written but not yet delivered;

@@ -1,12 +1,13 @@
 """The controller's state machine, free of gRPC and Redis so it can be tested as plain Python.
 
 It owns the dataset cursor, the admission counters, the leases of prompt groups handed to rollout workers
-(leases.py), the worker registry (workers.py), the requests waiting on a bound (holds.py) and the job's progress
-figures (progress.py). The gRPC shell (server.py) persists `snapshot()` to Redis after every change and restores it
-on start, so a restarted controller carries on where it stopped.
+(leases.py), the prompts to admit again (retry.py), the worker registry (workers.py), the requests waiting on a
+bound (holds.py) and the job's progress figures (progress.py). Its durable part is durable.py's `DurableState`: the
+gRPC shell (server.py) writes `take_changes()` to Redis (state_store.py) before it answers a call that changed
+anything, and restores the state on start, so a restarted controller carries on from what it acknowledged.
 
 A failed group's prompt is admitted again before new ones, until it has failed `rollout.max_group_failures` times
-in a row; then it is dead-lettered (never admitted again; the shell writes its dead letter with the next snapshot)
+in a row; then it is dead-lettered (never admitted again; its dead letter is written with the change)
 and the cursor supplies another prompt in its place, so the run still trains `total_steps` batches.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,23 +22,13 @@ from typing import Any
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
+from areal_k8s.controller.durable import Changes, DeadLetter, DurableState
 from areal_k8s.controller.holds import Holds
 from areal_k8s.controller.leases import Lease, Leases
 from areal_k8s.controller.progress import Progress
+from areal_k8s.controller.retry import RetryQueue
 from areal_k8s.controller.workers import WorkerRegistry
 from areal_k8s.data.dataset import DatasetItem
-
-
-@dataclass
-class DeadLetter:
-    """A prompt given up on: what the dead-letter stream records about it."""
-
-    group_id: str  # its last attempt
-    prompt_id: str
-    item_index: int
-    attempts: int
-    reason: str  # why the last attempt failed
-    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -102,9 +92,11 @@ class ControllerCore:
         self.requeued = 0
         self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
         self.item_indices = {item.id: index for index, item in enumerate(items)}
-        self.retry: deque[tuple[int, int]] = deque()  # (item index, failures in a row) of failed groups, served first
+        self.retry = RetryQueue()  # failed groups' prompts, served before the cursor's
         self.dead_items: set[int] = set()  # item indices dead-lettered: never admitted again
-        self.unwritten_dead_letters: list[DeadLetter] = []  # the shell writes them with the next snapshot
+        self.unwritten_dead_letters: list[DeadLetter] = []  # written with the next `take_changes`
+        self.unwritten_drops: set[str] = set()
+        self.progress_changed = True  # the first write carries the progress figures
         self.waiting_for: str | None = None  # a start-up check that must pass before anything is admitted
         self.failure: JobFailure | None = None
         self.leases = Leases()
@@ -159,6 +151,10 @@ class ControllerCore:
 
     def capacity(self) -> int:
         return admission_capacity(**self.admission_state())
+
+    def admissible(self) -> int:
+        """Groups a request could be given now: the capacity, unless the job is over or a start-up check waits."""
+        return 0 if self.over or self.waiting_for is not None else self.capacity()
 
     def register(
         self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1, engine_dtype: str = ""
@@ -268,6 +264,7 @@ class ControllerCore:
         if group_id in self.dropped_groups or prompt_id not in self.item_indices:
             return False
         self.dropped_groups.add(group_id)
+        self.unwritten_drops.add(group_id)
         if (index := self.item_indices[prompt_id]) not in self.dead_items:
             self.retry.appendleft((index, 0))
         self.metrics.groups.labels(result="dropped").inc()
@@ -304,10 +301,10 @@ class ControllerCore:
         """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
         deadline = self.clock() - self.lease_seconds
         silent = {w.worker_id for w in self.workers.values() if w.last_seen < deadline}
-        silent |= {lease.worker_id for lease in self.leases.values() if lease.worker_id not in self.workers}
+        silent |= {holder for holder in self.leases.holders() if holder not in self.workers}
         for worker_id in silent & self.workers.keys():
             del self.workers[worker_id]
-        return [gid for gid, lease in self.leases.items() if lease.worker_id in silent]
+        return [gid for worker_id in silent for gid in self.leases.held_by(worker_id)]
 
     def outstanding(self) -> dict[str, int]:
         """Groups still generating: group id -> the version they were admitted at."""
@@ -316,16 +313,23 @@ class ControllerCore:
     # -- versions and progress -----------------------------------------------------------------------------
 
     def announce_version(self, version: int, restored: bool) -> None:
-        """A version is live on every engine. Only a restarted trainer may move it back (to its checkpoint)."""
+        """A version is live on every engine: a step produced it, or (`restored`) a restarted trainer loaded it
+        from its checkpoint, the only way back. The current version announced again (a call sent again after its
+        answer was lost) changes nothing."""
         if version < self.version and not restored:
             raise ValueError(f"version {version} is older than the current version {self.version}")
-        self.version = version
         if restored:
             self.progress.rewind(version)
+        elif version > self.version:
+            self.progress.trained(version)
+        self.version = version
+        self.progress_changed = True
 
     def record_step(self, **report: Any) -> bool:
         """Record a step report (the arguments of Progress.record); False for a step already recorded."""
-        return self.progress.record(self.clock(), **report)
+        recorded = self.progress.record(self.clock(), **report)
+        self.progress_changed |= recorded
+        return recorded
 
     def status(self) -> dict:
         now = self.clock()
@@ -358,7 +362,7 @@ class ControllerCore:
 
     # -- persistence ---------------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict:
+    def counters(self) -> dict[str, float]:
         return {
             "version": self.version,
             "epoch": self.cursor.epoch,
@@ -369,38 +373,56 @@ class ControllerCore:
             "filtered": self.filtered,
             "failed": self.failed,
             "requeued": self.requeued,
+            "retry_head": self.retry.head,
             "held_by_staleness_seconds": self.holds.held_by_staleness_seconds,
-            "dropped_groups": sorted(self.dropped_groups),
-            "retry": [list(entry) for entry in self.retry],
-            "dead_items": sorted(self.dead_items),
-            "leases": self.leases.snapshot(),
-            "progress": asdict(self.progress),
             "started_at": self.started_at,
         }
 
-    def restore(self, snapshot: dict) -> None:
-        """Continue from a snapshot. Lease holders get a fresh grace period to re-register and report back."""
-        self.version = snapshot["version"]
+    def take_changes(self) -> Changes:
+        """What changed since the last call, for the shell to write: the counters and the records that changed."""
+        changes = Changes(
+            counters=self.counters(),
+            progress=asdict(self.progress) if self.progress_changed else None,
+            leases=self.leases.take_changed(),
+            retry=self.retry.take_changed(),
+            dead_letters=self.unwritten_dead_letters,
+            dropped_groups=self.unwritten_drops,
+        )
+        self.unwritten_dead_letters, self.unwritten_drops, self.progress_changed = [], set(), False
+        return changes
+
+    def durable_state(self) -> DurableState:
+        return DurableState(
+            counters=self.counters(),
+            progress=asdict(self.progress),
+            leases=sorted(self.leases.values(), key=lambda lease: lease.ticket),
+            retry=list(self.retry),
+            dead_items=set(self.dead_items),
+            dropped_groups=set(self.dropped_groups),
+        )
+
+    def restore(self, state: DurableState) -> None:
+        """Continue from a durable state. Lease holders get a fresh grace period to re-register and report back."""
+        counters = state.counters
+        self.version = counters["version"]
         self.cursor = DataCursor(
             len(self.items),
             seed=self.job.seed,
             shuffle=self.job.dataset.shuffle,
-            epoch=snapshot["epoch"],
-            position=snapshot["position"],
+            epoch=counters["epoch"],
+            position=counters["position"],
         )
-        # next_incarnation is absent from snapshots of older controllers
-        self.workers.next_incarnation = snapshot.get("next_incarnation", 0)
-        self.accepted, self.filtered, self.failed = snapshot["accepted"], snapshot["filtered"], snapshot["failed"]
-        self.requeued = snapshot.get("requeued", 0)  # absent from snapshots of older controllers
-        self.holds.held_by_staleness_seconds = snapshot.get("held_by_staleness_seconds", 0.0)
-        self.dropped_groups = set(snapshot.get("dropped_groups", []))
-        # A snapshot from before dead-lettering holds bare item indices: their failures in a row are unknown, so 0.
-        self.retry = deque((entry, 0) if isinstance(entry, int) else tuple(entry) for entry in snapshot["retry"])
-        self.dead_items = set(snapshot.get("dead_items", []))
+        self.workers.next_incarnation = counters["next_incarnation"]
+        self.accepted, self.filtered = counters["accepted"], counters["filtered"]
+        self.failed, self.requeued = counters["failed"], counters["requeued"]
+        self.holds.held_by_staleness_seconds = counters["held_by_staleness_seconds"]
+        self.started_at = counters["started_at"]
+        self.dropped_groups = set(state.dropped_groups)
+        self.retry = RetryQueue(counters["retry_head"], state.retry)
+        self.dead_items = set(state.dead_items)
         self.fail_if_every_item_is_dead()
-        self.leases = Leases(snapshot["next_ticket"], [Lease(**lease) for lease in snapshot["leases"]])
-        self.progress = Progress.from_snapshot(snapshot["progress"])
-        self.started_at = snapshot["started_at"]
+        self.leases = Leases(counters["next_ticket"], state.leases)
+        self.progress = Progress.from_snapshot(state.progress)
         now = self.clock()
         for lease in self.leases.values():
             self.workers.hold_place(lease.worker_id, now)

@@ -14,6 +14,7 @@ class Holds:
         self.held_by_staleness_seconds = 0.0  # by the waits that ended
         self.waiting: dict[int, tuple[str, float]] = {}  # requests waiting now: hold -> (what holds it, since)
         self.ids = itertools.count()
+        self._held_seconds = {}  # the counter's child per reason, looked up once (a hold ends on every idle poll)
 
     def begin(self, reason: str) -> int:
         """A worker's request for work starts waiting because of `reason` (a refusal the long poll waits out)."""
@@ -26,7 +27,9 @@ class Holds:
         seconds = max(self.clock() - since, 0.0)
         if reason == "staleness":
             self.held_by_staleness_seconds += seconds
-        self.metrics.held_seconds.labels(reason=reason).inc(seconds)
+        if reason not in self._held_seconds:
+            self._held_seconds[reason] = self.metrics.held_seconds.labels(reason=reason)
+        self._held_seconds[reason].inc(seconds)
 
     def held_by_staleness_now(self) -> float:
         """Worker-seconds held by the staleness bound so far, the waits still going on included: a long wait shows

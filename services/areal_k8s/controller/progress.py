@@ -12,7 +12,7 @@ class Progress:
 
     groups_by_step: list[int] = field(default_factory=list)  # groups trained at each version of the history
     steps_redone: int = 0  # steps trained again after a restore: work done, but not in the history twice
-    highest_step: int = 0
+    highest_step: int = 0  # the newest version any step produced (announced or reported)
     trained_samples: int = 0
     trained_tokens: int = 0
     last_max_staleness: int = 0
@@ -33,6 +33,13 @@ class Progress:
     def from_snapshot(cls, figures: dict) -> Progress:
         known = {f.name for f in fields(cls)}  # a snapshot of an older controller may carry retired figures
         return cls(**{k: v for k, v in figures.items() if k in known})
+
+    def trained(self, version: int) -> None:
+        """A step produced `version` and its weights went live (the trainer announced it). A step trained again is
+        counted here, not when its report comes: the trainer announces a step before it writes the step's record
+        and reports it, so a trainer killed in between trained the step, though its report never came."""
+        self.steps_redone += version <= self.highest_step
+        self.highest_step = max(self.highest_step, version)
 
     def rewind(self, version: int) -> None:
         """The trainer restored the checkpoint of `version`: the steps after it leave the history (they are trained
@@ -71,7 +78,6 @@ class Progress:
             self.last_step = version
             self.groups_by_step[version - 1 :] = []
             self.groups_by_step += [0] * (version - 1 - len(self.groups_by_step)) + [groups]
-            self.steps_redone += version <= self.highest_step
             self.highest_step = max(self.highest_step, version)
             self.trained_samples += samples
             self.trained_tokens += tokens

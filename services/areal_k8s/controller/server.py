@@ -1,4 +1,5 @@
-"""Controller gRPC shell: validates requests, calls the core, persists its snapshot to Redis, reaps dead workers.
+"""Controller gRPC shell: validates requests, calls the core, writes what changed to Redis before answering
+(state_store.py), holds long polls until there is room for them (polls.py), reaps dead workers.
 
 At start it asks the reward service whether it can load every verifier the job uses (the job's own, or each
 dataset item's): the controller is the one service that reads the dataset, and the reward pods hold no job file.
@@ -10,11 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import grpc
 
@@ -24,13 +23,17 @@ from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgume
 from areal_k8s.common.metrics import HOLD_REASONS
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore
+from areal_k8s.controller.durable import Changes
+from areal_k8s.controller.polls import HeldPolls
+from areal_k8s.controller.state_store import ControllerStateStore, StateWriter
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 
 log = logging.getLogger(__name__)
 
 MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
-# lifted by a trainer step, a settled group, or the start-up check passing
+# lifted by a new version, a group that leaves the admission counts unused (filtered, failed, re-queued, dropped),
+# or the start-up check passing
 WAITABLE_REFUSALS = frozenset(HOLD_REASONS)  # refusals a long poll waits out; the others are answered at once
 CHECK_RETRY_SECONDS = 1.0  # between attempts to reach a reward service that is not up yet
 CHECK_TIMEOUT_SECONDS = 60.0  # one check: the reward service imports each custom verifier's module
@@ -70,54 +73,38 @@ def prompt_group(job: JobConfig, admitted: Admitted) -> common_pb2.PromptGroup:
     )
 
 
-@dataclass
-class Wakeup:
-    """One lifting of the bounds, and how many held polls it wakes that have not yet taken their share."""
-
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    waiting: int = 0
-
-
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, core: ControllerCore, store: TrajectoryStore):
         self.core = core
         self.store = store
-        self._persist_lock = asyncio.Lock()
-        self._wakeup = Wakeup()
+        self.state = ControllerStateStore(store.client, store.keys)
+        self.writer = StateWriter(core, self.state, seq=0)
+        self.polls = HeldPolls(room=core.admissible)
 
-    def admission_may_have_opened(self) -> None:
-        """Wake every held AcquireGroups to try again: called after anything that can lift a bound."""
-        self._wakeup.event.set()
-        self._wakeup = Wakeup()
+    def room_may_have_opened(self) -> None:
+        """After a change that can open admission room: wake as many held polls as there is room for (all of them
+        once the job is over, to tell them)."""
+        if self.core.over:
+            self.polls.open_all()
+        else:
+            self.polls.open()
 
     async def restore(self) -> None:
-        snapshot = await self.store.load_controller_state()
-        if snapshot:
-            self.core.restore(json.loads(snapshot))
-            log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
-        version = await self.store.get_version()
-        if version is not None:
-            self.core.announce_version(version, restored=True)
-
-    async def persist(self) -> None:
-        # The snapshot is taken inside the lock, so whichever write lands last carries the newest state.
-        async with self._persist_lock:
-            letters, self.core.unwritten_dead_letters = self.core.unwritten_dead_letters, []
-            try:
-                await self.store.save_controller_state(json.dumps(self.core.snapshot()), [asdict(d) for d in letters])
-            except BaseException:
-                self.core.unwritten_dead_letters[:0] = letters  # they go with the next snapshot
-                raise
-        for letter in letters:
-            log.warning(
-                "prompt %s (item %d) dead-lettered after %d failed groups in a row; the last, %s on %s: %s",
-                letter.prompt_id,
-                letter.item_index,
-                letter.attempts,
-                letter.group_id,
-                letter.worker_id,
-                letter.reason,
-            )
+        """Carry on from the state the last controller of this job wrote, or from an older controller's snapshot."""
+        if loaded := await self.state.load():
+            self.writer.seq, state = loaded
+            self.core.restore(state)
+        elif legacy := await self.state.load_legacy():
+            state, version = legacy
+            self.core.restore(state)
+            if version is not None:
+                self.core.announce_version(version, restored=True)
+            self.writer.seq = 1
+            await self.state.write(self.writer.seq, Changes.everything(self.core.durable_state()))
+            await self.state.forget_legacy()
+        else:
+            return
+        log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
 
     async def check_verifiers(self, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]) -> None:
         """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
@@ -144,25 +131,26 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     )
             await asyncio.sleep(CHECK_RETRY_SECONDS)
         self.core.waiting_for = None
-        self.admission_may_have_opened()
+        self.polls.open_all()
 
     async def reap_dead_workers(self) -> int:
         """Revoke the groups of workers that went silent."""
         expired = self.core.expired_leases()
         await self.revoke(expired, "its worker went silent")
+        if expired:
+            await self.writer.written()
         return len(expired)
 
     async def revoke(self, group_ids: list[str], why: str) -> None:
         """Settle groups whose worker is gone: a group already written counts as accepted, the others are
         re-queued (not counted against their prompt: it was not at fault); a late write by the old worker is
-        refused."""
+        refused. The caller writes the change."""
         for group_id in group_ids:
             already_written = await self.store.revoke_group(group_id)
             self.core.complete(group_id, "accepted" if already_written else "requeued", why)
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
         if group_ids:
-            self.admission_may_have_opened()
-            await self.persist()
+            self.room_may_have_opened()
 
     async def observe_stream(self) -> None:
         stream, m = await self.store.stream_stats(), self.core.metrics
@@ -191,6 +179,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             max(request.engine_ranks, 1),
         )
         await self.revoke(orphaned, "its worker restarted")
+        await self.writer.written()  # its incarnation's number is never handed out again
         return controller_pb2.RegisterWorkerResponse(
             version=self.core.version,
             job=self.core.job.name,
@@ -205,7 +194,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             return controller_pb2.UnregisterWorkerResponse()
         log.info("worker %s left (%s)", request.worker_id, request.reason or "no reason given")
         await self.revoke(held, f"its worker left ({request.reason or 'no reason given'})")
-        await self.persist()
+        await self.writer.written()
         return controller_pb2.UnregisterWorkerResponse(requeued=len(held))
 
     @rpc
@@ -214,38 +203,41 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
+        revoked = []
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
-            await self.revoke(
-                self.core.leases.unheld(request.worker_id, set(request.holding)), "its answer never reached the worker"
-            )
+            revoked = self.core.leases.unheld(request.worker_id, set(request.holding))
+            await self.revoke(revoked, "its answer never reached the worker")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
-        max_groups = request.max_groups
+        max_groups, woken = request.max_groups, False
         try:
             # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
             while (remaining := deadline - loop.time()) > 0:
-                wakeup = self._wakeup  # taken before looking, so a change from here on wakes us
                 refusal = self.core.refusal(request.worker_id, request.max_groups, request.engine_version)
                 if refusal not in WAITABLE_REFUSALS:
                     break
+                if woken:  # woken for room that a poll which did not wait took first: wait again
+                    woken = False
+                    self.polls.served()
                 hold = self.core.begin_hold(refusal)
-                wakeup.waiting += 1
                 try:
-                    await asyncio.wait_for(wakeup.event.wait(), remaining)
-                    # The polls one wakeup releases resume in the order they waited: each takes its share of what
-                    # opened, so a trainer step's room is split among the waiting workers, not taken by the first.
-                    max_groups = min(request.max_groups, max(1, math.ceil(self.core.capacity() / wakeup.waiting)))
-                except TimeoutError:
-                    break
+                    woken = await self.polls.wait(remaining)
                 finally:
-                    wakeup.waiting -= 1
                     self.core.end_hold(hold)
+                if not woken:
+                    break
+                # The polls woken together each take their share of the room, so a trainer step's room is split
+                # among the waiting workers, not taken by the first.
+                max_groups = min(request.max_groups, max(1, math.ceil(self.core.capacity() / self.polls.woken)))
             capacity = self.core.capacity()
             admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
         except UnknownWorker as exc:
             raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None
-        if admitted:
-            await self.persist()
+        finally:
+            if woken:
+                self.polls.served()
+        if admitted or revoked:
+            await self.writer.written()
         return controller_pb2.AcquireGroupsResponse(
             groups=[prompt_group(self.core.job, a) for a in admitted],
             version=self.core.version,
@@ -270,9 +262,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if result in ("failed", "requeued") and await self.store.revoke_group(outcome.group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
             unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
-        await self.store.settle_written([o.group_id for o in request.outcomes if _RESULTS[o.result] == "accepted"])
-        self.admission_may_have_opened()
-        await self.persist()
+        self.room_may_have_opened()  # an accepted group opens none: it moves from running to accepted
+        await self.writer.written()  # (also for outcomes known already: a first attempt's write may be under way)
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
 
     @rpc
@@ -290,15 +281,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 group.prompt_id,
             )
         if dropped:
-            self.admission_may_have_opened()
-            await self.persist()
+            self.room_may_have_opened()
+        await self.writer.written()
         return controller_pb2.DropGroupsResponse(dropped=len(dropped))
 
     @rpc
     async def ListWorkers(self, request, context):
-        running = {}
-        for lease in self.core.leases.values():
-            running[lease.worker_id] = running.get(lease.worker_id, 0) + 1
+        leases = self.core.leases
         return controller_pb2.ListWorkersResponse(
             workers=[
                 controller_pb2.WorkerInfo(
@@ -306,7 +295,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                     address=w.address,
                     engine_version=w.engine_version,
                     last_seen=w.last_seen,
-                    running_groups=running.get(w.worker_id, 0),
+                    running_groups=len(leases.held_by(w.worker_id)),
                     engine_ranks=w.engine_ranks,
                     registered_at=w.registered_at,
                     engine_dtype=w.engine_dtype,
@@ -323,9 +312,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             self.core.announce_version(request.version, request.restored)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        self.admission_may_have_opened()
-        await self.store.set_version(request.version)
-        await self.persist()
+        self.polls.open_all()  # the new version's room, and the polls from engines behind it answered at once
+        await self.writer.written()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
         return controller_pb2.AnnounceVersionResponse(version=self.core.version)
 
@@ -354,12 +342,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         )
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
-            return controller_pb2.ReportTrainStepResponse()
-        if (
-            request.finished
-        ):  # a step report lifts no bound (AnnounceVersion does); the end of the job answers held polls
-            self.admission_may_have_opened()
-        await self.persist()
+        elif request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers polls
+            self.polls.open_all()
+        await self.writer.written()
         return controller_pb2.ReportTrainStepResponse()
 
     @rpc
@@ -398,12 +383,14 @@ async def serve(
     verifiers: list[str] | None = None,
 ):
     """Start the controller on `address`; with `reward`, check `verifiers` (default: the training items') with it
-    before admitting anything. Returns (server, port, servicer, background task: the check and the reaper)."""
+    before admitting anything. Returns (server, port, servicer, background task: the state's writer, the check and
+    the reaper)."""
     servicer = ControllerServicer(core, store)
     if reward is not None:
         core.waiting_for = "waiting for the reward service to check the job's verifiers"  # from the first status on
     await servicer.restore()
     await store.ensure_consumer_group()
+    writer = asyncio.create_task(servicer.writer.run())
     server, port, _health = await start_server(
         [(controller_pb2_grpc.add_ControllerServicer_to_server, servicer, "areal.v1.Controller")], address
     )
@@ -419,6 +406,9 @@ async def serve(
 
     async def background() -> None:
         checks = [servicer.check_verifiers(reward, verifiers or job_verifiers(core.job, core.items))] if reward else []
-        await asyncio.gather(reaper(), *checks)
+        try:
+            await asyncio.gather(reaper(), *checks)
+        finally:
+            writer.cancel()
 
     return server, port, servicer, asyncio.create_task(background())

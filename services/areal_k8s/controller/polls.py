@@ -1,0 +1,66 @@
+"""AcquireGroups long polls held while a bound admits nothing, woken only when there is room for them."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class HeldPolls:
+    """The polls waiting for admission room, woken first come, first served, and only as many as the room admits:
+    room for one group wakes one poll, a change that opens no room (a completion under the staleness bound) wakes
+    none. `room` says how many groups a request could be given now. A woken poll calls `served` once it has taken
+    its share; if room is left (a woken poll took less, or its caller went away), the next polls are woken."""
+
+    def __init__(self, room: Callable[[], int]):
+        self.room = room
+        self.woken = 0  # polls woken that have not yet taken their share
+        self._waiting: OrderedDict[int, asyncio.Future] = OrderedDict()
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait to be woken (True) or for `timeout` seconds (False). A woken caller must call `served` after."""
+        loop = asyncio.get_running_loop()
+        key, woken = next(self._ids), loop.create_future()
+        self._waiting[key] = woken
+        timer = loop.call_later(timeout, self._expire, key)
+        try:
+            return await woken
+        except asyncio.CancelledError:  # the caller went away; if it was woken, its share goes to the next
+            if woken.done() and not woken.cancelled() and woken.result():
+                self.served()
+            raise
+        finally:
+            timer.cancel()
+            self._waiting.pop(key, None)
+
+    def _expire(self, key: int) -> None:
+        if (woken := self._waiting.pop(key, None)) is not None and not woken.done():
+            woken.set_result(False)
+
+    def open(self) -> None:
+        """Room may have opened: wake waiting polls until as many are woken as there is room for."""
+        room = self.room()
+        while self.woken < room and self._waiting:
+            _, woken = self._waiting.popitem(last=False)
+            if not woken.done():
+                woken.set_result(True)
+                self.woken += 1
+
+    def open_all(self) -> None:
+        """Wake every waiting poll: a new version (polls from engines behind it are answered at once), the start-up
+        check passing, or the job over."""
+        while self._waiting:
+            _, woken = self._waiting.popitem(last=False)
+            if not woken.done():
+                woken.set_result(True)
+                self.woken += 1
+
+    def served(self) -> None:
+        self.woken -= 1
+        self.open()
