@@ -27,7 +27,7 @@ $(STUBS): $(PROTOS) proto/generate.py $(VENV)/.installed
 # the Grafana dashboards the chart ships are generated from services/areal_k8s/observability/dashboards.py; a test checks them
 dashboards: proto
 	$(PY) -m areal_k8s.observability.dashboards --write
-	$(PY) -m areal_k8s.common.metrics --write README.md
+	$(PY) -m areal_k8s.common.metrics --write docs/observability.md
 
 # the RLJob CRD is generated from the job schema (services/areal_k8s/common/config/); a test checks it is current
 crd: proto
@@ -108,7 +108,7 @@ bench-rebalance: demo-assets
 bench-sglang: demo-assets sglang-env
 	$(PY) bench/sglang_vs_cpu.py
 
-# the chaos test several times with random seeds: its figures (bench/results/chaos.json) and the README's lines
+# the chaos test several times with random seeds: its figures (bench/results/chaos.json) and docs/fault-tolerance.md's lines
 chaos: venv
 	$(PY) bench/chaos.py --runs 5
 

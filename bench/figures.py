@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: a figure's median and range over runs, and the README lines they write."""
+"""What the benchmark scripts share: a figure's median and range over runs, and the README and docs lines they write."""
 
 from __future__ import annotations
 

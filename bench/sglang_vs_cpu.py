@@ -31,6 +31,7 @@ from areal_k8s.common.sglang_server import SGLangServer, missing_env_reason
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = 2
 RESULTS = ROOT / "bench" / "results" / "sglang_vs_cpu.json"
+DOC = ROOT / "docs" / "benchmarks.md"  # where `--readme` writes (tests/test_bench_analysis.py checks it)
 
 
 def configure(base: JobConfig, run_root: Path, label: str, steps: int, engine_urls: list[str]) -> JobConfig:
@@ -73,7 +74,7 @@ README_BEGIN, README_END = (
 
 
 def readme_block(report: dict) -> str:
-    """The README's lines for these results (tests/test_bench_analysis.py checks the README carries them)."""
+    """The docs page's lines for these results (tests/test_bench_analysis.py checks the page carries them)."""
     cpu, sglang = (report["summary"][mode]["samples_per_second"] for mode in ("cpu", "sglang"))
     return (
         f"{README_BEGIN}\n"
@@ -85,7 +86,7 @@ def readme_block(report: dict) -> str:
     )
 
 
-def write_readme(report: dict, path: Path = ROOT / "README.md") -> None:
+def write_readme(report: dict, path: Path = DOC) -> None:
     write_between(path, README_BEGIN, README_END, readme_block(report))
 
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--job", default=str(ROOT / "examples" / "demo.yaml"))
-    parser.add_argument("--readme", action="store_true", help="only write the README's lines from the results file")
+    parser.add_argument("--readme", action="store_true", help="only write the docs page's lines from the results file")
     args = parser.parse_args(argv)
     if args.readme:
         write_readme(json.loads(RESULTS.read_text()))

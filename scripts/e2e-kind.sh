@@ -4,7 +4,8 @@
 #   1. creates a kind cluster (or reuses one of the same name),
 #   2. builds the CPU all-in-one image (images/cpu) and loads it into the cluster,
 #   3. installs the chart (release `areal`, namespace `areal`, charts/areal/ci/kind-values.yaml) and runs `helm test`,
-#   4. builds the demo assets onto the claim `areal-demo-assets` with a one-off Job in that image,
+#   4. builds the demo assets onto the claim `areal-demo-assets` with a one-off Job in that image
+#      (examples/k8s/demo-assets.yaml),
 #   5. applies examples/rljob-demo-cpu.yaml and waits until the RLJob's status.policyVersion reaches
 #      E2E_MIN_VERSION (default 2): the controller, reward service, rollout worker, CPU engine and trainer are
 #      training, with Redis, the operator and the NetworkPolicies of the chart in the way.
@@ -87,53 +88,9 @@ log "installing the chart"
 
 # 4. the demo assets (a tiny Qwen2 and the addition task), built in the cluster onto a claim
 log "building the demo assets onto claim areal-demo-assets"
+# examples/k8s/demo-assets.yaml names the image by the package version, as $IMAGE does
 if ! "${KUBECTL[@]}" get job areal-demo-assets -n "$NAMESPACE" >/dev/null 2>&1; then
-  "${KUBECTL[@]}" apply -n "$NAMESPACE" -f - <<EOF
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata:
-  name: areal-demo-assets
-spec:
-  accessModes: [ReadWriteOnce]
-  resources: {requests: {storage: 1Gi}}
----
-apiVersion: batch/v1
-kind: Job
-metadata:
-  name: areal-demo-assets
-spec:
-  backoffLimit: 1
-  template:
-    spec:
-      restartPolicy: Never
-      automountServiceAccountToken: false
-      securityContext:
-        runAsNonRoot: true
-        runAsUser: 10001
-        runAsGroup: 10001
-        fsGroup: 10001
-        seccompProfile: {type: RuntimeDefault}
-      containers:
-        - name: build
-          image: ${IMAGE}
-          imagePullPolicy: IfNotPresent
-          command: [python, -m, areal_k8s.demo.build, --out, /assets]
-          env:
-            - {name: HOME, value: /tmp/home}
-            - {name: OMP_NUM_THREADS, value: "2"}
-          securityContext:
-            allowPrivilegeEscalation: false
-            readOnlyRootFilesystem: true
-            capabilities: {drop: [ALL]}
-          volumeMounts:
-            - {name: assets, mountPath: /assets}
-            - {name: tmp, mountPath: /tmp}
-      volumes:
-        - name: assets
-          persistentVolumeClaim: {claimName: areal-demo-assets}
-        - name: tmp
-          emptyDir: {}
-EOF
+  "${KUBECTL[@]}" apply -n "$NAMESPACE" -f examples/k8s/demo-assets.yaml
 fi
 "${KUBECTL[@]}" wait --for=condition=Complete job/areal-demo-assets -n "$NAMESPACE" --timeout=1200s
 

@@ -71,12 +71,13 @@ def test_averaged_curves_compare_where_each_reaches_syncs_averaged_final():
 
 
 def test_the_readme_carries_the_sglang_benchmark_as_measured():
-    """README's SGLang-vs-CPU-engine lines are the ones bench/sglang_vs_cpu.py writes from its committed results."""
+    """docs/benchmarks.md's SGLang-vs-CPU-engine lines are the ones bench/sglang_vs_cpu.py writes from its committed
+    results."""
     import json
 
     sglang_bench = load_bench("sglang_vs_cpu")
     report = json.loads(sglang_bench.RESULTS.read_text())
-    assert sglang_bench.readme_block(report) in (ROOT / "README.md").read_text(), (
+    assert sglang_bench.readme_block(report) in sglang_bench.DOC.read_text(), (
         "run `python bench/sglang_vs_cpu.py --readme`"
     )
     assert report["summary"]["sglang"]["samples_per_second"]["median"] / report["summary"]["cpu"]["samples_per_second"][
@@ -85,26 +86,24 @@ def test_the_readme_carries_the_sglang_benchmark_as_measured():
 
 
 def test_the_readme_carries_the_chaos_figures_as_measured():
-    """README's "What survives what" figures are the ones bench/chaos.py writes from its committed results, and
-    those are the medians and ranges of the runs the file holds."""
+    """docs/fault-tolerance.md's "What survives what" figures are the ones bench/chaos.py writes from its committed
+    results, and those are the medians and ranges of the runs the file holds."""
     import json
 
     chaos = load_bench("chaos")
     report = json.loads(chaos.RESULTS.read_text())
-    assert chaos.readme_block(report) in (ROOT / "README.md").read_text(), "run `python bench/chaos.py --readme`"
+    assert chaos.readme_block(report) in chaos.DOC.read_text(), "run `python bench/chaos.py --readme`"
     assert report["summary"] == chaos.summarize(report["runs"], len(report["runs"]) + len(report["failed_seeds"]))
     assert all(run["max_staleness_seen"] <= run["eta"] and run["dead_lettered"] == 0 for run in report["runs"])
 
 
 def test_the_readme_carries_the_simulated_figures_as_computed():
-    """README's simulated 1,024-GPU table is the one bench/simulated.py writes from its committed results, and the
-    summary is the median and range of the runs it keeps."""
+    """docs/simulator.md's simulated 1,024-GPU table is the one bench/simulated.py writes from its committed results,
+    and the summary is the median and range of the runs it keeps."""
     simulated = load_bench("simulated")
     report = json.loads(simulated.RESULTS.read_text())
     assert report["simulated"] is True
-    assert simulated.readme_block(report) in (ROOT / "README.md").read_text(), (
-        "run `python bench/simulated.py --readme`"
-    )
+    assert simulated.readme_block(report) in simulated.DOC.read_text(), "run `python bench/simulated.py --readme`"
     for name, runs in report["runs"].items():
         assert len(runs) == report["seeds"]
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
@@ -124,11 +123,11 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
     ],
 )
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
-    """README lines written by a benchmark script from its committed results file
+    """The README or docs lines written by a benchmark script from its committed results file
     (`python bench/<script>.py --readme`)."""
     module = load_bench(script)
     report = json.loads(module.RESULTS.read_text())
-    assert module.readme_block(report) in (ROOT / "README.md").read_text(), f"run `python bench/{script}.py --readme`"
+    assert module.readme_block(report) in module.DOC.read_text(), f"run `python bench/{script}.py --readme`"
 
 
 def test_the_demo_figures_summarise_every_run():

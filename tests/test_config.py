@@ -162,13 +162,13 @@ def test_settings_on_the_command_line_go_over_the_file_and_are_validated_as_its_
         assert (result.returncode, result.stderr.strip()) == (2, f"arealctl: error: {line}")
 
 
-def test_readme_job_reference_is_generated_from_the_schema():
+def test_docs_job_reference_is_generated_from_the_schema():
     from areal_k8s.cli.main import REFERENCE_END, REFERENCE_START
     from areal_k8s.common.config import reference_markdown
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "job-file.md").read_text()
     documented = readme.split(REFERENCE_START, 1)[1].split(REFERENCE_END, 1)[0]
-    assert documented == reference_markdown(), "run `arealctl reference --write README.md`"
+    assert documented == reference_markdown(), "run `arealctl reference --write docs/job-file.md`"
 
 
 def test_nothing_at_the_repository_root_shadows_the_standard_library():

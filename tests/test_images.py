@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, packages_distributions, requires
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 from operator_fixtures import EXAMPLES, ROOT
@@ -358,11 +359,20 @@ def test_make_targets_and_scripts():
         "kind load docker-image",
         "helm test",
         ".status.policyVersion",
-        "areal_k8s.demo.build",
+        "examples/k8s/demo-assets.yaml",
     ):
         assert needed in e2e, needed
     kind_values = yaml.safe_load((CHART / "ci" / "kind-values.yaml").read_text())
     assert kind_values["operator"]["image"]["repository"] == f"{names.IMAGE_REPOSITORY}/cpu"
     demo = yaml.safe_load(next(p for p in EXAMPLES if p.name == "rljob-demo-cpu.yaml").read_text())
     assert {role["image"] for role in demo["spec"]["roles"].values()} == {f"{names.IMAGE_REPOSITORY}/cpu:{VERSION}"}
-    assert demo["spec"]["mounts"][0]["persistentVolumeClaim"]["claimName"] in e2e
+    claim = demo["spec"]["mounts"][0]["persistentVolumeClaim"]["claimName"]
+    # the assets Job (the docs' quickstart applies the same file): the image the RLJob runs, onto the claim it mounts
+    claim_doc, job = yaml.safe_load_all((ROOT / "examples" / "k8s" / "demo-assets.yaml").read_text())
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"{names.IMAGE_REPOSITORY}/cpu:{VERSION}"
+    assert container["command"][:3] == ["python", "-m", "areal_k8s.demo.build"]
+    assert claim_doc["metadata"]["name"] == claim
+    assert job["spec"]["template"]["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
+    for doc in (claim_doc, job):
+        kubernetes_validate.validate(doc, "1.30", strict=True)

@@ -22,12 +22,12 @@ from areal_k8s.observability.dashboards import DASHBOARD_DIR, queries, render
 from areal_k8s.rollout.worker import IdleClock
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+README = ROOT / "docs" / "observability.md"  # the metric table's page
 METRIC = re.compile(r"\b(areal_[a-z_]+)")
 
 
 def readme_metrics() -> dict[str, str]:
-    """name -> type, from the metric table in the README."""
+    """name -> type, from the metric table in docs/observability.md."""
     table = README.read_text().split(README_START, 1)[1].split(README_END, 1)[0]
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
     return {cells[1].strip().strip("`"): cells[2].strip() for cells in rows}
@@ -43,7 +43,7 @@ def family(series_name: str) -> str:
 
 def test_readme_metric_table_is_generated_from_the_catalogue():
     table = README.read_text().split(README_START, 1)[1].split(README_END, 1)[0]
-    assert table == catalogue_markdown(), "run `python -m areal_k8s.common.metrics --write README.md`"
+    assert table == catalogue_markdown(), "run `python -m areal_k8s.common.metrics --write docs/observability.md`"
 
 
 def test_metric_names_follow_the_naming_scheme():
@@ -128,7 +128,8 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
         targets = prometheus_get(url, "/api/v1/targets")["activeTargets"]
         assert {t["labels"]["service"] for t in targets} == {"controller", "reward", "rollout-0", "trainer"}
 
-        # names and types: exactly the README's list (nothing undocumented exported, nothing documented missing)
+        # names and types: exactly docs/observability.md's list (nothing undocumented exported, nothing documented
+        # missing)
         # (scraped as OpenMetrics, where a counter's family name has no `_total`; its series do)
         metadata = prometheus_get(url, "/api/v1/metadata")
         exported = {

@@ -251,7 +251,9 @@ def parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_validate)
 
     reference = sub.add_parser("reference", help="print the job-file reference (Markdown)")
-    reference.add_argument("--write", metavar="README", help="replace the reference between the markers in this file")
+    reference.add_argument(
+        "--write", metavar="FILE", help="replace the reference between the markers in FILE (docs/job-file.md)"
+    )
     reference.set_defaults(func=cmd_reference)
 
     status = sub.add_parser("status", help="print a running job's status")

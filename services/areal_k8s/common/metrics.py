@@ -7,8 +7,8 @@ dashboard can pick one. Each service builds its own `*Metrics` object over a pri
 as an argument, so they stay testable without a network) and serves it at `/metrics` on the port in
 `AREAL_METRICS_PORT` (`--metrics-port`; 0 is off).
 
-The README's metric table is generated from this module (`python -m areal_k8s.common.metrics`, checked by a test),
-and the dashboards (areal_k8s.observability.dashboards) may only query names listed here.
+docs/observability.md's metric table is generated from this module (`python -m areal_k8s.common.metrics`, checked
+by a test), and the dashboards (areal_k8s.observability.dashboards) may only query names listed here.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ README_START, README_END = "<!-- metrics:start -->\n", "<!-- metrics:end -->"
 
 
 def write_readme_table(path: Path) -> None:
-    """Replace the metric table between the markers in `path` (the README) with the generated one."""
+    """Replace the metric table between the markers in `path` (docs/observability.md) with the generated one."""
     text = path.read_text()
     if README_START not in text or README_END not in text:
         raise SystemExit(f"{path}: no {README_START.strip()} ... {README_END} markers")
@@ -303,7 +303,7 @@ def write_readme_table(path: Path) -> None:
     path.write_text(head + README_START + catalogue_markdown() + README_END + rest.split(README_END, 1)[1])
 
 
-if __name__ == "__main__":  # print the table, or `--write README.md`
+if __name__ == "__main__":  # print the table, or `--write docs/observability.md`
     if sys.argv[1:2] == ["--write"]:
         write_readme_table(Path(sys.argv[2]))
     else:

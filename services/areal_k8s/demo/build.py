@@ -6,10 +6,11 @@ sampled answers to one prompt often disagree, which is the signal GRPO learns fr
 rather than after a fixed step count keeps the base model equally weak across seeds (the warm-up's learning
 curve is steep, and when it steepens varies by seed).
 
-The same seed builds the same weights on any x86-64 machine with AVX2: float sums depend on the instruction set
-torch and MKL pick (AVX-512 kernels add in another order than AVX2 ones, and a 200-step warm-up that stops on an
-accuracy threshold turns the last bit into a different model), so the build runs in a process pinned to the AVX2
-paths, on one thread; the manifest records the weights' digest.
+Float sums depend on the instruction set torch and MKL pick (AVX-512 kernels add in another order than AVX2 ones,
+and a warm-up that stops on an accuracy threshold turns the last bit into a different model), so the build runs in a
+process pinned to the AVX2 paths, on one thread: on one machine a seed builds the same weights whatever the CPU
+offers beyond AVX2. Another machine may still differ in the last bits (a fresh clone elsewhere built another model
+from the same seed); the manifest records the weights' digest.
 """
 
 from __future__ import annotations
