@@ -8,9 +8,9 @@ objectives are the same loss, so that cell runs once per seed and stands for bot
 of its last `--smooth` held-out evaluations (one evaluation moves by a few points from the next).
 
 Per cell the results hold every run and the median, min and max over seeds of that accuracy, the mean staleness
-the trained samples actually had (η is only the bound) and samples/s. bench/results/ablation.json keeps them; the
-README's table is written from it (`--readme`: accuracy and staleness; throughput against η is `make bench`'s
-question, asked there side by side), and tests/test_bench_analysis.py checks that they agree.
+the trained samples actually had (η is only the bound) and samples/s. bench/results/ablation.json keeps them;
+docs/benchmarks.md's table is written from it (`--readme`: accuracy and staleness; throughput against η is `make
+bench`'s question, asked there side by side), and tests/test_bench_analysis.py checks that they agree.
 """
 
 from __future__ import annotations

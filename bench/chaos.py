@@ -4,8 +4,9 @@ Each run is a 16-step job with two rollout workers and η = 1, during which the 
 trainer, one rollout worker, one engine and Redis are each killed with SIGKILL once, at steps drawn from the seed.
 The test asserts what must hold (the run completes on its own, nothing lost, nothing trained twice, every sample
 within η, counts reconciled); this script keeps what varies: wall time, steps trained again after the trainer's
-restore, groups re-queued. bench/results/chaos.json holds every run and the median and range of each figure; the
-README's "What survives what" lines are written from it (`--readme`), and a test checks that they agree.
+restore, groups re-queued. bench/results/chaos.json holds every run and the median and range of each figure;
+docs/fault-tolerance.md's "What survives what" lines are written from it (`--readme`), and a test checks that they
+agree.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class EmbeddedRedis:
             "--appendonly",
             "yes",
             "--appendfsync",
-            "everysec",  # written before each answer, synced each second (see the README)
+            "everysec",  # written before each answer, synced each second (docs/fault-tolerance.md)
             "--protected-mode",
             "no",
             "--daemonize",

@@ -1,7 +1,7 @@
 """The job schema: one typed definition shared by the YAML job file, the RLJob spec and the CLI.
 
 Validated once at the edge (`load_job_file` / `JobConfig.model_validate`); everything downstream trusts it.
-Every field's description is the job-file reference (the README's table is generated from it).
+Every field's description is the job-file reference (docs/job-file.md's table is generated from it).
 One module per section of the job file; `JobConfig` (job.py) holds them all, job_file.py reads a job file.
 Import from here: this package's names are the schema.
 """

@@ -1,4 +1,4 @@
-"""The job-file reference (the README's table), generated from the schema."""
+"""The job-file reference (docs/job-file.md), generated from the schema."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from areal_k8s.common.config.job import JobConfig
 
 
 def reference_markdown() -> str:
-    """The job-file reference (README) generated from the schema, so documentation and code cannot drift."""
+    """The job-file reference (docs/job-file.md) generated from the schema, so documentation and code cannot drift."""
     rows = ["| field | default | description |", "| --- | --- | --- |"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:
