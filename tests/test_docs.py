@@ -135,3 +135,34 @@ def test_the_demo_report_is_where_the_readme_says(monkeypatch, tmp_path):
         "runs/demo/report.png",
         "runs/demo/report.md",
     }
+
+
+def quickstart(page: Path, heading: str) -> str:
+    """The first bash block after `heading` in `page`."""
+    text = page.read_text().split(heading, 1)[1]
+    return re.search(r"^```bash\n(.*?)^```", text, re.M | re.S)[1]
+
+
+def test_the_kind_quickstart_is_the_e2e_scripts_steps():
+    """The README's cluster quickstart (and the Kubernetes guide's copy) applies the files scripts/e2e-kind.sh applies,
+    loads the image the examples name, and waits for the assets Job those files create."""
+    import tomllib
+
+    import yaml
+
+    from areal_k8s.k8s_operator import names
+
+    steps = quickstart(README, "## On Kubernetes")
+    assert steps == quickstart(ROOT / "docs" / "kubernetes.md", "## On kind")
+    e2e = (ROOT / "scripts" / "e2e-kind.sh").read_text()
+    applied = re.findall(r"(?:-f|--values) (\S+)", steps)
+    assert {"charts/areal/ci/kind-values.yaml", "examples/k8s/demo-assets.yaml", "examples/rljob-demo-cpu.yaml"} <= set(
+        applied
+    )
+    for path in applied:
+        assert (ROOT / path).exists() and path in e2e, path
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert re.search(r"kind load docker-image (\S+)", steps)[1] == f"{names.IMAGE_REPOSITORY}/cpu:{version}"
+    assert "IMAGES=cpu make images" in steps
+    _, job = yaml.safe_load_all((ROOT / "examples" / "k8s" / "demo-assets.yaml").read_text())
+    assert f"job/{job['metadata']['name']}" in steps
