@@ -58,6 +58,12 @@ def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
             "rollout:\n  engine: sglang\n  engine_urls: [http://a:30000]\ntrainer:\n  verify_weight_sync: true\n",
             "trainer.verify_weight_sync needs rollout.engine: cpu",
         ),
+        ("algorithm:\n  staleness_cap: 4\n", "staleness_cap applies to staleness_policy `capped` only"),
+        (
+            "algorithm:\n  staleness_policy: capped\n  max_staleness: 3\n  staleness_cap: 2\n",
+            "staleness_cap must be at least max_staleness (η = 3), got 2",
+        ),
+        ("algorithm:\n  staleness_policy: eager\n", "Input should be 'strict', 'admission' or 'capped'"),
     ],
 )
 def test_bad_field_is_named_in_one_line(tmp_path, extra, expected):
@@ -215,3 +221,17 @@ def test_the_megatron_demo_is_the_demo_on_two_tensor_parallel_ranks():
     assert (
         megatron.algorithm == demo.algorithm and megatron.rollout == demo.rollout and megatron.dataset == demo.dataset
     )
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "bound"),
+    [
+        ("max_staleness: 3\n", 3),
+        ("max_staleness: 3\n  staleness_policy: admission\n", None),
+        ("max_staleness: 3\n  staleness_policy: capped\n", 6),
+        ("max_staleness: 3\n  staleness_policy: capped\n  staleness_cap: 4\n", 4),
+    ],
+)
+def test_each_staleness_policy_bounds_what_it_says(tmp_path, algorithm, bound):
+    job = load_job_file(write(tmp_path, MINIMAL + "algorithm:\n  " + algorithm))
+    assert job.algorithm.wait_bound == bound

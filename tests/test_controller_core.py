@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_k8s.common.config import parse_job
+from areal_k8s.common import histograms
+from areal_k8s.common.config import parse_job, wait_bound
 from areal_k8s.controller.admission import admission_capacity
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.durable import from_snapshot
@@ -243,7 +244,7 @@ def test_finished_job_admits_nothing_and_total_work_is_capped():
     assert core.status()["finished"] is True and core.status()["eval_accuracy"] == 0.5
 
 
-@pytest.mark.parametrize("policy", ["strict", "admission"])
+@pytest.mark.parametrize("policy", ["strict", "admission", "capped"])
 @settings(max_examples=150, deadline=None)
 @given(
     batch_size=st.integers(1, 4),
@@ -254,7 +255,8 @@ def test_finished_job_admits_nothing_and_total_work_is_capped():
 def test_simulated_run_under_each_staleness_policy(policy, batch_size, eta, concurrency, seed):
     """Controller admission + the trainer's batch rule, under random completion order and filtering: the run never
     deadlocks and trains no group twice, every group it accepted is trained or still waiting; `strict` never trains
-    a group staler than η, and `admission` never waits while B groups are complete."""
+    a group staler than η, `capped` none staler than its cap (2η), and `admission` never waits while B groups are
+    complete."""
     rng = random.Random(seed)
     core = make_core(
         items=7, batch_size=batch_size, max_staleness=eta, total_steps=6, max_concurrent_rollouts=concurrency
@@ -291,11 +293,12 @@ def test_simulated_run_under_each_staleness_policy(policy, batch_size, eta, conc
                 policy=policy,
             )
             if batch is None:
-                assert policy == "strict" or len(finished) < batch_size
+                assert policy != "admission" or len(finished) < batch_size
                 continue
             assert len(batch) == batch_size and all(g in finished for g in batch)
-            if policy == "strict":
-                assert all(staleness(version, g) <= eta for g in batch)
+            bound = wait_bound(policy, eta)
+            if bound is not None:
+                assert all(staleness(version, g) <= bound for g in batch)
             trained += [g.group_id for g in batch]
             finished = [g for g in finished if g not in batch]
             version += 1
@@ -351,6 +354,21 @@ def test_admission_takes_the_oldest_complete_groups_without_waiting_for_a_stragg
     late = group(1, 2)
     assert past_the_bound([late], version=6, max_staleness=2, policy="admission") == []
     assert select_batch([late, group(5, 9)], [], version=6, batch_size=1, max_staleness=2, policy="admission") == [late]
+
+
+def test_capped_trains_past_a_straggler_that_strict_waits_for_until_it_would_pass_the_cap():
+    """The straggler admitted at 1 is due at 3 under `strict` (η = 2); `capped` (cap 4) trains the complete groups
+    and waits only at 5, when the straggler's place is needed to keep it within the cap."""
+    complete = [group(2, 5), group(2, 4), group(3, 6)]
+    assert select_batch(complete, [1], version=3, batch_size=2, max_staleness=2) is None
+    batch = select_batch(complete, [1], version=3, batch_size=2, max_staleness=2, policy="capped")
+    assert [g.ticket for g in batch] == [4, 5]
+    later = [group(4, 7), group(4, 8), group(5, 9)]
+    assert select_batch(later, [1], version=5, batch_size=2, max_staleness=2, policy="capped") is None
+    assert select_batch(later, [1], version=5, batch_size=2, max_staleness=2, policy="capped", staleness_cap=5)
+    assert [
+        g.ticket for g in past_the_bound([group(1, 2), group(2, 3)], version=6, max_staleness=2, policy="capped")
+    ] == [2]
 
 
 def test_after_a_rollback_nothing_past_the_bound_is_trained():
@@ -765,3 +783,32 @@ async def test_held_polls_are_woken_in_order_one_per_group_of_room_and_pass_unus
         await third
     await asyncio.sleep(0)
     assert late.done() and late.result() is True and polls.woken == 1 and len(polls) == 0
+
+
+def test_trained_tokens_by_staleness_add_up_over_steps_and_survive_a_restart():
+    """The status keeps the trained tokens by staleness as the reports give them (a step re-done counts again: its
+    tokens were trained twice), and a restored controller has them; summary.json's p50/p99/max come from them."""
+    core = make_core()
+    core.announce_version(0, restored=True)
+    for version, counts in ((1, [30, 5]), (2, [10, 20, 2, 1])):
+        core.announce_version(version, restored=False)
+        core.record_step(
+            version=version,
+            groups=1,
+            samples=1,
+            tokens=sum(counts),
+            max_staleness=len(counts) - 1,
+            mean_staleness=0,
+            reward_mean=0,
+            eval_accuracy=-1,
+            base_evaluation=False,
+            finished=False,
+            token_staleness_counts=counts,
+        )
+    assert core.status()["token_staleness_counts"] == [40, 25, 2, 1]
+    revived = make_core()
+    revived.restore(core.durable_state())
+    assert revived.status()["token_staleness_counts"] == [40, 25, 2, 1]
+    assert histograms.summary([40, 25, 2, 1]) == {"p50": 0, "p99": 3, "max": 3, "mean": 0.471}
+    assert histograms.summary([]) == {"p50": 0, "p99": 0, "max": 0, "mean": 0.0}
+    assert histograms.summary([0, 0, 7]) == {"p50": 2, "p99": 2, "max": 2, "mean": 2.0}

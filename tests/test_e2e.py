@@ -47,6 +47,10 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         # staleness never exceeded η for any trained trajectory
         staleness = [x for s in steps for x in s["staleness"]]
         assert len(staleness) == len(entries) and max(staleness) <= job.algorithm.max_staleness
+        # every trained token counted once by its own staleness, none staler than its sample (its oldest token)
+        for s in steps:
+            assert sum(s["token_staleness_counts"]) == s["tokens"]
+            assert len(s["token_staleness_counts"]) - 1 <= max(s["staleness"])
 
         # after each push, every engine in the group held exactly the trainer's weights
         assert all(s["weights_verified"] and all(s["weights_verified"].values()) for s in steps)
@@ -85,6 +89,7 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         assert sum(final.staleness_counts) == final.trained_samples == sum(s["samples"] for s in steps)
         assert len(final.staleness_counts) <= 2 and final.trainer_wait_seconds > 0
         assert final.staleness_sum == pytest.approx(sum(s * n for s, n in enumerate(final.staleness_counts)))
+        assert sum(final.token_staleness_counts) == final.trained_tokens == sum(s["tokens"] for s in steps)
         assert final.filtered > 0  # and the controller admitted others in their place
         assert any(s.phase == controller_pb2.JobStatus.RUNNING for s in statuses)
     finally:
@@ -92,6 +97,9 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     summary = run.write_summary(final, interrupted=False)
     assert json.loads((run.run_dir / "summary.json").read_text()) == summary
     assert summary["steps"] == 5 and summary["trajectories_consumed"] == 40 and summary["completed"] is True
+    tokens = summary["staleness"]["tokens"]
+    assert tokens["max"] <= summary["staleness"]["samples"]["max"] == final.max_staleness_seen
+    assert tokens["p50"] <= tokens["p99"] <= tokens["max"]
 
 
 @pytest.mark.parametrize(

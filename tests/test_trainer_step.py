@@ -1,6 +1,8 @@
 """The trainer's step on a real (tiny) model: the micro-batching, collation and loss wiring give one update,
 whatever the token budget, and every objective variant trains."""
 
+from collections import Counter
+
 import pytest
 import torch
 from tiny_models import build_tiny_qwen2
@@ -35,7 +37,7 @@ def step_groups(model_path, silent_last: bool = True) -> list[Group]:
     )
 
 
-def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
+def trained_parameters(model_path, groups, version: int = 0, **algorithm) -> tuple[dict[str, torch.Tensor], object]:
     options = {"micro_batch_tokens": 4096} | {key: algorithm.pop(key) for key in TRAINER_OPTIONS if key in algorithm}
     job = parse_job(
         {
@@ -61,6 +63,7 @@ def trained_parameters(model_path, groups, **algorithm) -> tuple[dict[str, torch
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
     if trainer.reference:
         trainer.reference.load(model_path)
+    trainer.state.version = version
     record = trainer.train_step(groups)
     return {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}, record
 
@@ -160,3 +163,58 @@ def test_a_step_splits_its_time_and_exports_its_figures(model_path):
         and m.value("areal_trainer_learning_rate") == record.learning_rate > 0
     )
     assert m.value("areal_trainer_step_duration_seconds_sum") == 2.0
+
+
+def expected_token_staleness(groups: list[Group], version: int) -> list[int]:
+    """The trained tokens by staleness at `version`, from the trajectories themselves."""
+    lags = Counter(
+        version - generated_by
+        for g in groups
+        for e in g.entries
+        for generated_by, trained in zip(e.trajectory.versions, e.trajectory.loss_mask)
+        if trained
+    )
+    return [lags[s] for s in range(max(lags) + 1)]
+
+
+def test_a_step_counts_its_trained_tokens_by_staleness_and_exports_them(model_path):
+    """Each trained token's staleness is its trainer version minus its own policy's: tokens of one response can
+    differ (here from versions 0 and 1, trained at 2)."""
+    groups = step_groups(model_path, silent_last=False)
+    _, record = trained_parameters(model_path, groups, version=2)
+    counts = expected_token_staleness(groups, 2)
+    assert record.token_staleness_counts == counts and counts[0] == 0 and min(counts[1:]) > 0
+    assert sum(counts) == record.tokens
+    assert record.report(finished=False).token_staleness_counts == counts
+
+    job = parse_job(
+        {
+            "name": "step",
+            "model": str(model_path),
+            "run_dir": str(model_path.parent / "run"),
+            "dataset": {"train": "t.jsonl"},
+        }
+    )
+    trainer = Trainer(job=job, store=None, controller=None, tokenizer=None, eval_items=[], consumer="test")
+    trainer.observe(record, step_seconds=1.0)
+    trainer.observe(record, step_seconds=1.0)
+    m = trainer.metrics
+    assert m.value("areal_trainer_token_staleness_count") == 2 * record.tokens
+    assert m.value("areal_trainer_token_staleness_sum") == 2 * sum(s * n for s, n in enumerate(counts))
+    assert m.value("areal_trainer_token_staleness_bucket", le="1.0") == 2 * counts[1]
+
+
+def test_capped_truncates_the_behaviour_weight_of_tokens_older_than_eta_only(model_path):
+    """The synthetic behaviour policy is a little stale: every token's w = π_prox/π_behav is e^0.05. At version 2
+    with η = 1 the tokens of version 0 are past η: `capped` truncates their w at `stale_weight_cap` (1.0 here),
+    the others keep theirs; `strict` and `admission` truncate nothing (w is under the behaviour-weight cap)."""
+    groups = step_groups(model_path, silent_last=False)
+    counts = expected_token_staleness(groups, 2)
+    options = {"max_staleness": 1, "behaviour_cap_mode": "clamp"}
+    _, capped = trained_parameters(
+        model_path, groups, version=2, staleness_policy="capped", stale_weight_cap=1.0, **options
+    )
+    _, admission = trained_parameters(model_path, groups, version=2, staleness_policy="admission", **options)
+    assert capped.capped_fraction == pytest.approx(counts[2] / sum(counts))
+    assert admission.capped_fraction == 0
+    assert capped.loss != admission.loss

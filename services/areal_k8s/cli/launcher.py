@@ -31,6 +31,7 @@ from areal_k8s.cli.commands import (
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
+from areal_k8s.common import histograms
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
@@ -132,6 +133,11 @@ def run_summary(
         "max_staleness": job.algorithm.max_staleness,
         "max_staleness_seen": status.max_staleness_seen,
         "mean_staleness": round(status.mean_staleness, 3),
+        # trained staleness: per sample (its oldest token's) and per token, p50/p99/max/mean
+        "staleness": {
+            "samples": histograms.summary(status.staleness_counts),
+            "tokens": histograms.summary(status.token_staleness_counts),
+        },
         "trajectories_produced": status.accepted * status.group_size,
         "trajectories_consumed": status.consumed * status.group_size,
         "steps_redone": status.steps_redone,

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 JOB_LABELS = ("rljob", "role")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -58,6 +60,36 @@ class ProcessCPU(Collector):
         yield family
 
 
+class CountedHistogram(Collector):
+    """A histogram of whole numbers fed a distribution at a time: `add(counts)`, index s counting the items of value
+    s. A step's trained tokens by staleness are thousands of observations; this takes them in one call."""
+
+    def __init__(self, name: str, documentation: str, bound: dict[str, str], buckets: tuple[float, ...]):
+        self.name, self.documentation, self.bound, self.buckets = name, documentation, bound, buckets
+        self.counts: list[int] = []
+        self.lock = threading.Lock()  # collected from the HTTP server's thread
+
+    def add(self, counts: list[int]) -> None:
+        with self.lock:
+            self.counts += [0] * (len(counts) - len(self.counts))
+            for value, count in enumerate(counts):
+                self.counts[value] += count
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        with self.lock:
+            counts = list(self.counts)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(JOB_LABELS))
+        buckets = [
+            (floatToGoString(edge), sum(n for value, n in enumerate(counts) if value <= edge)) for edge in self.buckets
+        ]
+        family.add_metric(
+            [self.bound[k] for k in JOB_LABELS],
+            [*buckets, ("+Inf", sum(counts))],
+            sum(value * n for value, n in enumerate(counts)),
+        )
+        yield family
+
+
 class ServiceMetrics:
     """The metrics one service exports. Subclasses declare theirs in `__init__`."""
 
@@ -83,6 +115,12 @@ class ServiceMetrics:
 
     def histogram(self, name: str, documentation: str, buckets=LATENCY_BUCKETS, extra: tuple[str, ...] = ()):
         return self._make(Histogram, name, documentation, extra, buckets=buckets)
+
+    def counted_histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> CountedHistogram:
+        histogram = CountedHistogram(name, documentation, self.bound, buckets)
+        self.registry.register(histogram)
+        self.declared.append((name, "histogram", documentation, ()))
+        return histogram
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (0 when absent): for status RPCs and tests."""
@@ -252,6 +290,12 @@ class TrainerMetrics(ServiceMetrics):
         self.sample_staleness = self.histogram(
             "areal_trainer_sample_staleness",
             "Per-sample staleness at consumption: trainer version minus the oldest version among its tokens.",
+            buckets=STALENESS_BUCKETS,
+        )
+        self.token_staleness = self.counted_histogram(
+            "areal_trainer_token_staleness",
+            "Per-token staleness at consumption: trainer version minus the version of the policy that generated the "
+            "token (a long response spans several versions).",
             buckets=STALENESS_BUCKETS,
         )
         self.weight_sync_duration = self.histogram(

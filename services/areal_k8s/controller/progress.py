@@ -20,6 +20,7 @@ class Progress:
     staleness_sum: float = 0.0
     staleness_samples: int = 0
     staleness_counts: list[int] = field(default_factory=list)  # trained samples by staleness (index: versions old)
+    token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness
     trainer_wait_seconds: float = 0.0  # the trainer's time waiting for data
     reward_mean: float = 0.0
     eval_accuracy: float = -1.0
@@ -63,6 +64,7 @@ class Progress:
         finished: bool,
         staleness_counts: Sequence[int] = (),
         wait_seconds: float = 0.0,
+        token_staleness_counts: Sequence[int] = (),
     ) -> bool:
         """Record a step report; False for a report of a step already recorded (a retry whose first attempt was
         recorded before the answer was lost), which changes nothing."""
@@ -88,6 +90,9 @@ class Progress:
             self.staleness_counts += [0] * (len(staleness_counts) - len(self.staleness_counts))
             for staleness, count in enumerate(staleness_counts):
                 self.staleness_counts[staleness] += count
+            self.token_staleness_counts += [0] * (len(token_staleness_counts) - len(self.token_staleness_counts))
+            for staleness, count in enumerate(token_staleness_counts):
+                self.token_staleness_counts[staleness] += count
             self.trainer_wait_seconds += wait_seconds
             self.reward_mean = reward_mean
         self.finished = self.finished or finished
@@ -105,6 +110,7 @@ class Progress:
             "trained_tokens": self.trained_tokens,
             "staleness_sum": self.staleness_sum,
             "staleness_counts": list(self.staleness_counts),
+            "token_staleness_counts": list(self.token_staleness_counts),
             "trainer_wait_seconds": self.trainer_wait_seconds,
             "samples_per_second": self.trained_samples / elapsed,
             "tokens_per_second": self.trained_tokens / elapsed,

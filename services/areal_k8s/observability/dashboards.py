@@ -239,12 +239,14 @@ def staleness() -> dashboard.Dashboard:
         .with_panel(
             panel(
                 "Staleness at consumption vs η",
-                "Versions between the oldest token's policy and the trainer, "
-                "per trained sample; η and the target band for the mean.",
+                "Versions between the oldest token's policy and the trainer, per trained sample, and between each "
+                "token's policy and the trainer, per trained token; η and the target band for the mean.",
                 "short",
                 [
                     (quantile(0.5, "areal_trainer_sample_staleness"), "p50"),
                     (quantile(0.99, "areal_trainer_sample_staleness"), "p99"),
+                    (quantile(0.5, "areal_trainer_token_staleness"), "token p50"),
+                    (quantile(0.99, "areal_trainer_token_staleness"), "token p99"),
                     (
                         f"sum({rate('areal_trainer_sample_staleness_sum')}) / "
                         f"sum({rate('areal_trainer_sample_staleness_count')})",

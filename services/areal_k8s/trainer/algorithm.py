@@ -160,6 +160,7 @@ def decoupled_ppo_loss(
     cap_mode: str = "mask_token",
     decoupled: bool = True,
     ratio_level: str = "token",
+    weight_ceiling: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """Decoupled PPO (AReaL Eq. 5): Σ_mask w·max(−Â·u, −Â·clip(u, 1−ε, 1+ε_high)) / normaliser.
 
@@ -170,6 +171,8 @@ def decoupled_ppo_loss(
     - `dual_clip` c > 1: for Â < 0 the token loss is at most c·|Â| (Ye et al. 2020).
     - `behaviour_weight_cap`: on tokens with w above it, `cap_mode` `clamp` uses w = cap, `mask_token` drops the
       token, `mask_sequence` drops every token of its sequence. Dropped tokens stay in `normaliser` (as in AReaL).
+    - `weight_ceiling` [batch, tokens]: a per-token bound on w, which is truncated to it (inf: no bound); the
+      `capped` staleness policy bounds the tokens older than η this way. Tokens it acts on count as capped.
     - `decoupled=False`: naive PPO, u = π_θ/π_behav and no w (`proximal_logprobs` may be None; the cap is unused).
     - `ratio_level="sequence"`: GSPO (Zheng et al. 2025), u_i = exp(mean over the sequence's loss tokens of
       log π_θ − log π_anchor), with Â averaged over the sequence, clipped once per sequence and applied to each token.
@@ -208,6 +211,9 @@ def decoupled_ppo_loss(
             if cap_mode == "mask_sequence":
                 over_cap = over_cap.any(dim=1, keepdim=True) & mask
             keep = mask & ~over_cap
+    if decoupled and weight_ceiling is not None:
+        over_cap = over_cap | ((weight > weight_ceiling) & keep)
+        weight = torch.minimum(weight, weight_ceiling)
 
     # 3. The ratio u to the anchor: per token, or (GSPO) the geometric mean over the sequence's kept tokens.
     token_log_ratio = logprobs - anchor

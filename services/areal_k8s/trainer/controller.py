@@ -38,6 +38,7 @@ class StepReport:
     max_staleness: int = 0
     mean_staleness: float = 0.0
     staleness_counts: list[int] = field(default_factory=list)  # index s: samples s versions old
+    token_staleness_counts: list[int] = field(default_factory=list)  # index s: trained tokens s versions old
     wait_seconds: float = 0.0  # of step_seconds, the time the trainer waited for data
     reward_mean: float = 0.0
     loss: float = 0.0

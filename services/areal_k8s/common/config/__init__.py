@@ -6,7 +6,7 @@ One module per section of the job file; `JobConfig` (job.py) holds them all, job
 Import from here: this package's names are the schema.
 """
 
-from areal_k8s.common.config.algorithm import AlgorithmConfig, StalenessBand, StalenessPolicy
+from areal_k8s.common.config.algorithm import AlgorithmConfig, StalenessBand, StalenessPolicy, wait_bound
 from areal_k8s.common.config.dataset import CodeDatasetConfig, DatasetConfig
 from areal_k8s.common.config.job import JobConfig, RedisConfig
 from areal_k8s.common.config.job_file import (
@@ -48,4 +48,5 @@ __all__ = [
     "read_yaml_file",
     "reference_markdown",
     "reward_verifier_args",
+    "wait_bound",
 ]

@@ -8,7 +8,17 @@ from pydantic import Field, model_validator
 
 from areal_k8s.common.config.section import Section
 
-StalenessPolicy = Literal["strict", "admission"]
+StalenessPolicy = Literal["strict", "admission", "capped"]
+
+
+def wait_bound(policy: StalenessPolicy, max_staleness: int, staleness_cap: int | None = None) -> int | None:
+    """The staleness no trained sample may pass, for which the trainer waits for a straggler rather than train
+    without it: η under `strict`, the cap (default 2η) under `capped`, none under `admission`."""
+    if policy == "admission":
+        return None
+    if policy == "capped":
+        return 2 * max_staleness if staleness_cap is None else staleness_cap
+    return max_staleness
 
 
 class StalenessBand(Section):
@@ -39,7 +49,20 @@ class AlgorithmConfig(Section):
         description="What η bounds. `strict`: every sample (a group is trained by its admission version + η; the "
         "trainer waits for a straggler whose place is needed). `admission`: AReaL's rule, admission only (the trainer "
         "takes the first B complete groups in admission order and never waits; a straggler trains later at its real "
-        "staleness).",
+        "staleness). `capped`: ours, for long tails: η bounds admission, the trainer never waits for a straggler "
+        "until it would pass `staleness_cap`, and tokens more than η versions old have their behaviour weight "
+        "truncated at `stale_weight_cap`.",
+    )
+    staleness_cap: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Under `capped`: the most versions any trained sample may lag (default 2η); the trainer waits "
+        "for a straggler only when it would otherwise pass this. At least η.",
+    )
+    stale_weight_cap: Annotated[float, Field(gt=0)] = Field(
+        2.0,
+        description="Under `capped`: the behaviour weight π_prox/π_behav of a token more than η versions old is "
+        "truncated at this (truncated importance sampling, as verl and slime ship it): old tokens still teach, but "
+        "cannot dominate the step.",
     )
     staleness_target: StalenessBand | None = Field(
         None,
@@ -123,6 +146,24 @@ class AlgorithmConfig(Section):
                 f"{band.max}]"
             )
         return self
+
+    @model_validator(mode="after")
+    def _cap_under_capped_only(self) -> AlgorithmConfig:
+        if self.staleness_cap is None:
+            return self
+        if self.staleness_policy != "capped":
+            raise ValueError(
+                f"staleness_cap applies to staleness_policy `capped` only (the policy is `{self.staleness_policy}`)"
+            )
+        if self.staleness_cap < self.max_staleness:
+            raise ValueError(
+                f"staleness_cap must be at least max_staleness (η = {self.max_staleness}), got {self.staleness_cap}"
+            )
+        return self
+
+    @property
+    def wait_bound(self) -> int | None:
+        return wait_bound(self.staleness_policy, self.max_staleness, self.staleness_cap)
 
     @model_validator(mode="after")
     def _rloo_needs_a_group(self) -> AlgorithmConfig:

@@ -15,7 +15,7 @@ class StepRecord:
     version: int
     groups: list[str]
     entries: list[str]
-    staleness: list[int]
+    staleness: list[int]  # per sample: versions between its oldest token's policy and the one trained
     reward_mean: float
     loss: float
     clip_fraction: float
@@ -36,6 +36,7 @@ class StepRecord:
     capped_fraction: float = 0.0  # tokens the behaviour-weight cap acted on
     groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
     world_size: int = 1  # trainer ranks that trained it
+    token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness (index s)
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
     def report(self, finished: bool) -> StepReport:
@@ -48,6 +49,7 @@ class StepRecord:
             max_staleness=max(self.staleness),
             mean_staleness=sum(self.staleness) / len(self.staleness),
             staleness_counts=[self.staleness.count(s) for s in range(max(self.staleness) + 1)],
+            token_staleness_counts=self.token_staleness_counts,
             wait_seconds=self.seconds.get("wait", 0.0),
             reward_mean=self.reward_mean,
             loss=self.loss,

@@ -78,6 +78,7 @@ class Trainer:
             group_size=job.algorithm.group_size,
             max_staleness=job.algorithm.max_staleness,
             policy=job.algorithm.staleness_policy,
+            staleness_cap=job.algorithm.staleness_cap,
         )
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"
@@ -180,12 +181,14 @@ class Trainer:
         return batch.result()
 
     async def drop_past_the_bound(self) -> list[str]:
-        """Settle the groups the assembler dropped as past η: the controller admits their prompts again, and their
-        entries are acknowledged with the next checkpoint (a trainer restored before it drops them again)."""
+        """Settle the groups the assembler dropped as past the staleness bound: the controller admits their prompts
+        again, and their entries are acknowledged with the next checkpoint (a trainer restored before it drops them
+        again)."""
         dropped, self.assembler.dropped = self.assembler.dropped, []
         if not dropped:
             return []
-        reason = f"past η = {self.job.algorithm.max_staleness} at version {self.version} (the trainer rolled back)"
+        bound = self.job.algorithm.wait_bound
+        reason = f"past the staleness bound {bound} at version {self.version} (the trainer rolled back)"
         await self.controller.drop_groups(
             [
                 DroppedGroup(group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason)
@@ -327,6 +330,7 @@ class Trainer:
             getattr(m, name).set(value)
         for lag in record.staleness:
             m.sample_staleness.observe(lag)
+        m.token_staleness.add(record.token_staleness_counts)
 
     async def report(self, record: StepRecord, finished: bool) -> None:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,11 @@ straggler, a group still generating while newer ones finished, is the policy (`a
 - `admission` is AReaL's rule: the bound limits admission only. The trainer takes the B oldest complete groups
   (admission order) as soon as B are complete and never waits for a straggler, which trains later at its real
   staleness; nothing is dropped.
+- `capped` is ours, for long tails: η bounds admission, and `strict`'s rule holds at the cap C (default 2η) instead
+  of η. Under a long tail the straggler that `strict` waits for at a + η has usually finished by a + C, so the
+  trainer rarely waits, while no sample is ever trained more than C versions late (admission alone has no bound: a
+  response a hundred times the median trains as late as it finishes). The loss truncates the behaviour weight of the
+  tokens older than η (loss.py).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from areal_k8s.common.config import StalenessPolicy
+from areal_k8s.common.config import StalenessPolicy, wait_bound
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 from areal_k8s.trainer.controller import Controller
 
@@ -56,45 +61,53 @@ def select_batch(
     batch_size: int,
     max_staleness: int,
     policy: StalenessPolicy = "strict",
+    staleness_cap: int | None = None,
 ) -> list[Group] | None:
     """The batch to train at `version`, or None to wait for more groups.
 
-    `running` holds the admitted versions of groups still generating. Under `strict`, if no choice can keep every
-    deadline (only possible after a trainer rolled back to an older checkpoint), the oldest groups are taken anyway:
-    the caller drops, before each step, the groups that fell past the bound (`past_the_bound`).
+    `running` holds the admitted versions of groups still generating. Under `strict` (and `capped`, at its cap), if
+    no choice can keep every deadline (only possible after a trainer rolled back to an older checkpoint), the oldest
+    groups are taken anyway: the caller drops, before each step, the groups that fell past the bound
+    (`past_the_bound`).
     """
     if len(complete) < batch_size:
         return None
     ordered = sorted(complete, key=lambda g: (g.admitted_version, g.ticket))
     batch = ordered[:batch_size]
-    if policy == "admission":
+    bound = wait_bound(policy, max_staleness, staleness_cap)
+    if bound is None:
         return batch
-    running_deadlines = [admitted + max_staleness for admitted in running]
-    left_behind = [g.admitted_version + max_staleness for g in ordered[batch_size:]] + running_deadlines
+    running_deadlines = [admitted + bound for admitted in running]
+    left_behind = [g.admitted_version + bound for g in ordered[batch_size:]] + running_deadlines
     if deadlines_feasible(left_behind, version=version, batch_size=batch_size):
         return batch
     # Waiting helps only if an earliest-deadline batch over all groups needs one that is still generating.
-    everything = sorted(
-        [(g.admitted_version + max_staleness, 0) for g in ordered] + [(d, 1) for d in running_deadlines]
-    )
+    everything = sorted([(g.admitted_version + bound, 0) for g in ordered] + [(d, 1) for d in running_deadlines])
     if deadlines_feasible([d for d, _ in everything[batch_size:]], version=version, batch_size=batch_size):
         return None
     log.warning(
         "staleness deadlines cannot all hold at version %d; training the oldest groups (those that fall "
-        "past η are dropped and admitted again)",
+        "past the bound, %d, are dropped and admitted again)",
         version,
+        bound,
     )
     return batch
 
 
 def past_the_bound(
-    groups: Iterable[Group], *, version: int, max_staleness: int, policy: StalenessPolicy = "strict"
+    groups: Iterable[Group],
+    *,
+    version: int,
+    max_staleness: int,
+    policy: StalenessPolicy = "strict",
+    staleness_cap: int | None = None,
 ) -> list[Group]:
-    """Groups that training at `version` or later would take past η, which `strict` can only drop (`admission`
-    drops nothing: a late group trains at its real staleness)."""
-    if policy == "admission":
+    """Groups that training at `version` or later would take past the policy's bound (η, or the cap), which can
+    only be dropped (`admission` drops nothing: a late group trains at its real staleness)."""
+    bound = wait_bound(policy, max_staleness, staleness_cap)
+    if bound is None:
         return []
-    return [g for g in groups if staleness(version, g) > max_staleness]
+    return [g for g in groups if staleness(version, g) > bound]
 
 
 def staleness(version: int, group: Group) -> int:
@@ -113,6 +126,7 @@ class BatchAssembler:
         group_size: int,
         max_staleness: int,
         policy: StalenessPolicy = "strict",
+        staleness_cap: int | None = None,
         poll_ms: int = 200,
     ):
         self.store = store
@@ -122,6 +136,7 @@ class BatchAssembler:
         self.group_size = group_size
         self.max_staleness = max_staleness
         self.policy = policy
+        self.staleness_cap = staleness_cap
         self.poll_ms = poll_ms
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
@@ -185,7 +200,11 @@ class BatchAssembler:
             # A group written but not yet reported back is in both places: count it once, as complete.
             running = [version for gid, version in outstanding.items() if gid not in self.buffer]
             late = past_the_bound(
-                self.complete_groups(), version=version, max_staleness=self.max_staleness, policy=self.policy
+                self.complete_groups(),
+                version=version,
+                max_staleness=self.max_staleness,
+                policy=self.policy,
+                staleness_cap=self.staleness_cap,
             )
             for group in late:
                 del self.buffer[group.group_id]
@@ -197,6 +216,7 @@ class BatchAssembler:
                 batch_size=self.batch_size,
                 max_staleness=self.max_staleness,
                 policy=self.policy,
+                staleness_cap=self.staleness_cap,
             )
             if batch is not None:
                 for group in batch:

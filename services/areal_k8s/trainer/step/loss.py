@@ -29,6 +29,7 @@ def loss_fn(algorithm: AlgorithmConfig, normaliser: float, version: int) -> Loss
             cap_mode=algorithm.behaviour_cap_mode,
             decoupled=algorithm.decoupled,
             ratio_level="sequence" if algorithm.name == "gspo" else "token",
+            weight_ceiling=stale_weight_ceiling(algorithm, micro_batch["versions"], version),
         )
         if algorithm.kl_coef > 0:
             value = value + kl_penalty(
@@ -59,3 +60,12 @@ def proximal_logprobs(
             current_version=version + 1,
         )
     return logprobs.detach()
+
+
+def stale_weight_ceiling(algorithm: AlgorithmConfig, versions: torch.Tensor, version: int) -> torch.Tensor | None:
+    """Under the `capped` policy, the bound on the behaviour weight of each token trained at `version`:
+    `stale_weight_cap` on the tokens generated more than η versions before, none on the others (inf)."""
+    if algorithm.staleness_policy != "capped":
+        return None
+    stale = (versions >= 0) & (version - versions > algorithm.max_staleness)
+    return torch.where(stale, algorithm.stale_weight_cap, torch.inf)

@@ -24,6 +24,13 @@ from areal_k8s.trainer.step.loss import loss_fn
 from areal_k8s.trainer.step.packing import first_fit_decreasing, take_rows
 
 
+def token_staleness_counts(batch: dict[str, torch.Tensor], version: int) -> list[int]:
+    """The batch's trained (loss-mask) tokens by staleness at `version`: index s counts those generated s versions
+    before it."""
+    lags = version - batch["versions"][batch["loss_mask"]]
+    return torch.bincount(lags.clamp(min=0)).tolist() if lags.numel() else []
+
+
 class TrainStep:
     def __init__(self, job: JobConfig, engine: TrainEngine, reference: TrainEngine | None, tokenizer, world_size: int):
         """`reference`: the frozen initial policy of the KL penalty (None without one)."""
@@ -102,6 +109,7 @@ class TrainStep:
             capped_fraction=stats.capped_fraction,
             groups_without_signal=sum(not is_informative(r) for r in rewards),
             world_size=self.world_size,
+            token_staleness_counts=token_staleness_counts(batch, version),
         )
 
     def rows_to_train(
