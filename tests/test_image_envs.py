@@ -60,7 +60,8 @@ from areal_k8s.k8s_operator.validation import validate
 
 # From an empty cache the builds take minutes, more on a loaded machine; the first test waits for its image's.
 pytestmark = pytest.mark.timeout(1800)
-CACHE = Path(os.environ.get("AREAL_IMAGE_ENVS") or ROOT / ".cache" / "image-envs")  # the variable: another cache
+# resolved: a worktree whose .cache is a link writes the real path into the environments it builds
+CACHE = Path(os.environ.get("AREAL_IMAGE_ENVS") or ROOT / ".cache" / "image-envs").resolve()
 SCRATCH = CACHE / "tmp"  # pip's and the commands' temporary files: nothing is written outside .cache and pip's cache
 ENV_PATH = "/opt/areal"  # where every image that builds the package puts its environment
 TORCH_PIN = pyproject_requirements()["torch"]

@@ -94,11 +94,12 @@ namespace, otherwise into a Role in each watched namespace.
 {{- end -}}
 
 {{- define "areal.operator.namespacedRules" -}}
-# kopf watches RLJobs and keeps its progress annotations and the finalizer on them;
+# kopf watches RLJobs and keeps its progress annotations and the finalizer on them; each reconcile reads its RLJob
+# as it is now;
 # the operator deletes a finished RLJob after its ttlSecondsAfterFinished
 - apiGroups: [areal-k8s.dev]
   resources: [rljobs]
-  verbs: [list, watch, patch, delete]
+  verbs: [get, list, watch, patch, delete]
 - apiGroups: [areal-k8s.dev]
   resources: [rljobs/status]
   verbs: [patch]

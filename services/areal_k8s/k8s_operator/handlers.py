@@ -12,6 +12,8 @@ import asyncio
 import base64
 import copy
 import logging
+import threading
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -255,12 +257,22 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         settings.persistence.finalizer = names.FINALIZER
         settings.peering.standalone = True  # run one replica: kopf's peering is not leader election
 
-    def reconcile_into(body: kopf.Body, patch: kopf.Patch) -> None:
+    locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+
+    def reconcile_into(body: kopf.Body) -> None:
         if body.metadata.get("deletionTimestamp"):
             return  # being deleted: the garbage collector removes the children, the finalizer cleans Redis
-        rljob = copy.deepcopy(dict(body))
-        status = reconcile(ctx, rljob)
-        patch.setdefault("status", {}).update(status)
+        key = (body.metadata["namespace"], body.metadata["name"])
+        # One reconcile of an RLJob at a time, each from the object as it is now and its status written before the
+        # next starts. A change handler and the timer may run together, and kopf hands each the body of its last
+        # watch event and patches the status after the handler returns: two reconciles could then both start from
+        # the status before a rebalancing decision and take it twice (two hand-offs, two world restarts).
+        with locks[key]:
+            rljob = ctx.kube.get(rljob_path(*key))
+            if rljob is None or rljob["metadata"].get("deletionTimestamp"):
+                return
+            status = reconcile(ctx, copy.deepcopy(rljob))
+            ctx.kube.patch(rljob_path(*key) + "/status", {"status": status})
         for event_type, reason, message in lifecycle.transitions(rljob.get("status") or {}, status):
             kopf.event(body, type=event_type, reason=reason, message=message)
 
@@ -268,12 +280,12 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     @kopf.on.resume(**resource, backoff=ctx.interval)
     @kopf.on.create(**resource, backoff=ctx.interval)
     @kopf.on.update(**resource, backoff=ctx.interval)
-    def reconcile_on_change(body, patch, **_):
-        reconcile_into(body, patch)
+    def reconcile_on_change(body, **_):
+        reconcile_into(body)
 
     @kopf.timer(**resource, interval=ctx.interval, backoff=ctx.interval)
-    def reconcile_periodically(body, patch, **_):
-        reconcile_into(body, patch)
+    def reconcile_periodically(body, **_):
+        reconcile_into(body)
 
     # Give up after a few minutes of an unreachable Redis rather than block the RLJob's deletion for ever.
     @kopf.on.delete(**resource, retries=20, backoff=10)
