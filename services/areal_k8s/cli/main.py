@@ -10,6 +10,7 @@ import sys
 from google.protobuf.json_format import MessageToDict
 
 from areal_k8s.common.config import JobFileError, load_job_file
+from areal_k8s.common.final_model import refresh_model_card
 
 EXIT_INVALID, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -68,6 +69,8 @@ def cmd_run(args) -> int:
     summary = run.write_summary(status, interrupted=False)
     print(json.dumps(summary, indent=2))
     print(f"summary: {run.run_dir / 'summary.json'}", file=sys.stderr)
+    if card := refresh_model_card(run.run_dir, job):
+        print(f"final model: {card.parent} (Hugging Face format; model card README.md)", file=sys.stderr)
     report_quietly(run.run_dir)
     return 0
 
@@ -93,6 +96,21 @@ def cmd_report(args) -> int:
     except ReportError as exc:
         return fail(str(exc), EXIT_INVALID)
     print(f"{md}\n{png}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.cli.export import export
+    from areal_k8s.common.final_model import ExportError
+    from areal_k8s.common.prompts import ModelDirectoryError
+
+    try:
+        out = export(Path(args.checkpoint), Path(args.out), args.job and Path(args.job), args.tokenizer)
+    except (ExportError, ModelDirectoryError) as exc:
+        return fail(str(exc), EXIT_INVALID)
+    print(out)
     return 0
 
 
@@ -244,6 +262,22 @@ def parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write report.png and report.md for a run directory")
     report.add_argument("run_dir", help="the job's run directory (runs/NAME)")
     report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (as a run's final/)",
+        description="Write a checkpoint as a Hugging Face model directory: safetensors weights, config, tokenizer, "
+        "generation config (the job's sampling) and a model card with the run's figures, as a run writes final/.",
+        epilog="examples:\n  arealctl export runs/demo my-model                        # the run's newest checkpoint\n"
+        "  arealctl export runs/demo/checkpoints/v000100 my-model    # one checkpoint\n"
+        "  arealctl export /mnt/ckpt/default-demo/checkpoints/v000150 out --job job.yaml   # copied from a cluster",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("checkpoint", help="a checkpoint (RUN_DIR/checkpoints/vNNNNNN) or a run directory")
+    export.add_argument("out", help="the directory to write (replaced if it exists)")
+    export.add_argument("--job", help="the job file that trained it (default: job.yaml in its run directory)")
+    export.add_argument("--tokenizer", help="tokenizer directory (default: the job's)")
+    export.set_defaults(func=cmd_export)
 
     validate = sub.add_parser("validate", help="check a job file and exit")
     validate.add_argument("job")

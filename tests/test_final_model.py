@@ -1,0 +1,132 @@
+"""The model a run hands over: the trainer writes RUN_DIR/final when its last step is checkpointed, `arealctl export`
+writes the same from any checkpoint, and Hugging Face loads either and generates with it."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+import yaml
+from tiny_models import build_tiny_qwen2
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from areal_k8s.common.config import parse_job
+from areal_k8s.trainer.checkpoint import checkpoint_dir, save_checkpoint
+from areal_k8s.trainer.loop.trainer import Trainer
+from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
+from areal_k8s.trainer.world import World
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("final-model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def trained_run(model_path, tmp_path_factory):
+    """A run directory as a finished run leaves it: two steps trained by the real torch backend, each checkpointed
+    and logged to steps.jsonl, the job file `arealctl run` writes, and final/ written by the trainer."""
+    run_dir = tmp_path_factory.mktemp("run")
+    job = parse_job(
+        {
+            "name": "take-home",
+            "model": str(model_path),
+            "run_dir": str(run_dir),
+            "dataset": {"train": "t.jsonl"},
+            "sampling": {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 14},
+            "algorithm": {"batch_size": 2, "group_size": GROUP_SIZE, "total_steps": 2, "lr": 1e-2},
+        }
+    ).resolve_paths(run_dir)  # as `arealctl run` writes it into job.yaml
+    (run_dir / "job.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    trainer = Trainer(
+        job=job,
+        store=None,
+        controller=None,
+        tokenizer=AutoTokenizer.from_pretrained(model_path),
+        eval_items=[],
+        consumer="trainer-0",
+        world=World(),
+    )
+    trainer.engine.load(job.model)
+    trainer.state.base_accuracy = 0.25
+    for version in (1, 2):
+        record = trainer.train_step(make_groups(model_path, 2, seed=version))
+        record.eval_accuracy = 0.5 if version == 2 else -1.0
+        trainer.state.version = version
+        trainer.steps_log.parent.mkdir(parents=True, exist_ok=True)
+        with trainer.steps_log.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+        save_checkpoint(trainer.checkpoints, trainer.engine, trainer.state, keep=5)
+    trainer.write_final_model()
+    weights = {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}
+    return run_dir, weights
+
+
+def arealctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "areal_k8s.cli.main", *args], capture_output=True, text=True)
+
+
+def test_final_holds_the_trained_weights_tokenizer_generation_config_and_model_card(trained_run, model_path):
+    run_dir, weights = trained_run
+    final = run_dir / "final"
+    assert {p.name for p in final.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "README.md",
+    }
+    assert not any(p.name in ("optimizer.pt", "rng.pt", "trainer_state.json") for p in final.iterdir())
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter.detach(), weights[name]), name
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    assert not torch.equal(base.lm_head.weight, model.lm_head.weight)  # training moved them
+
+    generation = GenerationConfig.from_pretrained(final)
+    assert (generation.do_sample, generation.temperature, generation.top_p) == (True, 0.7, 0.9)
+    assert generation.max_new_tokens == 14
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    assert generation.eos_token_id == tokenizer.eos_token_id
+    prompt = tokenizer("12+34=", return_tensors="pt")
+    out = model.generate(**prompt, do_sample=False, max_new_tokens=5)
+    assert out.shape[1] > prompt["input_ids"].shape[1]
+
+    card = (final / "README.md").read_text()
+    assert "# take-home" in card and "library_name: transformers" in card
+    assert "| policy version (trainer steps) | 2 of 2 |" in card
+    assert "| held-out accuracy of the base model | 25.0% |" in card
+    assert "| held-out accuracy of this model | 50.0% |" in card
+
+
+def test_export_writes_any_checkpoint_as_the_run_writes_final(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    result = arealctl("export", str(run_dir), str(tmp_path / "newest"))
+    assert result.returncode == 0, result.stderr
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "README.md"):
+        assert (tmp_path / "newest" / name).read_bytes() == (run_dir / "final" / name).read_bytes(), name
+
+    first = checkpoint_dir(run_dir / "checkpoints", 1)
+    result = arealctl("export", str(first), str(tmp_path / "v1"), "--job", str(run_dir / "job.yaml"))
+    assert result.returncode == 0, result.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "v1", dtype=torch.float32)
+    step1 = AutoModelForCausalLM.from_pretrained(first, dtype=torch.float32)
+    for (name, exported), (_, saved) in zip(model.named_parameters(), step1.named_parameters(), strict=True):
+        assert torch.equal(exported, saved), name
+    assert "| policy version (trainer steps) | 1 of 2 |" in (tmp_path / "v1" / "README.md").read_text()
+
+
+def test_export_of_what_is_not_a_checkpoint_fails_with_one_line(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    result = arealctl("export", str(tmp_path / "nowhere"), str(tmp_path / "out"), "--job", str(run_dir / "job.yaml"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"arealctl: error: checkpoint not found: {tmp_path / 'nowhere'}"]
+    copied = tmp_path / "copied" / "v000002"  # copied out of its run: no job.yaml beside it
+    copied.parent.mkdir()
+    subprocess.run(["cp", "-r", str(checkpoint_dir(run_dir / "checkpoints", 2)), str(copied)], check=True)
+    result = arealctl("export", str(copied), str(tmp_path / "out"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "pass --job FILE" in result.stderr
+    assert not (tmp_path / "out").exists()
