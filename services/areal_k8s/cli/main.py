@@ -21,8 +21,11 @@ def fail(message: str, code: int) -> int:
 
 
 def cmd_validate(args) -> int:
-    job = load_job_file(args.job, overrides=args.set)
-    print(f"{args.job}: ok (job {job.name}, {job.algorithm.total_steps} steps, η = {job.algorithm.max_staleness})")
+    from pathlib import Path
+
+    from areal_k8s.cli.validate import validate_file
+
+    print(validate_file(Path(args.job), args.set))
     return 0
 
 
@@ -231,8 +234,26 @@ def add_overrides(command: argparse.ArgumentParser) -> None:
     )
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("areal-k8s")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arealctl", description="areal-k8s: asynchronous RL for reasoning LLMs")
+    p = argparse.ArgumentParser(
+        prog="arealctl",
+        description="areal-k8s: asynchronous RL for reasoning LLMs. `arealctl COMMAND --help` for each command.",
+        epilog="examples:\n  arealctl run examples/demo.yaml --fresh     # the demo, every service a local process\n"
+        "  arealctl status runs/demo                   # its status, from another terminal\n"
+        "  arealctl logs runs/demo trainer -f          # follow one service's log\n"
+        "  arealctl export runs/demo my-model          # its newest checkpoint as a Hugging Face model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"arealctl {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a job on this machine: every service as a local process")
@@ -279,8 +300,18 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--tokenizer", help="tokenizer directory (default: the job's)")
     export.set_defaults(func=cmd_export)
 
-    validate = sub.add_parser("validate", help="check a job file and exit")
-    validate.add_argument("job")
+    validate = sub.add_parser(
+        "validate",
+        help="check a job file (fields, model, tokenizer, datasets) or an RLJob manifest",
+        description="Check a job file: every field, then the model and tokenizer directories and the dataset files "
+        "it names, on this machine. Or check an RLJob manifest (kind: RLJob) as the operator does. Every problem "
+        "is reported, in one line; an unknown field with the names it may have meant.",
+        epilog="examples:\n  arealctl validate examples/demo.yaml\n"
+        "  arealctl validate examples/demo.yaml --set algorithm.max_staleness=8\n"
+        "  arealctl validate examples/rljob-demo-cpu.yaml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    validate.add_argument("job", help="job file or RLJob manifest (YAML)")
     add_overrides(validate)
     validate.set_defaults(func=cmd_validate)
 
