@@ -1,12 +1,20 @@
 """arealctl as a user meets it, as a real subprocess: its version, help with examples, `validate` reporting every
 problem of a job file (its fields and the paths it names) or an RLJob in one line, with the names a misspelt field
-may have meant."""
+may have meant; `status` and `logs` finding a run's services through its run directory."""
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
+
+from areal_k8s.cli.commands import Endpoints
+from areal_k8s.cli.launcher import child_env, wait_serving
+from areal_k8s.cli.run_files import write_endpoints
+from areal_k8s.cli.supervisor import Service
+from areal_k8s.common.redis_server import free_port
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -39,7 +47,7 @@ def test_version_and_help_with_examples():
     result = arealctl("--version")
     assert result.returncode == 0 and result.stdout.startswith("arealctl ")
     assert result.stdout.split()[1][0].isdigit() or "not installed" in result.stdout
-    for command in ([], ["validate"], ["export"]):
+    for command in ([], ["validate"], ["export"], ["status"], ["logs"]):
         result = arealctl(*command, "--help")
         assert result.returncode == 0 and "examples:" in result.stdout, command
 
@@ -98,3 +106,69 @@ def test_validate_takes_an_rljob_and_reports_every_problem_the_operator_would(tm
     assert "spec.staleness.eta: -1 is less than the minimum of 0" in line
     assert "spec.rollout: Additional properties are not allowed ('worker' was unexpected)" in line
     assert "--set applies to job files" in error_line(arealctl("validate", str(bad), "--set", "name=x"))
+
+
+def test_status_and_logs_find_a_runs_controller_and_logs_through_its_run_directory(tmp_path, redis_url):
+    """A real controller process started as `arealctl run` starts it, its address in endpoints.json."""
+    run_dir, train = tmp_path / "run", tmp_path / "train.jsonl"
+    train.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(4)))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: cli-status\nmodel: m\ndataset:\n  train: {train}\n")
+    address = lambda: f"127.0.0.1:{free_port()}"  # noqa: E731
+    ends = Endpoints(address(), address(), address(), [], [], {"controller": address()})
+    run_dir.mkdir()
+    write_endpoints(run_dir, ends)
+    port, metrics = ends.controller.rsplit(":")[1], ends.metrics["controller"].rsplit(":")[1]
+    args = ["areal_k8s.controller", "--job", str(job), "--port", port, "--redis-url", redis_url]
+    controller = Service(
+        "controller", [*args, "--metrics-port", metrics], run_dir / "logs" / "controller.log", child_env(1)
+    )
+    controller.start()
+    try:
+        wait_serving(controller, ends.controller, time.monotonic() + 120)
+        result = arealctl("status", str(run_dir))
+        assert result.returncode == 0, result.stderr
+        status = json.loads(result.stdout)
+        assert status["job"] == "cli-status" and status["totalSteps"] == "100"  # (int64 in JSON)
+
+        result = arealctl("logs", str(run_dir), "controller")
+        assert result.returncode == 0 and "controller listening on" in result.stdout
+        (run_dir / "logs" / "reward.log").write_text("scoring\n")
+        lines = arealctl("logs", str(run_dir)).stdout.splitlines()
+        assert "reward     | scoring" in lines
+        assert any(line.startswith("controller | ") and "listening on" in line for line in lines)
+        assert error_line(arealctl("logs", str(run_dir), "controler")) == (
+            f"{run_dir}: no log for service 'controler'; did you mean 'controller'? services: controller, reward"
+        )
+    finally:
+        controller.stop()
+    result = arealctl("status", str(run_dir))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"arealctl: error: controller {ends.controller}: UNAVAILABLE: ")
+    (run_dir / "summary.json").write_text('{"job": "cli-status", "steps": 0}\n')
+    result = arealctl("status", str(run_dir))
+    assert result.returncode == 0 and json.loads(result.stdout)["job"] == "cli-status"
+    assert "the run has ended" in result.stderr
+    assert "no endpoints.json" in error_line(arealctl("status", str(tmp_path)))
+
+
+def test_logs_follow_prints_what_every_service_appends_until_the_run_ends(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "controller.log").write_text("one\n")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "areal_k8s.cli.main", "logs", str(tmp_path), "-f"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert follower.stdout.readline() == "controller | one\n"
+        with (logs / "controller.log").open("a") as log:
+            log.write("two\n")
+        assert follower.stdout.readline() == "controller | two\n"
+        (logs / "rollout-1.log").write_text("joined\nhalf a li")  # a service started since; its line unfinished
+        assert follower.stdout.readline() == "rollout-1  | joined\n"
+        (tmp_path / "summary.json").write_text("{}\n")  # the run has ended
+        assert follower.wait(timeout=60) == 0
+        assert follower.stdout.read() == "rollout-1  | half a li\n"
+    finally:
+        follower.kill()
+        follower.wait()

@@ -140,18 +140,45 @@ def cmd_reference(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from pathlib import Path
+
     import grpc
 
     from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+    from areal_k8s.cli.run_files import SUMMARY_FILE, RunDirError, read_endpoints, run_ended
 
-    with grpc.insecure_channel(args.controller) as ch:
+    address = args.controller
+    if args.run_dir:
+        try:
+            address = read_endpoints(Path(args.run_dir))["controller"]
+        except RunDirError as exc:
+            return fail(str(exc), EXIT_INVALID)
+    with grpc.insecure_channel(address) as ch:
         try:
             status = controller_pb2_grpc.ControllerStub(ch).GetJobStatus(
                 controller_pb2.GetJobStatusRequest(), timeout=10
             )
         except grpc.RpcError as exc:
-            return fail(f"controller {args.controller}: {exc.code().name}: {exc.details()}", EXIT_FAILED)
+            if args.run_dir and run_ended(Path(args.run_dir)):  # its controller is gone with it: the summary
+                print((Path(args.run_dir) / SUMMARY_FILE).read_text(), end="")
+                print(f"the run has ended: its summary ({Path(args.run_dir) / SUMMARY_FILE})", file=sys.stderr)
+                return 0
+            return fail(f"controller {address}: {exc.code().name}: {exc.details()}", EXIT_FAILED)
     print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.cli.run_files import RunDirError, show_logs
+
+    try:
+        show_logs(Path(args.run_dir), args.service, args.follow)
+    except RunDirError as exc:
+        return fail(str(exc), EXIT_INVALID)
+    except KeyboardInterrupt:  # the way to stop following a run that goes on
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -321,9 +348,34 @@ def parser() -> argparse.ArgumentParser:
     )
     reference.set_defaults(func=cmd_reference)
 
-    status = sub.add_parser("status", help="print a running job's status")
-    status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
+    status = sub.add_parser(
+        "status",
+        help="print a job's status (JSON): a local run's from its run directory, or any controller's",
+        description="Print a job's status as its controller reports it (JSON). A local run's controller is found "
+        "in RUN_DIR/endpoints.json, which `arealctl run` writes at start; once the run has ended, its summary.",
+        epilog="examples:\n  arealctl status runs/demo\n"
+        "  arealctl status --controller 127.0.0.1:50051\n"
+        "  kubectl port-forward svc/demo-controller 50051 & arealctl status   # an RLJob's controller",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    status.add_argument("run_dir", nargs="?", help="a local run's directory (runs/NAME)")
+    status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port, without RUN_DIR")
     status.set_defaults(func=cmd_status)
+
+    logs = sub.add_parser(
+        "logs",
+        help="print (or follow) the logs of a local run's services",
+        description="Print the logs of a local run's services (RUN_DIR/logs), every service's with its name before "
+        "each line, or one service's. With -f, keep printing what they write until the run ends.",
+        epilog="examples:\n  arealctl logs runs/demo                # every service\n"
+        "  arealctl logs runs/demo trainer        # one: controller, reward, trainer, rollout-0, engine-0, ...\n"
+        "  arealctl logs runs/demo rollout-0 -f   # follow it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    logs.add_argument("run_dir", help="the run's directory (runs/NAME)")
+    logs.add_argument("service", nargs="?", help="one service (default: all)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
+    logs.set_defaults(func=cmd_logs)
 
     simulate = sub.add_parser(
         "simulate", help="simulate a job on a modelled cluster (a scenario file); figures are simulated"
