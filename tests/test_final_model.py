@@ -1,5 +1,6 @@
 """The model a run hands over: the trainer writes RUN_DIR/final when its last step is checkpointed, `arealctl export`
-writes the same from any checkpoint, and Hugging Face loads either and generates with it."""
+writes the same from any checkpoint, Hugging Face loads either and generates with it, and the pinned SGLang serves
+it (one server of its own: the session's `sglang_server` serves another model)."""
 
 import json
 import subprocess
@@ -9,10 +10,12 @@ from dataclasses import asdict
 import pytest
 import torch
 import yaml
+from sglang_server import skip_or_fail_without_env
 from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from areal_k8s.common.config import parse_job
+from areal_k8s.common.sglang_server import SGLangServer
 from areal_k8s.trainer.checkpoint import checkpoint_dir, save_checkpoint
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
@@ -130,3 +133,34 @@ def test_export_of_what_is_not_a_checkpoint_fails_with_one_line(trained_run, tmp
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "pass --job FILE" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_sglang_serves_final_with_its_tokenizer_and_generates_what_the_trained_weights_predict(trained_run, tmp_path):
+    skip_or_fail_without_env()
+    run_dir, _ = trained_run
+    final = run_dir / "final"
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    with SGLangServer(final, tmp_path / "sglang.log") as server:
+        status, answer = server.request(
+            "POST",
+            "/generate",
+            {
+                "text": "12+34=",  # tokenized by the server, with final/'s tokenizer
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+                "return_logprob": True,
+            },
+        )
+    assert status == 200, answer
+    prompt, output = tokenizer("12+34=")["input_ids"], answer["output_ids"]
+    assert answer["meta_info"]["prompt_tokens"] == len(prompt) and len(output) == 8
+    assert answer["text"] == tokenizer.decode(output)
+    # each greedy token is a most likely one under the trained weights as transformers computes them (both float32;
+    # they differ by the order of float operations only)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0]
+    reference = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    chosen = reference[torch.arange(len(output)), torch.tensor(output)]
+    served = torch.tensor([logprob for logprob, _token, _text in answer["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(served, chosen, atol=1e-3, rtol=0)
+    assert torch.all(chosen >= reference.max(dim=-1).values - 1e-3)
