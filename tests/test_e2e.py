@@ -157,6 +157,9 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
             checkpoint_dir(run.run_dir / "checkpoints", 3), dtype=torch.float32
         )
         _, expected = weights_checksum(list(saved.named_parameters()))
+        # either backend's last checkpoint, as the model to take home (megatron's in Hugging Face names)
+        final_model = AutoModelForCausalLM.from_pretrained(run.run_dir / "final", dtype=torch.float32)
+        assert weights_checksum(list(final_model.named_parameters()))[1] == expected
         for worker_id in steps[-1]["weights_verified"]:
             with urllib.request.urlopen(
                 f"{endpoints.engines[int(worker_id.rsplit('-', 1)[1])]}/areal/weights_checksum"
