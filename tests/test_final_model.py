@@ -3,9 +3,11 @@ writes the same from any checkpoint, Hugging Face loads either and generates wit
 it (one server of its own: the session's `sglang_server` serves another model)."""
 
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ from sglang_server import skip_or_fail_without_env
 from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from areal_k8s.common.config import parse_job
+from areal_k8s.common.config import load_job_file, parse_job
+from areal_k8s.common.final_model import refresh_model_card
 from areal_k8s.common.sglang_server import SGLangServer
 from areal_k8s.trainer.checkpoint import checkpoint_dir, save_checkpoint
 from areal_k8s.trainer.loop.trainer import Trainer
@@ -133,6 +136,19 @@ def test_export_of_what_is_not_a_checkpoint_fails_with_one_line(trained_run, tmp
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "pass --job FILE" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_model_card_takes_the_runs_summary_once_arealctl_run_writes_it(trained_run, tmp_path):
+    run_dir = Path(shutil.copytree(trained_run[0], tmp_path / "run"))
+    job = load_job_file(run_dir / "job.yaml")
+    assert "| wall time (s) · trained samples/s | None · None |" in (run_dir / "final" / "README.md").read_text()
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 2, "wall_seconds": 61.5, "samples_per_second": 3.2}))
+    card = refresh_model_card(run_dir, job)
+    assert card == run_dir / "final" / "README.md"
+    assert "| wall time (s) · trained samples/s | 61.5 · 3.2 |" in card.read_text()
+    assert "| held-out accuracy of this model | 50.0% |" in card.read_text()
+    shutil.rmtree(run_dir / "final")  # a run that wrote no final model (interrupted): nothing to refresh
+    assert refresh_model_card(run_dir, job) is None
 
 
 def test_sglang_serves_final_with_its_tokenizer_and_generates_what_the_trained_weights_predict(trained_run, tmp_path):
