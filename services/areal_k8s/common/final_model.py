@@ -10,6 +10,7 @@ megatron backend converts its shards back when it writes them), so either export
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def export_model(checkpoint: Path, out: Path, *, job: JobConfig, tokenizer) -> P
     partial.mkdir(parents=True)
     for file in [*(checkpoint / name for name in MODEL_FILES), *sorted(checkpoint.glob("*.safetensors"))]:
         if file.is_file():
-            shutil.copy2(file, partial / file.name)
+            link_or_copy(file, partial / file.name)
     tokenizer.save_pretrained(partial)
     generation_config(job, tokenizer).save_pretrained(partial)
     (partial / "README.md").write_text(model_card(job, run_figures(checkpoint)))
@@ -67,6 +68,15 @@ def refresh_model_card(run_dir: Path, job: JobConfig) -> Path | None:
         return None
     card.write_text(model_card(job, run_figures(states[-1].parent)))
     return card
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the file system allows (a model's weights take no second copy of the volume, and a checkpoint
+    is never written in place: a newer one is a new file), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def generation_config(job: JobConfig, tokenizer):
