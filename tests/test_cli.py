@@ -2,6 +2,7 @@
 problem of a job file (its fields and the paths it names) or an RLJob in one line, with the names a misspelt field
 may have meant; `status` and `logs` finding a run's services through its run directory."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import yaml
 
 from areal_k8s.cli.commands import Endpoints
 from areal_k8s.cli.launcher import child_env, wait_serving
+from areal_k8s.cli.main import parser
 from areal_k8s.cli.run_files import write_endpoints
 from areal_k8s.cli.supervisor import Service
 from areal_k8s.common.redis_server import free_port
@@ -47,9 +49,12 @@ def test_version_and_help_with_examples():
     result = arealctl("--version")
     assert result.returncode == 0 and result.stdout.startswith("arealctl ")
     assert result.stdout.split()[1][0].isdigit() or "not installed" in result.stdout
-    for command in ([], ["validate"], ["export"], ["status"], ["logs"]):
+    for command in ([], ["logs"]):
         result = arealctl(*command, "--help")
         assert result.returncode == 0 and "examples:" in result.stdout, command
+    (commands,) = [action for action in parser()._actions if isinstance(action, argparse._SubParsersAction)]
+    for name, command in commands.choices.items():
+        assert "examples:\n  arealctl " in command.format_help(), name
 
 
 def test_every_problem_of_a_job_file_in_one_line_with_did_you_mean(tmp_path):
