@@ -136,6 +136,10 @@ def test_export_of_what_is_not_a_checkpoint_fails_with_one_line(trained_run, tmp
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert "pass --job FILE" in result.stderr
     assert not (tmp_path / "out").exists()
+    (tmp_path / "a-file").write_text("")
+    result = arealctl("export", str(run_dir), str(tmp_path / "a-file" / "model"))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"arealctl: error: {tmp_path / 'a-file' / 'model'}: cannot write the model (")
 
 
 def test_the_model_card_takes_the_runs_summary_once_arealctl_run_writes_it(trained_run, tmp_path):

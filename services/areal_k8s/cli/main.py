@@ -113,6 +113,8 @@ def cmd_export(args) -> int:
         out = export(Path(args.checkpoint), Path(args.out), args.job and Path(args.job), args.tokenizer)
     except (ExportError, ModelDirectoryError) as exc:
         return fail(str(exc), EXIT_INVALID)
+    except OSError as exc:  # where it writes: not a directory, no room, no permission
+        return fail(f"{args.out}: cannot write the model ({exc.strerror or exc})", EXIT_FAILED)
     print(out)
     return 0
 
