@@ -23,6 +23,15 @@ def write(tmp_path, text):
     return path
 
 
+def with_its_files(tmp_path):
+    """The model directory and training set MINIMAL names, under `tmp_path` (`validate` looks for them)."""
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "models" / "tiny" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    return tmp_path
+
+
 def test_minimal_job_gets_defaults_and_absolute_paths(tmp_path):
     job = load_job_file(write(tmp_path, MINIMAL), project_root=tmp_path)
     assert job.algorithm.max_staleness == 2 and job.algorithm.concurrency == 16 * 3
@@ -123,9 +132,12 @@ def test_cli_exits_non_zero_with_one_readable_line(tmp_path):
     ]
     good = write(tmp_path, MINIMAL)
     result = subprocess.run(
-        [sys.executable, "-m", "areal_k8s.cli.main", "validate", str(good)], capture_output=True, text=True
+        [sys.executable, "-m", "areal_k8s.cli.main", "validate", str(good)],
+        capture_output=True,
+        text=True,
+        cwd=with_its_files(tmp_path),  # MINIMAL's relative paths are read against it
     )
-    assert result.returncode == 0 and "ok" in result.stdout
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
 def test_settings_on_the_command_line_go_over_the_file_and_are_validated_as_its_own(tmp_path):
@@ -150,7 +162,7 @@ def test_settings_on_the_command_line_go_over_the_file_and_are_validated_as_its_
     )
     assert job.algorithm.lr == 1e-5
     cases = [
-        ("trainer.replicaz=2", f"{good} with --set: trainer.replicaz: unknown field"),
+        ("trainer.replicaz=2", f"{good} with --set: trainer.replicaz: unknown field (did you mean 'replicas'?)"),
         (
             "trainer.replicas=two",
             f"{good} with --set: trainer.replicas: Input should be a valid integer, unable to parse string as an "

@@ -4,6 +4,8 @@ with a real Redis server, real gRPC, real gloo weight pushes and real torch trai
 import contextlib
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -72,6 +74,16 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
             checkpoint_dir(run.run_dir / "checkpoints", 5), dtype=torch.float32
         )
         _, expected = weights_checksum(list(saved.named_parameters()))
+        # the model to take home is that checkpoint's, in Hugging Face format with the tokenizer
+        final_model = AutoModelForCausalLM.from_pretrained(run.run_dir / "final", dtype=torch.float32)
+        assert weights_checksum(list(final_model.named_parameters()))[1] == expected
+        assert (run.run_dir / "final" / "tokenizer.json").is_file()
+        # another terminal finds the run's controller through its run directory
+        assert json.loads((run.run_dir / "endpoints.json").read_text())["controller"] == endpoints.controller
+        status = subprocess.run(
+            [sys.executable, "-m", "areal_k8s.cli.main", "status", str(run.run_dir)], capture_output=True, text=True
+        )
+        assert json.loads(status.stdout)["phase"] == "COMPLETED", status.stderr
         initial = AutoModelForCausalLM.from_pretrained(job.model, dtype=torch.float32)
         assert weights_checksum(list(initial.named_parameters()))[1] != expected  # training moved the weights
         # (each engine that took part in the last push: one that registers late joins at the next push, or at once
@@ -145,6 +157,9 @@ def test_a_trainer_of_two_ranks_runs_as_one_world(assets, tmp_path, reward_impor
             checkpoint_dir(run.run_dir / "checkpoints", 3), dtype=torch.float32
         )
         _, expected = weights_checksum(list(saved.named_parameters()))
+        # either backend's last checkpoint, as the model to take home (megatron's in Hugging Face names)
+        final_model = AutoModelForCausalLM.from_pretrained(run.run_dir / "final", dtype=torch.float32)
+        assert weights_checksum(list(final_model.named_parameters()))[1] == expected
         for worker_id in steps[-1]["weights_verified"]:
             with urllib.request.urlopen(
                 f"{endpoints.engines[int(worker_id.rsplit('-', 1)[1])]}/areal/weights_checksum"

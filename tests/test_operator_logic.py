@@ -192,7 +192,11 @@ def test_checkpoints_on_an_existing_claim_or_a_claim_per_trainer_pod():
         "storageClassName": "ssd",
         "resources": {"requests": {"storage": "5Gi"}},
     }
-    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    # the checkpoints and the final model outlive the job unless it says otherwise
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    deleted = children(rljob(checkpoint={"volumeClaimTemplate": {"size": "5Gi"}, "retention": "Delete"}))
+    retention = deleted[("StatefulSet", "demo-trainer")]["spec"]["persistentVolumeClaimRetentionPolicy"]
+    assert retention == {"whenDeleted": "Delete", "whenScaled": "Retain"}
     assert validate(rljob(checkpoint={"claimName": "ckpt", "mountPath": "/ckpt"})).config.run_dir.startswith(
         "/ckpt/demo-"
     )

@@ -30,6 +30,7 @@ from areal_k8s.cli.commands import (
 )
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused
+from areal_k8s.cli.run_files import write_endpoints
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
 from areal_k8s.common import histograms
 from areal_k8s.common.config import JobConfig
@@ -238,6 +239,7 @@ class LocalRun:
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
         if prometheus:
             self.start_prometheus(ends, prometheus)
+        write_endpoints(self.run_dir, ends, prometheus=self.prometheus and self.prometheus.url)
         logs = self.run_dir / "logs"
         deadline = time.monotonic() + timeout
         controller = self.spawn("controller", controller_command(job_file, self.host, ends, redis_url), logs, 1)
@@ -334,6 +336,7 @@ class LocalRun:
         ends.engines.append(f"http://{self.free_address()}")
         ends.metrics[f"rollout-{i}"] = self.free_address()  # the recorder scrapes it from its next tick
         self.start_rollout(i)
+        write_endpoints(self.run_dir, ends, prometheus=self.prometheus and self.prometheus.url)
         if self.prometheus:
             self.prometheus.refresh()
         return f"rollout-{i}"

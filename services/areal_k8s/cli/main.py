@@ -10,6 +10,7 @@ import sys
 from google.protobuf.json_format import MessageToDict
 
 from areal_k8s.common.config import JobFileError, load_job_file
+from areal_k8s.common.final_model import refresh_model_card
 
 EXIT_INVALID, EXIT_FAILED, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -20,8 +21,11 @@ def fail(message: str, code: int) -> int:
 
 
 def cmd_validate(args) -> int:
-    job = load_job_file(args.job, overrides=args.set)
-    print(f"{args.job}: ok (job {job.name}, {job.algorithm.total_steps} steps, η = {job.algorithm.max_staleness})")
+    from pathlib import Path
+
+    from areal_k8s.cli.validate import validate_file
+
+    print(validate_file(Path(args.job), args.set))
     return 0
 
 
@@ -68,6 +72,8 @@ def cmd_run(args) -> int:
     summary = run.write_summary(status, interrupted=False)
     print(json.dumps(summary, indent=2))
     print(f"summary: {run.run_dir / 'summary.json'}", file=sys.stderr)
+    if card := refresh_model_card(run.run_dir, job):
+        print(f"final model: {card.parent} (Hugging Face format; model card README.md)", file=sys.stderr)
     report_quietly(run.run_dir)
     return 0
 
@@ -96,6 +102,23 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.cli.export import export
+    from areal_k8s.common.final_model import ExportError
+    from areal_k8s.common.prompts import ModelDirectoryError
+
+    try:
+        out = export(Path(args.checkpoint), Path(args.out), args.job and Path(args.job), args.tokenizer)
+    except (ExportError, ModelDirectoryError) as exc:
+        return fail(str(exc), EXIT_INVALID)
+    except OSError as exc:  # where it writes: not a directory, no room, no permission
+        return fail(f"{args.out}: cannot write the model ({exc.strerror or exc})", EXIT_FAILED)
+    print(out)
+    return 0
+
+
 REFERENCE_START, REFERENCE_END = "<!-- job-reference:start -->\n", "<!-- job-reference:end -->"
 
 
@@ -119,18 +142,45 @@ def cmd_reference(args) -> int:
 
 
 def cmd_status(args) -> int:
+    from pathlib import Path
+
     import grpc
 
     from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+    from areal_k8s.cli.run_files import SUMMARY_FILE, RunDirError, read_endpoints, run_ended
 
-    with grpc.insecure_channel(args.controller) as ch:
+    address = args.controller
+    if args.run_dir:
+        try:
+            address = read_endpoints(Path(args.run_dir))["controller"]
+        except RunDirError as exc:
+            return fail(str(exc), EXIT_INVALID)
+    with grpc.insecure_channel(address) as ch:
         try:
             status = controller_pb2_grpc.ControllerStub(ch).GetJobStatus(
                 controller_pb2.GetJobStatusRequest(), timeout=10
             )
         except grpc.RpcError as exc:
-            return fail(f"controller {args.controller}: {exc.code().name}: {exc.details()}", EXIT_FAILED)
+            if args.run_dir and run_ended(Path(args.run_dir)):  # its controller is gone with it: the summary
+                print((Path(args.run_dir) / SUMMARY_FILE).read_text(), end="")
+                print(f"the run has ended: its summary ({Path(args.run_dir) / SUMMARY_FILE})", file=sys.stderr)
+                return 0
+            return fail(f"controller {address}: {exc.code().name}: {exc.details()}", EXIT_FAILED)
     print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from pathlib import Path
+
+    from areal_k8s.cli.run_files import RunDirError, show_logs
+
+    try:
+        show_logs(Path(args.run_dir), args.service, args.follow)
+    except RunDirError as exc:
+        return fail(str(exc), EXIT_INVALID)
+    except KeyboardInterrupt:  # the way to stop following a run that goes on
+        return EXIT_INTERRUPTED
     return 0
 
 
@@ -213,11 +263,64 @@ def add_overrides(command: argparse.ArgumentParser) -> None:
     )
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("areal-k8s")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, never installed
+        return "unknown (not installed)"
+
+
+def with_examples(examples: list[tuple[str, str]]) -> str:
+    """An --help epilog: `arealctl ...` command lines, each with what it does."""
+    width = max(len(line) for line, _ in examples)
+    return "examples:\n" + "\n".join(f"  {line:<{width}}  # {what}" for line, what in examples)
+
+
+def command(sub, name: str, summary: str, examples: list[tuple[str, str]], description: str | None = None):
+    """A subcommand whose --help ends with examples."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=description or summary[0].upper() + summary[1:] + ".",
+        epilog=with_examples(examples),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="arealctl", description="areal-k8s: asynchronous RL for reasoning LLMs")
+    p = argparse.ArgumentParser(
+        prog="arealctl",
+        description="areal-k8s: asynchronous RL for reasoning LLMs. `arealctl COMMAND --help` for each command.",
+        epilog=with_examples(
+            [
+                ("arealctl run examples/demo.yaml --fresh", "the demo, every service a local process"),
+                ("arealctl status runs/demo", "its status, from another terminal"),
+                ("arealctl logs runs/demo trainer -f", "follow one service's log"),
+                ("arealctl export runs/demo my-model", "its newest checkpoint as a Hugging Face model"),
+            ]
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"arealctl {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a job on this machine: every service as a local process")
+    run = command(
+        sub,
+        "run",
+        "run a job on this machine: every service as a local process",
+        [
+            ("arealctl run examples/demo.yaml --fresh", "start over: delete the job's run directory first"),
+            ("arealctl run examples/demo.yaml --resume", "continue from its checkpoint and Redis"),
+            ("arealctl run examples/demo.yaml --set algorithm.max_staleness=8", "a job-file field set over the file's"),
+            ("arealctl run examples/demo.yaml --fresh --prometheus", "with a Prometheus server scraping every service"),
+        ],
+        description="Run a job on this machine: Redis (embedded unless the job names one), the controller, the reward "
+        "service, the rollout workers and their engines, and the trainer, each its own process on loopback. The run "
+        "directory (runs/NAME) gets endpoints.json (where they listen), their logs, checkpoints, summary.json, a "
+        "report, and final/: the trained model in Hugging Face format.",
+    )
     run.add_argument("job", help="job file (YAML)")
     add_overrides(run)
     again = run.add_mutually_exclusive_group()
@@ -241,40 +344,122 @@ def parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
 
-    report = sub.add_parser("report", help="write report.png and report.md for a run directory")
+    report = command(
+        sub,
+        "report",
+        "write report.png and report.md for a run directory",
+        [("arealctl report runs/demo", "redraw runs/demo/report.png and report.md")],
+    )
     report.add_argument("run_dir", help="the job's run directory (runs/NAME)")
     report.set_defaults(func=cmd_report)
 
-    validate = sub.add_parser("validate", help="check a job file and exit")
-    validate.add_argument("job")
+    export = command(
+        sub,
+        "export",
+        "write a checkpoint as a Hugging Face model directory (as a run's final/)",
+        [
+            ("arealctl export runs/demo my-model", "the run's newest checkpoint"),
+            ("arealctl export runs/demo/checkpoints/v000100 my-model", "one checkpoint"),
+            ("arealctl export copied/checkpoints/v000150 out --job job.yaml", "one copied out of a cluster"),
+        ],
+        description="Write a checkpoint as a Hugging Face model directory: safetensors weights, config, tokenizer, "
+        "generation config (the job's sampling) and a model card with the run's figures, as a run writes final/.",
+    )
+    export.add_argument("checkpoint", help="a checkpoint (RUN_DIR/checkpoints/vNNNNNN) or a run directory")
+    export.add_argument("out", help="the directory to write (replaced if it exists)")
+    export.add_argument("--job", help="the job file that trained it (default: job.yaml in its run directory)")
+    export.add_argument("--tokenizer", help="tokenizer directory (default: the job's)")
+    export.set_defaults(func=cmd_export)
+
+    validate = command(
+        sub,
+        "validate",
+        "check a job file (fields, model, tokenizer, datasets) or an RLJob manifest",
+        [
+            ("arealctl validate examples/demo.yaml", "a job file, and the files it names"),
+            ("arealctl validate examples/demo.yaml --set algorithm.max_staleness=8", "with a field set over it"),
+            ("arealctl validate examples/rljob-demo-cpu.yaml", "an RLJob, as the operator checks it"),
+        ],
+        description="Check a job file: every field, then the model and tokenizer directories and the dataset files "
+        "it names, on this machine. Or check an RLJob manifest (kind: RLJob) as the operator does. Every problem "
+        "is reported, in one line; an unknown field with the names it may have meant.",
+    )
+    validate.add_argument("job", help="job file or RLJob manifest (YAML)")
     add_overrides(validate)
     validate.set_defaults(func=cmd_validate)
 
-    reference = sub.add_parser("reference", help="print the job-file reference (Markdown)")
+    reference = command(
+        sub,
+        "reference",
+        "print the job-file reference (Markdown)",
+        [("arealctl reference --write docs/job-file.md", "regenerate the reference in the docs")],
+    )
     reference.add_argument(
         "--write", metavar="FILE", help="replace the reference between the markers in FILE (docs/job-file.md)"
     )
     reference.set_defaults(func=cmd_reference)
 
-    status = sub.add_parser("status", help="print a running job's status")
-    status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port")
+    status = command(
+        sub,
+        "status",
+        "print a job's status (JSON): a local run's from its run directory, or any controller's",
+        [
+            ("arealctl status runs/demo", "a local run's"),
+            ("kubectl port-forward svc/demo-controller 50051 & arealctl status", "an RLJob's controller"),
+        ],
+        description="Print a job's status as its controller reports it (JSON). A local run's controller is found "
+        "in RUN_DIR/endpoints.json, which `arealctl run` writes at start; once the run has ended, its summary.",
+    )
+    status.add_argument("run_dir", nargs="?", help="a local run's directory (runs/NAME)")
+    status.add_argument("--controller", default="127.0.0.1:50051", help="controller address host:port, without RUN_DIR")
     status.set_defaults(func=cmd_status)
 
-    simulate = sub.add_parser(
-        "simulate", help="simulate a job on a modelled cluster (a scenario file); figures are simulated"
+    logs = command(
+        sub,
+        "logs",
+        "print (or follow) the logs of a local run's services",
+        [
+            ("arealctl logs runs/demo", "every service's, each line after its name"),
+            ("arealctl logs runs/demo trainer", "one: controller, reward, trainer, rollout-0, engine-0, ..."),
+            ("arealctl logs runs/demo rollout-0 -f", "follow it until the run ends"),
+        ],
+        description="Print the logs of a local run's services (RUN_DIR/logs), every service's with its name before "
+        "each line, or one service's. With -f, keep printing what they write until the run ends.",
+    )
+    logs.add_argument("run_dir", help="the run's directory (runs/NAME)")
+    logs.add_argument("service", nargs="?", help="one service (default: all)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends")
+    logs.set_defaults(func=cmd_logs)
+
+    simulate = command(
+        sub,
+        "simulate",
+        "simulate a job on a modelled cluster (a scenario file); figures are simulated",
+        [("arealctl simulate examples/scenario-long-tail.yaml", "its figures, splits and decisions as JSON")],
     )
     simulate.add_argument(
         "scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer"
     )
     simulate.set_defaults(func=cmd_simulate)
 
-    plan = sub.add_parser(
-        "plan", help="simulate every static rollout/trainer split of a scenario's budget, fastest first"
+    plan = command(
+        sub,
+        "plan",
+        "simulate every static rollout/trainer split of a scenario's budget, fastest first",
+        [("arealctl plan examples/scenario-long-tail.yaml", "a table, one split a line")],
     )
     plan.add_argument("scenario", help="scenario file (YAML)")
     plan.set_defaults(func=cmd_plan)
 
-    manifests = sub.add_parser("manifests", help="print the Kubernetes objects the operator creates for an RLJob")
+    manifests = command(
+        sub,
+        "manifests",
+        "print the Kubernetes objects the operator creates for an RLJob",
+        [
+            ("arealctl manifests examples/rljob-demo-cpu.yaml", "as YAML"),
+            ("arealctl manifests examples/rljob-demo-cpu.yaml --namespace areal", "for another namespace"),
+        ],
+    )
     manifests.add_argument("rljob", help="RLJob manifest (YAML)")
     manifests.add_argument("--namespace", help="namespace to render for (default: the manifest's, else default)")
     manifests.set_defaults(func=cmd_manifests)

@@ -79,12 +79,20 @@ def spec_schema() -> dict:
                     "An existing PersistentVolumeClaim (ReadWriteOnce is enough: only the trainer writes)."
                 ),
                 "volumeClaimTemplate": obj(
-                    "A claim per trainer pod, made by the StatefulSet and deleted with the job.",
+                    "A claim per trainer pod, made by the StatefulSet (`areal-checkpoint-<name>-trainer-<i>`); "
+                    "`retention` says whether deleting the job deletes it.",
                     {
                         "size": {**QUANTITY, "description": "Requested storage."},
                         "storageClassName": string("Storage class; default: the cluster's."),
                     },
                     required=["size"],
+                ),
+                "retention": string(
+                    "What deleting the RLJob does to the volumeClaimTemplate's claims, which hold the checkpoints "
+                    "and the final model (final/ in the run directory): `Retain` keeps them to copy out and "
+                    "delete by hand, `Delete` deletes them with the job. A claimName claim is never deleted.",
+                    enum=["Retain", "Delete"],
+                    default="Retain",
                 ),
             },
             default={"volumeClaimTemplate": {"size": "10Gi"}},

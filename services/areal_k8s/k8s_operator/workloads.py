@@ -321,6 +321,7 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
         if "storageClassName" in claim:
             claim_spec["storageClassName"] = claim["storageClassName"]
         spec["volumeClaimTemplates"] = [{"metadata": {"name": names.CHECKPOINT_VOLUME}, "spec": claim_spec}]
-        # suspend scales to zero and keeps the claims (the checkpoints); deleting the job deletes them
-        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+        # suspend scales to zero and keeps the claims (the checkpoints); deleting the job keeps them unless the
+        # spec says `retention: Delete` (the model to take home is on them)
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": checkpoint["retention"], "whenScaled": "Retain"}
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(job, name, "trainer"), "spec": spec}

@@ -171,4 +171,4 @@ def load_scenario(path: Path) -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
-        raise JobFileError(describe_validation_error(exc, str(path))) from None
+        raise JobFileError(describe_validation_error(exc, str(path), Scenario)) from None

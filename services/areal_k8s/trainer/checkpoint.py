@@ -8,10 +8,9 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from areal_k8s.common.final_model import STATE_FILE
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 from areal_k8s.trainer.backends.engine import TrainEngine
-
-STATE_FILE = "trainer_state.json"
 
 
 @dataclass

@@ -33,7 +33,11 @@ class JobConfig(Section):
     model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
-    run_dir: str | None = Field(None, description="Where checkpoints, logs and summary.json go; default runs/<name>.")
+    run_dir: str | None = Field(
+        None,
+        description="Where checkpoints, logs, summary.json and the final model (final/, Hugging Face format) go; "
+        "default runs/<name>.",
+    )
     dataset: DatasetConfig
     reward: RewardConfig = Field(default_factory=RewardConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

@@ -3,11 +3,13 @@ wrong with it."""
 
 from __future__ import annotations
 
+import difflib
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from areal_k8s.common.config.job import JobConfig
 
@@ -16,19 +18,43 @@ class JobFileError(ValueError):
     """A job file that cannot be used; the message is one readable line naming the field."""
 
 
-def describe_validation_error(error: ValidationError, source: str) -> str:
-    """The first problem, as `source: field.path: message (got value)`."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"]) or "(top level)"
-    message = first["msg"]
-    if first["type"] == "extra_forbidden":
-        message = "unknown field"
-    elif first["type"] == "missing":
-        message = "required field is missing"
-    detail = "" if first["type"] in {"missing", "extra_forbidden"} else f" (got {first.get('input')!r})"
-    more = len(error.errors()) - 1
-    suffix = f" [+{more} more problem{'s' if more > 1 else ''}]" if more else ""
-    return f"{source}: {field}: {message}{detail}{suffix}"
+def fields_at(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    """The field names the mapping at `loc` (a path into `model`'s input) may hold; [] where it is not a model."""
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return []
+        model = submodel(model.model_fields[part].annotation)
+    return list(model.model_fields) if model else []
+
+
+def submodel(annotation) -> type[BaseModel] | None:
+    """The model a field's annotation holds (`Section`, `Section | None`, `Annotated[Section, ...]`), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for arg in typing.get_args(annotation) if (m := submodel(arg))), None)
+
+
+def describe_problem(problem: dict, model: type[BaseModel] | None) -> str:
+    """`field.path: message (got value)`; an unknown field with the closest known names of its section."""
+    loc = problem["loc"]
+    field = ".".join(str(part) for part in loc) or "(top level)"
+    kind = problem["type"]
+    if kind == "extra_forbidden":
+        close = difflib.get_close_matches(str(loc[-1]), fields_at(model, loc[:-1]), n=2, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
+        return f"{field}: unknown field{hint}"
+    if kind == "missing":
+        return f"{field}: required field is missing"
+    return f"{field}: {problem['msg']} (got {problem.get('input')!r})"
+
+
+def describe_validation_error(error: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
+    """Every problem in one line, `source: field.path: message (got value)`, several joined by `; `; `model` (the
+    validated class) names the fields an unknown one may have meant."""
+    problems = [describe_problem(problem, model) for problem in error.errors()]
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    return f"{source}: {len(problems)} problems: " + "; ".join(problems)
 
 
 def parse_job(data: object, source: str = "job") -> JobConfig:
@@ -37,7 +63,7 @@ def parse_job(data: object, source: str = "job") -> JobConfig:
     try:
         return JobConfig.model_validate(data)
     except ValidationError as exc:
-        raise JobFileError(describe_validation_error(exc, source)) from None
+        raise JobFileError(describe_validation_error(exc, source, JobConfig)) from None
 
 
 def read_yaml_file(path: Path, what: str = "job file") -> object:

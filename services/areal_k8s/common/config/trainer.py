@@ -83,7 +83,9 @@ class TrainerConfig(Section):
     checkpoint_interval: Annotated[int, Field(ge=1)] = Field(
         1, description="Checkpoint every k steps; stream entries are acknowledged only once their step is checkpointed."
     )
-    keep_checkpoints: Annotated[int, Field(ge=1)] = Field(2, description="Checkpoints kept on disk.")
+    keep_checkpoints: Annotated[int, Field(ge=1)] = Field(
+        2, description="Checkpoints kept on disk (the newest; the final model in final/ is written apart)."
+    )
     eval_interval: Annotated[int, Field(ge=0)] = Field(
         10,
         description="Evaluate held-out accuracy every k steps (0: only at start and end): greedy episodes of the "

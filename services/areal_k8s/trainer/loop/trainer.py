@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.final_model import FINAL_DIR, export_model
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
@@ -139,7 +140,18 @@ class Trainer:
                     checkpointed = await self.commit()
                     self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
         await asyncio.to_thread(self.world.send, STOP)
+        self.phase = "writing_final_model"
+        await asyncio.to_thread(self.write_final_model)
         self.phase = "finished"
+
+    def write_final_model(self) -> Path:
+        """The model to take home: the last checkpoint as a Hugging Face model directory in RUN_DIR/final (written
+        again, the same, by a trainer restarted after the last step)."""
+        final = export_model(
+            latest_checkpoint(self.checkpoints), self.run_dir / FINAL_DIR, job=self.job, tokenizer=self.tokenizer
+        )
+        log.info("final model written to %s", final)
+        return final
 
     async def follow(self) -> None:
         """The loop of a rank other than 0: run rank 0's commands until it sends `STOP`."""

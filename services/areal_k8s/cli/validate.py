@@ -1,0 +1,72 @@
+"""`arealctl validate`: a job file (its fields, then the model, tokenizer and datasets it names on this machine) or an
+RLJob manifest (the operator's own checks), every problem found in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_k8s.common.config import JobConfig, JobFileError, load_job_file, read_yaml_file
+from areal_k8s.common.prompts import ModelDirectoryError, check_model_dir, check_tokenizer_dir
+from areal_k8s.data.dataset import DatasetError, load_dataset
+
+
+def path_problems(job: JobConfig) -> list[str]:
+    """What a run of `job` on this machine would stop at: a model or tokenizer directory it cannot open, a dataset
+    file missing or not in a format it reads."""
+    problems = []
+    checks = [("model", check_model_dir, job.model)]
+    if job.tokenizer:
+        checks.append(("tokenizer", check_tokenizer_dir, job.tokenizer))
+    for field, check, path in checks:
+        try:
+            check(path)
+        except ModelDirectoryError as exc:
+            problems.append(f"{field}: {exc}")
+    for field, path in (("dataset.train", job.dataset.train), ("dataset.eval", job.dataset.eval)):
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            problems.append(f"{field}: dataset file not found: {path}")
+            continue
+        try:
+            load_dataset(path, job.dataset.format, job.dataset.code)
+        except DatasetError as exc:
+            problems.append(f"{field}: {exc}")
+    return problems
+
+
+def validate_job_file(path: Path, overrides: list[str]) -> str:
+    """The ok line for a job file whose fields and paths are good; JobFileError listing every problem otherwise."""
+    job = load_job_file(path, overrides=overrides)
+    problems = path_problems(job)
+    if len(problems) == 1:
+        raise JobFileError(f"{path}: {problems[0]}")
+    if problems:
+        raise JobFileError(f"{path}: {len(problems)} problems: " + "; ".join(problems))
+    return f"{path}: ok (job {job.name}, {job.algorithm.total_steps} steps, η = {job.algorithm.max_staleness})"
+
+
+def validate_rljob(path: Path, rljob: dict) -> str:
+    """The ok line for an RLJob the operator would run; JobFileError listing every problem otherwise. Its paths are
+    inside the pods, so they are not looked for here."""
+    from areal_k8s.k8s_operator.validation import InvalidSpec, validate
+
+    try:
+        job = validate(rljob)
+    except InvalidSpec as exc:
+        count = f"{len(exc.problems)} problems: " if len(exc.problems) > 1 else ""
+        raise JobFileError(f"{path}: {count}" + "; ".join(exc.problems)) from None
+    a = job.config.algorithm
+    return (
+        f"{path}: ok (RLJob {job.name}, {a.total_steps} steps, η = {a.max_staleness}; its paths are inside the pods "
+        "and not checked here)"
+    )
+
+
+def validate_file(path: Path, overrides: list[str]) -> str:
+    data = read_yaml_file(path)
+    if isinstance(data, dict) and data.get("kind") == "RLJob":
+        if overrides:
+            raise JobFileError(f"{path}: --set applies to job files, not to an RLJob manifest")
+        return validate_rljob(path, data)
+    return validate_job_file(path, overrides)
