@@ -392,7 +392,8 @@ class LocalRun:
             stub = controller_pb2_grpc.ControllerStub(ch)
             status = controller_pb2.JobStatus()
             while True:
-                trainer_done = self.service("trainer").exit_code == 0
+                # every rank: a follower may still be finishing its share of the last checkpoint when rank 0 is done
+                trainer_done = all(s.exit_code == 0 for s in self.services if trainer_world(s.name))
                 if self.recorder:
                     self.recorder.tick()
                 try:
