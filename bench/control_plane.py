@@ -166,7 +166,8 @@ def run_floor(args, workers: int, scratch: Path) -> dict:
     try:
         wait_for_port(port, server, log)
         out = directory / "floor.json"
-        warmup, window = args.warmup / 3, args.window / 3  # held polls only: steady at once
+        # held polls only: steady after one hold, and a few holds measure them
+        warmup, window = max(args.warmup / 3, args.hold_seconds), max(args.window / 3, 3 * args.hold_seconds)
         command = [*load_command(args, workers, port, server.pid, out, args.hold_seconds), "--floor"]
         command += ["--warmup", str(warmup), "--window", str(window)]
         run_load(command, warmup, window)

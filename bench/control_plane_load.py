@@ -374,6 +374,15 @@ async def serve_null(port: int) -> None:
     await server.wait_for_termination()
 
 
+async def in_waves(start, workers: int, wave: int = 256) -> list[asyncio.Future]:
+    """`start(i)` for each worker as a task, a wave at a time: 4,096 connecting at once overflow the listen backlog."""
+    tasks = []
+    for first in range(0, workers, wave):
+        tasks += [asyncio.ensure_future(start(i)) for i in range(first, min(first + wave, workers))]
+        await asyncio.sleep(0.5)
+    return tasks
+
+
 async def floor_load(args) -> dict:
     """N workers' held polls, one after another, against the null controller; its CPU per poll."""
     channels = [channel(args.controller) for _ in range(args.workers)]
@@ -385,10 +394,14 @@ async def floor_load(args) -> dict:
             worker_id=f"worker-{index}", max_groups=16, wait_ms=int(args.hold_seconds * 1000), reports_holding=True
         )
         while not stop.is_set():
-            await stub.AcquireGroups(request)
-            calls["polls"] += 1
+            try:
+                await stub.AcquireGroups(request)
+                calls["polls"] += 1
+            except grpc.aio.AioRpcError as exc:
+                calls[f"AcquireGroups: {exc.code().name}"] += 1
+                await asyncio.sleep(1.0)
 
-    tasks = [asyncio.ensure_future(poll(i)) for i in range(args.workers)]
+    tasks = await in_waves(poll, args.workers)
     await asyncio.sleep(args.warmup)
     window, before = MeasuredWindow({"controller": args.controller_pid, "load": os.getpid()}), calls["polls"]
     await asyncio.sleep(args.window)
@@ -401,6 +414,7 @@ async def floor_load(args) -> dict:
     return {
         "workers": args.workers,
         "rpc_per_second": round(polls, 1),
+        "errors": {what: n for what, n in calls.items() if what != "polls"},
         "cpu": measured["cpu"]["controller"],
         "waited_for_a_core": measured["waited_for_a_core"],
         "load_average": measured["load_average"],
@@ -417,11 +431,7 @@ async def run_load(args) -> dict:
     load = Load(args, TrajectoryStore(client, job["name"]), job)
     channels = [channel(args.controller) for _ in range(args.workers + 1)]
     stub = controller_pb2_grpc.ControllerStub(channels[-1])
-    tasks = []
-    for start in range(0, args.workers, 256):  # connect in waves: 4,096 at once overflow the listen backlog
-        wave = range(start, min(start + 256, args.workers))
-        tasks += [asyncio.ensure_future(load.worker(i, channels[i])) for i in wave]
-        await asyncio.sleep(0.5)
+    tasks = await in_waves(lambda i: load.worker(i, channels[i]), args.workers)
     tasks += [asyncio.ensure_future(load.trainer(channels[-1])), asyncio.ensure_future(load.monitor(stub))]
     tasks.append(asyncio.ensure_future(load.recorder.watch_the_loop(load.stop)))
     await asyncio.sleep(args.warmup)

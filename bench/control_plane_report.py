@@ -59,6 +59,7 @@ def summarise_floor(runs: list[dict]) -> dict:
         "rpc_per_second": spread(runs, "rpc_per_second"),
         "cpu": spread(runs, "cpu"),
         "load_average_1min": [run["load_average"][end][0] for run in runs for end in ("start", "end")],
+        "errors": sum(sum(run["errors"].values()) for run in runs),
         "us_per_rpc": spread([{"us": run["cpu"] * 1e6 / run["rpc_per_second"]} for run in runs], "us"),
     }
 
@@ -218,65 +219,82 @@ def readme_block(report: dict) -> str:
         "The gRPC floor: the same workers' held polls against a servicer that only holds them and answers nothing, "
         "on the same core:",
         "",
-        "| workers | polls/s | CPU | µs/poll | load average |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| workers | polls/s | CPU | µs/poll | load average | errors |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for workers, s in by_size(report["floor_summary"].items()):
         lines.append(
             f"| {int(workers):,} | {figure(s['rpc_per_second'])} | {share(s['cpu'])} | "
-            f"{s['us_per_rpc']['median']:.0f} | {load_averages(s['load_average_1min'])} |"
+            f"{s['us_per_rpc']['median']:.0f} | {load_averages(s['load_average_1min'])} | {s['errors']} |"
         )
     lines += ["", *(f"- {line}" for line in goals(report)), README_END]
     return "\n".join(lines)
 
 
+def line_through(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The least-squares line y = base + slope·x through (x, y) points: (slope, base)."""
+    n, xs, ys = len(points), [p[0] for p in points], [p[1] for p in points]
+    slope = (n * sum(x * y for x, y in points) - sum(xs) * sum(ys)) / (n * sum(x * x for x in xs) - sum(xs) ** 2)
+    return slope, (sum(ys) - slope * sum(xs)) / n
+
+
 def capacity_block(report: dict) -> str:
-    """docs/control-plane.md's figures: the scenario's rates, each size's cost per call, and one core's ceiling from
-    a least-squares line of the controller's CPU against its calls per second at the busiest minute's rate."""
+    """docs/control-plane.md's figures: how they were taken, the scenario's rates, each size's cost per call, and one
+    core's ceiling from a least-squares line of the controller's CPU against its calls per second at the busiest
+    minute's rate, in workers at the hold they ask for now and at the longer one."""
     rates, lines = report["scenario"]["rates"], [DOC_BEGIN]
     generation = rates["generation_seconds_percentiles"]
+    averages = [x for s in report["summary"].values() for x in s["load_average_1min"]]
+    lines.append(
+        f"- Taken on {report['machine_note']} shared with other work (host load average "
+        f"{load_averages(averages)} across the measured windows; 2 would be both cores busy), {report['runs']} "
+        f"run{'s' if report['runs'] != 1 else ''} of {report['window_seconds']:.0f} s per configuration."
+    )
     lines.append(
         f"- The scenario, simulated: {rates['average_per_second']:.1f} completions/s on average, "
         f"{rates['peak_minute_per_second']:.1f} in its busiest minute; a group generates for {generation[50]:.0f} s "
         f"at the median, {generation[99]:.0f} s at the 99th percentile."
     )
-    points = []
+    default_hold, points, per_worker = f"{report['hold_seconds']:g}", [], {}
     for key, s in by_size(report["summary"].items()):
         workers, rate, hold = parse_key(key)
-        if rate != "1" or hold != f"{report['hold_seconds']:g}":
+        if rate != "1":
             continue
         calls, cpu = s["rpc_per_second"]["median"], s["controller_cpu"]["median"]
+        per_worker[hold] = calls / workers  # at the largest size measured: the per-worker figure of a big job
+        if hold != default_hold:
+            lines.append(
+                f"- {workers:,} workers at the busiest minute's rate, their long polls held {hold} s instead of "
+                f"{default_hold}: {calls:,.0f} calls/s ({calls / workers:.2f} a worker), the controller's core "
+                f"{cpu:.0%} busy ({1 / cpu:.1f}× headroom), {s['us_per_rpc']['median']:.0f} µs a call."
+            )
+            continue
         if cpu < SATURATED:
-            points.append((int(workers), calls, cpu))
+            points.append((calls, cpu))
         floor = report["floor_summary"].get(str(workers))
         lines.append(
-            f"- {int(workers):,} workers at the busiest minute's rate: {calls:,.0f} calls/s "
-            f"({calls / int(workers):.2f} a worker), the controller's core {cpu:.0%} busy, "
+            f"- {workers:,} workers at the busiest minute's rate: {calls:,.0f} calls/s ({calls / workers:.2f} a "
+            f"worker), the controller's core {cpu:.0%} busy ({1 / cpu:.1f}× headroom), "
             f"{s['us_per_rpc']['median']:.0f} µs a call"
             + (f"; gRPC alone, {floor['us_per_rpc']['median']:.0f} µs a held poll." if floor else ".")
         )
     if len(points) >= 2:  # the sizes whose controller was not saturated
-        n, xs, ys = len(points), [p[1] for p in points], [p[2] for p in points]
-        slope = (n * sum(x * y for x, y in zip(xs, ys)) - sum(xs) * sum(ys)) / (
-            n * sum(x * x for x in xs) - sum(xs) ** 2
-        )
-        base = (sum(ys) - slope * sum(xs)) / n
-        per_worker = points[-1][1] / points[-1][0]  # calls a worker makes, at the largest size measured
-        full, headroom = (1 - base) / slope, (1 / GOAL_HEADROOM - base) / slope
+        slope, base = line_through(points)
+        full, headroom = (1 - base) / slope, max((1 / GOAL_HEADROOM - base) / slope, 0)
         lines.append(
             f"- One core, as a line through those sizes: {slope * 1e6:.0f} µs a call above a base of {base:.0%}. It "
-            f"is full at {full:,.0f} calls/s (about {full / per_worker:,.0f} workers at {per_worker:.2f} calls a "
-            f"second each) and keeps {GOAL_HEADROOM:.0f}× headroom up to {max(headroom, 0):,.0f} calls/s (about "
-            f"{max(headroom, 0) / per_worker:,.0f} workers)."
+            f"is full at {full:,.0f} calls/s and keeps {GOAL_HEADROOM:.0f}× headroom up to {headroom:,.0f} calls/s."
         )
-    for key, s in by_size(report["summary"].items()):
-        workers, rate, hold = parse_key(key)
-        if hold != f"{report['hold_seconds']:g}":
-            calls, cpu = s["rpc_per_second"]["median"], s["controller_cpu"]["median"]
+        for hold, calls in sorted(per_worker.items(), key=lambda kv: float(kv[0])):
             lines.append(
-                f"- {workers:,} workers at {rate}× that rate, their long polls held {hold} s instead of "
-                f"{report['hold_seconds']:g}: {calls:,.0f} calls/s ({calls / workers:.2f} a worker), the controller's "
-                f"core {cpu:.0%} busy ({1 / cpu:.1f}× headroom)."
+                f"  - Workers whose long polls are held {hold} s ({calls:.2f} calls a second each): one controller is "
+                f"full at about {full / calls:,.0f} of them and keeps {GOAL_HEADROOM:.0f}× headroom up to about "
+                f"{headroom / calls:,.0f}"
+                + (
+                    " (a projection from the line: the cost of a call measured at the shorter hold)."
+                    if hold != default_hold
+                    else "."
+                )
             )
     lines.append(DOC_END)
     return "\n".join(lines)
