@@ -15,6 +15,8 @@ import math
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 from array import array
 from collections import Counter, defaultdict
@@ -38,6 +40,7 @@ WORKER_DEFAULTS = inspect.signature(RolloutWorker).parameters
 HOLD_SECONDS = WORKER_DEFAULTS["hold_seconds"].default  # a long poll's hold, as the rollout worker asks for it
 HEARTBEAT_SECONDS = WORKER_DEFAULTS["poll_interval"].default  # a worker with no free slot calls in this often
 STEADY_IN_FLIGHT = 0.9  # of the concurrency: the groups in flight once the window is full (staleness-bound)
+WAVE, WAVE_SECONDS = 256, 0.5  # workers connecting together, and the pause before the next ones
 VERSION_BURST_SECONDS = 2.0  # after an announcement: every held poll answered (its engine is behind) and sent again
 # A long poll's figure is the time past the hold it asked for (0 for one answered early); every other call's, its
 # round trip.
@@ -116,7 +119,6 @@ class TimedControllerClient(ControllerClient):
         return await self._timed("GetOutstanding", super().outstanding())
 
     async def announce_version(self, version):
-        self.recorder.announced.append(time.perf_counter())
         return await self._timed("AnnounceVersion", super().announce_version(version))
 
     async def report_step(self, report):
@@ -187,6 +189,9 @@ class Load:
             if reply is None:
                 await asyncio.sleep(1.0)
                 continue
+            if reply.version > self.engine_version:  # the trainer pushed it to every engine before announcing it
+                self.engine_version = reply.version
+                self.recorder.announced.append(time.perf_counter())
             for group in reply.groups:
                 if group.group_id in self.received:
                     self.violation(f"group {group.group_id} leased twice")
@@ -194,7 +199,7 @@ class Load:
                 task = asyncio.ensure_future(self.generate(stub, worker_id, incarnation, group, stopping))
                 in_flight[task] = group.group_id
                 task.add_done_callback(lambda done: in_flight.pop(done, None))
-            if reply.groups or (free and engine_version >= reply.version):
+            if reply.groups or (free and self.engine_version >= reply.version):
                 continue
             await asyncio.wait({stopping, *in_flight}, timeout=HEARTBEAT_SECONDS, return_when=asyncio.FIRST_COMPLETED)
         await asyncio.gather(*in_flight)
@@ -269,7 +274,6 @@ class Load:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)
             version += 1
-            self.engine_version = version
             await controller.announce_version(WeightVersion(version=version, published_at=time.time(), restored=False))
             report = StepReport(
                 version=version,
@@ -374,12 +378,12 @@ async def serve_null(port: int) -> None:
     await server.wait_for_termination()
 
 
-async def in_waves(start, workers: int, wave: int = 256) -> list[asyncio.Future]:
+async def in_waves(start, workers: int) -> list[asyncio.Future]:
     """`start(i)` for each worker as a task, a wave at a time: 4,096 connecting at once overflow the listen backlog."""
     tasks = []
-    for first in range(0, workers, wave):
-        tasks += [asyncio.ensure_future(start(i)) for i in range(first, min(first + wave, workers))]
-        await asyncio.sleep(0.5)
+    for first in range(0, workers, WAVE):
+        tasks += [asyncio.ensure_future(start(i)) for i in range(first, min(first + WAVE, workers))]
+        await asyncio.sleep(WAVE_SECONDS)
     return tasks
 
 
@@ -421,22 +425,72 @@ async def floor_load(args) -> dict:
     }
 
 
+def latency_figures(recorder: Recorder) -> dict:
+    return {
+        method: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": round(max(v), 2)}
+        for method, v in recorder.latencies().items()
+    }
+
+
+async def until(at: float) -> None:
+    await asyncio.sleep(max(at - time.time(), 0.0))
+
+
+async def trainer_load(args) -> dict:
+    """The trainer, in a process of its own as in a job (its batch assembly's stream reads do not stall the
+    workers' event loop): its calls timed over the same window as the workers'."""
+    job = yaml.safe_load(Path(args.job).read_text())
+    client = aioredis.Redis.from_url(args.redis_url, retry=REDIS_RETRY)
+    load = Load(args, TrajectoryStore(client, job["name"]), job)
+    chan = channel(args.controller)
+    trainer = asyncio.ensure_future(load.trainer(chan))
+    await until(args.window_at)
+    load.recorder.measuring = True
+    began = time.monotonic()
+    await asyncio.sleep(args.window)
+    load.recorder.measuring = False
+    wall = time.monotonic() - began
+    load.stop.set()
+    await trainer
+    await chan.close()
+    await client.aclose()
+    return {
+        "steps": load.steps,
+        "calls_per_second": {m: len(v) / wall for m, v in load.recorder.latencies().items()},
+        "latency_ms": latency_figures(load.recorder),
+        "errors": dict(load.recorder.errors),
+        "violations": load.violations,
+    }
+
+
+def start_trainer(args, window_at: float) -> tuple[subprocess.Popen, Path]:
+    """This script again as the trainer, on the same core (the affinity is inherited); where it writes."""
+    out = args.out.with_suffix(".trainer.json")
+    command = [sys.executable, __file__, *sys.argv[1:], "--role", "trainer", "--window-at", str(window_at)]
+    return subprocess.Popen([*command, "--out", str(out)]), out
+
+
 async def run_load(args) -> dict:
-    """One configuration's load, in its own process; returns its figures."""
+    """One configuration's load: the workers in this process, the trainer in another; returns their figures."""
     if args.floor:
         return await floor_load(args)
+    if args.role == "trainer":
+        return await trainer_load(args)
+    window_at = time.time() + math.ceil(args.workers / WAVE) * WAVE_SECONDS + args.warmup
+    trainer, trainer_out = start_trainer(args, window_at)
     job = yaml.safe_load(Path(args.job).read_text())
-    # every worker's writes share one client here: a connection each, as each worker process has its own
-    client = aioredis.Redis.from_url(args.redis_url, max_connections=args.workers + 16, retry=REDIS_RETRY)
+    # The workers' stream writes share a pool here (a worker process has its own client): one waits for a free
+    # connection rather than failing, as the writes are the load's work, not what is measured.
+    pool = aioredis.BlockingConnectionPool.from_url(args.redis_url, max_connections=64, timeout=None, retry=REDIS_RETRY)
+    client = aioredis.Redis(connection_pool=pool)
     load = Load(args, TrajectoryStore(client, job["name"]), job)
     channels = [channel(args.controller) for _ in range(args.workers + 1)]
     stub = controller_pb2_grpc.ControllerStub(channels[-1])
     tasks = await in_waves(lambda i: load.worker(i, channels[i]), args.workers)
-    tasks += [asyncio.ensure_future(load.trainer(channels[-1])), asyncio.ensure_future(load.monitor(stub))]
-    tasks.append(asyncio.ensure_future(load.recorder.watch_the_loop(load.stop)))
-    await asyncio.sleep(args.warmup)
+    tasks += [asyncio.ensure_future(load.monitor(stub)), asyncio.ensure_future(load.recorder.watch_the_loop(load.stop))]
+    await until(window_at)
     gc.freeze()  # what the warm-up built stays: the collector walks only what the window adds
-    pids = {"controller": args.controller_pid, "redis": args.redis_pid, "load": os.getpid()}
+    pids = {"controller": args.controller_pid, "redis": args.redis_pid, "load": os.getpid(), "trainer": trainer.pid}
     window, before = MeasuredWindow(pids), dict(load.tally)
     load.recorder.measuring = True
     await asyncio.sleep(args.window)
@@ -447,36 +501,37 @@ async def run_load(args) -> dict:
     rss = memory_mib(args.controller_pid, "VmRSS")
     load.stop.set()
     await asyncio.gather(*tasks)
+    if await asyncio.to_thread(trainer.wait, 120) != 0:
+        raise RuntimeError(f"the trainer's process exited with {trainer.returncode}")
+    trained = json.loads(trainer_out.read_text())
     status = await load.recorder.call("GetJobStatus", stub.GetJobStatus, controller_pb2.GetJobStatusRequest())
     load.reconcile(status)
     for chan in channels:
         await chan.close()
     await client.aclose()
     latencies, away = load.recorder.latencies(), load.recorder.latencies(away_from_versions=True)
+    calls = {m: len(v) / wall for m, v in latencies.items()} | trained["calls_per_second"]
     return {
         "workers": args.workers,
         "rate": args.rate_factor,
         "slots_per_worker": load.slots,
         "window_seconds": round(wall, 1),
         "completions_per_second": round(completions / wall, 1),
-        "rpc_per_second": round(sum(len(v) for v in latencies.values()) / wall, 1),
-        "calls_per_second": {m: round(len(v) / wall, 1) for m, v in latencies.items()},
-        "steps": load.steps,
+        "rpc_per_second": round(sum(calls.values()), 1),
+        "calls_per_second": {m: round(n, 1) for m, n in calls.items()},
+        "steps": trained["steps"],
         "cpu": measured["cpu"],
         "waited_for_a_core": measured["waited_for_a_core"],
         "load_average": measured["load_average"],
         "controller_rss_mib": round(rss, 1),
-        "latency_ms": {
-            method: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": round(max(v), 2)}
-            for method, v in latencies.items()
-        },
-        # the same, of the calls that ran wholly outside the VERSION_BURST_SECONDS after each announcement
+        "latency_ms": latency_figures(load.recorder) | trained["latency_ms"],
+        # the workers' calls that ran wholly outside the VERSION_BURST_SECONDS after each new version reached them
         "latency_ms_away_from_versions": {
             method: {"p99": percentile(v, 99), "calls": len(v)} for method, v in away.items() if v
         },
         "load_loop_lag_ms": {"p99": percentile(load.recorder.lag_ms, 99), "max": round(max(load.recorder.lag_ms), 2)},
-        "errors": dict(load.recorder.errors),
-        "violations": load.violations,
+        "errors": dict(load.recorder.errors + Counter(trained["errors"])),
+        "violations": load.violations + trained["violations"],
     }
 
 
@@ -501,6 +556,13 @@ def main() -> None:
     parser.add_argument("--filtered", type=float, default=0.2)
     parser.add_argument("--failed", type=float, default=0.005)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--role",
+        choices=["workers", "trainer"],
+        default="workers",
+        help="(the trainer: started by the workers' process)",
+    )
+    parser.add_argument("--window-at", type=float, help="the trainer's: when the measured window opens (epoch seconds)")
     args = parser.parse_args()
     if args.null_server:
         asyncio.run(serve_null(args.null_server))

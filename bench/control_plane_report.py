@@ -35,7 +35,10 @@ def summarise(runs: list[dict]) -> dict:
         "completions_per_second": spread(runs, "completions_per_second"),
         "rpc_per_second": spread(runs, "rpc_per_second"),
         "controller_cpu": spread([run["cpu"] for run in runs], "controller"),
-        "load_and_redis_cpu": spread([{"cpu": run["cpu"]["load"] + run["cpu"]["redis"]} for run in runs], "cpu"),
+        # the other core: the workers' process, the trainer's and Redis
+        "load_core_cpu": spread(
+            [{"cpu": sum(v for k, v in run["cpu"].items() if k != "controller")} for run in runs], "cpu"
+        ),
         "controller_waited_for_its_core": spread([run["waited_for_a_core"] for run in runs], "controller"),
         "load_loop_lag_p99_ms": spread([run["load_loop_lag_ms"] for run in runs], "p99"),
         "load_average_1min": [run["load_average"][end][0] for run in runs for end in ("start", "end")],
@@ -92,7 +95,8 @@ def conditions(summary: dict) -> str:
     own delays and the controller's waits for its shared core."""
     return (
         f"the controller waited for its core {summary['controller_waited_for_its_core']['median']:.0%} of the "
-        f"window; the load's core was {summary['load_and_redis_cpu']['median']:.0%} busy (load and Redis) and its "
+        f"window; the other core was {summary['load_core_cpu']['median']:.0%} busy with the load (workers, trainer, "
+        f"Redis) and the workers' "
         f"event loop ran {summary['load_loop_lag_p99_ms']['median']:,.0f} ms late at p99; host load average "
         f"{load_averages(summary['load_average_1min'])}"
     )
@@ -174,27 +178,29 @@ def readme_block(report: dict) -> str:
         f"The controller under N simulated rollout workers and a trainer (`make bench-control`, "
         f"bench/results/control_plane.json), taken on {report['machine_note']} shared with other work (its load "
         f"average, from the start to the end of each measured window, is in the table): the controller pinned to "
-        f"one core, the load and Redis to the other; long polls held {report['hold_seconds']:g} s, as the rollout "
+        f"one core, the load (the workers' process, the trainer's) and Redis to the other; long polls held "
+        f"{report['hold_seconds']:g} s, as the rollout "
         f"worker asks. 1× is the 1,024-GPU scenario's busiest minute, {rates['peak_minute_per_second']:.1f} "
         f"completions/s, sustained (its average is {rates['average_per_second']:.1f}/s). {runs.capitalize()} of "
         f"{report['window_seconds']:.0f} s measured after {report['warmup_seconds']:.0f} s of warm-up"
         + (" (median, and min–max where runs differ)" if report["runs"] > 1 else "")
         + "; CPU is the share of one core; *waited* is the share of the time the controller was ready to run but "
-        "its core ran other work; *load lag* is how late the load's own event loop ran (its calls' latencies "
-        "include it):",
+        "its core ran other work; *load CPU* is the other core's use by the load and Redis; *load lag* is how "
+        "late the workers' own event loop ran (their calls' latencies include it):",
         "",
         "| workers | rate | hold | completions/s | RPC/s | controller CPU | headroom | µs/RPC | RSS MiB | waited | "
-        "load + Redis CPU | load lag p99 ms | load average | errors | violations |",
+        "load CPU | load lag p99 ms | load average | errors | violations |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, s in by_size(report["summary"].items()):
         workers, rate, hold = parse_key(key)
         lines.append(
-            f"| {workers:,} | {rate}× | {hold} s | {figure(s['completions_per_second'], 1)} | "
+            f"| {workers:,} | {rate}× | {hold} s | {figure(s['completions_per_second'], 1)} of "
+            f"{float(rate) * rates['peak_minute_per_second']:.1f} | "
             f"{figure(s['rpc_per_second'])} | {share(s['controller_cpu'])} | "
             f"{1 / s['controller_cpu']['median']:.1f}× | {s['us_per_rpc']['median']:.0f} | "
             f"{s['controller_rss_mib']['median']:,.0f} | {share(s['controller_waited_for_its_core'])} | "
-            f"{share(s['load_and_redis_cpu'])} | {figure(s['load_loop_lag_p99_ms'])} | "
+            f"{share(s['load_core_cpu'])} | {figure(s['load_loop_lag_p99_ms'])} | "
             f"{load_averages(s['load_average_1min'])} | {s['errors']} | {s['violations']} |"
         )
     lines += [
