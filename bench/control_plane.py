@@ -5,9 +5,10 @@ redis-server with AOF (pinned to the other core), over real gRPC on loopback. A 
 core (control_plane_load.py) simulates N workers, each on its own channel, doing what RolloutWorker.run does: a long
 poll for groups (`AcquireGroups` held as long as the worker asks, 1 s, with `holding`) while it has free slots, a
 heartbeat every 0.2 s while it has none, and for each group a generation time, `write_group` of its 16 trajectories
-to the stream and `CompleteGroups`. One simulated trainer forms batches with the real BatchAssembler (GetOutstanding,
-the stream, select_batch), reports each step, acknowledges its entries and announces the next version (its engines
-updated first, as a push does). Beside each N, the floor: the same workers' held polls against a servicer that holds
+to the stream and `CompleteGroups`. One simulated trainer, in a process of its own on the same core, forms batches
+with the real BatchAssembler (GetOutstanding, the stream, select_batch), reports each step, acknowledges its entries
+and announces the next version (pushed to every engine at once: a worker's engine is at the version its controller
+last told it of). Beside each N, the floor: the same workers' held polls against a servicer that holds
 them and does nothing else, on the same core, which is what gRPC itself costs.
 
 The rates come from the job's own 1,024-GPU scenario (scenarios/gpu-1.5b.yaml: B 512 × 16, η 4, concurrency 2,560):

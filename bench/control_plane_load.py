@@ -1,7 +1,7 @@
-"""The load of bench/control_plane.py, in a process of its own on its own core: N simulated rollout workers, one
-trainer and a status monitor against one controller (or, for the floor, the workers' held polls against a servicer
-that does nothing else). `python bench/control_plane_load.py --help` lists what the parent passes; it writes the
-figures of its measured window as JSON to `--out`.
+"""The load of bench/control_plane.py, on a core of its own: N simulated rollout workers and a status monitor in this
+process, one trainer in another that it starts (`--role trainer`), against one controller (or, for the floor, the
+workers' held polls against a servicer that does nothing else). `python bench/control_plane_load.py --help` lists
+what the parent passes; it writes the figures of its measured window as JSON to `--out`.
 """
 
 from __future__ import annotations
