@@ -264,6 +264,7 @@ class Load:
             await asyncio.wait({batch, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not batch.done():
                 batch.cancel()
+                await asyncio.wait({batch}, timeout=5.0)  # its cancellation lands before the channel closes
                 break
             groups = batch.result()
             if assembler.dropped:

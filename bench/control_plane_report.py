@@ -21,7 +21,7 @@ DOC_BEGIN, DOC_END = (
 )
 
 GOAL_P99_MS, GOAL_HEADROOM, GOAL_LARGE_P99_MS = 100.0, 4.0, 1000.0
-SATURATED = 0.9  # of its core: a controller this busy queues calls, and its cost no longer grows with them
+SATURATED = 0.9  # of the time, the controller running or waiting for its core: its calls queue
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -267,42 +267,38 @@ def capacity_block(report: dict) -> str:
         if rate != "1":
             continue
         calls, cpu = s["rpc_per_second"]["median"], s["controller_cpu"]["median"]
-        per_worker[hold] = calls / workers  # at the largest size measured: the per-worker figure of a big job
-        if hold != default_hold:
-            lines.append(
-                f"- {workers:,} workers at the busiest minute's rate, their long polls held {hold} s instead of "
-                f"{default_hold}: {calls:,.0f} calls/s ({calls / workers:.2f} a worker), the controller's core "
-                f"{cpu:.0%} busy ({1 / cpu:.1f}× headroom), {s['us_per_rpc']['median']:.0f} µs a call."
-            )
-            continue
-        if cpu < SATURATED:
+        wanted = cpu + s["controller_waited_for_its_core"]["median"]
+        if wanted < SATURATED and not s["errors"]:  # a call's cost, where calls did not queue for the core
             points.append((calls, cpu))
-        floor = report["floor_summary"].get(str(workers))
+        if not s["errors"]:  # the largest size served without errors: its workers' calls, each
+            per_worker[hold] = (workers, calls / workers)
+        floor = report["floor_summary"].get(str(workers)) if hold == default_hold else None
         lines.append(
-            f"- {workers:,} workers at the busiest minute's rate: {calls:,.0f} calls/s ({calls / workers:.2f} a "
-            f"worker), the controller's core {cpu:.0%} busy ({1 / cpu:.1f}× headroom), "
+            f"- {workers:,} workers at the busiest minute's rate"
+            + (f", their long polls held {hold} s instead of {default_hold}" if hold != default_hold else "")
+            + f": {calls:,.0f} calls/s ({calls / workers:.2f} a worker), the controller's core {cpu:.0%} busy "
+            f"({1 / cpu:.1f}× headroom) and {s['controller_waited_for_its_core']['median']:.0%} waited for, "
             f"{s['us_per_rpc']['median']:.0f} µs a call"
-            + (f"; gRPC alone, {floor['us_per_rpc']['median']:.0f} µs a held poll." if floor else ".")
+            + (f"; gRPC alone, {floor['us_per_rpc']['median']:.0f} µs a held poll" if floor else "")
+            + (f"; {s['errors']:,} calls failed" if s["errors"] else "")
+            + "."
         )
-    if len(points) >= 2:  # the sizes whose controller was not saturated
+    if len(points) >= 2:
         slope, base = line_through(points)
         full, headroom = (1 - base) / slope, max((1 / GOAL_HEADROOM - base) / slope, 0)
         lines.append(
-            f"- One core, as a line through those sizes: {slope * 1e6:.0f} µs a call above a base of {base:.0%}. It "
-            f"is full at {full:,.0f} calls/s and keeps {GOAL_HEADROOM:.0f}× headroom up to {headroom:,.0f} calls/s."
+            f"- One core, as a line through the sizes whose controller was running or waiting for its core less "
+            f"than {SATURATED:.0%} of the time and failed no call: {slope * 1e6:.0f} µs a call above a base of "
+            f"{base:.0%}. It is full at {full:,.0f} calls/s and keeps {GOAL_HEADROOM:.0f}× headroom up to "
+            f"{headroom:,.0f} calls/s."
         )
-        for hold, calls in sorted(per_worker.items(), key=lambda kv: float(kv[0])):
+        for hold, (workers, calls) in sorted(per_worker.items(), key=lambda kv: float(kv[0])):
             lines.append(
-                f"  - Workers whose long polls are held {hold} s ({calls:.2f} calls a second each): one controller is "
-                f"full at about {full / calls:,.0f} of them and keeps {GOAL_HEADROOM:.0f}× headroom up to about "
-                f"{headroom / calls:,.0f}"
-                + (
-                    " (a projection from the line: the cost of a call measured at the shorter hold)."
-                    if hold != default_hold
-                    else "."
-                )
+                f"  - Workers whose long polls are held {hold} s ({calls:.2f} calls a second each, as at {workers:,}): "
+                f"one controller is full at about {full / calls:,.0f} of them and keeps {GOAL_HEADROOM:.0f}× "
+                f"headroom up to about {headroom / calls:,.0f}."
             )
-    lines.append(DOC_END)
+    lines += ["- The issue's goals, as the README says them:", *(f"  - {line}" for line in goals(report)), DOC_END]
     return "\n".join(lines)
 
 
