@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 venv: $(VENV)/.installed
 
@@ -120,6 +120,11 @@ bench-logprobs: proto
 # shape (bench/results/weight_push.json; ~5 min, needs a quiet machine)
 bench-weights: proto
 	$(PY) bench/weight_push.py
+
+# the controller under N simulated rollout workers and a trainer at the 1,024-GPU scenario's rates and 4x them, pinned to
+# one core, with the gRPC floor beside it (bench/results/control_plane.json; ~10 min on 2 cores; ARGS=--quick: 1 min)
+bench-control: proto
+	$(PY) bench/control_plane.py $(ARGS)
 
 # executions/s of a trivial program through the code verifier's sandbox (bubblewrap) against a bare subprocess
 # (bench/results/code_sandbox.json)

@@ -130,6 +130,15 @@ def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
     assert module.readme_block(report) in module.DOC.read_text(), f"run `python bench/{script}.py --readme`"
 
 
+def test_the_control_plane_doc_carries_the_control_plane_figures_as_measured():
+    """The tables and the figures docs/control-plane.md reasons with, as bench/control_plane.py writes them from its
+    committed results (its report is bench/control_plane_report.py)."""
+    module = load_bench("control_plane_report")
+    report = json.loads(module.RESULTS.read_text())
+    assert module.readme_block(report) in module.DOC.read_text(), "run `python bench/control_plane.py --readme`"
+    assert module.capacity_block(report) in module.DOC.read_text(), "run `python bench/control_plane.py --readme`"
+
+
 def test_the_demo_figures_summarise_every_run():
     """The README's demo figures are medians and ranges over all recorded runs of the shipped job, never one run."""
     module = load_bench("demo_runs")
