@@ -94,8 +94,8 @@ def test_the_example_scenario_loads_and_runs():
 
 def test_arealctl_simulate_labels_its_figures_and_rejects_a_bad_scenario_in_one_line(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
-    good.write_text(json.dumps(scenario().model_dump()))
-    bad.write_text("split: {rollout: 0}\n")
+    good.write_text(json.dumps(scenario(sources={"toy": "assumed: a test's figures"}).model_dump()))
+    bad.write_text("sources: {toy: assumed}\nsplit: {rollout: 0}\n")
     out = subprocess.run(
         [sys.executable, "-m", "areal_k8s.cli.main", "simulate", str(good)], capture_output=True, text=True
     )
