@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_k8s.simulator.model import simulate
-from areal_k8s.simulator.plan import plan, static_splits
+from areal_k8s.simulator.plan import plan, recommend, static_splits
 from areal_k8s.simulator.scenario import Scenario, load_scenario
 
 
@@ -131,3 +131,24 @@ def test_time_between_the_last_token_and_the_stream_and_retracting_on_each_push_
     assert completing.seconds > plain.seconds and completing.samples == plain.samples
     assert len(completing.staleness_counts) <= 3  # η = 2 still holds: a group's slot stays taken until it lands
     assert retracting.seconds > without.seconds
+
+
+def test_plan_names_the_staleness_bound_as_the_limit_when_raising_eta_pays_and_the_split_when_it_does_not():
+    """Little's law: with long tails and η = 0 every step waits for its slowest group, so raising η pays more than
+    any split; with short tails and η = 4 the bound holds nobody and the split decides."""
+    budget = {"budget_gpus": 8, "rollout_unit_gpus": 1, "trainer_unit_gpus": 1}
+    tight = scenario(
+        job={"max_staleness": 0, "total_steps": 20},
+        resources=budget,
+        workload={"response": {"mean": 300, "sigma": 1.0, "max": 4000}},
+    )
+    advice = recommend(tight, plan(tight, 20), 20)
+    assert advice.limit == "staleness bound" and advice.max_staleness > 0
+    assert advice.lines[-1].startswith("recommended:") and "Little's law" in advice.lines[1]
+    loose = scenario(
+        job={"max_staleness": 4, "total_steps": 20},
+        resources=budget,
+        workload={"response": {"mean": 300, "sigma": 0.1, "max": 4000}},
+    )
+    advice = recommend(loose, plan(loose, 20), 20)
+    assert advice.limit == "split" and advice.split.rollout > advice.split.trainer
