@@ -37,7 +37,7 @@ PUBLISHED = {"1.5b": {"async": 14.8, "sync": 41.0}, "7b": {"async": 25.4, "sync"
 HOURS_TOLERANCE, RATIO_TOLERANCE = 0.35, 0.25
 ETA = 8  # AReaL's η for math
 SWEEP_GPUS = (128, 256, 512, 1024)
-SWEEP_STEPS = 20
+SWEEP_STEPS = 16
 POLICY_STEPS = 40
 PARTS = ("table1", "policies", "sweep")
 FIGURES = (
@@ -142,20 +142,30 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return {"table1": table1, "explanations": {m: EXPLANATIONS.get(m, "") for m in missed}, "figures": summary}
 
 
-def measure(part: str, seeds: int, processes: int) -> dict[str, list[dict]]:
+def part_of(name: str) -> str:
+    return "sweep" if name.startswith("sweep/") else "policies" if "/policy/" in name else "table1"
+
+
+def measure(parts: list[str], seeds: int, processes: int, kept: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Run the parts' configurations, seed 0 of every one first, then seed 1, ...; each run finished replaces the
+    kept run of its configuration and seed, and the results file is written again after each (a run cut short
+    keeps what finished)."""
+    work = sorted(
+        (task for part in parts for task in tasks(part, seeds)),
+        key=lambda t: (t["seed"], PARTS.index(part_of(t["name"]))),
+    )
     with Pool(processes) as pool:
-        done = pool.map(run, tasks(part, seeds), chunksize=1)
-    runs: dict[str, list[dict]] = {}
-    for r in sorted(done, key=lambda r: r["seed"]):
-        runs.setdefault(r["name"], []).append(r)
-    return runs
+        for r in pool.imap_unordered(run, work):
+            runs = [k for k in kept.get(r["name"], []) if k["seed"] != r["seed"]] + [r]
+            kept[r["name"]] = sorted(runs, key=lambda k: k["seed"])
+            RESULTS.write_text(json.dumps(report(kept), indent=1) + "\n")
+    return kept
 
 
-def report(runs: dict[str, list[dict]], seeds: int) -> dict:
+def report(runs: dict[str, list[dict]]) -> dict:
     return {
         "simulated": True,
         "scenarios": SCENARIOS,
-        "seeds": seeds,
         "eta": ETA,
         "policy_steps": POLICY_STEPS,
         "sweep_steps": SWEEP_STEPS,
@@ -174,19 +184,22 @@ def readme_block(report: dict) -> str:
 
     lines = [
         README_BEGIN,
-        f"Simulated by `make bench-sim-tail` (medians over {report['seeds']} seeds; costs and length model from "
-        "published figures, cited in `bench/scenarios/areal-*.yaml`, never fitted to these hours). AReaL's Table 1, "
-        f"250 steps of 512 prompts × 16 samples, `admission` at η = {report['eta']} against Sync.AReaL (η = 0):",
+        "Simulated by `make bench-sim-tail` (medians over the seeds run, counted in each row; costs and length model "
+        "from published figures, cited in `bench/scenarios/areal-*.yaml`, never fitted to these hours). AReaL's "
+        f"Table 1, 250 steps of 512 prompts × 16 samples, `admission` at η = {report['eta']} against Sync.AReaL "
+        "(η = 0):",
         "",
-        "| model, GPUs (simulated) | async h (published) | sync h (published) | sync/async (published) | within ±35 % "
-        "/ ±25 % |",
-        "| --- | --- | --- | --- | --- |",
+        "| model, GPUs (simulated) | seeds | async h (published) | sync h (published) | sync/async (published) | "
+        "within ±35 % / ±25 % |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for model, row in t.items():
         s, p, e, ok = row["simulated_hours"], row["published_hours"], row["error"], row["within"]
-        gpus = report["runs"][f"{model}/async"][0]["gpus"]
+        runs = report["runs"][f"{model}/async"] + report["runs"][f"{model}/sync"]
+        seeds = len({r["seed"] for r in runs})
         lines.append(
-            f"| {model}, {gpus} | {s['async']:.1f} ({p['async']:.1f}, {e['async']:+.0%}) | {s['sync']:.1f} "
+            f"| {model}, {runs[0]['gpus']} | {seeds} | {s['async']:.1f} ({p['async']:.1f}, {e['async']:+.0%}) | "
+            f"{s['sync']:.1f} "
             f"({p['sync']:.1f}, {e['sync']:+.0%}) | {row['simulated_ratio']:.2f} ({row['published_ratio']:.2f}, "
             f"{e['ratio']:+.0%}) | "
             + ("yes" if all(ok.values()) else "no: " + ", ".join(k for k, v in ok.items() if not v))
@@ -199,9 +212,9 @@ def readme_block(report: dict) -> str:
         f"steps) and in a sweep of the 1.5B scenario over cluster size ({report['sweep_steps']} steps; engines' slots "
         "and the concurrency cap kept per engine); samples/s are steady (after the first quarter of the steps):",
         "",
-        "| simulated | B | admission samples/s | strict samples/s | strict/admission | strict: trainer waiting "
-        "for stragglers | admission: staleness p99 / max | engines busy (admission) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| simulated | B | seeds | admission samples/s | strict samples/s | strict/admission | strict: trainer "
+        "waiting for stragglers | admission: staleness p99 / max | engines busy (admission) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = [
         (f"{model}, {runs[0]['gpus']} GPUs", 512, f"{model}/policy/admission", f"{model}/policy/strict")
@@ -215,8 +228,10 @@ def readme_block(report: dict) -> str:
         if f"sweep/{gpus}/{batch}/admission" in f and f"sweep/{gpus}/{batch}/strict" in f
     ]
     for label, batch, a, s in rows:
+        seeds = len({r["seed"] for r in report["runs"][a]} & {r["seed"] for r in report["runs"][s]})
         lines.append(
-            f"| {label} | {batch} | {m(a, 'steady_samples_per_second'):.1f} | {m(s, 'steady_samples_per_second'):.1f} "
+            f"| {label} | {batch} | {seeds} | {m(a, 'steady_samples_per_second'):.1f} | "
+            f"{m(s, 'steady_samples_per_second'):.1f} "
             f"| {m(s, 'steady_samples_per_second') / m(a, 'steady_samples_per_second'):.2f} | "
             f"{m(s, 'trainer_waiting_for_stragglers'):.0%} | {m(a, 'staleness_p99'):g} / {m(a, 'staleness_max'):g} | "
             f"{m(a, 'engine_busy'):.0%} |"
@@ -239,10 +254,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     kept = json.loads(RESULTS.read_text())["runs"] if RESULTS.exists() else {}
-    for part in [] if args.readme else args.parts:  # a part's runs replace the ones kept from an earlier run of it
-        kept |= measure(part, args.seeds, args.processes)
-        RESULTS.write_text(json.dumps(report(kept, args.seeds), indent=1) + "\n")
-    results = report(kept, args.seeds)
+    if not args.readme:
+        kept = measure(args.parts, args.seeds, args.processes, kept)
+    results = report(kept)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     write_readme(results)
 

@@ -152,3 +152,17 @@ def test_plan_names_the_staleness_bound_as_the_limit_when_raising_eta_pays_and_t
     )
     advice = recommend(loose, plan(loose, 20), 20)
     assert advice.limit == "split" and advice.split.rollout > advice.split.trainer
+
+
+def test_arealctl_plan_ranks_the_splits_and_recommends_a_split_batch_and_eta(tmp_path):
+    path = tmp_path / "budget.yaml"
+    budget = scenario(sources={"toy": "assumed"}, resources={"budget_gpus": 5, "trainer_unit_gpus": 1})
+    path.write_text(json.dumps(budget.model_dump()))
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_k8s.cli.main", "plan", str(path), "--steps", "10"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("simulated:") and len(lines) >= 2 + len(static_splits(budget))
+    assert re.search(r"^recommended: \d+ rollout and \d+ trainer units, B = \d+, η = \d+$", lines[-1]), lines[-1]
+    assert re.search(r"^limit: the (split|staleness bound) ", lines[-2])
