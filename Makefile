@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 venv: $(VENV)/.installed
 
@@ -138,6 +138,11 @@ bench-calibrate: demo-assets
 # the staleness rebalancer on a simulated 1,024-GPU cluster (every figure simulated; bench/results/simulated.json)
 bench-sim: proto
 	$(PY) bench/simulated.py --seeds 3
+
+# AReaL's Table 1 in the simulator, strict against admission, and a sweep over cluster size (every figure simulated;
+# bench/results/simulated_tail.json; some 40 minutes on 2 cores)
+bench-sim-tail: proto
+	$(PY) bench/simulated_tail.py --seeds 3
 
 clean:
 	rm -rf $(VENV) build runs .cache .gpu-bundle .pytest_cache .hypothesis services/areal_k8s/api/v1/*_pb2*.py* $(STUBS)

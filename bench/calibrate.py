@@ -170,7 +170,7 @@ def scenario_for(job: JobConfig, engine: dict, costs: dict) -> Scenario:
                     "prefill_per_token_seconds",
                 )
             }
-            | {"threads": job.rollout.threads, "max_steps_per_event": 8, "start_seconds": 0},
+            | {"threads": job.rollout.threads, "start_seconds": 0},
             "trainer": {"gpu_seconds_per_token": costs["train_seconds_per_token"], "threads": job.trainer.threads},
             "push": {"seconds": costs["push_seconds"], "retract": job.rollout.interrupt == "retract"},
             "workload": {

@@ -109,6 +109,29 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
         assert report["summary"][name]["hours"] == simulated.spread(runs, "hours")
 
 
+def test_the_docs_carry_the_simulated_table_1_and_policy_sweep_as_computed():
+    """docs/simulator.md's simulated Table 1 reproduction and strict/admission sweep are what bench/simulated_tail.py writes
+    from its committed results; each summary is the median and range of the kept runs (one per seed), and the
+    verdict against AReaL's published hours is recomputed from those medians."""
+    tail = load_bench("simulated_tail")
+    report = json.loads(tail.RESULTS.read_text())
+    assert report["simulated"] is True
+    assert tail.readme_block(report) in tail.DOC.read_text(), "run `python bench/simulated_tail.py --readme`"
+    for name, runs in report["runs"].items():
+        assert sorted(r["seed"] for r in runs) == list(range(len(runs))), name  # seeds 0.., one run each
+        for key in tail.FIGURES:
+            assert report["figures"][name][key] == tail.spread(runs, key)
+    recomputed = tail.summarize(report["runs"])
+    assert report["table1"] == recomputed["table1"]
+    assert set(report["table1"]) == set(tail.PUBLISHED) and report["table1"]["1.5b"]["published_hours"] == {
+        "async": 14.8,
+        "sync": 41.0,
+    }
+    for model, row in report["table1"].items():  # a number outside its tolerance is explained in the results file
+        missed = [figure for figure, ok in row["within"].items() if not ok]
+        assert all(report["explanations"].get(f"{model}/{figure}") for figure in missed), (model, missed)
+
+
 @pytest.mark.parametrize(
     "script",
     [

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_k8s.simulator.model import simulate
-from areal_k8s.simulator.plan import plan, static_splits
+from areal_k8s.simulator.plan import plan, recommend, static_splits
 from areal_k8s.simulator.scenario import Scenario, load_scenario
 
 
@@ -94,8 +94,8 @@ def test_the_example_scenario_loads_and_runs():
 
 def test_arealctl_simulate_labels_its_figures_and_rejects_a_bad_scenario_in_one_line(tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
-    good.write_text(json.dumps(scenario().model_dump()))
-    bad.write_text("split: {rollout: 0}\n")
+    good.write_text(json.dumps(scenario(sources={"toy": "assumed: a test's figures"}).model_dump()))
+    bad.write_text("sources: {toy: assumed}\nsplit: {rollout: 0}\n")
     out = subprocess.run(
         [sys.executable, "-m", "areal_k8s.cli.main", "simulate", str(good)], capture_output=True, text=True
     )
@@ -131,3 +131,38 @@ def test_time_between_the_last_token_and_the_stream_and_retracting_on_each_push_
     assert completing.seconds > plain.seconds and completing.samples == plain.samples
     assert len(completing.staleness_counts) <= 3  # η = 2 still holds: a group's slot stays taken until it lands
     assert retracting.seconds > without.seconds
+
+
+def test_plan_names_the_staleness_bound_as_the_limit_when_raising_eta_pays_and_the_split_when_it_does_not():
+    """Little's law: with long tails and η = 0 every step waits for its slowest group, so raising η pays more than
+    any split; with short tails and η = 4 the bound holds nobody and the split decides."""
+    budget = {"budget_gpus": 8, "rollout_unit_gpus": 1, "trainer_unit_gpus": 1}
+    tight = scenario(
+        job={"max_staleness": 0, "total_steps": 20},
+        resources=budget,
+        workload={"response": {"mean": 300, "sigma": 1.0, "max": 4000}},
+    )
+    advice = recommend(tight, plan(tight, 20), 20)
+    assert advice.limit == "staleness bound" and advice.max_staleness > 0
+    assert advice.lines[-1].startswith("recommended:") and "Little's law" in advice.lines[1]
+    loose = scenario(
+        job={"max_staleness": 4, "total_steps": 20},
+        resources=budget,
+        workload={"response": {"mean": 300, "sigma": 0.1, "max": 4000}},
+    )
+    advice = recommend(loose, plan(loose, 20), 20)
+    assert advice.limit == "split" and advice.split.rollout > advice.split.trainer
+
+
+def test_arealctl_plan_ranks_the_splits_and_recommends_a_split_batch_and_eta(tmp_path):
+    path = tmp_path / "budget.yaml"
+    budget = scenario(sources={"toy": "assumed"}, resources={"budget_gpus": 5, "trainer_unit_gpus": 1})
+    path.write_text(json.dumps(budget.model_dump()))
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_k8s.cli.main", "plan", str(path), "--steps", "10"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("simulated:") and len(lines) >= 2 + len(static_splits(budget))
+    assert re.search(r"^recommended: \d+ rollout and \d+ trainer units, B = \d+, η = \d+$", lines[-1]), lines[-1]
+    assert re.search(r"^limit: the (split|staleness bound) ", lines[-2])

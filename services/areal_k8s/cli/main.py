@@ -234,21 +234,28 @@ def cmd_simulate(args) -> int:
 def cmd_plan(args) -> int:
     from pathlib import Path
 
-    from areal_k8s.simulator.plan import plan
+    from areal_k8s.simulator.plan import plan, recommend
     from areal_k8s.simulator.scenario import load_scenario
 
-    runs = plan(load_scenario(Path(args.scenario)))
-    print("simulated: each static split of the scenario's budget, fastest first")
+    scenario = load_scenario(Path(args.scenario))
+    runs = plan(scenario, args.steps)
     print(
-        f"{'rollout':>8} {'trainer':>8} {'hours':>8} {'samples/s':>10} {'trainer idle':>13} {'GPU busy':>9} "
-        f"{'staleness':>10}"
+        f"simulated: each static split of the scenario's budget ({min(args.steps, scenario.job.total_steps)} steps), "
+        "fastest first"
+    )
+    print(
+        f"{'rollout':>8} {'trainer':>8} {'samples/s':>10} {'trainer busy':>13} {'engines busy':>13} "
+        f"{'held by η':>10} {'staleness':>10}"
     )
     for split, result in runs:
         f = result.figures()
         print(
-            f"{split.rollout:>8} {split.trainer:>8} {f['hours']:>8.3f} {f['samples_per_second']:>10.3f} "
-            f"{f['trainer_idle']:>13.1%} {f['gpu_busy']:>9.1%} {f['mean_staleness']:>10.2f}"
+            f"{split.rollout:>8} {split.trainer:>8} {f['steady_samples_per_second']:>10.2f} "
+            f"{f['trainer_busy']:>13.1%} {f['engine_busy']:>13.1%} {f['engines_held_by_staleness']:>10.1%} "
+            f"{f['mean_staleness']:>10.2f}"
         )
+    print()
+    print("\n".join(recommend(scenario, runs, args.steps).lines))
     return 0
 
 
@@ -445,10 +452,17 @@ def parser() -> argparse.ArgumentParser:
     plan = command(
         sub,
         "plan",
-        "simulate every static rollout/trainer split of a scenario's budget, fastest first",
-        [("arealctl plan examples/scenario-long-tail.yaml", "a table, one split a line")],
+        "simulate every static rollout/trainer split of a scenario's budget, then recommend a split, B and η and say "
+        "whether the staleness bound or the split limits throughput",
+        [
+            ("arealctl plan bench/scenarios/areal-1.5b.yaml --steps 12", "AReaL's 1.5B setup, a short simulation"),
+            ("arealctl plan examples/scenario-long-tail.yaml", "a table, one split a line, and the recommendation"),
+        ],
     )
     plan.add_argument("scenario", help="scenario file (YAML)")
+    plan.add_argument(
+        "--steps", type=int, default=40, help="steps to simulate each candidate for (default 40, at most the job's)"
+    )
     plan.set_defaults(func=cmd_plan)
 
     manifests = command(

@@ -1,15 +1,14 @@
 """A discrete-event model of one asynchronous RL job, running the system's own decisions on simulated time.
 
-What is real here: the controller's admission, leases and running totals (`ControllerCore`, on the simulated
-clock), the trainer's batch choice (`select_batch`) and the staleness rebalancer (`advance`). What is modelled:
-how long things take (scenario costs) and how long responses are (a drifting log-normal).
+What is real here: the controller's admission and leases (`ControllerCore` on the simulated clock, reached through
+its public calls), the workers' pulls through it (placement.py), the trainer's batch choice under the job's
+staleness policy (`select_batch`) and the staleness rebalancer (`advance`). What is modelled: how long things take
+(the scenario's costs, engine.py's continuous batch in a bounded KV cache) and how long responses are
+(lengths.py).
 
-Engines batch continuously: every decode step advances each of an engine's sequences by one token, and its cost
-depends on the batch size and on the tokens the batch attends to. The model advances an engine in closed form to
-its next completed sequence (at most `engine.max_steps_per_event` steps, the longest a newly admitted group waits
-to join the batch), so an event costs the same whatever the batch size. The trainer takes a batch when
-`select_batch` gives one, trains it in time proportional to its tokens over its units, then pushes the weights:
-every engine pauses for the push and continues its sequences under the new version (interruptible generation).
+The trainer takes a batch when `select_batch` gives one, trains it (time by its tokens and their squared lengths over
+its GPUs), then pushes the weights: every engine pauses for the push, and with `push.retract` prefills every
+sequence it holds again (interruptible generation) before going on under the new version.
 """
 
 from __future__ import annotations
@@ -18,98 +17,60 @@ import heapq
 import itertools
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from areal_k8s.common.rebalance import Decision, Split, State, advance, settings_for, totals_of
+from areal_k8s.common.rebalance import Split, State, advance, settings_for, totals_of
 from areal_k8s.common.store import StreamEntry
-from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.simulator.engine import Engine
+from areal_k8s.simulator.engine import Engine, Sequence
+from areal_k8s.simulator.lengths import group_lengths, mean_length
+from areal_k8s.simulator.placement import Placement, Pulls, first_come
+from areal_k8s.simulator.results import Result, add_counts
 from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.trainer.step.batching import Group, select_batch
 
 PROMPTS = 1024  # dataset items the simulated controller cycles through
 
 
-@dataclass
-class Result:
-    """Everything simulated. `figures()` is the summary a person reads."""
-
-    scenario: str
-    seconds: float
-    steps: int
-    samples: int
-    tokens: int
-    trainer_wait_seconds: float
-    staleness_counts: list[int]
-    gpu_seconds: float  # GPUs held, integrated over time
-    busy_gpu_seconds: float  # of which generating or training
-    decisions: list[tuple[float, Decision]]
-    splits: list[tuple[float, int, int]]  # (time, rollout units, trainer units) at the start and after each change
-    band: tuple[float, float] | None
-    engine_seconds: float = 0.0  # engines held, integrated over time
-    generating_seconds: float = 0.0  # of which with sequences in their batch
-
-    def figures(self) -> dict:
-        windows = [d.window for _, d in self.decisions if d.window is not None and d.window.samples > 0]
-        inside = sum(1 for w in windows if self.band and self.band[0] <= w.mean_staleness <= self.band[1])
-        trained = sum(self.staleness_counts)
-        return {
-            "simulated": True,
-            "scenario": self.scenario,
-            "hours": round(self.seconds / 3600, 3),
-            "steps": self.steps,
-            "samples_per_second": round(self.samples / self.seconds, 3),
-            "tokens_per_second": round(self.tokens / self.seconds, 1),
-            "trainer_idle": round(self.trainer_wait_seconds / self.seconds, 4),
-            "rollout_idle": round(1 - self.generating_seconds / self.engine_seconds, 4) if self.engine_seconds else 0.0,
-            "gpu_busy": round(self.busy_gpu_seconds / self.gpu_seconds, 4) if self.gpu_seconds else 0.0,
-            "mean_staleness": round(sum(s * n for s, n in enumerate(self.staleness_counts)) / trained, 3)
-            if trained
-            else 0.0,
-            "staleness_counts": self.staleness_counts,
-            "windows": len(windows),
-            "windows_within_band": round(inside / len(windows), 4) if windows else None,
-            "moves": sum(1 for _, d in self.decisions if d.split is not None),
-            "final_split": {"rollout": self.splits[-1][1], "trainer": self.splits[-1][2]},
-        }
-
-
 class Simulation:
-    def __init__(self, scenario: Scenario):
+    def __init__(self, scenario: Scenario, placement: Placement = first_come):
         self.s = scenario
-        self.job = scenario.job_config()
         self.now = 0.0
         items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
-        self.core = ControllerCore(self.job, items, lease_seconds=math.inf, clock=lambda: self.now)
+        self.core = ControllerCore(scenario.job_config(), items, lease_seconds=math.inf, clock=lambda: self.now)
+        self.pulls = Pulls(self.core, lambda: self.now, placement)
         self.random = random.Random(scenario.seed)
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.order = itertools.count()
         self.engines: list[Engine] = []
-        self.generating: set[str] = set()  # engines with sequences in their batch
         self.names = itertools.count()
+        self.leases: dict[str, tuple[Admitted, float]] = {}  # group -> (its admission, when)
         self.trainer_units = scenario.split.trainer
         self.stream: list[Group] = []
+        self.generated: dict[str, tuple[int, int, list[Sequence], float]] = {}  # group -> tokens, Σ S², sequences, t0
         self.training = False
         self.trainer_free_at = 0.0  # a rescale keeps the trainer busy until then
         self.waiting_since: float | None = 0.0
-        self.wait_seconds = 0.0
+        self.straggler_since: float | None = None
+        self.blocked_after: tuple[int, int] | None = None  # (see try_train)
+        self.wait_seconds = self.straggler_seconds = self.compute_seconds = self.reported_wait = 0.0
         self.samples = self.tokens = 0
+        self.latency_sum = 0.0
         self.staleness_counts: list[int] = []
-        self.gpu_seconds = self.busy_gpu_seconds = 0.0
-        self.engine_seconds = self.generating_seconds = 0.0
+        self.step_ends: list[float] = []
+        self.token_staleness_counts: list[int] = []
+        self.gpu_seconds = self.trainer_gpu_seconds = self.engine_seconds = 0.0
+        self.retired = [0, 0.0, 0, 0.0]  # decoded, capacity, retractions, decoding seconds of engines removed
         self.accounted_at = 0.0
-        self.decisions: list[tuple[float, Decision]] = []
-        self.tokens_of: dict[str, int] = {}  # tokens of each generated group not yet trained
-        self.reported_wait = 0.0
-        self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
         self.limits = scenario.limits()
-        self.policy = (
-            State(Split(scenario.split.rollout, scenario.split.trainer)) if scenario.rebalance.enabled else None
-        )
-        self.settings = settings_for(self.job) if scenario.rebalance.enabled else None
+        self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
+        self.decisions: list = []
+        rebalancing = scenario.rebalance.enabled
+        self.policy = State(Split(scenario.split.rollout, scenario.split.trainer)) if rebalancing else None
+        self.settings = settings_for(self.core.job) if rebalancing else None
 
     # -- the event loop ------------------------------------------------------------------------------------
 
@@ -126,41 +87,61 @@ class Simulation:
             self.account(when)
             self.now = when
             action()
+        for engine in self.engines:
+            self.sync(engine)
+        self.pulls.close()
+        return self.result()
+
+    def result(self) -> Result:
+        decoded = sum(e.decoded for e in self.engines) + self.retired[0]
+        capacity = sum(e.capacity for e in self.engines) + self.retired[1]
+        shape = self.s.job
         return Result(
             self.s.name,
+            shape.batch_size,
+            shape.group_size,
             self.now,
             self.core.version,
             self.samples,
             self.tokens,
             self.wait_seconds,
+            self.straggler_seconds,
+            self.compute_seconds,
             self.staleness_counts,
+            self.token_staleness_counts,
+            decoded,
+            capacity,
+            self.engine_seconds,
+            sum(e.decoding_seconds for e in self.engines) + self.retired[3],
             self.gpu_seconds,
-            self.busy_gpu_seconds,
+            self.trainer_gpu_seconds,
+            sum(e.retractions for e in self.engines) + self.retired[2],
+            self.latency_sum / (self.samples / shape.group_size) if self.samples else 0.0,
+            self.step_ends,
+            dict(self.pulls.held_seconds),
             self.decisions,
             self.splits,
             self.settings.band if self.settings else None,
-            self.engine_seconds,
-            self.generating_seconds,
         )
 
     def account(self, until: float) -> None:
-        """GPUs held and GPUs busy between the last event and `until`."""
+        """GPUs held, and engines holding sequences, between the last event and `until`."""
         span = until - self.accounted_at
         if span <= 0:
             return
-        held = len(self.engines) * self.limits.rollout_unit + self.trainer_units * self.limits.trainer_unit
-        generating = len(self.generating) * self.limits.rollout_unit
-        training = self.trainer_units * self.limits.trainer_unit if self.training else 0
-        self.gpu_seconds += held * span
-        self.busy_gpu_seconds += (generating + training) * span
+        trainer = self.trainer_units * self.limits.trainer_unit
+        self.gpu_seconds += (len(self.engines) * self.limits.rollout_unit + trainer) * span
+        self.trainer_gpu_seconds += trainer * span
         self.engine_seconds += len(self.engines) * span
-        self.generating_seconds += len(self.generating) * span
         self.accounted_at = until
 
-    # -- rollout -------------------------------------------------------------------------------------------
+    # -- engines -------------------------------------------------------------------------------------------
 
     def add_engine(self, ready: bool) -> None:
-        engine = Engine(f"engine-{next(self.names)}")
+        r = self.s.workload.response
+        nominal = self.s.workload.prompt_tokens + mean_length(r, self.core.version) * math.exp(r.sigma**2) / 2
+        engine = Engine(f"engine-{next(self.names)}", self.s.engine, self.core.version, nominal)
+        engine.clock = self.now
         self.engines.append(engine)
         self.core.register(engine.name, "sim", -1)
         if ready:
@@ -171,57 +152,29 @@ class Simulation:
     def engine_ready(self, engine: Engine) -> None:
         if engine not in self.engines:
             return  # removed while it was starting
-        engine.ready, engine.version = True, self.core.version  # it loads the weights the trainer pushed last
+        engine.idle_until(self.now)
+        engine.ready = True
+        engine.set_version(self.core.version)  # it loads the weights the trainer pushed last
         self.fill(engine)
 
     def remove_engine(self) -> None:
         engine = self.engines.pop()
-        self.generating.discard(engine.name)
+        self.sync(engine)
         engine.generation += 1
-        self.end_hold(engine)
-        for group_id in engine.groups:
+        self.pulls.release(engine)
+        for group_id in engine.drop():
             self.core.complete(group_id, "requeued", "engine removed")
+            del self.leases[group_id]
         self.core.unregister(engine.name, 0)
-
-    def response_length(self) -> int:
-        r = self.s.workload.response
-        mean = r.mean * (1 + r.growth_per_step) ** self.core.version
-        mu = math.log(mean) - r.sigma**2 / 2  # the log-normal's mean is `mean`
-        return max(1, min(r.max, round(self.random.lognormvariate(mu, r.sigma))))
-
-    def fill(self, engine: Engine) -> None:
-        """The engine's worker asks for as many groups as it has room for (held by the bound if none may start)."""
-        if not engine.ready:
-            return
-        room = self.s.job.groups_per_engine - len(engine.groups) - engine.completing
-        admitted = self.core.acquire(engine.name, room, engine.version) if room > 0 else []
-        prompt = self.s.workload.prompt_tokens
-        for a in admitted:
-            lengths = [self.response_length() for _ in range(self.s.job.group_size)]
-            engine.admit(a.lease.group_id, lengths, prompt, self.order)
-        refused = room > 0 and not admitted and self.core.refusal(engine.name, room, engine.version) == "staleness"
-        if refused and engine.hold is None:
-            engine.hold = self.core.begin_hold("staleness")
-        elif not refused:
-            self.end_hold(engine)
-        if engine.finishing and engine.busy_until <= self.now:
-            self.schedule_steps(engine)
-        if engine.finishing:
-            self.generating.add(engine.name)
-        else:
-            self.generating.discard(engine.name)
-
-    def end_hold(self, engine: Engine) -> None:
-        if engine.hold is not None:
-            self.core.end_hold(engine.hold)
-            engine.hold = None
+        for i, figure in enumerate((engine.decoded, engine.capacity, engine.retractions, engine.decoding_seconds)):
+            self.retired[i] += figure
 
     def contention(self, starting: Engine | None = None) -> float:
         """How much slower a process runs on shared cores, from the threads busy as its work starts (the engine
         `starting` counted among them): held until that work ends, an approximation as good as events are short."""
         if self.s.cores is None:
             return 1.0
-        engines = len(self.generating | ({starting.name} if starting else set()))
+        engines = sum(1 for e in self.engines if e.batch or e is starting)
         busy = (
             engines * self.s.engine.threads
             + (self.s.trainer.threads if self.training else 0)
@@ -229,108 +182,165 @@ class Simulation:
         )
         return max(1.0, busy / self.s.cores)
 
-    def retraction_seconds(self, engine: Engine) -> float:
-        """Recomputing the cache of every sequence the engine holds, after a push that retracted them."""
-        if not self.s.push.retract:
-            return 0.0
-        context = engine.context_tokens(self.s.workload.prompt_tokens)
-        return context * self.s.engine.prefill_per_token_seconds * self.contention(engine)
+    def sync(self, engine: Engine) -> None:
+        """Work the engine's batch out up to now (its scheduled stop is void: the caller schedules another); a group
+        it finishes at this very time is handed on next."""
+        if engine.batch and self.now > engine.clock:
+            engine.generation += 1
+            finished = engine.apply(engine.walk(self.now - engine.clock, engine.pace))
+            if finished:
+                self.at(self.now, lambda: self.deliver(engine, finished))
+        engine.idle_until(self.now)
 
-    def schedule_steps(self, engine: Engine) -> None:
-        """Run the batch up to its next completed sequence (Engine.next_steps), slowed by CPU contention."""
-        steps, seconds = engine.next_steps(self.s.engine, self.s.workload.prompt_tokens)
-        engine.fresh_prefill = 0
-        engine.busy_until, engine.event_steps = self.now + seconds * self.contention(engine), steps
-        self.schedule_steps_end(engine)
-
-    def schedule_steps_end(self, engine: Engine) -> None:
+    def schedule(self, engine: Engine) -> None:
+        """The engine's next stop (Engine.walk), as an event; an earlier one is cancelled."""
         engine.generation += 1
-        token, steps = engine.generation, engine.event_steps
-        self.at(engine.busy_until, lambda: self.steps_done(engine, token, steps))
+        engine.pace = self.contention(starting=engine)
+        engine.planned = engine.walk(slowdown=engine.pace)
+        if engine.planned.reason != "idle":
+            token = engine.generation
+            self.at(engine.clock + engine.planned.seconds, lambda: self.stop(engine, token))
 
-    def steps_done(self, engine: Engine, token: int, steps: int) -> None:
+    def stop(self, engine: Engine, token: int) -> None:
         if token != engine.generation:
-            return  # rescheduled (a push paused it) or dropped (the engine was removed)
-        for group_id in engine.advance(steps):
-            self.group_done(engine, group_id)
+            return  # cancelled: the batch changed, or the engine was removed
+        self.deliver(engine, engine.apply(engine.planned))
         self.fill(engine)
 
-    def group_done(self, engine: Engine, group_id: str) -> None:
-        _, tokens, min_version = engine.groups.pop(group_id)
-        if self.s.workload.completion_seconds > 0:
-            engine.completing += 1
-            self.at(
-                self.now + self.s.workload.completion_seconds,
-                lambda: self.group_completed(engine, group_id, tokens, min_version),
-            )
-        else:
-            self.group_completed(engine, group_id, tokens, min_version)
+    def deliver(self, engine: Engine, finished: list[tuple[str, list[Sequence]]]) -> None:
+        for group_id, sequences in finished:
+            if group_id not in self.leases:
+                continue  # the engine was removed and the group handed back
+            if self.s.workload.completion_seconds > 0:
+                engine.completing += 1
+                self.at(
+                    self.now + self.s.workload.completion_seconds,
+                    lambda g=group_id, q=sequences: self.landed(engine, g, q),
+                )
+            else:
+                self.group_completed(engine, group_id, sequences)
 
-    def group_completed(self, engine: Engine, group_id: str, tokens: int, min_version: int) -> None:
-        if self.s.workload.completion_seconds > 0:
-            engine.completing -= 1
-            self.fill(engine)
-        lease = self.core.leases[group_id]
+    def landed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
+        """A group scored and written after its last token: its slot frees."""
+        engine.completing -= 1
+        self.group_completed(engine, group_id, sequences)
+        self.fill(engine)
+
+    def fill(self, engine: Engine) -> None:
+        """The engine's worker asks for as many groups as it has free slots, then its batch goes on."""
+        if not engine.ready or engine not in self.engines:
+            return
+        self.take(engine, self.pulls.ask(engine, self.free_slots(engine)))
+
+    def free_slots(self, engine: Engine) -> int:
+        return self.s.job.groups_per_engine - engine.groups - engine.completing
+
+    def take(self, engine: Engine, admitted: list[Admitted]) -> None:
+        self.sync(engine)
+        w = self.s.workload
+        for a in admitted:
+            self.leases[a.lease.group_id] = (a, self.now)
+            lengths = group_lengths(self.random, w.response, engine.version, self.s.job.group_size)
+            engine.add_group(a.lease.group_id, [Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
+        self.schedule(engine)
+
+    def group_completed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
+        admission, admitted_at = self.leases.pop(group_id)
         self.core.complete(group_id, "accepted")
-        size = self.s.job.group_size
+        lease = admission.lease
         entries = tuple(
             StreamEntry(
-                f"{group_id}-{i}", group_id, min_version, engine.version, lease.admitted_version, lease.ticket, None
+                f"{group_id}-{i}", group_id, min(q.tokens_by_version), engine.version, lease.admitted_version,
+                lease.ticket, None,
             )
-            for i in range(size)
-        )
+            for i, q in enumerate(sequences)
+        )  # fmt: skip
         self.stream.append(Group(group_id, lease.admitted_version, lease.ticket, entries))
-        self.tokens_of[group_id] = tokens
-        self.try_train()
+        tokens = sum(q.length for q in sequences)
+        squares = sum((q.prompt + q.length) ** 2 for q in sequences)
+        self.generated[group_id] = (tokens, squares, sequences, admitted_at)
+        self.try_train(self.stream[-1])
+        self.serve_held()  # a group done may open room (under a concurrency cap): the held pulls come first
+
+    def serve_held(self) -> None:
+        for engine, admitted in self.pulls.open(self.free_slots):
+            self.take(engine, admitted)
 
     # -- training ------------------------------------------------------------------------------------------
 
-    def try_train(self) -> None:
+    def try_train(self, arrived: Group | None = None) -> None:
+        """Train if `select_batch` gives a batch. A strict trainer waiting for a straggler asks again only when the
+        group that `arrived` is older than the B-th oldest complete one: any other moves a deadline from the
+        running groups to those left behind, which changes nothing `select_batch` weighs."""
         if self.training or self.now < self.trainer_free_at:
             return
-        held = {g.group_id for g in self.stream}
-        running = [lease.admitted_version for gid, lease in self.core.leases.items() if gid not in held]
+        job = self.s.job
+        strict = job.staleness_policy == "strict" and len(self.stream) >= job.batch_size
+        if (
+            strict
+            and arrived is not None
+            and self.blocked_after is not None
+            and (arrived.admitted_version, arrived.ticket) > self.blocked_after
+        ):
+            return
         batch = select_batch(
             self.stream,
-            running,
+            list(self.core.outstanding().values()) if strict else [],
             version=self.core.version,
-            batch_size=self.s.job.batch_size,
-            max_staleness=self.s.job.max_staleness,
+            batch_size=job.batch_size,
+            max_staleness=job.max_staleness,
+            policy=job.staleness_policy,
         )
         if batch is None:
             if self.waiting_since is None:
                 self.waiting_since = self.now
+            if strict:
+                oldest = heapq.nsmallest(job.batch_size, ((g.admitted_version, g.ticket) for g in self.stream))
+                self.blocked_after = oldest[-1]
+                if self.straggler_since is None:
+                    self.straggler_since = self.now  # B groups are complete: the policy waits for a straggler
             return
+        self.blocked_after = None
         if self.waiting_since is not None:
             self.wait_seconds += self.now - self.waiting_since
             self.waiting_since = None
+        if self.straggler_since is not None:
+            self.straggler_seconds += self.now - self.straggler_since
+            self.straggler_since = None
         taken = {g.group_id for g in batch}
         self.stream = [g for g in self.stream if g.group_id not in taken]
-        tokens = sum(self.tokens_of.pop(g.group_id) for g in batch)
+        work = [self.generated.pop(g.group_id) for g in batch]
+        tokens, squares = sum(w[0] for w in work), sum(w[1] for w in work)
+        self.latency_sum += sum(self.now - w[3] for w in work)
+        gpus = self.trainer_units * self.limits.trainer_unit
+        trainer = self.s.trainer
+        seconds = (tokens * trainer.gpu_seconds_per_token + squares * trainer.gpu_seconds_per_square_token) / gpus
+        seconds *= self.contention()
         self.training = True
-        seconds = (
-            tokens
-            * self.s.trainer.gpu_seconds_per_token
-            / (self.trainer_units * self.limits.trainer_unit)
-            * self.contention()
-        )
-        self.at(self.now + seconds, lambda: self.trained(batch, tokens))
+        self.compute_seconds += seconds
+        self.at(self.now + seconds, lambda: self.trained(batch, [q for w in work for q in w[2]], tokens))
 
-    def trained(self, batch: list[Group], tokens: int) -> None:
+    def trained(self, batch: list[Group], sequences: list[Sequence], tokens: int) -> None:
         version = self.core.version
-        staleness = [version - g.min_version for g in batch for _ in g.entries]
-        counts = [staleness.count(s) for s in range(max(staleness) + 1)]
-        self.staleness_counts += [0] * (len(counts) - len(self.staleness_counts))
-        for s, n in enumerate(counts):
-            self.staleness_counts[s] += n
+        staleness = [version - min(q.tokens_by_version) for q in sequences]
+        for s, n in Counter(staleness).items():
+            add_counts(self.staleness_counts, s, n)
+        tokens_by_version: dict[int, int] = {}
+        for q in sequences:
+            for v, n in q.tokens_by_version.items():
+                tokens_by_version[v] = tokens_by_version.get(v, 0) + n
+        for v, n in tokens_by_version.items():
+            add_counts(self.token_staleness_counts, version - v, n)
         self.samples += len(staleness)
         self.tokens += tokens
-        push = self.s.push.seconds
+        push = self.s.push
         for engine in self.engines:  # generation pauses for the push, then goes on under the new version
-            if engine.ready and engine.busy_until > self.now:
-                engine.busy_until += push + self.retraction_seconds(engine)
-                self.schedule_steps_end(engine)
-        self.at(self.now + push, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
+            self.sync(engine)
+            engine.idle_until(self.now + push.seconds)
+            if push.retract:
+                engine.interrupt()
+            self.schedule(engine)
+        self.at(self.now + push.seconds, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
 
     def pushed(self, version: int, groups: int, staleness: list[int], tokens: int) -> None:
         wait, self.reported_wait = self.wait_seconds - self.reported_wait, self.wait_seconds
@@ -349,10 +359,12 @@ class Simulation:
             wait_seconds=wait,
         )
         self.core.announce_version(version, restored=False)
+        self.step_ends.append(self.now)
         for engine in self.engines:
             if engine.ready:
-                engine.version = version
+                engine.set_version(version)
         self.training = False
+        self.serve_held()
         for engine in list(self.engines):
             self.fill(engine)
         self.try_train()
@@ -381,5 +393,5 @@ class Simulation:
         self.splits.append((self.now, split.rollout, split.trainer))
 
 
-def simulate(scenario: Scenario) -> Result:
-    return Simulation(scenario).run()
+def simulate(scenario: Scenario, placement: Placement = first_come) -> Result:
+    return Simulation(scenario, placement).run()

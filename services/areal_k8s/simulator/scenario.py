@@ -1,7 +1,10 @@
 """What the simulator needs to know about a job and its cluster: one typed scenario file.
 
-Costs are per rollout engine and per trainer unit (a data-parallel replica). Every figure the simulator reports
-from them is simulated, and says so.
+Costs are per rollout engine and per trainer GPU. They are stated outright, derived from a model's shape and a
+GPU's published figures (`gpu`, simulator/costs.py), or measured (`engine: {measured: PATH}`). A scenario file
+says where its figures come from: `sources` maps an id to a citation, and the blocks that carry published or
+assumed figures (`gpu`, `workload.response`) name the ids they rest on. Every figure the simulator reports from a
+scenario is simulated, and says so.
 """
 
 from __future__ import annotations
@@ -9,19 +12,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from areal_k8s.common.config import (
     JobConfig,
     JobFileError,
     RebalanceConfig,
     StalenessBand,
+    StalenessPolicy,
     describe_validation_error,
     parse_job,
     read_yaml_file,
 )
 from areal_k8s.common.rebalance import Limits
 from areal_k8s.simulator.calibration import MeasuredCostError, measured_engine_cost
+from areal_k8s.simulator.costs import GpuCosts, engine_costs, trainer_costs
 
 
 class _Part(BaseModel):
@@ -30,43 +35,60 @@ class _Part(BaseModel):
 
 class EngineCost(_Part):
     """One decode step of an engine's continuous batch costs step_base + step_per_sequence × sequences +
-    step_per_context_token × the tokens the sequences attend to; a new request first costs its prefill.
+    step_per_context_token × the tokens the sequences attend to; a sequence joining the batch first costs the
+    prefill of its context C: prefill_per_token·C + prefill_per_square_token·C². The batch lives in a KV cache of
+    `kv_capacity_tokens` (none: unbounded) with `kv_reserve_tokens` of room kept per running sequence
+    (simulator/engine.py).
 
-    In a scenario file, `measured: PATH` (relative to the file) takes the four costs from a GPU check's results
-    (scripts/gpu_check.py, bench/results/gpu_check.json); costs written beside it override them."""
+    In a scenario file, `measured: PATH` (relative to the file) takes the four step and prefill costs from a GPU
+    check's results (scripts/gpu_check.py, bench/results/gpu_check.json); costs written beside it override them."""
 
     step_base_seconds: Annotated[float, Field(ge=0)] = 0.02
     step_per_sequence_seconds: Annotated[float, Field(ge=0)] = 1e-4
     step_per_context_token_seconds: Annotated[float, Field(ge=0)] = 0.0
     prefill_per_token_seconds: Annotated[float, Field(ge=0)] = 1e-5
+    prefill_per_square_token_seconds: Annotated[float, Field(ge=0)] = 0.0
+    kv_capacity_tokens: Annotated[int, Field(ge=1)] | None = None
+    kv_reserve_tokens: Annotated[int, Field(ge=0)] = 0
     start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
     threads: Annotated[int, Field(ge=1)] = 1  # CPU threads one engine keeps busy (with `cores`: CPU contention)
-    max_steps_per_event: Annotated[int, Field(ge=1)] = 32  # the longest a newly admitted group waits to join
 
 
 class TrainerCost(_Part):
-    # Training time per token on one GPU (forward, backward, the logprob recompute): n units of g GPUs each take
-    # 1/(n·g) of it (data-parallel scaling taken as linear).
+    # Training time on one GPU (forward, backward, the logprob recompute): per token, and per squared sequence
+    # length (attention); n units of g GPUs each take 1/(n·g) of it (data-parallel scaling taken as linear).
     gpu_seconds_per_token: Annotated[float, Field(gt=0)] = 1e-4
+    gpu_seconds_per_square_token: Annotated[float, Field(ge=0)] = 0.0
     rescale_seconds: Annotated[float, Field(ge=0)] = 120.0  # checkpoint, rescale, resume on a change of units
     threads: Annotated[int, Field(ge=1)] = 1  # CPU threads the trainer keeps busy (with `cores`: CPU contention)
 
 
 class PushCost(_Part):
     seconds: Annotated[float, Field(ge=0)] = 5.0  # a weight push, during which generation is paused
-    # `rollout.interrupt: retract`: after the push an engine recomputes the cache of every sequence it holds
-    # (prompt and output so far, at the prefill's cost per token)
+    # `rollout.interrupt: retract` (AReaL's interruptible generation): the push aborts what the engines run, and
+    # each sequence's cache is computed again (its prefill, under the new weights) before it continues
     retract: bool = False
+    sources: list[str] = Field(default_factory=list)  # ids in the scenario's `sources`
 
 
 class Lengths(_Part):
-    """Response lengths: log-normal around `mean` (tokens), capped at `max`; `growth_per_step` drifts the mean
-    (long-reasoning RL grows its responses as training goes on)."""
+    """Response lengths: log-normal around `mean` tokens with log-spread `sigma`, capped at `max`, the mean drifting
+    by `growth_per_step` a version (long-reasoning RL grows its responses as it trains). `prompt_sigma` of the
+    spread is the prompt's (responses to one prompt are alike: a hard prompt's are all long), the rest each
+    response's own (simulator/lengths.py)."""
 
     mean: Annotated[float, Field(gt=0)] = 512.0
     sigma: Annotated[float, Field(ge=0)] = 0.5
+    prompt_sigma: Annotated[float, Field(ge=0)] = 0.0
     max: Annotated[int, Field(ge=1)] = 4096
     growth_per_step: float = 0.0
+    sources: list[str] = Field(default_factory=list)  # ids in the scenario's `sources`
+
+    @model_validator(mode="after")
+    def _prompt_share_within_spread(self) -> Lengths:
+        if self.prompt_sigma > self.sigma:
+            raise ValueError(f"prompt_sigma ({self.prompt_sigma}) cannot exceed sigma ({self.sigma})")
+        return self
 
 
 class Workload(_Part):
@@ -81,8 +103,10 @@ class JobShape(_Part):
     batch_size: Annotated[int, Field(ge=1)] = 16
     group_size: Annotated[int, Field(ge=1)] = 8
     max_staleness: Annotated[int, Field(ge=0)] = 4
+    staleness_policy: StalenessPolicy = "strict"
+    max_concurrent: Annotated[int, Field(ge=1)] | None = None  # algorithm.max_concurrent_rollouts
     total_steps: Annotated[int, Field(ge=1)] = 100
-    groups_per_engine: Annotated[int, Field(ge=1)] = 8  # groups an engine generates at once
+    groups_per_engine: Annotated[int, Field(ge=1)] = 8  # rollout.groups_per_worker: an engine's worker's slots
     staleness_target: StalenessBand | None = None
 
 
@@ -104,6 +128,8 @@ class Resources(_Part):
 class Scenario(_Part):
     name: str = "scenario"
     seed: int = 0
+    sources: dict[str, str] = Field(default_factory=dict)  # id -> citation (or what is assumed, and why)
+    gpu: GpuCosts | None = None  # derive the engine's and the trainer's costs from published figures
     job: JobShape = Field(default_factory=JobShape)
     split: SplitSpec
     resources: Resources = Field(default_factory=Resources)
@@ -118,6 +144,25 @@ class Scenario(_Part):
     cores: Annotated[float, Field(gt=0)] | None = None
     background_threads: Annotated[float, Field(ge=0)] = 0.0  # with `cores`: the other processes' mean busy threads
 
+    @model_validator(mode="after")
+    def _costs_and_their_sources(self) -> Scenario:
+        cited = {
+            "gpu": self.gpu.sources if self.gpu else [],
+            "push": self.push.sources,
+            "workload.response": self.workload.response.sources,
+        }
+        for block, ids in cited.items():
+            if unknown := [i for i in ids if i not in self.sources]:
+                raise ValueError(f"{block}.sources names {', '.join(unknown)}, which `sources` does not list")
+        if self.gpu is not None:  # what the file states itself stays
+            self.engine = self.engine.model_copy(
+                update={k: v for k, v in engine_costs(self.gpu).items() if k not in self.engine.model_fields_set}
+            )
+            self.trainer = self.trainer.model_copy(
+                update={k: v for k, v in trainer_costs(self.gpu).items() if k not in self.trainer.model_fields_set}
+            )
+        return self
+
     def job_config(self) -> JobConfig:
         """The job the simulated controller and rebalancer run: the scenario's shape and rebalance settings."""
         shape = self.job
@@ -125,6 +170,8 @@ class Scenario(_Part):
             "batch_size": shape.batch_size,
             "group_size": shape.group_size,
             "max_staleness": shape.max_staleness,
+            "staleness_policy": shape.staleness_policy,
+            "max_concurrent_rollouts": shape.max_concurrent,
             "total_steps": shape.total_steps,
         }
         if shape.staleness_target is not None:
@@ -159,15 +206,22 @@ class Scenario(_Part):
 
 
 def load_scenario(path: Path) -> Scenario:
-    """A scenario file, or JobFileError with one readable line naming the field."""
+    """A scenario file, or JobFileError with one readable line naming the field. A file must say where its figures
+    come from: `sources`, or an engine measured by a GPU check (its results file is the source)."""
     data = read_yaml_file(path, "scenario file")
     engine = data.get("engine") if isinstance(data, dict) else None
-    if isinstance(engine, dict) and "measured" in engine:
+    measured = isinstance(engine, dict) and "measured" in engine
+    if measured:
         given = {name: value for name, value in engine.items() if name != "measured"}
         try:
             data["engine"] = measured_engine_cost(Path(path).parent / str(engine["measured"])) | given
         except MeasuredCostError as exc:
             raise JobFileError(f"{path}: engine.measured: {exc}") from None
+    if isinstance(data, dict) and not data.get("sources") and not measured:
+        raise JobFileError(
+            f"{path}: sources: a scenario file must say where its figures come from (a map of id to citation, or to "
+            "what is assumed and why)"
+        )
     try:
         return Scenario.model_validate(data)
     except ValidationError as exc:
