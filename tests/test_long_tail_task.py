@@ -1,5 +1,6 @@
 """The long-tail task (demo/long_tail.py), its `running_sum` verifier, its asset build and its example job."""
 
+import importlib.util
 import json
 import random
 import statistics
@@ -184,3 +185,28 @@ def test_the_example_job_runs_the_task_without_cutting_a_worked_solution():
     assert len(long_tail.solution_text(longest)) + 1 <= job.sampling.max_new_tokens
     assert prompt_tokens + job.sampling.max_new_tokens <= config.max_positions
     assert yaml.safe_load(path.read_text())["name"] == "long-tail"
+
+
+def load_bench(name: str):
+    """bench/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_synchronous_round_is_timed_from_its_decode_steps():
+    timing = load_bench("long_tail_lengths").round_timing
+    # ten rows: nine finish at the second step, the straggler decodes alone for three more
+    straggler = timing([(1.0, 10, 0), (1.0, 10, 9), (1.0, 1, 9), (1.0, 1, 9), (1.0, 1, 10)], rows=10)
+    assert straggler == {
+        "cpu_seconds": 5.0,
+        "decode_steps": 5,
+        "last_10pct_share_of_round": 0.6,
+        "idle_share": 0.54,
+        "idle_share_in_last_10pct": 0.9,
+        "capacity_unused": 0.54,
+        "capacity_unused_in_last_10pct": 0.9,
+    }
+    together = timing([(1.0, 10, 0), (1.0, 10, 0), (1.0, 10, 10)], rows=10)
+    assert together["last_10pct_share_of_round"] == together["idle_share"] == together["capacity_unused"] == 0.0
