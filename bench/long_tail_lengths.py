@@ -115,6 +115,10 @@ def round_timing(steps: list[tuple[float, int, int]], rows: int) -> dict:
     }
 
 
+def rate(rewards: list[float]) -> float | None:
+    return round(statistics.fmean(rewards), 4) if rewards else None
+
+
 def median_of(rounds: list[dict], key: str) -> float:
     return round(statistics.median(r[key] for r in rounds), 3)
 
@@ -159,6 +163,9 @@ def measure(assets: Path, prompts: int, seed: int) -> dict:
             "base_model": quantiles(lengths),
             "worked_solutions": quantiles(worked),
             "bare_answer_share": round(statistics.fmean(bare), 3),
+            # what RL sees: if working pays more than answering bare, the policy's responses grow
+            "accuracy_bare": rate([r for r, b in zip(rewards, bare) if b]),
+            "accuracy_worked": rate([r for r, b in zip(rewards, bare) if not b]),
             "truncated_share": round(finish.count("length") / len(finish), 4),
             "accuracy": round(statistics.fmean(rewards), 4),
             "accuracy_by_steps": {

@@ -37,11 +37,11 @@ class LongTailBuildConfig:
     # reaches the target (or after max steps)
     shortcut_fraction: float = 0.2
     sft_target_accuracy: float = 0.2
-    sft_first_check: int = 150
-    sft_check_every: int = 10
+    sft_first_check: int = 120
+    sft_check_every: int = 20
     sft_max_steps: int = 400
-    sft_probe_size: int = 128
-    sft_batch_size: int = 64
+    sft_probe_size: int = 64
+    sft_batch_size: int = 32  # half the demo's: a batch of the longest solutions is ~25k tokens
     sft_lr: float = 2e-3
     sft_warmup_steps: int = 20
     probe_max_new_tokens: int = 128  # the probe's long sums go unsolved: a short budget keeps checks cheap
