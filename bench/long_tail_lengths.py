@@ -5,7 +5,8 @@ base model on training prompts as the example job does (examples/long-tail.yaml:
 of `group_size` samples) and writes bench/results/long_tail_lengths.json:
 
 - `lengths`: response lengths in tokens (<eos> included): p50, p90, p99, max, mean and p99/p50, beside the same
-  quantiles of the worked solutions of the same prompts (the task's lengths by construction), the share of bare
+  quantiles of the worked solutions of the same prompts and of the whole training file (the task's lengths by
+  construction; a few hundred prompts hold only a few of the rare long ones), the share of bare
   answers, accuracy overall and by step count;
 - `synchronous_rounds`: what a synchronous step costs one engine. A round is one engine's share of a step
   (batch_size × group_size / rollout workers samples), all admitted at once and decoded on the CPU engine's own
@@ -115,6 +116,11 @@ def round_timing(steps: list[tuple[float, int, int]], rows: int) -> dict:
     }
 
 
+def worked_length(prompt: str) -> int:
+    """Tokens of the prompt's worked solution and <eos>."""
+    return len(long_tail.solution_text(long_tail.Problem(tuple(prompt_terms(prompt))))) + 1
+
+
 def rate(rewards: list[float]) -> float | None:
     return round(statistics.fmean(rewards), 4) if rewards else None
 
@@ -147,7 +153,7 @@ def measure(assets: Path, prompts: int, seed: int) -> dict:
             reward = score(item.prompt, response, item.reference)
             steps = len(prompt_terms(item.prompt)) - 1
             lengths.append(len(sequence.output_ids))
-            worked.append(len(long_tail.solution_text(long_tail.Problem(tuple(prompt_terms(item.prompt))))) + 1)
+            worked.append(worked_length(item.prompt))
             bare.append(response.startswith("|"))
             rewards.append(reward)
             finish.append(sequence.finish_reason["type"])
@@ -162,6 +168,7 @@ def measure(assets: Path, prompts: int, seed: int) -> dict:
             "max_new_tokens": job.sampling.max_new_tokens,
             "base_model": quantiles(lengths),
             "worked_solutions": quantiles(worked),
+            "worked_solutions_whole_train_file": quantiles([worked_length(item.prompt) for item in items]),
             "bare_answer_share": round(statistics.fmean(bare), 3),
             # what RL sees: if working pays more than answering bare, the policy's responses grow
             "accuracy_bare": rate([r for r, b in zip(rewards, bare) if b]),
