@@ -14,8 +14,8 @@ shows work, on every entry of that work.
 Response lengths are heavy-tailed the way reasoning traces are: the number of steps is log-normal, so the ratio
 of any two quantiles is set by `sigma` alone (p99/p50 = exp(2.326 sigma); the default 0.95 gives about 9), and
 a long problem is both rarer and harder (more entries to get right). The warm-up mixes in bare answers
-(`shortcut_text`), which a short sum can afford and a long one cannot: as the policy learns to show its work,
-its responses grow longer, as reasoning traces do under RL.
+(`shortcut_text`), which a short sum can afford and a long one cannot: a policy that learns to show its work
+grows its responses, as reasoning traces do under RL (not yet seen: see long_tail_build.py).
 
 The alphabet is the demo's, so the demo's tokenizer serves both tasks.
 """
