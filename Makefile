@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 venv: $(VENV)/.installed
 
@@ -38,6 +38,13 @@ demo-assets: proto
 
 demo: demo-assets
 	$(VENV)/bin/arealctl run examples/demo.yaml --fresh
+
+# the long-tail task (services/areal_k8s/demo/long_tail.py): heavy-tailed response lengths, as reasoning traces have
+long-tail-assets: proto
+	$(PY) -m areal_k8s.demo.long_tail_build --out .cache/long-tail
+
+long-tail: long-tail-assets
+	$(VENV)/bin/arealctl run examples/long-tail.yaml --fresh
 
 # the real SGLang (the version the chart pins) for this CPU, in an env of its own
 # (services/areal_k8s/common/sglang_server.py runs it)

@@ -124,6 +124,22 @@ async def test_addition_uses_the_demo_task(stub):
     assert {results["right"].status, results["wrong"].status} == {OK}
 
 
+async def test_running_sum_checks_the_work_of_the_long_tail_task(stub):
+    prompt, reference = "3+8+1=", "12"
+    worked, shortcut, wrong_work = "003+8=011,011+1=012|12.", "|12.", "003+8=011,011+2=012|12."
+    results = await score(
+        stub,
+        item("worked", "running_sum", worked, reference, prompt=prompt),
+        item("shortcut", "running_sum", shortcut, reference, prompt=prompt),
+        item("wrong-work", "running_sum", wrong_work, reference, prompt=prompt),
+    )
+    assert {key: (result.status, result.reward) for key, result in results.items()} == {
+        "worked": (OK, 1.0),
+        "shortcut": (OK, 1.0),
+        "wrong-work": (OK, 0.0),
+    }
+
+
 async def test_custom_verifier_gets_all_four_arguments(stub):
     custom = item("c", fixture("weighted_length"), "bb", "ccc", prompt="a", metadata={"weight": "0.5"})
     results = await score(stub, custom)
@@ -203,7 +219,7 @@ async def test_invalid_request_is_rejected_naming_the_field(stub, request_, mess
 
 async def test_list_verifiers_names_the_builtins_and_the_allowed_custom_ones(stub):
     response = await stub.ListVerifiers(reward_pb2.ListVerifiersRequest())
-    assert list(response.verifiers) == sorted(["addition", "code", "exact", "math", *ALLOWED])
+    assert list(response.verifiers) == sorted(["addition", "code", "exact", "math", "running_sum", *ALLOWED])
 
 
 async def test_a_custom_verifier_the_job_does_not_declare_is_rejected_before_its_module_is_imported(stub):

@@ -34,7 +34,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from areal_k8s.demo import task
-from areal_k8s.reward.addition_verifier import score
+from areal_k8s.reward.addition_verifier import addition_reward
 from areal_k8s.rollout.cpu_engine.decoding import generate_batch
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
@@ -95,7 +95,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(config: DemoBuildConfig, tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+def build_model(config, tokenizer: PreTrainedTokenizerFast, *, max_positions: int = 256) -> Qwen2ForCausalLM:
+    """A Qwen2 of `config`'s shape with random weights drawn from its seed (any config with those fields)."""
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
@@ -103,7 +104,7 @@ def build_model(config: DemoBuildConfig, tokenizer: PreTrainedTokenizerFast) -> 
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_heads,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -113,11 +114,10 @@ def build_model(config: DemoBuildConfig, tokenizer: PreTrainedTokenizerFast) -> 
     return Qwen2ForCausalLM(model_config)
 
 
-def encode_pair(tokenizer: PreTrainedTokenizerFast, problem: task.Problem) -> tuple[list[int], list[int]]:
+def encode_pair(tokenizer: PreTrainedTokenizerFast, prompt: str, solution: str) -> tuple[list[int], list[int]]:
     """(prompt ids with <bos>, solution ids ending in <eos>)."""
-    prompt = tokenizer(task.prompt_text(problem))["input_ids"]
-    solution = tokenizer(task.solution_text(problem), add_special_tokens=False)["input_ids"]
-    return prompt, [*solution, tokenizer.eos_token_id]
+    solution_ids = tokenizer(solution, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"], [*solution_ids, tokenizer.eos_token_id]
 
 
 def supervised_batch(
@@ -154,7 +154,7 @@ def length_bucketed_batches(
 def supervised_warmup(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    problems: list[task.Problem],
+    examples: list[tuple[str, str]],
     *,
     max_steps: int,
     batch_size: int,
@@ -163,10 +163,10 @@ def supervised_warmup(
     seed: int,
     should_stop: Callable[[int], bool] = lambda step: False,
 ) -> list[float]:
-    """AdamW on prompt+solution with loss on solution tokens only; linear warm-up, then a constant rate.
+    """AdamW on (prompt, solution) texts with loss on solution tokens only; linear warm-up, then a constant rate.
 
     `should_stop(steps_done)` is asked after every step. Returns the per-step losses."""
-    pairs = [encode_pair(tokenizer, p) for p in problems]
+    pairs = [encode_pair(tokenizer, prompt, solution) for prompt, solution in examples]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
     model.train()
@@ -189,18 +189,19 @@ def supervised_warmup(
 def greedy_accuracy(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    problems: list[task.Problem],
+    items: list[tuple[str, str]],
     *,
     max_new_tokens: int,
     batch_size: int,
+    reward: Callable = addition_reward,
 ) -> float:
-    """Fraction of `problems` whose greedy response scores 1.0."""
+    """Fraction of `items` (prompt, reference answer) whose greedy response `reward` scores 1.0."""
     correct = 0.0
     # Similar lengths together waste less decoding on padding.
-    ordered = sorted(problems, key=lambda p: len(task.prompt_text(p)))
+    ordered = sorted(items, key=lambda item: len(item[0]))
     for start in range(0, len(ordered), batch_size):
         chunk = ordered[start : start + batch_size]
-        prompts = [tokenizer(task.prompt_text(p))["input_ids"] for p in chunk]
+        prompts = [tokenizer(prompt)["input_ids"] for prompt, _ in chunk]
         responses = generate_batch(
             model,
             prompts,
@@ -209,9 +210,10 @@ def greedy_accuracy(
             max_batch_size=batch_size,
         )
         correct += sum(
-            score(tokenizer.decode(r.output_ids, skip_special_tokens=True), p.answer) for r, p in zip(responses, chunk)
+            reward(prompt, tokenizer.decode(r.output_ids, skip_special_tokens=True), answer, {}) == 1.0
+            for r, (prompt, answer) in zip(responses, chunk)
         )
-    return correct / len(problems)
+    return correct / len(items)
 
 
 def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dict:
@@ -221,6 +223,13 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
     as is; the manifest is written last, so an interrupted build is redone.
     """
     config = DemoBuildConfig(seed=seed, **overrides)
+    return build_assets(out_dir, config, overrides, module="areal_k8s.demo.build", build=_build)
+
+
+def build_assets(out_dir: str | Path, config, overrides: dict, *, module: str, build: Callable) -> dict:
+    """Reuse the assets under `out_dir` if their manifest has `config`'s parameters, else `build(config, out_dir)`
+    (which returns the manifest) pinned to AVX2 on one thread: in `module`'s command line run anew with the
+    pinned environment if this process is not pinned."""
     out_dir = Path(out_dir)
     manifest_path = out_dir / MANIFEST
     if manifest_path.exists():
@@ -232,17 +241,7 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
         # the instruction set is chosen when torch loads: only a new process can be pinned
         params = [f"--param={key}={value}" for key, value in overrides.items()]
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "areal_k8s.demo.build",
-                "--out",
-                str(out_dir),
-                "--seed",
-                str(seed),
-                "--quiet",
-                *params,
-            ],
+            [sys.executable, "-m", module, "--out", str(out_dir), "--seed", str(config.seed), "--quiet", *params],
             env={**os.environ, **PINNED_ISA},
             check=True,
         )
@@ -252,7 +251,7 @@ def build_demo_assets(out_dir: str | Path, *, seed: int = 0, **overrides) -> dic
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float results, hence the built model, depend on the thread count
     try:
-        manifest = _build(config, out_dir)
+        manifest = build(config, out_dir)
     finally:
         torch.set_num_threads(threads)
     manifest["build_seconds"] = round(time.perf_counter() - started, 1)
@@ -274,11 +273,35 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
         digits=config.digits,
         exclude=held_out,
     )
-    tokenizer = build_tokenizer()
-    model = build_model(config, tokenizer)
-
     # Fresh draws from the task distribution: the training file's de-duplication thins out short sums.
     probe = task.make_problems(config.sft_probe_size, seed=2 * config.seed + 2, digits=config.digits, exclude=held_out)
+    return warm_up_and_save(
+        config,
+        out_dir,
+        examples=[(task.prompt_text(p), task.solution_text(p)) for p in train_problems],
+        probe=[(task.prompt_text(p), p.answer) for p in probe],
+        held_out=[(task.prompt_text(p), p.answer) for p in eval_problems],
+        reward=addition_reward,
+        probe_max_new_tokens=PROBE_MAX_NEW_TOKENS,
+    )
+
+
+def warm_up_and_save(
+    config,
+    out_dir: Path,
+    *,
+    examples: list[tuple[str, str]],
+    probe: list[tuple[str, str]],
+    held_out: list[tuple[str, str]],
+    reward: Callable,
+    probe_max_new_tokens: int,
+    max_positions: int = 256,
+) -> dict:
+    """A model of `config`'s shape warmed up on `examples` (prompt, solution) until its greedy accuracy on `probe`
+    (prompt, answer) reaches `config.sft_target_accuracy`, scored on `held_out`, saved with the tokenizer under
+    `out_dir`/model; returns the manifest (the task's files, train.jsonl and eval.jsonl, are the caller's)."""
+    tokenizer = build_tokenizer()
+    model = build_model(config, tokenizer, max_positions=max_positions)
     probe_accuracy = 0.0
 
     def reached_target(step: int) -> bool:
@@ -286,7 +309,12 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
         if step < config.sft_first_check or (step - config.sft_first_check) % config.sft_check_every:
             return False
         probe_accuracy = greedy_accuracy(
-            model, tokenizer, probe, max_new_tokens=PROBE_MAX_NEW_TOKENS, batch_size=config.eval_batch_size
+            model,
+            tokenizer,
+            probe,
+            max_new_tokens=probe_max_new_tokens,
+            batch_size=config.eval_batch_size,
+            reward=reward,
         )
         return probe_accuracy >= config.sft_target_accuracy
 
@@ -294,7 +322,7 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
     losses = supervised_warmup(
         model,
         tokenizer,
-        train_problems,
+        examples,
         max_steps=config.sft_max_steps,
         batch_size=config.sft_batch_size,
         lr=config.sft_lr,
@@ -308,9 +336,10 @@ def _build(config: DemoBuildConfig, out_dir: Path) -> dict:
     accuracy = greedy_accuracy(
         model,
         tokenizer,
-        eval_problems,
+        held_out,
         max_new_tokens=config.eval_max_new_tokens,
         batch_size=config.eval_batch_size,
+        reward=reward,
     )
     eval_seconds = time.perf_counter() - eval_started
 
@@ -353,27 +382,32 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def parse_param(text: str) -> tuple[str, object]:
-    """`KEY=VALUE` for a DemoBuildConfig field, the value converted to the field's type."""
-    key, _, value = text.partition("=")
-    fields = {f.name: f.type for f in dataclasses.fields(DemoBuildConfig) if f.name != "seed"}
-    if key not in fields:
-        raise argparse.ArgumentTypeError(f"unknown build parameter {key!r}; known: {', '.join(sorted(fields))}")
-    convert, kind = {"int": (int, "an integer"), "float": (float, "a number")}[fields[key]]
-    try:
-        return key, convert(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{key} must be {kind}, got {value!r}") from None
+def param_parser(config_class) -> Callable[[str], tuple[str, object]]:
+    """A parser of `KEY=VALUE` for a field of `config_class` (a build config), the value converted to its type."""
+    fields = {f.name: f.type for f in dataclasses.fields(config_class) if f.name != "seed"}
+
+    def parse_param(text: str) -> tuple[str, object]:
+        key, _, value = text.partition("=")
+        if key not in fields:
+            raise argparse.ArgumentTypeError(f"unknown build parameter {key!r}; known: {', '.join(sorted(fields))}")
+        convert, kind = {"int": (int, "an integer"), "float": (float, "a number")}[fields[key]]
+        try:
+            return key, convert(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key} must be {kind}, got {value!r}") from None
+
+    return parse_param
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_command(argv: list[str] | None, *, module: str, doc: str, config_class, build: Callable, what: str) -> None:
+    """The command line of an asset build: `python -m MODULE --out DIR [--seed N] [--param KEY=VALUE ...]`."""
     transformers.utils.logging.disable_progress_bar()
-    parser = argparse.ArgumentParser(prog="python -m areal_k8s.demo.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--param",
-        type=parse_param,
+        type=param_parser(config_class),
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -381,14 +415,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--quiet", action="store_true", help="print nothing")
     args = parser.parse_args(argv)
-    manifest = build_demo_assets(args.out, seed=args.seed, **dict(args.param))
+    manifest = build(args.out, seed=args.seed, **dict(args.param))
     if args.quiet:
         return
     print(
-        f"demo assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
+        f"{what} assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
         f"{manifest['sft_steps']} SFT steps in {manifest['sft_seconds']}s, "
         f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} "
         f"on {manifest['params']['eval_size']} held-out sums; weights sha256 {manifest['weights_sha256'][:16]}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    build_command(
+        argv,
+        module="areal_k8s.demo.build",
+        doc=__doc__,
+        config_class=DemoBuildConfig,
+        build=build_demo_assets,
+        what="demo",
     )
 
 

@@ -1,7 +1,8 @@
 """Verifiers: a name resolves to `verifier(prompt, response, reference, metadata) -> reward`.
 
-Built-in names are "math", "addition" (the demo task's answers: addition_verifier.py), "exact" and "code" (the
-response's program against the reference's tests in the sandbox: code_verifier.py). Any other name of the form
+Built-in names are "math", "addition" (the demo task's answers: addition_verifier.py), "running_sum" (the long-tail
+task's work and answers: running_sum_verifier.py), "exact" and "code" (the response's program against the
+reference's tests in the sandbox: code_verifier.py). Any other name of the form
 "package.module:function" is a custom verifier: a plain Python function taking the same four positional arguments
 (prompt, response, reference: str; metadata: dict[str, str]) and returning a finite real number, or a
 `Verdict(reward, reason)` (importable from here), whose reason becomes the result's message.
@@ -21,6 +22,7 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 
 from areal_k8s.reward.addition_verifier import addition_reward
 from areal_k8s.reward.code_verifier import Verdict, code_reward
+from areal_k8s.reward.running_sum_verifier import running_sum_reward
 
 Verifier = Callable[[str, str, str, Mapping[str, str]], float | Verdict]
 
@@ -81,6 +83,7 @@ BUILTIN_VERIFIERS: dict[str, Verifier] = {
     "addition": addition_reward,
     "exact": exact_reward,
     "code": code_reward,
+    "running_sum": running_sum_reward,
 }
 
 

@@ -13,6 +13,7 @@ BUILTIN_VERIFIERS = (
     "addition",
     "exact",
     "code",
+    "running_sum",
 )  # the reward service's built-ins (services/areal_k8s/reward/verifiers.py)
 CUSTOM_VERIFIER_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -43,8 +44,8 @@ class CodeRewardConfig(Section):
 class RewardConfig(Section):
     verifier: str | None = Field(
         None,
-        description="Verifier for every item (`math`, `addition`, `exact`, `code` or `package.module:function`); "
-        "default: each dataset item's own (`math` for GSM8K).",
+        description="Verifier for every item (`math`, `addition`, `running_sum`, `exact`, `code` or "
+        "`package.module:function`); default: each dataset item's own (`math` for GSM8K).",
     )
     allowed_verifiers: list[Annotated[str, Field(pattern=CUSTOM_VERIFIER_PATTERN)]] = Field(
         [],
