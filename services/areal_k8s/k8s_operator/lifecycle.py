@@ -266,6 +266,7 @@ def job_status(
                 "failed": report.failed,
                 "requeued": report.requeued,
                 "dropped": report.dropped,
+                "lost": report.lost,
             },
         )
     if phase.running:

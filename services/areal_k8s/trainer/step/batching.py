@@ -141,11 +141,19 @@ class BatchAssembler:
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
         self.known: set[str] = set()  # entries this process received and has not acknowledged (buffered or trained)
+        # Groups this process took into a batch or dropped. A Redis that lost its last writes can deliver their
+        # entries again (the read, or the acknowledgement, was among what it lost): never trained twice, they are
+        # acknowledged with the next checkpoint.
+        self.taken: set[str] = set()
+        self.delivered_again: list[str] = []
         self.looked_for_lost_at = time.monotonic()
 
     def add(self, entries: list[StreamEntry]) -> None:
         for entry in entries:
             if entry.entry_id in self.known:
+                continue
+            if entry.group_id in self.taken:
+                self.delivered_again.append(entry.entry_id)
                 continue
             self.known.add(entry.entry_id)
             self.buffer.setdefault(entry.group_id, []).append(entry)
@@ -208,6 +216,7 @@ class BatchAssembler:
             )
             for group in late:
                 del self.buffer[group.group_id]
+                self.taken.add(group.group_id)
                 self.dropped.append(group)
             batch = select_batch(
                 self.complete_groups(),
@@ -221,6 +230,7 @@ class BatchAssembler:
             if batch is not None:
                 for group in batch:
                     del self.buffer[group.group_id]
+                    self.taken.add(group.group_id)
                 return batch
             if time.monotonic() - self.looked_for_lost_at >= LOOK_FOR_LOST_SECONDS:
                 await self.recover_lost_deliveries()

@@ -1,0 +1,126 @@
+"""Redis forgets its last second: its machine crashes, and it comes back on an append-only file without its last
+writes (with `appendfsync everysec`, up to about a second of acknowledged ones). The writes cut here are the newest
+groups the rollout workers wrote that the trainer had not read yet, and everything after them: the controller had
+counted some of them accepted (or did once their workers reported them), the trainer never saw them. The controller
+must notice that Redis went back in time, write its state again, find those groups by id against the stream, count
+them as lost and admit their prompts again, so the trainer does not wait forever for them and nothing is trained
+twice."""
+
+import json
+import time
+
+import pytest
+import redis
+from e2e_jobs import final_history, make_job, read_steps
+
+from areal_k8s.api.v1 import controller_pb2
+from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.common.redis_aof import Write, cut_back, newest_increment, read_writes
+from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 8
+GUARD_SECONDS = 300  # liveness bounds, not timing assertions
+
+
+def undelivered_tail(writes: list[Write], stream: bytes) -> int:
+    """Where the writes of groups the trainer never read begin: the index of the first group write after the last
+    one whose entries were delivered (a read goes into the file as an XCLAIM of each entry); len(writes) if none."""
+    delivered = {c[5] for w in writes for c in w.commands if c[0].upper() == b"XCLAIM" and c[1] == stream}
+    group_writes = [
+        (i, [c[2] for c in w.commands if c[0].upper() == b"XADD" and c[1] == stream])
+        for i, w in enumerate(writes)
+        if any(c[0].upper() == b"XADD" and c[1] == stream for c in w.commands)
+    ]
+    tail = len(writes)
+    for i, entry_ids in reversed(group_writes):
+        if delivered & set(entry_ids):
+            break
+        tail = i
+    return tail
+
+
+def group_ids(writes: list[Write], stream: bytes) -> set[str]:
+    return {
+        c[c.index(b"group_id") + 1].decode()
+        for w in writes
+        for c in w.commands
+        if c[0].upper() == b"XADD" and c[1] == stream
+    }
+
+
+def test_groups_redis_forgot_are_found_counted_as_lost_and_admitted_again(assets, tmp_path, reward_importable):
+    job = make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": STEPS},
+        rollout={"workers": 2},
+        trainer={"checkpoint_interval": 2},
+    )
+    keys = JobKeys(job.name)
+    stream = keys.stream.encode()
+    run = LocalRun(job, on_restart=lambda line: None)
+    try:
+        endpoints = run.start("new")
+        deadline = time.monotonic() + GUARD_SECONDS
+        forgotten: set[str] = set()
+        while not forgotten:  # until a crash finds groups written that the trainer has not read
+            assert time.monotonic() < deadline, "no moment with unread groups in the stream"
+            run.supervisor.tick()
+            if max((s["version"] for s in read_steps(run.run_dir)), default=0) < 2 or run.redis.exit_code is not None:
+                time.sleep(0.02)
+                continue
+            try:
+                client = redis.Redis(port=run.redis.port)
+                unread = client.xinfo_groups(keys.stream)[0]["lag"] or 0
+                client.close()
+            except redis.RedisError:
+                continue
+            if unread < job.algorithm.group_size:
+                time.sleep(0.01)
+                continue
+            run.redis.crash(lose=0)  # SIGKILL; the file is cut below, before the supervisor starts it again
+            writes = read_writes(newest_increment(run.redis.data_dir))
+            tail = undelivered_tail(writes, stream)
+            forgotten = group_ids(writes[tail:], stream)
+            cut_back(run.redis.data_dir, len(writes) - tail)
+        final = run.wait(
+            endpoints.controller, lambda status: None, poll=0.5, timeout=max(deadline - time.monotonic(), 1)
+        )
+        client = redis.Redis(port=run.redis.port)
+        left = client.xrange(keys.stream)
+        lost = {gid.decode() for gid in client.smembers(keys.controller_lost)}
+        stored_accepted = int(client.hget(keys.controller_counters, "accepted"))
+        pending = client.xpending(keys.stream, CONSUMER_GROUP)["pending"]
+        client.close()
+    finally:
+        run.stop()
+    summary = run.write_summary(final, interrupted=False)
+
+    assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == STEPS, forgotten
+    # lost: groups among those forgotten, counted in the status and the summary; a forgotten group a worker wrote
+    # again (its write was under way as Redis died, and sent again) is in the stream, not lost
+    assert lost and lost <= forgotten and final.lost == len(lost) == summary["groups"]["lost"], (lost, forgotten)
+    records = read_steps(run.run_dir)
+    algorithm = job.algorithm
+    history, redone = final_history(
+        records,
+        total_steps=STEPS,
+        batch_size=algorithm.batch_size,
+        group_size=algorithm.group_size,
+        max_staleness=algorithm.max_staleness,
+        checkpoint_interval=job.trainer.checkpoint_interval,
+        context=json.dumps(sorted(forgotten)),
+    )
+    trained = {g for r in history.values() for g in r["groups"]}
+    assert not lost & {g for r in records for g in r["groups"]}  # a lost group was never trained
+    # every admitted group settled once; every accepted one trained once, left in the stream, dropped or lost
+    assert final.admitted == final.accepted + final.filtered + final.failed + final.requeued + final.running
+    dropped = {g for r in records for g in r["dropped_groups"]}
+    in_stream = {f[b"group_id"].decode() for _, f in left}
+    assert final.accepted == len(trained | in_stream | dropped | lost) and not lost & (trained | in_stream)
+    assert final.consumed == len(trained) and final.steps_redone == redone
+    # the controller's state in Redis is its own again, not the one Redis went back to; nothing is left pending
+    assert stored_accepted == final.accepted and pending == 0
+    assert run.supervisor.restarts == {"redis": 1}
