@@ -857,3 +857,40 @@ def test_a_group_trained_before_its_worker_reports_it_is_never_a_candidate_for_l
     core.trained([a.lease.group_id])  # the trainer read, trained and reported it first
     core.complete(a.lease.group_id, "accepted")
     assert core.accepted_groups == {} and core.reconcile([a.lease.group_id], in_stream=set()) == []
+
+
+def test_a_run_that_trains_no_step_for_its_progress_deadline_says_what_it_waits_for():
+    clock = Clock()
+    job = make_job(batch_size=2, max_staleness=0, total_steps=2)
+    job = job.model_copy(update={"trainer": job.trainer.model_copy(update={"progress_deadline_seconds": 60})})
+    dataset = [DatasetItem(id=f"p{i}", prompt=f"q{i}", reference=str(i), verifier="exact") for i in range(5)]
+    core = ControllerCore(job, dataset, lease_seconds=30, clock=clock)
+    clock.now += 59
+    assert core.stalled() == ""
+    clock.now += 2
+    assert core.stalled() == "no training step for 61 s; waiting for a rollout worker to register"
+    core.register("w", "127.0.0.1:1", 0)
+    [a, b] = core.acquire("w", 2, engine_version=0)
+    assert "waiting for the groups generating (2 on w)" in core.stalled()
+    core.complete(a.lease.group_id, "accepted")
+    core.complete(b.lease.group_id, "accepted")
+    assert "waiting for the trainer: 2 accepted groups wait for it in the stream" in core.status()["stalled"]
+    core.trained([a.lease.group_id, b.lease.group_id])
+    core.record_step(
+        version=1,
+        groups=2,
+        samples=2,
+        tokens=2,
+        max_staleness=0,
+        mean_staleness=0.0,
+        reward_mean=0.0,
+        eval_accuracy=-1.0,
+        base_evaluation=False,
+        finished=False,
+    )
+    assert core.stalled() == ""  # a step: the deadline counts from it
+    clock.now += 61
+    assert "waiting for admission: nothing is generating and staleness holds it back" in core.stalled()
+    restarted = ControllerCore(job, dataset, lease_seconds=30, clock=clock)
+    restarted.restore(core.durable_state())
+    assert restarted.stalled() == ""  # a restarted controller's deadline counts from its start

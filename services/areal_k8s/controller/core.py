@@ -32,6 +32,7 @@ from areal_k8s.controller.holds import Holds
 from areal_k8s.controller.leases import Lease, Leases
 from areal_k8s.controller.progress import Progress
 from areal_k8s.controller.retry import RetryQueue
+from areal_k8s.controller.stalls import waiting_for
 from areal_k8s.controller.workers import WorkerRegistry
 from areal_k8s.data.dataset import DatasetItem
 
@@ -113,6 +114,7 @@ class ControllerCore:
         self.workers = WorkerRegistry(clock)
         self.progress = Progress()
         self.started_at = clock()
+        self.progress_since = self.started_at  # this process's start: a restarted controller's deadline starts anew
         self.metrics = metrics or ControllerMetrics(job.name)
         self.holds = Holds(clock, self.metrics)
         self._export_state()
@@ -379,6 +381,24 @@ class ControllerCore:
         self.progress_changed |= recorded
         return recorded
 
+    def stalled(self) -> str:
+        """What the run waits for, once it trained no step for trainer.progress_deadline_seconds (counted from its
+        last step, or from this controller's start); "" while it progresses, and once it is over."""
+        since = max(self.progress.last_step_at, self.progress_since)
+        if self.over or self.clock() - since < self.job.trainer.progress_deadline_seconds:
+            return ""
+        state = self.admission_state()
+        reason = waiting_for(
+            version=self.version,
+            batch_size=self.job.algorithm.batch_size,
+            workers=len(self.workers),
+            untrained=len(self.accepted_groups),
+            generating={worker: len(self.leases.held_by(worker)) for worker in self.leases.holders()},
+            refusal="no_work_left" if admission_rooms(**state)["remaining_work"] <= 0 else blocking_bound(**state),
+            starting=self.waiting_for,
+        )
+        return f"no training step for {self.clock() - since:.0f} s; {reason}"
+
     def status(self) -> dict:
         now = self.clock()
         return {
@@ -407,6 +427,7 @@ class ControllerCore:
             "ready": self.waiting_for is None,
             "failure_reason": self.failure.reason if self.failure else "",
             "message": self.failure.message if self.failure else self.waiting_for or "",
+            "stalled": self.stalled(),
         }
 
     # -- persistence ---------------------------------------------------------------------------------------

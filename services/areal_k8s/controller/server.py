@@ -81,6 +81,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.writer = StateWriter(core, self.state, seq=0)
         self.polls = HeldPolls(room=core.admissible)
         self.unverified: set[str] = set()  # groups leased when Redis lost writes: their writes may be among them
+        self.stall_logged_at = -math.inf
 
     def room_may_have_opened(self) -> None:
         """After a change that can open admission room: wake as many held polls as there is room for (all of them
@@ -181,6 +182,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
         if group_ids:
             self.room_may_have_opened()
+
+    def log_stall(self) -> None:
+        """Once per progress deadline while no step comes: what the run waits for."""
+        now, deadline = self.core.clock(), self.core.job.trainer.progress_deadline_seconds
+        if now - self.stall_logged_at >= deadline and (stalled := self.core.stalled()):
+            self.stall_logged_at = now
+            log.warning("%s (trainer.progress_deadline_seconds: %d)", stalled, deadline)
 
     async def observe_stream(self) -> None:
         stream, m = await self.store.stream_stats(), self.core.metrics
@@ -441,6 +449,7 @@ async def serve(
             try:
                 await servicer.reconcile_lost_writes()
                 await servicer.reap_dead_workers()
+                servicer.log_stall()
                 await servicer.observe_stream()
             except Exception:  # Redis blip: try again next round
                 log.exception("reaping dead workers or reading the stream failed")
