@@ -11,14 +11,15 @@ import time
 
 import pytest
 import redis
+import redis.asyncio
 from e2e_jobs import final_history, make_job, read_steps
+from test_controller_service import Controller, acquire, trajectory
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.redis_aof import Write, cut_back, newest_increment, read_writes
+from areal_k8s.common.redis_server import EmbeddedRedis
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
-
-pytestmark = pytest.mark.e2e
 
 STEPS = 8
 GUARD_SECONDS = 300  # liveness bounds, not timing assertions
@@ -50,6 +51,7 @@ def group_ids(writes: list[Write], stream: bytes) -> set[str]:
     }
 
 
+@pytest.mark.e2e
 def test_groups_redis_forgot_are_found_counted_as_lost_and_admitted_again(assets, tmp_path, reward_importable):
     job = make_job(
         assets,
@@ -124,3 +126,42 @@ def test_groups_redis_forgot_are_found_counted_as_lost_and_admitted_again(assets
     # the controller's state in Redis is its own again, not the one Redis went back to; nothing is left pending
     assert stored_accepted == final.accepted and pending == 0
     assert run.supervisor.restarts == {"redis": 1}
+
+
+async def complete(stub, group_id: str) -> None:
+    outcome = controller_pb2.GroupOutcome(group_id=group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome]))
+
+
+@pytest.mark.parametrize("lose", [1, 3], ids=["a-worker-write", "the-controllers-too"])
+async def test_groups_a_restarted_redis_lost_are_found_counted_as_lost_and_admitted_again(tmp_path, lose):
+    """Two groups written, the second not yet reported. Redis comes back without its last `lose` writes: the second
+    group's write alone (lose=1: no write of the controller's is lost, only a worker's), or also the first group's
+    write and the controller's that counted it accepted (lose=3: Redis holds an older state than the controller
+    wrote). The controller checks the stream when it sees Redis restarted: an accepted group missing from it, and
+    one its worker reports written afterwards, are lost and their prompts admitted again; a store older than its
+    last write gets its whole state again."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    c = await Controller(server.url).start()
+    try:
+        await c.stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+        first, second = (await acquire(c.stub, 2)).groups
+        assert await c.servicer.reconcile_lost_writes() == []  # (it learns the server's run id)
+        assert await c.store.write_group([trajectory(first, i) for i in range(2)])
+        await complete(c.stub, first.group_id)
+        assert await c.store.write_group([trajectory(second, i) for i in range(2)])
+        server.crash(lose=lose)
+        server.start()
+        lost_first = [first.group_id] if lose == 3 else []
+        assert await c.servicer.reconcile_lost_writes() == lost_first
+        await complete(c.stub, second.group_id)  # its worker wrote it before Redis lost it
+        status = await c.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        assert (status.accepted, status.lost) == (2, 1 + len(lost_first))
+        again = (await acquire(c.stub, 2)).groups  # their places are free again, their prompts first
+        assert {second.prompt_id, *(first.prompt_id for _ in lost_first)} <= {g.prompt_id for g in again}
+        client = redis.asyncio.Redis.from_url(server.url)
+        assert int(await client.hget(c.store.keys.controller_counters, "accepted")) == 2
+        await client.aclose()
+    finally:
+        await c.stop()
+        server.stop()

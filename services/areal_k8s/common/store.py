@@ -156,6 +156,10 @@ class TrajectoryStore:
         the same."""
         return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
 
+    async def server_run_id(self) -> str:
+        """The Redis server's run id: a new one each time it starts."""
+        return (await self.client.info("server"))["run_id"]
+
     async def written_groups(self, group_ids: list[str]) -> set[str]:
         """Those of `group_ids` in the written set (written, their leases not yet settled)."""
         found = await self.client.smismember(self.keys.written, group_ids)

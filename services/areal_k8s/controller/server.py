@@ -82,6 +82,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.polls = HeldPolls(room=core.admissible)
         self.unverified: set[str] = set()  # groups leased when Redis lost writes: their writes may be among them
         self.stall_logged_at = -math.inf
+        self.redis_run_id: str | None = None  # the Redis server's run id: a new one means it restarted
 
     def room_may_have_opened(self) -> None:
         """After a change that can open admission room: wake as many held polls as there is room for (all of them
@@ -145,28 +146,38 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return len(expired)
 
     async def reconcile_lost_writes(self) -> list[str]:
-        """Find what a Redis that came back without its last acknowledged writes lost (its machine crashed before
-        it synced them): the controller's state is written again whole, and each accepted group not yet trained
-        whose stream entries are gone is counted as lost and its prompt admitted again. Returns the groups lost.
+        """After Redis restarted: find what it lost, if it came back without its last acknowledged writes (its
+        machine crashed before it synced them). Each accepted group not yet trained whose stream entries are gone is
+        counted as lost and its prompt admitted again; the groups leased now are checked as their workers report
+        them written; a store older than the controller's last write gets the controller's whole state again.
+        Returns the groups lost.
 
-        The candidates are taken before the stream is read: each was written before the read began (a worker
-        reports a group accepted once it is written), and a group trained meanwhile was reported before its
-        entries were acknowledged and trimmed (the core then no longer counts it as accepted-untrained)."""
+        Every restart is checked, not only one that lost a controller's write: the writes lost may be a worker's
+        alone (a group written, not yet reported). The candidates are taken before the stream is read: each was
+        written before the read began (a worker reports a group accepted once it is written), and a group trained
+        meanwhile was reported before its entries were acknowledged and trimmed (the core then no longer counts it
+        as accepted-untrained)."""
         applied = self.writer.applied  # (taken before the read: a write applied after it is newer)
-        if not self.writer.lost_writes and await self.state.last_applied() >= applied:
+        run_id, known = await self.store.server_run_id(), self.redis_run_id
+        self.redis_run_id = run_id
+        went_back = self.writer.lost_writes or await self.state.last_applied() < applied
+        if not went_back and run_id == (known or run_id):
             return []
         self.writer.lost_writes = False
         # Taken together, with no await between: a group accepted from here on has its lease in `unverified`.
         candidates, self.unverified = list(self.core.accepted_groups), set(self.core.leases)
         lost = self.core.reconcile(candidates, await self.store.groups_in_stream())
-        self.writer.rewrite()
+        if went_back:
+            self.writer.rewrite()
         await self.writer.written()
-        log.warning(
-            "Redis lost acknowledged writes (it came back with an older state than the controller wrote); the "
-            "controller's state is written again; %d accepted groups lost from the stream, their prompts admitted "
-            "again: %s",
+        log.log(
+            logging.WARNING if lost or went_back else logging.INFO,
+            "Redis restarted%s; of the %d accepted groups not yet trained, %d were lost from the stream, their prompts "
+            "admitted again%s",
+            " without its last acknowledged writes (the controller's state is written again)" if went_back else "",
+            len(candidates),
             len(lost),
-            ", ".join(lost) or "none",
+            f": {', '.join(lost)}" if lost else "",
         )
         if lost:
             self.room_may_have_opened()
