@@ -90,8 +90,3 @@ def cut_back(data_dir: Path, drop: int) -> list[Write]:
     with path.open("r+b") as f:
         f.truncate(kept[-1].end if kept else 0)
     return dropped
-
-
-def cut_before(data_dir: Path, index: int) -> list[Write]:
-    """Keep the newest increment's writes before `index` (a position in `read_writes`), dropping the rest."""
-    return cut_back(data_dir, len(read_writes(newest_increment(data_dir))) - index)
