@@ -17,6 +17,7 @@ and runs each as a kubelet would:
 - Service names in a cluster DNS (kubelet_node.py): a Service resolves to its ready pods (there is no kube-proxy,
   so no virtual IP: clients get the endpoints' addresses), a headless Service with publishNotReadyAddresses to
   all of them, and `POD.SERVICE` to a StatefulSet pod whose subdomain is that Service.
+A node that goes away is `lose_pod`: the pod comes back under a new address, as if rescheduled to another node.
 Not emulated: resource limits, seccomp, scheduling, rolling updates (a changed pod template replaces every pod).
 """
 
@@ -312,7 +313,7 @@ class Cluster:
             ordinal=ordinal,
             ip=f"{SUBNET}.{index}",
             netns=f"{self.prefix}-{index}",
-            directory=self.root / "pods" / name,
+            directory=self.root / "pods" / f"{name}-{index}",  # a StatefulSet's pod made again gets a fresh one
         )
         pod.containers = [Container(c) for c in spec["containers"]]
         self.namespaces.append(pod.netns)
@@ -354,6 +355,15 @@ class Cluster:
                 self.terminate(pod, pod.spec.get("terminationGracePeriodSeconds", 30) if grace is None else grace)
             )
             self.publish()
+
+    def lose_pod(self, pod: Pod) -> None:
+        """The pod's node went away: its containers die at once (SIGKILL, no SIGTERM first) and the pod is deleted,
+        as the node lifecycle controller evicts it. Its workload makes a new one at its next `apply`, as if on
+        another node: a new address (the DNS follows it), fresh emptyDirs; a StatefulSet's under the same name, once
+        the old one is gone, with the same claims."""
+        for container in pod.containers:
+            self.kill_group(container)
+        self.delete_pod(pod, grace=0)
 
     async def terminate(self, pod: Pod, grace: float) -> None:
         await asyncio.gather(*(self.stop_container(c, grace) for c in pod.containers))

@@ -812,3 +812,85 @@ def test_trained_tokens_by_staleness_add_up_over_steps_and_survive_a_restart():
     assert histograms.summary([40, 25, 2, 1]) == {"p50": 0, "p99": 3, "max": 3, "mean": 0.471}
     assert histograms.summary([]) == {"p50": 0, "p99": 0, "max": 0, "mean": 0.0}
     assert histograms.summary([0, 0, 7]) == {"p50": 2, "p99": 2, "max": 2, "mean": 2.0}
+
+
+def test_accepted_groups_a_store_lost_are_found_by_id_admitted_again_and_leave_the_admission_counts():
+    """Reconciliation after Redis came back without its last writes: of the accepted groups not yet trained, those
+    the stream no longer holds are lost; a group trained (reported) or dropped is never a candidate; one lost that
+    the trainer had read before the store forgot it is trained after all, and no longer counted as lost."""
+    core = make_core(items=6, batch_size=2, max_staleness=0, total_steps=3)
+    admitted = core.acquire("w", 2, engine_version=0)
+    assert core.capacity() == 0  # (η + v + 1)·B = 2
+    for a in admitted:
+        core.complete(a.lease.group_id, "accepted")
+    trained, kept = admitted
+    core.trained([trained.lease.group_id])
+    core.announce_version(1, restored=False)
+    [late] = core.acquire("w", 2, engine_version=1)[:1]
+    core.complete(late.lease.group_id, "accepted")
+    assert set(core.accepted_groups) == {kept.lease.group_id, late.lease.group_id}
+
+    # the stream holds `kept`; `late`'s write was among those lost; `trained` left the stream when it was acknowledged
+    candidates = list(core.accepted_groups)
+    assert core.reconcile(candidates, in_stream={kept.lease.group_id}) == [late.lease.group_id]
+    assert core.reconcile(candidates, in_stream={kept.lease.group_id}) == []  # found once
+    status = core.status()
+    assert (status["lost"], status["accepted"]) == (1, 3)
+    assert core.metrics.value("areal_controller_groups_total", result="lost") == 1
+    # its place is free again and its prompt comes first, as a new group
+    [again] = core.acquire("w", 1, engine_version=1)
+    assert again.item.id == late.item.id and again.lease.group_id != late.lease.group_id
+
+    restored = make_core(items=6, batch_size=2, max_staleness=0, total_steps=3)
+    restored.restore(core.durable_state())
+    assert restored.status()["lost"] == 1 and restored.capacity() == core.capacity()
+    assert set(restored.accepted_groups) == {kept.lease.group_id}
+
+    # the trainer had read `late` before Redis forgot it: it trains it, and it is no longer lost
+    core.trained([late.lease.group_id])
+    assert core.status()["lost"] == 0 and core.take_changes().lost_groups == {late.lease.group_id: False}
+
+
+def test_a_group_trained_before_its_worker_reports_it_is_never_a_candidate_for_loss():
+    core = make_core(items=4, batch_size=1, max_staleness=0, total_steps=4)
+    [a] = core.acquire("w", 1, engine_version=0)
+    core.trained([a.lease.group_id])  # the trainer read, trained and reported it first
+    core.complete(a.lease.group_id, "accepted")
+    assert core.accepted_groups == {} and core.reconcile([a.lease.group_id], in_stream=set()) == []
+
+
+def test_a_run_that_trains_no_step_for_its_progress_deadline_says_what_it_waits_for():
+    clock = Clock()
+    job = make_job(batch_size=2, max_staleness=0, total_steps=2)
+    job = job.model_copy(update={"trainer": job.trainer.model_copy(update={"progress_deadline_seconds": 60})})
+    dataset = [DatasetItem(id=f"p{i}", prompt=f"q{i}", reference=str(i), verifier="exact") for i in range(5)]
+    core = ControllerCore(job, dataset, lease_seconds=30, clock=clock)
+    clock.now += 59
+    assert core.stalled() == ""
+    clock.now += 2
+    assert core.stalled() == "no training step for 61 s; waiting for a rollout worker to register"
+    core.register("w", "127.0.0.1:1", 0)
+    [a, b] = core.acquire("w", 2, engine_version=0)
+    assert "waiting for the groups generating (2 on w)" in core.stalled()
+    core.complete(a.lease.group_id, "accepted")
+    core.complete(b.lease.group_id, "accepted")
+    assert "waiting for the trainer: 2 accepted groups wait for it in the stream" in core.status()["stalled"]
+    core.trained([a.lease.group_id, b.lease.group_id])
+    core.record_step(
+        version=1,
+        groups=2,
+        samples=2,
+        tokens=2,
+        max_staleness=0,
+        mean_staleness=0.0,
+        reward_mean=0.0,
+        eval_accuracy=-1.0,
+        base_evaluation=False,
+        finished=False,
+    )
+    assert core.stalled() == ""  # a step: the deadline counts from it
+    clock.now += 61
+    assert "waiting for admission: nothing is generating and staleness holds it back" in core.stalled()
+    restarted = ControllerCore(job, dataset, lease_seconds=30, clock=clock)
+    restarted.restore(core.durable_state())
+    assert restarted.stalled() == ""  # a restarted controller's deadline counts from its start

@@ -9,9 +9,13 @@ import redis
 import yaml
 from operator_fixtures import ON_API_SERVER, Cluster, eventually, rljob
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2
+from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.store import JobKeys
+from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.store import JobKeys, TrajectoryStore, connect
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.server import serve
+from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.validation import validate
 
@@ -305,3 +309,60 @@ async def test_too_many_container_restarts_fail_the_job(cluster: Cluster, operat
     assert failed["reason"] == "RestartLimitExceeded"
     assert "restarted 3 times" in failed["message"]
     await eventually(lambda: set(replicas(cluster).values()) == {0}, "a failed job to hold no pods")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def controller_on_a_clock(operator_context, redis_url):
+    """A real controller over gRPC whose clock the test moves, for a job with a progress deadline of 60 s."""
+    job = validate(rljob(redis_url=redis_url, trainer={"progress_deadline_seconds": 60})).config
+    items = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(8)]
+    clock, client = Clock(), connect(redis_url)
+    server, port, _servicer, reaper = await serve(
+        ControllerCore(job, items, clock=clock), TrajectoryStore(client, job.name), "127.0.0.1:0", reap_interval=3600
+    )
+    operator_context.controller_address = lambda namespace, name: f"127.0.0.1:{port}"
+    grpc_channel = channel(f"127.0.0.1:{port}")
+    yield clock, controller_pb2_grpc.ControllerStub(grpc_channel)
+    reaper.cancel()
+    await grpc_channel.close()
+    await server.stop(None)
+    await client.aclose()
+
+
+async def test_a_job_that_trains_no_step_for_its_progress_deadline_is_not_progressing_and_says_what_it_waits_for(
+    cluster: Cluster, controller_on_a_clock, operator
+):
+    """As a Deployment's progressDeadlineSeconds: Progressing turns False (reason ProgressDeadlineExceeded) with the
+    controller's line on what the run waits for, and True again with the next step. Nothing is stopped."""
+    clock, stub = controller_on_a_clock
+    await cluster.create(rljob(trainer={"progress_deadline_seconds": 60}))
+    await eventually(lambda: all_children(cluster), "every child to exist")
+    await eventually(lambda: cluster.condition("Progressing")["status"] == "True", "Progressing while starting")
+
+    clock.now += 61  # a minute without a step, and no worker ever registered
+    stalled = await eventually(
+        lambda: (c := cluster.condition("Progressing"))["reason"] == "ProgressDeadlineExceeded" and c,
+        "Progressing=False past the deadline",
+    )
+    assert stalled["status"] == "False" and "waiting for a rollout worker to register" in stalled["message"]
+    assert cluster.rljob()["status"]["replicas"]  # (the job runs on: nothing was stopped)
+    assert cluster.condition("Failed")["status"] == "False"
+
+    await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9"))
+    await stub.AcquireGroups(controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1))
+    await eventually(
+        lambda: "waiting for the groups generating (1 on w0)" in cluster.condition("Progressing")["message"],
+        "the message to follow what the run waits for",
+    )
+
+    await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
+    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=1, group_ids=["g0", "g1"], samples=4))
+    await eventually(lambda: cluster.condition("Progressing")["status"] == "True", "Progressing again after a step")

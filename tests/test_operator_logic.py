@@ -463,7 +463,16 @@ def test_status_carries_the_controller_metrics():
 
 def test_status_counts_restarts_per_role_and_groups_by_outcome_and_dead_letters_degrade_past_the_threshold():
     running = lifecycle.Phase("Running", "Running", "up")
-    groups = {"admitted": 40, "running": 3, "accepted": 30, "filtered": 2, "failed": 1, "requeued": 4, "dropped": 1}
+    groups = {
+        "admitted": 40,
+        "running": 3,
+        "accepted": 30,
+        "filtered": 2,
+        "failed": 1,
+        "requeued": 4,
+        "dropped": 1,
+        "lost": 1,
+    }
     for dead, threshold, degraded in ((0, 0, "False"), (2, 2, "False"), (3, 2, "True")):
         observed = lifecycle.Observed(
             replicas=ready_replicas(1),

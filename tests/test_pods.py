@@ -286,44 +286,64 @@ CHAOS_VICTIMS = [
 ]
 
 
-def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
+# roles whose pod is lost after those kills (its node gone): it comes back under a new address, as if rescheduled
+LOST_PODS = ["rollout", "controller", "trainer"]
+
+
+def pod_of(cluster: Cluster, job: ValidJob, role: str):
+    """The role's live pod; None between a lost pod and its replacement."""
     labels = (
         {names.LABEL_COMPONENT: role}
         if role == "redis"
         else {names.LABEL_COMPONENT: role, names.LABEL_INSTANCE: job.name}
     )
-    [pod] = [
+    live = [
         p
         for p in cluster.pods.values()
         if p.namespace == NAMESPACE and labels.items() <= p.labels.items() and not p.deleted
     ]
-    return next(c for c in pod.containers if c.spec["name"] == name)
+    return live[0] if live else None
 
 
-@pytest.mark.timeout(420)
-async def test_every_container_killed_once_the_job_completes_on_container_restarts_alone(tmp_path, demo_assets):
+def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
+    return next(c for c in pod_of(cluster, job, role).containers if c.spec["name"] == name)
+
+
+@pytest.mark.timeout(600)
+async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_path, demo_assets):
     """The example, shorter, with each of its containers and the chart's Redis SIGKILLed once while it trains: the
     kubelet restarts each in place (same pod, name and address, its emptyDir kept: Redis reads its append-only
-    file), and the job completes with nothing lost, nothing trained twice and every sample within η; the operator
+    file). Then the rollout, controller and trainer pods are each lost with their node: each comes back as a new
+    pod under a new address (the trainer's under its name, with its checkpoint claim), which the Service names
+    follow. The job completes with nothing lost, nothing trained twice and every sample within η; the operator
     counts the restarts per role."""
     rljob = the_example()
-    rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * len(CHAOS_VICTIMS)
+    rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * (len(CHAOS_VICTIMS) + len(LOST_PODS))
     rljob["spec"]["trainer"].update(checkpoint_interval=2, eval_interval=0)
     job = validate(rljob)
     algorithm = job.config.algorithm
-    pending = [(3 * (i + 1), victim) for i, victim in enumerate(CHAOS_VICTIMS)]  # after steps 3, 6, ...
+    victims = [*CHAOS_VICTIMS, *((role, None) for role in LOST_PODS)]
+    pending = [(3 * (i + 1), victim) for i, victim in enumerate(victims)]  # after steps 3, 6, ...
+    addresses: dict[str, set[str]] = {role: set() for role in LOST_PODS}  # each role's pod addresses seen
 
     async with example_cluster(tmp_path, demo_assets) as cluster:
 
         def kill_when_due(status: dict) -> None:
             trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
-            while pending and trained >= pending[0][0]:
+            while pending and trained >= pending[0][0] and pod_of(cluster, job, pending[0][1][0]):
                 _, (role, name) = pending.pop(0)
-                Cluster.kill_group(container_of(cluster, job, role, name))
+                if name is None:
+                    cluster.lose_pod(pod_of(cluster, job, role))
+                else:
+                    Cluster.kill_group(container_of(cluster, job, role, name))
+            for role in LOST_PODS:
+                if pod := pod_of(cluster, job, role):
+                    addresses[role].add(pod.ip)
 
-        statuses, described = await run_to_the_end(cluster, job, timeout=360, each=kill_when_due)
+        statuses, described = await run_to_the_end(cluster, job, timeout=540, each=kill_when_due)
         steps = trained_steps(cluster, job)
     assert not pending, f"not killed: {pending}"
+    assert all(len(seen) == 2 for seen in addresses.values()), addresses  # each lost pod came back elsewhere
     final = statuses[-1]
     assert condition(final, "Complete") == ("True", "TrainingFinished")
     assert final["policyVersion"] == algorithm.total_steps

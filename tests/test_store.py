@@ -194,3 +194,50 @@ async def test_entries_whose_read_reply_was_lost_are_recovered_once_by_the_live_
     await store.ack(trained)
     assembler.forget(trained)
     assert assembler.known == set() and await assembler.recover_lost_deliveries() == 0
+
+
+class NothingOutstanding:
+    async def outstanding(self) -> dict[str, int]:
+        return {}
+
+
+async def test_a_group_taken_into_a_batch_is_never_buffered_again_when_redis_delivers_it_again(store):
+    """A Redis that lost its last writes can deliver entries again: its consumer group went back to before a read
+    (they come as new) or an acknowledgement (they are pending again, and the lost-delivery check finds them). The
+    assembler never trains a group it took twice: their entries are acknowledged with the next checkpoint."""
+    from areal_k8s.trainer.step.batching import BatchAssembler
+
+    assembler = BatchAssembler(store, "trainer-0", NothingOutstanding(), batch_size=1, group_size=2, max_staleness=1)
+    await store.ensure_consumer_group()
+    await store.write_group([trajectory("a", i, [0]) for i in range(2)])
+    [batch] = await assembler.next_batch(version=0)
+    entries = [e.entry_id for e in batch.entries]
+    await store.ack(entries)
+    assembler.forget(entries)
+    await store.client.xgroup_setid(store.keys.stream, "trainer", "0")  # the consumer group as Redis went back to it
+    await assembler.drain()
+    assert await assembler.recover_lost_deliveries() == 0
+    kept = [entry_id.decode() for entry_id, _ in await store.client.xrange(store.keys.stream)]  # (the rest trimmed)
+    assert kept and assembler.buffer == {} and assembler.delivered_again == kept
+
+
+async def test_a_state_write_onto_a_store_that_went_back_in_time_is_refused_and_the_whole_state_replaces_it(store):
+    from areal_k8s.controller.durable import Changes
+    from areal_k8s.controller.leases import Lease
+    from areal_k8s.controller.state_store import ControllerStateStore
+
+    state = ControllerStateStore(store.client, store.keys)
+    counters = {"version": 1, "accepted": 1}
+    lease = Lease("g1", 0, 1, 0, "w", 0.0)
+    assert await state.write(1, Changes(counters, leases={"g0": Lease("g0", 0, 0, 0, "w", 0.0)})) == 1
+    assert await state.write(2, Changes(counters, accepted_groups={"g0": 0}), applied=1) == 1
+    assert await state.write(2, Changes(counters), applied=2) == 0  # sent again: changes nothing
+    await store.client.hset(store.keys.controller_counters, "seq", 1)  # Redis lost write 2
+    assert await state.last_applied() == 1
+    assert await state.write(3, Changes(counters, leases={"g1": lease}), applied=2) == -1
+    assert await store.client.hkeys(store.keys.controller_leases) == [b"g0"]  # nothing applied on top
+    whole = Changes(counters, leases={"g1": lease}, lost_groups={"g0": True}, whole=True)
+    assert await state.write(4, whole, applied=2) == 1
+    assert await store.client.hkeys(store.keys.controller_leases) == [b"g1"]  # what it held before is gone
+    assert await store.client.smembers(store.keys.controller_lost) == {b"g0"}
+    assert await store.client.hlen(store.keys.controller_accepted) == 0

@@ -151,6 +151,7 @@ def run_summary(
             "requeued": status.requeued,
             "running": status.running,
             "dropped": status.dropped,
+            "lost": status.lost,  # accepted, then lost by a Redis that forgot its last writes; admitted again
         },
         "dead_lettered_items": status.dead_lettered,
         "samples_per_second": round(status.samples_per_second, 3),

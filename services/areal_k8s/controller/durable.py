@@ -1,7 +1,8 @@
 """The controller's durable state, in the records the shell keeps in Redis (controller/state_store.py): its counters
 (a few numbers, and the progress figures as one record), one record per lease, per retry place, per dead-lettered
-item and per dropped group. `Changes` is what one write carries: the counters, and only the records that changed
-since the previous write, so a write costs what changed, never the whole state."""
+item, per dropped group, per accepted group not yet trained and per group lost by the store. `Changes` is what one
+write carries: the counters, and only the records that changed since the previous write, so a write costs what
+changed, never the whole state."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class DurableState:
     retry: list[RetryEntry]  # from the place `counters["retry_head"]` on
     dead_items: set[int]
     dropped_groups: set[str]
+    accepted_groups: dict[str, int] = field(default_factory=dict)  # accepted, not yet trained: group id -> item index
+    lost_groups: set[str] = field(default_factory=set)  # accepted, then lost by a store that forgot its last writes
 
 
 @dataclass
@@ -63,10 +66,18 @@ class Changes:
     dead_letters: list[DeadLetter] = field(default_factory=list)  # each one's item joins the dead items with it
     dead_items: set[int] = field(default_factory=set)  # dead items whose letters were written before
     dropped_groups: set[str] = field(default_factory=set)
+    accepted_groups: dict[str, int | None] = field(default_factory=dict)  # None: trained, dropped or lost
+    lost_groups: dict[str, bool] = field(default_factory=dict)  # False: lost, then trained after all
+    whole: bool = False  # the whole state: the records not in it are removed (a store that lost writes)
 
     def absorb(self, later: Changes) -> None:
         """Add the changes made after these (a write that failed goes again with the next one). Records are
-        absolute, so the later value of each wins."""
+        absolute, so the later value of each wins; a later whole state replaces them all."""
+        if later.whole:
+            letters = self.dead_letters + later.dead_letters  # the stream of dead letters is no state: kept
+            self.__dict__.update(later.__dict__)
+            self.dead_letters = letters
+            return
         self.counters = later.counters
         self.progress = later.progress if later.progress is not None else self.progress
         self.leases.update(later.leases)
@@ -74,10 +85,13 @@ class Changes:
         self.dead_letters += later.dead_letters
         self.dead_items |= later.dead_items
         self.dropped_groups |= later.dropped_groups
+        self.accepted_groups.update(later.accepted_groups)
+        self.lost_groups.update(later.lost_groups)
 
     @classmethod
     def everything(cls, state: DurableState) -> Changes:
-        """The whole state as one write (a state converted from an older controller's snapshot)."""
+        """The whole state as one write, replacing what the store holds (a state converted from an older
+        controller's snapshot, or written again over a store that lost writes)."""
         head = int(state.counters["retry_head"])
         return cls(
             counters=state.counters,
@@ -86,6 +100,9 @@ class Changes:
             retry={head + i: entry for i, entry in enumerate(state.retry)},
             dead_items=set(state.dead_items),
             dropped_groups=set(state.dropped_groups),
+            accepted_groups=dict(state.accepted_groups),
+            lost_groups=dict.fromkeys(state.lost_groups, True),
+            whole=True,
         )
 
 

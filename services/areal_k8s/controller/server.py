@@ -80,6 +80,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.state = ControllerStateStore(store.client, store.keys)
         self.writer = StateWriter(core, self.state, seq=0)
         self.polls = HeldPolls(room=core.admissible)
+        self.unverified: set[str] = set()  # groups leased when Redis restarted: their writes may be among those lost
+        self.stall_logged_at = -math.inf
+        self.redis_run_id: str | None = None  # the Redis server's run id: a new one means it restarted
 
     def room_may_have_opened(self) -> None:
         """After a change that can open admission room: wake as many held polls as there is room for (all of them
@@ -93,13 +96,14 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         """Carry on from the state the last controller of this job wrote, or from an older controller's snapshot."""
         if loaded := await self.state.load():
             self.writer.seq, state = loaded
+            self.writer.applied = self.writer.seq
             self.core.restore(state)
         elif legacy := await self.state.load_legacy():
             state, version = legacy
             self.core.restore(state)
             if version is not None:
                 self.core.announce_version(version, restored=True)
-            self.writer.seq = 1
+            self.writer.seq = self.writer.applied = 1
             await self.state.write(self.writer.seq, Changes.everything(self.core.durable_state()))
             await self.state.forget_legacy()
         else:
@@ -141,6 +145,44 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             await self.writer.written()
         return len(expired)
 
+    async def reconcile_lost_writes(self) -> list[str]:
+        """After Redis restarted: find what it lost, if it came back without its last acknowledged writes (its
+        machine crashed before it synced them). Each accepted group not yet trained whose stream entries are gone is
+        counted as lost and its prompt admitted again; the groups leased now are checked as their workers report
+        them written; a store older than the controller's last write gets the controller's whole state again.
+        Returns the groups lost.
+
+        Every restart is checked, not only one that lost a controller's write: the writes lost may be a worker's
+        alone (a group written, not yet reported). The candidates are taken before the stream is read: each was
+        written before the read began (a worker reports a group accepted once it is written), and a group trained
+        meanwhile was reported before its entries were acknowledged and trimmed (the core then no longer counts it
+        as accepted-untrained)."""
+        applied = self.writer.applied  # (taken before the read: a write applied after it is newer)
+        run_id, known = await self.store.server_run_id(), self.redis_run_id
+        self.redis_run_id = run_id
+        went_back = self.writer.lost_writes or await self.state.last_applied() < applied
+        if not went_back and run_id == (known or run_id):
+            return []
+        self.writer.lost_writes = False
+        # Taken together, with no await between: a group accepted from here on has its lease in `unverified`.
+        candidates, self.unverified = list(self.core.accepted_groups), set(self.core.leases)
+        lost = self.core.reconcile(candidates, await self.store.groups_in_stream())
+        if went_back:
+            self.writer.rewrite()
+        await self.writer.written()
+        log.log(
+            logging.WARNING if lost or went_back else logging.INFO,
+            "Redis restarted%s; of the %d accepted groups not yet trained, %d were lost from the stream, their prompts "
+            "admitted again%s",
+            " without its last acknowledged writes (the controller's state is written again)" if went_back else "",
+            len(candidates),
+            len(lost),
+            f": {', '.join(lost)}" if lost else "",
+        )
+        if lost:
+            self.room_may_have_opened()
+        return lost
+
     async def revoke(self, group_ids: list[str], why: str) -> None:
         """Settle groups whose worker is gone: a group already written counts as accepted, the others are
         re-queued (not counted against their prompt: it was not at fault); a late write by the old worker is
@@ -151,6 +193,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
         if group_ids:
             self.room_may_have_opened()
+
+    def log_stall(self) -> None:
+        """Once per progress deadline while no step comes: what the run waits for."""
+        now, deadline = self.core.clock(), self.core.job.trainer.progress_deadline_seconds
+        if now - self.stall_logged_at >= deadline and (stalled := self.core.stalled()):
+            self.stall_logged_at = now
+            log.warning("%s (trainer.progress_deadline_seconds: %d)", stalled, deadline)
 
     async def observe_stream(self) -> None:
         stream, m = await self.store.stream_stats(), self.core.metrics
@@ -258,10 +307,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             )
         unknown = 0
         for outcome in request.outcomes:
-            result = _RESULTS[outcome.result]
-            if result in ("failed", "requeued") and await self.store.revoke_group(outcome.group_id):
+            result, group_id = _RESULTS[outcome.result], outcome.group_id
+            if result in ("failed", "requeued") and await self.store.revoke_group(group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
-            unknown += not self.core.complete(outcome.group_id, result, outcome.reason)
+            # A group leased before Redis lost writes may have been written among them: it must be in the written set.
+            lost = (
+                result == "accepted" and group_id in self.unverified and not await self.store.written_groups([group_id])
+            )
+            self.unverified.discard(group_id)
+            unknown += not self.core.complete(group_id, result, outcome.reason)
+            if lost and group_id in self.core.accepted_groups:  # (not when trained already)
+                log.warning("group %s was reported written and is not in the stream: Redis lost it", group_id)
+                self.core.lose(group_id)
         self.room_may_have_opened()  # an accepted group opens none: it moves from running to accepted
         await self.writer.written()  # (also for outcomes known already: a first attempt's write may be under way)
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
@@ -326,6 +383,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(request.version >= 0, f"version must be >= 0, got {request.version}")
         require(request.samples >= 0 and request.tokens >= 0, "samples and tokens must be >= 0")
         require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
+        self.core.trained(list(request.group_ids))
         recorded = self.core.record_step(
             version=request.version,
             groups=len(request.group_ids),
@@ -400,7 +458,9 @@ async def serve(
         while True:
             await asyncio.sleep(reap_interval)
             try:
+                await servicer.reconcile_lost_writes()
                 await servicer.reap_dead_workers()
+                servicer.log_stall()
                 await servicer.observe_stream()
             except Exception:  # Redis blip: try again next round
                 log.exception("reaping dead workers or reading the stream failed")

@@ -1,11 +1,16 @@
 """The controller's durable state in Redis (durable.py says what it holds), written change by change.
 
 Counters in one hash (the progress figures one field of it), a hash of leases, a hash of retry places, a set of
-dead-lettered items, a set of dropped groups: each write is one Lua script that applies the counters and the records
-that changed, settles the written-set entries of the leases it removes, and appends the dead letters of items newly
-dead-lettered, all at once. A write carries a sequence number and is applied only if it is newer than the last one
-applied, so a write sent again (its answer lost to a Redis restart) or a late one changes nothing. The records are
-the state itself: there is no log to replay or compact, and a restart reads them back as they are.
+dead-lettered items, a set of dropped groups, a hash of accepted groups not yet trained, a set of lost groups: each
+write is one Lua script that applies the counters and the records that changed, settles the written-set entries of
+the leases it removes, and appends the dead letters of items newly dead-lettered, all at once. A write carries a
+sequence number and is applied only if it is newer than the last one applied, so a write sent again (its answer lost
+to a Redis restart) or a late one changes nothing. The records are the state itself: there is no log to replay or
+compact, and a restart reads them back as they are.
+
+A write also names the last one the controller saw applied: a store holding an older one lost acknowledged writes
+(a Redis whose machine crashed comes back without about its last second), and the script refuses to apply changes
+on top of it; the controller writes its whole state instead, and looks for the groups the stream lost.
 
 `StateWriter` is the one writer: calls that changed the state wait for the write that carries their change, and
 every change made while a write is under way goes in the next one (a group commit).
@@ -37,15 +42,24 @@ from areal_k8s.controller.durable import (
 
 log = logging.getLogger(__name__)
 
-# KEYS: counters, leases, retry, dead items, dropped, dead letters, written groups. ARGV: the write's sequence number,
-# the dead letters kept, then sections, each its count and its items: counters (field, value), leases written
-# (group id, record), leases settled (group id), retry places written (place, record), retry places cleared
-# (place), groups dropped (group id), dead items (item index), dead letters (item index, then six field-value pairs).
-# Returns 0, changing nothing, for a write no newer than the last one applied.
+# KEYS: counters, leases, retry, dead items, dropped, dead letters, written groups, accepted groups, lost groups.
+# ARGV: the write's sequence number, the dead letters kept, the last write seen applied, 1 for a whole state (the
+# state's keys are emptied first), then sections, each its count and its items: counters (field, value), leases
+# written (group id, record), leases settled (group id), retry places written (place, record), retry places cleared
+# (place), groups dropped (group id), dead letters (item index, then six field-value pairs), dead items (item index),
+# accepted groups written (group id, item index), accepted groups removed (group id), groups lost (group id), groups
+# no longer lost (group id). Returns 0, changing nothing, for a write no newer than the last one applied; -1, changing
+# nothing, when the last one applied is older than the last one seen applied (the store lost writes).
 _WRITE = """
 local seq = tonumber(ARGV[1])
-if seq <= tonumber(redis.call('HGET', KEYS[1], 'seq') or '0') then return 0 end
-local i = 3
+local stored = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
+if seq <= stored then return 0 end
+if ARGV[4] == '1' then
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8], KEYS[9])
+elseif stored < tonumber(ARGV[3]) then
+  return -1
+end
+local i = 5
 local function section(width)
   local first = i + 1
   i = first + tonumber(ARGV[i]) * width
@@ -66,21 +80,29 @@ a, b = section(1)
 for j = a, b do redis.call('HDEL', KEYS[3], ARGV[j]) end
 a, b = section(1)
 for j = a, b do redis.call('SADD', KEYS[5], ARGV[j]) end
-a, b = section(1)
-for j = a, b do redis.call('SADD', KEYS[4], ARGV[j]) end
 a, b = section(13)
 for j = a, b, 13 do
   if redis.call('SADD', KEYS[4], ARGV[j]) == 1 then
     redis.call('XADD', KEYS[6], 'MAXLEN', ARGV[2], '*', unpack(ARGV, j + 1, j + 12))
   end
 end
+a, b = section(1)
+for j = a, b do redis.call('SADD', KEYS[4], ARGV[j]) end
+a, b = section(2)
+for j = a, b, 2 do redis.call('HSET', KEYS[8], ARGV[j], ARGV[j + 1]) end
+a, b = section(1)
+for j = a, b do redis.call('HDEL', KEYS[8], ARGV[j]) end
+a, b = section(1)
+for j = a, b do redis.call('SADD', KEYS[9], ARGV[j]) end
+a, b = section(1)
+for j = a, b do redis.call('SREM', KEYS[9], ARGV[j]) end
 redis.call('HSET', KEYS[1], 'seq', seq)
 return 1
 """
 
 
-def write_arguments(seq: int, changes: Changes) -> list[object]:
-    """The script's ARGV for one write."""
+def write_arguments(seq: int, changes: Changes, applied: int = 0) -> list[object]:
+    """The script's ARGV for one write; `applied`: the last write seen applied."""
     counters = [(name, json.dumps(value)) for name, value in changes.counters.items()]
     if changes.progress is not None:
         counters.append(("progress", json.dumps(changes.progress)))
@@ -89,8 +111,13 @@ def write_arguments(seq: int, changes: Changes) -> list[object]:
     places = [(place, encode_retry(entry)) for place, entry in changes.retry.items() if entry is not None]
     cleared = [place for place, entry in changes.retry.items() if entry is None]
     letters = [[letter.item_index, *chain.from_iterable(asdict(letter).items())] for letter in changes.dead_letters]
-    args: list[object] = [seq, DEAD_LETTER_RETENTION]
-    for section in (counters, leases, settled, places, cleared, changes.dropped_groups, changes.dead_items, letters):
+    accepted = [(gid, item) for gid, item in changes.accepted_groups.items() if item is not None]
+    unaccepted = [gid for gid, item in changes.accepted_groups.items() if item is None]
+    lost = [gid for gid, is_lost in changes.lost_groups.items() if is_lost]
+    found = [gid for gid, is_lost in changes.lost_groups.items() if not is_lost]
+    args: list[object] = [seq, DEAD_LETTER_RETENTION, applied, int(changes.whole)]
+    sections = (counters, leases, settled, places, cleared, changes.dropped_groups, letters, changes.dead_items)
+    for section in (*sections, accepted, unaccepted, lost, found):
         args.append(len(section))
         for item in section:
             args.extend(item if isinstance(item, list | tuple) else [item])
@@ -102,8 +129,9 @@ class ControllerStateStore:
         self.client, self.keys = client, keys
         self._write = client.register_script(_WRITE)
 
-    async def write(self, seq: int, changes: Changes) -> bool:
-        """Apply one write; False if a write numbered `seq` or later was applied already."""
+    async def write(self, seq: int, changes: Changes, applied: int = 0) -> int:
+        """Apply one write: 1; 0 if a write numbered `seq` or later was applied already; -1, applying nothing, if
+        the last write applied is older than `applied` (the last one seen applied: the store lost writes)."""
         k = self.keys
         keys = [
             k.controller_counters,
@@ -113,8 +141,14 @@ class ControllerStateStore:
             k.controller_dropped,
             k.dead_letters,
             k.written,
+            k.controller_accepted,
+            k.controller_lost,
         ]
-        return bool(await self._write(keys=keys, args=write_arguments(seq, changes)))
+        return int(await self._write(keys=keys, args=write_arguments(seq, changes, applied)))
+
+    async def last_applied(self) -> int:
+        """The sequence number of the last write the store holds (0: none)."""
+        return int(await self.client.hget(self.keys.controller_counters, "seq") or 0)
 
     async def load(self) -> tuple[int, DurableState] | None:
         """The last write's sequence number and the state, or None when no controller of this job wrote any."""
@@ -125,7 +159,9 @@ class ControllerStateStore:
             pipe.hgetall(k.controller_retry)
             pipe.smembers(k.controller_dead_items)
             pipe.smembers(k.controller_dropped)
-            counters, leases, retry, dead_items, dropped = await pipe.execute()
+            pipe.hgetall(k.controller_accepted)
+            pipe.smembers(k.controller_lost)
+            counters, leases, retry, dead_items, dropped, accepted, lost = await pipe.execute()
         if not counters:
             return None
         fields = {name.decode(): value.decode() for name, value in counters.items()}
@@ -141,6 +177,8 @@ class ControllerStateStore:
             retry=retry_entries(int(counters["retry_head"]), places),
             dead_items={int(item) for item in dead_items},
             dropped_groups={gid.decode() for gid in dropped},
+            accepted_groups={gid.decode(): int(item) for gid, item in accepted.items()},
+            lost_groups={gid.decode() for gid in lost},
         )
 
     async def load_legacy(self) -> tuple[DurableState, int | None] | None:
@@ -162,6 +200,9 @@ class StateWriter:
 
     def __init__(self, core: ControllerCore, store: ControllerStateStore, seq: int):
         self.core, self.store, self.seq = core, store, seq
+        self.applied = seq  # the last write seen applied
+        self.lost_writes = False  # a write found the store holding an older state: the servicer reconciles
+        self._whole = False  # the next write carries the whole state
         self._next: asyncio.Future | None = None  # resolved when the changes made so far are written
         self._due = asyncio.Event()
         self._unwritten: Changes | None = None
@@ -175,6 +216,13 @@ class StateWriter:
         if error is not None:
             raise error
 
+    def rewrite(self) -> None:
+        """Write the whole state with the next write (the store lost some of the earlier ones)."""
+        self._whole = True
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._due.set()
+
     async def run(self) -> None:
         while True:
             await self._due.wait()
@@ -185,9 +233,22 @@ class StateWriter:
             if self._unwritten is not None:
                 self._unwritten.absorb(changes)
                 changes, self._unwritten = self._unwritten, None
+            if self._whole:
+                self._whole = False
+                changes.absorb(Changes.everything(self.core.durable_state()))
             self.seq += 1
             try:
-                await self.store.write(self.seq, changes)
+                if await self.store.write(self.seq, changes, self.applied) < 0:
+                    log.warning(
+                        "Redis holds an older state than the controller's write %d: it lost acknowledged writes; "
+                        "writing the whole state again",
+                        self.applied,
+                    )
+                    self.lost_writes = True
+                    changes.absorb(Changes.everything(self.core.durable_state()))
+                    self.seq += 1
+                    await self.store.write(self.seq, changes)
+                self.applied = self.seq
             except Exception as exc:  # Redis gone longer than the client's retries: the next write carries these
                 log.exception("writing the controller's state failed; the next write carries its changes")
                 self._unwritten = changes

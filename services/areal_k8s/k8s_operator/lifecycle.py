@@ -161,16 +161,23 @@ def not_ready(replicas: dict[str, RoleReplicas]) -> list[str]:
     return short
 
 
+READY = (True, "AllReplicasReady", "every service has its replicas ready")
+
+
 def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0) -> dict[str, tuple[bool, str, str]]:
     lagging = not_ready(observed.replicas)
+    report = observed.controller
     if not phase.running:
         ready = (False, phase.reason, phase.message)
         progressing = (False, phase.reason, phase.message)
+    elif report is not None and report.stalled:  # the controller's judgement, on its clock: trainer.progress_deadline
+        ready = (False, "ReplicasNotReady", "ready/desired: " + ", ".join(lagging)) if lagging else READY
+        progressing = (False, "ProgressDeadlineExceeded", report.stalled)
     elif lagging:
         ready = (False, "ReplicasNotReady", "ready/desired: " + ", ".join(lagging))
         progressing = (True, "Starting", "waiting for " + ", ".join(lagging))
     else:
-        ready = (True, "AllReplicasReady", "every service has its replicas ready")
+        ready = READY
         training = observed.controller is not None and observed.controller.phase == controller_pb2.JobStatus.RUNNING
         progressing = (
             (True, "Training", "policy version advancing")
@@ -266,6 +273,7 @@ def job_status(
                 "failed": report.failed,
                 "requeued": report.requeued,
                 "dropped": report.dropped,
+                "lost": report.lost,
             },
         )
     if phase.running:

@@ -162,6 +162,10 @@ def status_schema() -> dict:
                         "Accepted groups the trainer dropped as past the staleness bound after it rolled "
                         "back to a checkpoint; their prompts were admitted again."
                     ),
+                    "lost": integer(
+                        "Accepted groups whose stream entries Redis lost (it came back without its last writes); "
+                        "their prompts were admitted again."
+                    ),
                 },
             ),
             "lastRebalanceTime": string(

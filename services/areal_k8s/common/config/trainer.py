@@ -86,6 +86,12 @@ class TrainerConfig(Section):
     keep_checkpoints: Annotated[int, Field(ge=1)] = Field(
         2, description="Checkpoints kept on disk (the newest; the final model in final/ is written apart)."
     )
+    progress_deadline_seconds: Annotated[int, Field(ge=1)] = Field(
+        600,
+        description="A job that trains no step for this long (counted from its last step, or from the controller's "
+        "start) is reported as not progressing, as a Deployment is: the RLJob's Progressing condition turns False "
+        "(reason ProgressDeadlineExceeded) and the controller logs what the run is waiting for. Nothing is stopped.",
+    )
     eval_interval: Annotated[int, Field(ge=0)] = Field(
         10,
         description="Evaluate held-out accuracy every k steps (0: only at start and end): greedy episodes of the "

@@ -268,7 +268,8 @@ class Trainer:
         """Checkpoint, then acknowledge the entries the checkpoint covers once every rank is past the steps that
         trained them (the barrier). Returns the seconds it took."""
         started = time.monotonic()
-        self.state.unacked_entries = [e.entry_id for e in self.unacked]
+        delivered_again, self.assembler.delivered_again = self.assembler.delivered_again, []
+        self.state.unacked_entries = [e.entry_id for e in self.unacked] + delivered_again
         await asyncio.to_thread(self.world.send, COMMIT)
         await asyncio.to_thread(
             save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints

@@ -141,14 +141,26 @@ class BatchAssembler:
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
         self.known: set[str] = set()  # entries this process received and has not acknowledged (buffered or trained)
+        # Groups this process took into a batch or dropped. A Redis that lost its last writes can deliver their
+        # entries again (the read, or the acknowledgement, was among what it lost): never trained twice, they are
+        # acknowledged with the next checkpoint.
+        self.taken: set[str] = set()
+        self.delivered_again: list[str] = []
         self.looked_for_lost_at = time.monotonic()
 
-    def add(self, entries: list[StreamEntry]) -> None:
+    def add(self, entries: list[StreamEntry]) -> int:
+        """Buffer the entries not seen before; returns how many."""
+        added = 0
         for entry in entries:
             if entry.entry_id in self.known:
                 continue
             self.known.add(entry.entry_id)
+            if entry.group_id in self.taken:
+                self.delivered_again.append(entry.entry_id)
+                continue
             self.buffer.setdefault(entry.group_id, []).append(entry)
+            added += 1
+        return added
 
     def forget(self, entry_ids: Iterable[str]) -> None:
         """Entries acknowledged: they leave the consumer's pending list, and this record."""
@@ -163,13 +175,10 @@ class BatchAssembler:
         stalled longer than the client's socket timeout) or the connection drops mid-reply. Waiting on a lost
         group would stall the run for good."""
         self.looked_for_lost_at = time.monotonic()
-        lost = [e for e in await self.store.read_pending(self.consumer) if e.entry_id not in self.known]
+        lost = self.add([e for e in await self.store.read_pending(self.consumer) if e.entry_id not in self.known])
         if lost:
-            log.warning(
-                "recovered %d stream entries delivered to %s whose read reply was lost", len(lost), self.consumer
-            )
-            self.add(lost)
-        return len(lost)
+            log.warning("recovered %d stream entries delivered to %s whose read reply was lost", lost, self.consumer)
+        return lost
 
     def complete_groups(self) -> list[Group]:
         return [
@@ -208,6 +217,7 @@ class BatchAssembler:
             )
             for group in late:
                 del self.buffer[group.group_id]
+                self.taken.add(group.group_id)
                 self.dropped.append(group)
             batch = select_batch(
                 self.complete_groups(),
@@ -221,6 +231,7 @@ class BatchAssembler:
             if batch is not None:
                 for group in batch:
                     del self.buffer[group.group_id]
+                    self.taken.add(group.group_id)
                 return batch
             if time.monotonic() - self.looked_for_lost_at >= LOOK_FOR_LOST_SECONDS:
                 await self.recover_lost_deliveries()
