@@ -110,9 +110,9 @@ def test_the_readme_carries_the_simulated_figures_as_computed():
 
 
 def test_the_docs_carry_the_simulated_table_1_and_policy_sweep_as_computed():
-    """docs/simulator.md's simulated Table 1 reproduction and strict/admission sweep are what bench/simulated_tail.py writes
-    from its committed results; each summary is the median and range of the kept runs (one per seed), and the
-    verdict against AReaL's published hours is recomputed from those medians."""
+    """docs/simulator.md's simulated Table 1 reproduction and strict/admission sweep are what
+    bench/simulated_tail.py writes from its committed results; each summary is the median and range of the kept runs
+    (one per seed), and the verdict against AReaL's published hours is recomputed from those medians."""
     tail = load_bench("simulated_tail")
     report = json.loads(tail.RESULTS.read_text())
     assert report["simulated"] is True
