@@ -269,13 +269,13 @@ class Simulation:
     # -- training ------------------------------------------------------------------------------------------
 
     def try_train(self, arrived: Group | None = None) -> None:
-        """Train if `select_batch` gives a batch. A strict trainer waiting for a straggler asks again only when the
-        group that `arrived` is older than the B-th oldest complete one: any other moves a deadline from the
-        running groups to those left behind, which changes nothing `select_batch` weighs."""
+        """Train if `select_batch` gives a batch. A trainer waiting for a straggler (`strict`, or `capped` at its cap)
+        asks again only when the group that `arrived` is older than the B-th oldest complete one: any other moves a
+        deadline from the running groups to those left behind, which changes nothing `select_batch` weighs."""
         if self.training or self.now < self.trainer_free_at:
             return
         job = self.s.job
-        strict = job.staleness_policy == "strict" and len(self.stream) >= job.batch_size
+        strict = job.staleness_policy != "admission" and len(self.stream) >= job.batch_size  # strict, capped: may wait
         if (
             strict
             and arrived is not None
