@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from areal_k8s.demo.task import distinct_problems
 from areal_k8s.reward.addition_verifier import ANSWER_START, END_MARK
 from areal_k8s.reward.running_sum_verifier import ENTRY_SEPARATOR, TOTAL_WIDTH, entry_text
 
@@ -101,19 +102,7 @@ def make_problems(
     """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed.
 
     One-step sums are few (81), so a set of thousands holds fewer of them than the distribution itself."""
-    rng = random.Random(seed)
-    seen, problems = set(exclude), []
-    attempts = 0
-    while len(problems) < n:
-        attempts += 1
-        if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct problems from {steps}")
-        problem = make_problem(rng, steps)
-        prompt = prompt_text(problem)
-        if prompt not in seen:
-            seen.add(prompt)
-            problems.append(problem)
-    return problems
+    return distinct_problems(n, seed, lambda rng: make_problem(rng, steps), prompt_text, exclude, source=steps)
 
 
 def write_dataset(

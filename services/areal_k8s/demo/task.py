@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from areal_k8s.reward.addition_verifier import ANSWER_START, END_MARK
+
+P = TypeVar("P")
 
 COLUMN_SEPARATOR = ","
 VERIFIER = "addition"
@@ -110,17 +114,31 @@ def make_problems(
     Short sums are few (about 10,000 with two columns), so a set of many thousands holds relatively fewer of
     them than the distribution itself.
     """
+    return distinct_problems(n, seed, lambda rng: make_problem(rng, digits), prompt_text, exclude, source=digits)
+
+
+def distinct_problems(
+    n: int,
+    seed: int,
+    draw: Callable[[random.Random], P],
+    prompt: Callable[[P], str],
+    exclude: frozenset[str] = frozenset(),
+    *,
+    source: object = None,
+) -> list[P]:
+    """`n` problems from `draw`, distinct by `prompt`, none of whose prompt is in `exclude`; deterministic for a
+    seed. A distribution with too few distinct prompts (`source`, named in the error) is refused."""
     rng = random.Random(seed)
     seen, problems = set(exclude), []
     attempts = 0
     while len(problems) < n:
         attempts += 1
         if attempts > 100 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct problems from {digits}")
-        problem = make_problem(rng, digits)
-        prompt = prompt_text(problem)
-        if prompt not in seen:
-            seen.add(prompt)
+            raise ValueError(f"cannot draw {n} distinct problems from {source}")
+        problem = draw(rng)
+        text = prompt(problem)
+        if text not in seen:
+            seen.add(text)
             problems.append(problem)
     return problems
 

@@ -4,39 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from areal_k8s.common import histograms
 from areal_k8s.common.rebalance import Decision
-
-
-def percentile(counts: list[int], share: float) -> int:
-    """The smallest value at or below which `share` of the counted items lie (counts[v] = items of value v)."""
-    total = sum(counts)
-    if total == 0:
-        return 0
-    running = 0
-    for value, n in enumerate(counts):
-        running += n
-        if running >= share * total:
-            return value
-    return len(counts) - 1
-
-
-def mean(counts: list[int]) -> float:
-    total = sum(counts)
-    return sum(v * n for v, n in enumerate(counts)) / total if total else 0.0
 
 
 def add_counts(counts: list[int], value: int, n: int = 1) -> None:
     counts += [0] * (value + 1 - len(counts))
     counts[value] += n
-
-
-def distribution(counts: list[int]) -> dict:
-    return {
-        "mean": round(mean(counts), 3),
-        "p50": percentile(counts, 0.5),
-        "p99": percentile(counts, 0.99),
-        "max": len(counts) - 1 if counts else 0,
-    }
 
 
 @dataclass
@@ -111,9 +85,9 @@ class Result:
             if self.gpu_seconds
             else 0.0,
             "retractions": self.retractions,
-            "staleness": distribution(self.staleness_counts),
-            "token_staleness": distribution(self.token_staleness_counts),
-            "mean_staleness": round(mean(self.staleness_counts), 3),
+            "staleness": histograms.summary(self.staleness_counts),
+            "token_staleness": histograms.summary(self.token_staleness_counts),
+            "mean_staleness": histograms.summary(self.staleness_counts)["mean"],
             "staleness_counts": self.staleness_counts,
             # Little's law: mean staleness (versions) ≈ mean latency × trained groups a second / groups a step
             "littles_law_staleness": round(self.group_latency_seconds * groups_per_second / self.batch_size, 3),
