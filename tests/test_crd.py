@@ -137,7 +137,7 @@ def test_scale_and_printer_columns_point_at_fields_of_the_schema():
         elif path != ".metadata.creationTimestamp":
             assert schema_at(path)["type"] == column["type"], column["name"]
     shown = {c["name"] for c in version["additionalPrinterColumns"]}
-    assert {"Version", "Staleness", "Samples/s", "Rollout", "Trainer", "Ready", "Age"} <= shown
+    assert {"Phase", "Step", "Accuracy", "Staleness", "Restarts", "Age"} <= shown
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -247,6 +247,7 @@ VIOLATIONS = [
         "redis: set exactly one",
         {"spec": {"redis": {"url": "redis://r:6379/0", "urlSecretRef": {"name": "r", "key": "url"}}}},
     ),
+    ("queueName and rebalance.enabled", {"spec": {"queueName": "team-a", "rebalance": {"enabled": True}}}),
     ("checkpoint: set exactly one", {"spec": {"checkpoint": {"claimName": "ckpt"}}}),
     ("each mount needs exactly one source", {"spec": {"mounts": [{"name": "m", "mountPath": "/m"}]}}),
     (

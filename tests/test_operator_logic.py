@@ -398,8 +398,8 @@ def test_conditions_and_their_transition_times():
         now=NOW,
     )
     assert [c["type"] for c in first["conditions"]] == [
-        t for t in lifecycle.CONDITION_TYPES if t != "Rebalancing"
-    ]  # only with the rebalancer
+        t for t in lifecycle.CONDITION_TYPES if t not in ("Rebalancing", "Admitted")
+    ]  # only with the rebalancer, only with a Kueue queue
     ready = {c["type"]: c for c in first["conditions"]}["Ready"]
     assert (ready["status"], ready["reason"], ready["lastTransitionTime"]) == (
         "False",

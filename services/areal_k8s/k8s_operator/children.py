@@ -27,6 +27,7 @@ CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
     "Deployment": ("apps/v1", "deployments"),
     "StatefulSet": ("apps/v1", "statefulsets"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    "Workload": (names.KUEUE_API, "workloads"),  # with a queue: kueue.py
 }
 
 

@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.store import TrajectoryStore, connect
-from areal_k8s.k8s_operator import lifecycle, names
+from areal_k8s.k8s_operator import kueue, lifecycle, names
 from areal_k8s.k8s_operator.apply import apply
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
@@ -129,11 +129,16 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         )
 
     observed = lifecycle.Observed()
-    if not job.spec["suspend"] and not any(lifecycle.is_true(previous, t) for t in lifecycle.TERMINAL):
+    queue = kueue.queue_of(rljob)
+    workload = observe_workload(ctx, job, queue, observed) if queue else None
+    held = job.spec["suspend"] or (observed.admission is not None and not observed.admission.admitted)
+    if not held and not any(lifecycle.is_true(previous, t) for t in lifecycle.TERMINAL):
         observe_controller(ctx, job, observed)
         pods = ctx.kube.list(object_path("v1", "pods", job.namespace), names.job_selector(job.name))
         observed.restarts = lifecycle.count_restarts(pods, job.name)
     phase = lifecycle.decide_phase(job.spec, previous, observed, now)
+    if phase.name == lifecycle.SUSPENDED and previous.get("startTime"):
+        hand_off(ctx, job)  # it was running: a checkpoint at the step boundary, so resuming repeats no step
     rebalancing = None
     if job.config.rebalance.enabled:
         autoscalers = autoscalers_targeting(ctx, job)
@@ -147,9 +152,12 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
     rollout_replicas, trainer_replicas = (
         (rebalancing.rollout_replicas, rebalancing.trainer_replicas) if rebalancing else (None, None)
     )
-    for child in desired_children(
+    children = desired_children(
         job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas
-    ):
+    )
+    if observed.admission is not None and observed.admission.admitted:
+        children = kueue.with_node_selectors(children, kueue.node_selectors(ctx.kube, observed.admission))
+    for child in children:
         try:
             live = apply(ctx.kube, child)
         except ApiError as exc:
@@ -164,6 +172,10 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
 
     if rebalancing and rebalancing.trainer_moved and phase.running:
         restart_trainer_world(ctx, job)
+    if workload is not None:
+        stopped = all(r.current == 0 for r in observed.replicas.values())
+        outcome = (phase.name == lifecycle.COMPLETE, phase.message) if phase.name in lifecycle.TERMINAL else None
+        kueue.settle(ctx.kube, workload, observed.admission, stopped=stopped, outcome=outcome, now=now)
     status = lifecycle.job_status(
         job_name=job.name,
         job_key=job.config.name,
@@ -183,6 +195,21 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         log.info("RLJob %s/%s finished over ttlSecondsAfterFinished ago: deleting it", job.namespace, job.name)
         ctx.kube.delete(rljob_path(job.namespace, job.name))
     return status
+
+
+def observe_workload(ctx: Context, job: ValidJob, queue: str, observed: lifecycle.Observed) -> dict | None:
+    """Create or update the job's Kueue Workload and note where Kueue stands on it; an apiserver that refuses
+    it (no Kueue installed) is an apply error, and the job waits."""
+    try:
+        workload = kueue.sync_workload(ctx.kube, job, queue, desired_children(job, running=True))
+    except ApiError as exc:
+        if exc.retriable:
+            raise kopf.TemporaryError(str(exc), delay=ctx.interval) from None
+        observed.apply_errors.append(f"Workload {kueue.workload_name(job.name)}: HTTP {exc.status}: {exc.message}")
+        observed.admission = kueue.Admission(kueue.PENDING, f"no Workload ({exc.message})")
+        return None
+    observed.admission = kueue.admission_of(workload)
+    return workload
 
 
 def hand_off(ctx: Context, job: ValidJob) -> int | str:

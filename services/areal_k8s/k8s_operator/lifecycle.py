@@ -1,7 +1,7 @@
 """Where an RLJob stands and what its status says, as pure functions of what the operator observed.
 
-Phases: Running, Suspended, Complete, Failed. Complete and Failed are terminal: the workloads go to zero and
-stay there. Conditions follow metav1.Condition; a condition keeps its lastTransitionTime while its status holds.
+Phases: Queued (waiting for Kueue to admit it), Running, Suspended, Complete, Failed. Complete and Failed are
+terminal: the workloads go to zero and stay there. Conditions follow metav1.Condition; a condition keeps its lastTransitionTime while its status holds.
 """
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ from datetime import UTC, datetime, timedelta
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.kueue import EVICTED, Admission
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Rebalancing")
-RUNNING, SUSPENDED, COMPLETE, FAILED = "Running", "Suspended", "Complete", "Failed"
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Suspended", "Complete", "Failed", "Rebalancing", "Admitted")
+QUEUED, RUNNING, SUSPENDED, COMPLETE, FAILED = "Queued", "Running", "Suspended", "Complete", "Failed"
 TERMINAL = (COMPLETE, FAILED)
+STOPPED = (QUEUED, SUSPENDED)  # no pods, and the deadline clock stopped, until the job runs again
+# status.phase, for `kubectl get`: a finished job reads as Succeeded (as a Pod's phase), not as Complete
+SHOWN_PHASE = {QUEUED: "Queued", RUNNING: "Running", SUSPENDED: "Suspended", COMPLETE: "Succeeded", FAILED: "Failed"}
 
 
 @dataclass(frozen=True)
 class Phase:
-    name: str  # Running | Suspended | Complete | Failed
+    name: str  # Queued | Running | Suspended | Complete | Failed
     reason: str  # CamelCase, for the conditions
     message: str
 
@@ -45,6 +49,7 @@ class Observed:
     restarts: dict[str, int] = field(default_factory=dict)  # container restarts per role
     apply_errors: list[str] = field(default_factory=list)
     autoscaler_conflict: str | None = None  # an autoscaler targets the RLJob while the rebalancer owns its replicas
+    admission: Admission | None = None  # Kueue's, for a job with a queue
 
     @property
     def total_restarts(self) -> int:
@@ -92,6 +97,13 @@ def decide_phase(spec: dict, previous: dict, observed: Observed, now: datetime) 
         )
     if spec["suspend"]:
         return Phase(SUSPENDED, "SuspendedByUser", "spec.suspend is true: every service is scaled to zero")
+    admission = observed.admission
+    if admission is not None and not admission.admitted:
+        if admission.state == EVICTED:
+            return Phase(
+                SUSPENDED, "EvictedByKueue", f"{admission.message}: every service is scaled to zero until readmitted"
+            )
+        return Phase(QUEUED, "QueuedByKueue", f"{admission.message}: no pods until Kueue admits the job")
     deadline = spec.get("activeDeadlineSeconds")
     started = previous.get("startTime")
     if deadline is not None and started and now - parse_time(started) > timedelta(seconds=deadline):
@@ -206,7 +218,7 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
         "Ready": ready,
         "Progressing": progressing,
         "Degraded": degraded,
-        "Suspended": (phase.name == SUSPENDED, phase.reason, phase.message),
+        "Suspended": (phase.name in STOPPED, phase.reason, phase.message),
         "Complete": (phase.name == COMPLETE, phase.reason, phase.message),
         "Failed": (phase.name == FAILED, phase.reason, phase.message),
     }
@@ -234,9 +246,12 @@ def job_status(
         wanted["Rebalancing"] = rebalancing
     elif condition_of(previous, "Rebalancing"):
         wanted["Rebalancing"] = REBALANCER_OFF
+    if observed.admission is not None:
+        wanted["Admitted"] = admitted_condition(observed.admission)
     status: dict = {
         "observedGeneration": generation,
         "jobName": job_key,
+        "phase": SHOWN_PHASE[phase.name],
         "conditions": merge_conditions(previous, wanted, generation, now),
         "replicas": {
             role: {
@@ -255,6 +270,7 @@ def job_status(
         status.update(
             policyVersion=report.version,
             totalSteps=report.total_steps,
+            progress=f"{report.version}/{report.total_steps}",
             staleness={
                 "mean": round(report.mean_staleness, 4),
                 "max": report.max_staleness_seen,
@@ -278,11 +294,18 @@ def job_status(
         )
     if phase.running:
         status["startTime"] = previous.get("startTime") or rfc3339(now)
-    elif phase.name == SUSPENDED:
+    elif phase.name in STOPPED:
         status["startTime"] = None  # resuming starts the deadline clock afresh, as for a Job
+    if report is not None and report.eval_accuracy >= 0:  # -1 until the first evaluation
+        status["accuracy"] = round(report.eval_accuracy, 4)
     if phase.name in TERMINAL:
         status["completionTime"] = previous.get("completionTime") or rfc3339(now)
     return status
+
+
+def admitted_condition(admission: Admission) -> tuple[bool, str, str]:
+    reason = {EVICTED: "EvictedByKueue", "Pending": "QueuedByKueue"}.get(admission.state, "Admitted")
+    return admission.admitted, reason, admission.message
 
 
 def invalid_status(*, generation: int | None, previous: dict, problems: list[str], now: datetime) -> dict:
@@ -297,7 +320,13 @@ def invalid_status(*, generation: int | None, previous: dict, problems: list[str
 
 
 # Conditions whose turning True deserves an Event on the RLJob (`kubectl describe` shows them).
-EVENT_TYPES = {"Degraded": "Warning", "Failed": "Warning", "Suspended": "Normal", "Complete": "Normal"}
+EVENT_TYPES = {
+    "Degraded": "Warning",
+    "Failed": "Warning",
+    "Suspended": "Normal",
+    "Complete": "Normal",
+    "Admitted": "Normal",
+}
 
 
 def transitions(previous: dict, status: dict) -> list[tuple[str, str, str]]:

@@ -76,6 +76,10 @@ IMAGE_TAG_ENV = "AREAL_IMAGE_TAG"
 REWARD_RUNTIME_CLASS_ENV = "AREAL_REWARD_RUNTIME_CLASS"  # the chart's jobs.rewardRuntimeClassName
 NETWORK_POLICIES_ENV = "AREAL_NETWORK_POLICIES"  # "1": the chart's networkPolicy.enabled (each job's reward policy)
 
+# Kueue (kubernetes-sigs/kueue): an RLJob with a queue waits as a Workload of this API until Kueue admits it
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
 
 def operator_version() -> str:
     try:

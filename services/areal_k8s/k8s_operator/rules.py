@@ -91,6 +91,13 @@ RULES: list[Rule] = [
         "staleness.targetBand.max must not exceed eta: measured staleness never goes above eta",
         lambda s: "targetBand" not in s or s["targetBand"]["max"] <= s["eta"],
     ),
+    Rule(
+        ("spec",),
+        "!has(self.queueName) || !self.rebalance.enabled",
+        "queueName and rebalance.enabled exclude each other: Kueue admits fixed pod counts per role, which the "
+        "rebalancer would change",
+        lambda s: "queueName" not in s or not s["rebalance"]["enabled"],
+    ),
     *_replica_bounds("rollout"),
     *_replica_bounds("reward"),
     *_replica_bounds("trainer"),

@@ -109,6 +109,12 @@ def spec_schema() -> dict:
                 ),
             },
         ),
+        "queueName": string(
+            "A Kueue LocalQueue in the job's namespace (the `kueue.x-k8s.io/queue-name` label does the same): the "
+            "operator writes a Kueue Workload with a pod set per role and starts no pod until Kueue admits it, "
+            "so every role starts together; an eviction suspends the job until Kueue admits it again.",
+            pattern="^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        ),
         "suspend": {
             "type": "boolean",
             "default": False,

@@ -10,7 +10,7 @@ def condition_schema() -> dict:
     return obj(
         "A metav1.Condition.",
         {
-            "type": string("Ready, Progressing, Degraded, Suspended, Complete or Failed."),
+            "type": string("Ready, Progressing, Degraded, Suspended, Complete, Failed, Rebalancing or Admitted."),
             "status": string("True, False or Unknown.", enum=["True", "False", "Unknown"]),
             "observedGeneration": integer("The spec generation the condition describes."),
             "lastTransitionTime": string("When status last changed.", format="date-time"),
@@ -110,9 +110,16 @@ def status_schema() -> dict:
         {
             "observedGeneration": integer("The spec generation last reconciled."),
             "jobName": string("The job's name in its services and Redis keys (areal:{jobName}:...)."),
+            "phase": string(
+                "Queued (waiting for Kueue), Running, Suspended, Succeeded or Failed.",
+                enum=["Queued", "Running", "Suspended", "Succeeded", "Failed"],
+            ),
+            "progress": string("Training steps done of the total, as `37/200`."),
+            "accuracy": {"type": "number", "description": "The latest held-out accuracy (dataset.eval)."},
             "conditions": {
                 "type": "array",
-                "description": "Ready, Progressing, Degraded, Suspended, Complete, Failed.",
+                "description": "Ready, Progressing, Degraded, Suspended, Complete, Failed, Rebalancing, and Admitted "
+                "(Kueue's admission, for a job with a queue).",
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
                 "items": condition_schema(),
@@ -180,32 +187,33 @@ def status_schema() -> dict:
 
 
 def printer_columns() -> list[dict]:
-    def condition(kind: str) -> str:
-        return f'.status.conditions[?(@.type=="{kind}")].status'
+    def condition(kind: str, field: str = "status") -> str:
+        return f'.status.conditions[?(@.type=="{kind}")].{field}'
 
     return [
-        {"name": "Version", "type": "integer", "jsonPath": ".status.policyVersion", "description": "Policy version"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Step", "type": "string", "jsonPath": ".status.progress", "description": "Steps trained of the total"},
+        {"name": "Accuracy", "type": "number", "jsonPath": ".status.accuracy", "description": "Held-out accuracy"},
         {"name": "Staleness", "type": "number", "jsonPath": ".status.staleness.mean", "description": "Mean staleness"},
-        {"name": "Samples/s", "type": "number", "jsonPath": ".status.throughput.samplesPerSecond"},
+        {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts", "description": "Container restarts"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        # -o wide
+        {"name": "Samples/s", "type": "number", "jsonPath": ".status.throughput.samplesPerSecond", "priority": 1},
         {"name": "Tokens/s", "type": "number", "jsonPath": ".status.throughput.tokensPerSecond", "priority": 1},
         {
             "name": "Rollout",
             "type": "integer",
             "jsonPath": ".status.replicas.rollout.ready",
             "description": "Ready rollout pods",
+            "priority": 1,
         },
         {
             "name": "Trainer",
             "type": "integer",
             "jsonPath": ".status.replicas.trainer.ready",
             "description": "Ready trainer pods",
-        },
-        {"name": "Ready", "type": "string", "jsonPath": condition("Ready")},
-        {
-            "name": "Reason",
-            "type": "string",
-            "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
             "priority": 1,
         },
-        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Ready", "type": "string", "jsonPath": condition("Ready"), "priority": 1},
+        {"name": "Reason", "type": "string", "jsonPath": condition("Ready", "reason"), "priority": 1},
     ]
