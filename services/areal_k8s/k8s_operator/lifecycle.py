@@ -1,7 +1,8 @@
 """Where an RLJob stands and what its status says, as pure functions of what the operator observed.
 
 Phases: Queued (waiting for Kueue to admit it), Running, Suspended, Complete, Failed. Complete and Failed are
-terminal: the workloads go to zero and stay there. Conditions follow metav1.Condition; a condition keeps its lastTransitionTime while its status holds.
+terminal: the workloads go to zero and stay there. Conditions follow metav1.Condition; a condition keeps its
+lastTransitionTime while its status holds.
 """
 
 from __future__ import annotations
