@@ -23,6 +23,16 @@ UNEXERCISED = {
     ): "ownerReferences with blockOwnerDeletion need it on a real apiserver",
     ("", "pods", "delete"): "the rebalancer restarts the trainer's pods when it moves the trainer "
     "(tests/test_operator_rebalance.py)",
+    **dict.fromkeys(
+        [
+            ("kueue.x-k8s.io", "workloads", "get"),
+            ("kueue.x-k8s.io", "workloads", "create"),
+            ("kueue.x-k8s.io", "workloads", "patch"),
+            ("kueue.x-k8s.io", "workloads/status", "patch"),
+            ("kueue.x-k8s.io", "resourceflavors", "get"),
+        ],
+        "a job with a Kueue queue: each is used in tests/test_operator_kueue.py",
+    ),
 }
 HTTP_VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create"}
 

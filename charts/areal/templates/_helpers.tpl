@@ -91,6 +91,10 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+# with a Kueue queue: the node labels of the ResourceFlavors a job's Workload was admitted with
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors]
+  verbs: [get]
 {{- end -}}
 
 {{- define "areal.operator.namespacedRules" -}}
@@ -131,6 +135,14 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+# with a Kueue queue (spec.queueName): the job's Workload, created and kept current; its status is written when
+# an evicted job gives its quota back and when the job finishes; admission's flavors give the pods' node labels
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, create, patch]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 # kopf reports handler outcomes as Events on the RLJob
 - apiGroups: [""]
   resources: [events]
