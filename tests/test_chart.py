@@ -469,7 +469,7 @@ def test_watched_namespaces_get_roles_whose_union_with_the_cluster_part_is_opera
     (cluster_role,) = [r for r in of_kind(docs, "ClusterRole") if not is_hook(r)]
     assert permissions(cluster_role["rules"]) == {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
-    }
+    } | {("kueue.x-k8s.io", "resourceflavors", "get")}
     roles = {r["metadata"]["namespace"]: r for r in of_kind(docs, "Role") if not is_hook(r)}
     assert sorted(roles) == sorted(watched)
     expected = permissions(operator_rbac()["rules"])

@@ -91,7 +91,7 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
-# with a Kueue queue: the node labels of the ResourceFlavors a job's Workload was admitted with
+# with a Kueue queue: the node labels of the ResourceFlavors (cluster-scoped) a job's Workload was admitted with
 - apiGroups: [kueue.x-k8s.io]
   resources: [resourceflavors]
   verbs: [get]
@@ -136,7 +136,7 @@ namespace, otherwise into a Role in each watched namespace.
   resources: [secrets]
   verbs: [get]
 # with a Kueue queue (spec.queueName): the job's Workload, created and kept current; its status is written when
-# an evicted job gives its quota back and when the job finishes; admission's flavors give the pods' node labels
+# an evicted job gives its quota back and when the job finishes
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
   verbs: [get, create, patch]
