@@ -120,7 +120,53 @@ POD_MONITOR_SCHEMA = {
         },
     },
 }
-CUSTOM_SCHEMAS = {("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA}
+PROMETHEUS_RULE_SCHEMA = {  # the part of prometheus-operator's PrometheusRule CRD the chart writes
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": POD_MONITOR_SCHEMA["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["expr"],
+                                    "properties": {
+                                        "record": {"type": "string"},
+                                        "alert": {"type": "string"},
+                                        "expr": {"type": "string"},
+                                        "for": DURATION,
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+CUSTOM_SCHEMAS = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE_SCHEMA,
+}
 
 
 # -- rendering ---------------------------------------------------------------------------------------------
