@@ -13,7 +13,7 @@ from operator_fixtures import EXAMPLES, NAMESPACE, Cluster, rljob, with_changes
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.common.config import parse_job
-from areal_k8s.k8s_operator import lifecycle, names
+from areal_k8s.k8s_operator import kueue, lifecycle, names
 from areal_k8s.k8s_operator.apply import apply, is_subset, merge_patch
 from areal_k8s.k8s_operator.children import desired_children, to_yaml
 from areal_k8s.k8s_operator.kube import KubeApi
@@ -364,6 +364,63 @@ def test_phase_decisions():
     assert (
         decide(spec_of(activeDeadlineSeconds=60, suspend=True), started, lifecycle.Observed(), NOW).name == "Suspended"
     )
+
+
+def test_kueue_holds_the_job_until_admitted_and_its_eviction_suspends_it():
+    decide, queued = lifecycle.decide_phase, kueue.Admission(kueue.PENDING, "queued in team-a: waiting for quota")
+    evicted = kueue.Admission(kueue.EVICTED, "Kueue evicted the Workload (Preempted: for a higher priority job)")
+    admitted = kueue.Admission(kueue.ADMITTED, "admitted by ClusterQueue team", True)
+    started = {"startTime": lifecycle.rfc3339(NOW - timedelta(seconds=61))}
+    assert decide(spec_of(), {}, lifecycle.Observed(admission=queued), NOW).reason == "QueuedByKueue"
+    assert decide(spec_of(), started, lifecycle.Observed(admission=evicted), NOW).reason == "EvictedByKueue"
+    assert decide(spec_of(), started, lifecycle.Observed(admission=admitted), NOW).name == "Running"
+    assert decide(spec_of(suspend=True), {}, lifecycle.Observed(admission=admitted), NOW).reason == "SuspendedByUser"
+    # a queued job's deadline clock is stopped, as a suspended one's
+    assert (
+        decide(spec_of(activeDeadlineSeconds=60), started, lifecycle.Observed(admission=queued), NOW).name == "Queued"
+    )
+    for admission, phase, reason in [(queued, "Queued", "QueuedByKueue"), (evicted, "Suspended", "EvictedByKueue")]:
+        observed = lifecycle.Observed(admission=admission)
+        status = lifecycle.job_status(
+            job_name="demo",
+            job_key="demo-1",
+            generation=1,
+            previous=started,
+            phase=decide(spec_of(), started, observed, NOW),
+            observed=observed,
+            now=NOW,
+        )
+        conditions = {c["type"]: c for c in status["conditions"]}
+        assert status["phase"] == phase and status["startTime"] is None
+        assert (conditions["Admitted"]["status"], conditions["Admitted"]["reason"]) == ("False", reason)
+        assert (conditions["Suspended"]["status"], conditions["Suspended"]["reason"]) == ("True", reason)
+
+
+def test_the_printer_columns_fields_a_finished_job_reads_succeeded_with_its_steps_and_accuracy():
+    observed = lifecycle.Observed(
+        controller=report(controller_pb2.JobStatus.COMPLETED, version=200, total_steps=200, eval_accuracy=0.81234)
+    )
+    status = lifecycle.job_status(
+        job_name="demo",
+        job_key="demo-1",
+        generation=1,
+        previous={},
+        phase=lifecycle.decide_phase(spec_of(), {}, observed, NOW),
+        observed=observed,
+        now=NOW,
+    )
+    assert (status["phase"], status["progress"], status["accuracy"]) == ("Succeeded", "200/200", 0.8123)
+    early = lifecycle.Observed(controller=report(version=37, total_steps=200, eval_accuracy=-1))
+    status = lifecycle.job_status(
+        job_name="demo",
+        job_key="demo-1",
+        generation=1,
+        previous={},
+        phase=lifecycle.decide_phase(spec_of(), {}, early, NOW),
+        observed=early,
+        now=NOW,
+    )
+    assert (status["phase"], status["progress"]) == ("Running", "37/200") and "accuracy" not in status
 
 
 def test_terminal_phases_stick():
