@@ -9,6 +9,8 @@ It reads one JSON request per line on stdin and answers one JSON line on stdout,
                                                                   Controller.GetJobStatus call (handlers.py)
   {"op": "resolve", "name": NAME}                 -> {"addresses": [...]} or {"error": "..."}  a name looked up
                                                                   from the node, through the cluster DNS
+  {"op": "hand_off", "address": "host:port"}      -> {"version": N} or {"error": "..."}   the operator's own
+                                                                  Trainer.SaveCheckpoint(hand_off) call (handlers.py)
 NodeAgent starts it (`ip netns exec NODE python kubelet_node.py DNS_IP`) and sends the requests; they run concurrently.
 """
 
@@ -29,7 +31,7 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from areal_k8s.k8s_operator.handlers import read_job_status
+from areal_k8s.k8s_operator.handlers import hand_off_trainer, read_job_status
 
 RECORDS: dict[str, list[str]] = {}
 
@@ -101,6 +103,13 @@ async def job_status(address: str) -> dict:
     return {"status": base64.b64encode(status.SerializeToString()).decode()}
 
 
+async def hand_off(address: str) -> dict:
+    try:
+        return {"version": await asyncio.to_thread(hand_off_trainer, address)}
+    except grpc.RpcError as exc:
+        return {"error": f"trainer {address}: {exc.code().name}: {exc.details()}"}
+
+
 async def answer(request: dict, out: asyncio.Lock) -> None:
     op = request["op"]
     try:
@@ -114,6 +123,8 @@ async def answer(request: dict, out: asyncio.Lock) -> None:
         elif op == "resolve":  # as a client in the cluster would, through /etc/resolv.conf and the cluster DNS
             found = await asyncio.get_running_loop().getaddrinfo(request["name"], None, family=socket.AF_INET)
             reply = {"addresses": sorted({address[4][0] for address in found})}
+        elif op == "hand_off":
+            reply = await hand_off(request["address"])
         else:
             reply = await job_status(request["address"])
     except Exception as exc:  # a request the agent cannot serve: the harness raises it

@@ -17,7 +17,7 @@ from kubelet import Cluster, sweep_namespaces
 from areal_k8s.demo.build import build_demo_assets
 from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.children import desired_children
-from areal_k8s.k8s_operator.handlers import controller_service_address
+from areal_k8s.k8s_operator.handlers import controller_service_address, trainer_service_address
 from areal_k8s.k8s_operator.validation import ValidJob, validate
 
 pytestmark = pytest.mark.e2e
@@ -158,6 +158,9 @@ async def reconcile(cluster: Cluster, job: ValidJob, previous: dict) -> dict:
         observed.restarts = lifecycle.count_restarts(cluster.pods_of(job.namespace, selector), job.name)
     now = datetime.now(UTC)
     phase = lifecycle.decide_phase(job.spec, previous, observed, now)
+    if phase.name == lifecycle.SUSPENDED and previous.get("startTime"):  # as handlers.hand_off, from the node
+        reply = await cluster.node.call("hand_off", address=trainer_service_address(job.namespace, job.name))
+        assert "version" in reply, f"the trainer did not hand off: {reply}"
     for child in desired_children(job, running=phase.running):
         live = cluster.apply(child)
         if child["kind"] in ("Deployment", "StatefulSet"):
@@ -212,7 +215,8 @@ async def run_to_the_end(
     cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None
 ) -> tuple[list[dict], str]:
     """Reconcile every second until the job is Complete and its pods are gone; the statuses seen, and the pods as
-    described while it ran (for a failure's message). `each` sees every status."""
+    described while it ran (for a failure's message). `each` sees every status, and may return the job changed
+    (a spec edit), which the next reconciles then see."""
     selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
     statuses, status, described = [], {}, ""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -226,7 +230,7 @@ async def run_to_the_end(
         statuses.append(status)
         if not lifecycle.is_true(status, lifecycle.COMPLETE):
             described = cluster.describe()
-        each(status)
+        job = each(status) or job
         await asyncio.sleep(1)
     return statuses, described
 
@@ -238,14 +242,43 @@ def trained_steps(cluster: Cluster, job: ValidJob) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log and log.is_file() else []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path, demo_assets):
+    """The example from creation to completion, suspended (spec.suspend) in the middle of its run and resumed once
+    its pods are gone: the trainer hands off at a step boundary, and the job goes on from there."""
     rljob = the_example()
     job = validate(rljob)
+    suspended_job = validate({**rljob, "spec": {**rljob["spec"], "suspend": True}})
+    selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
+    suspension: dict[str, int] = {}  # the step trained when the job was suspended, and the reconciles suspended
 
     async with example_cluster(tmp_path, demo_assets) as cluster:
-        statuses, described = await run_to_the_end(cluster, job, timeout=180)
+
+        def suspend_then_resume(status: dict) -> ValidJob | None:
+            if "at" not in suspension:
+                trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
+                if trained >= 20:  # mid-run, between two periodic checkpoints (every 10 steps)
+                    suspension["at"] = trained
+                    return suspended_job
+                return None
+            if "resumed" not in suspension:
+                if condition(status, "Suspended") == ("True", "SuspendedByUser") and not cluster.pods_of(
+                    NAMESPACE, selector
+                ):
+                    suspension["resumed"] = max(s["version"] for s in trained_steps(cluster, job))
+                    return job
+                return suspended_job
+            return None
+
+        statuses, described = await run_to_the_end(cluster, job, timeout=360, each=suspend_then_resume)
         steps = trained_steps(cluster, job)
+
+    # suspended: every role at zero, its deadline clock stopped; no step trained while it was
+    held = [s for s in statuses if condition(s, "Suspended") == ("True", "SuspendedByUser")]
+    assert held and all(r["desired"] == 0 for s in held for r in s["replicas"].values()), described
+    assert all(s["phase"] == "Suspended" and s.get("startTime") is None for s in held)
+    assert "resumed" in suspension and suspension["resumed"] >= suspension["at"] >= 20, suspension
+    statuses = [s for s in statuses if s not in held]
 
     # while it trained, every role had its pods ready: the operator said so (Ready) and the job progressed
     running = [s for s in statuses if condition(s, "Ready") == ("True", "AllReplicasReady")]
@@ -254,6 +287,7 @@ async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path, demo_assets)
     assert all(condition(s, kind)[0] == "False" for s in running for kind in ("Complete", "Failed", "Degraded"))
     assert all(r["ready"] == r["desired"] == 1 for r in running[0]["replicas"].values())
     assert all(s["restarts"] == 0 for s in running), f"containers restarted while the job ran\n{described}"
+    assert {s["phase"] for s in running} == {"Running"}
     # nor after it finished: the trainer and rollout workers wait to be stopped (`--when-done wait`), where a
     # container that exited would be restarted and could push a succeeded job over its restart budget
     assert all(s.get("restarts", 0) == 0 for s in statuses), [s.get("restarts") for s in statuses]
@@ -263,10 +297,13 @@ async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path, demo_assets)
     assert condition(final, "Complete") == ("True", "TrainingFinished")
     assert condition(final, "Failed")[0] == "False"
     assert final["policyVersion"] == final["totalSteps"] == job.config.algorithm.total_steps
+    total = job.config.algorithm.total_steps
+    assert (final["phase"], final["progress"]) == ("Succeeded", f"{total}/{total}")
     assert {r["desired"] for r in final["replicas"].values()} == {0}
     assert final["staleness"]["max"] <= job.config.algorithm.max_staleness  # as the controller reported it
 
-    # the trainer's log on its checkpoint claim: every trajectory trained once, none staler than η
+    # the trainer's log on its checkpoint claim, across the suspension: every step once (none trained again after the
+    # resume), every trajectory trained once (none lost), none staler than η
     algorithm = job.config.algorithm
     assert [s["version"] for s in steps] == list(range(1, algorithm.total_steps + 1))
     entries = [e for s in steps for e in s["entries"]]
