@@ -1,18 +1,19 @@
 """The chart's PrometheusRule (templates/monitoring/prometheusrule.yaml), rendered by the real Helm engine, checked
-by `promtool check rules` and unit-tested by `promtool test rules` on the series of charts/areal/tests/alerts-test.yaml.
+by `promtool check rules` and unit-tested by `promtool test rules` on the series of tests/alerts/promtool-tests.yaml.
 """
 
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
-from test_chart import CHART, documents, of_kind, render_files
+from test_chart import documents, of_kind, render_files
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="needs promtool from Debian's prometheus (.ci/run installs it)"
 )
-ALERTS_TEST = CHART / "tests" / "alerts-test.yaml"
+ALERTS_TEST = Path(__file__).parent / "alerts" / "promtool-tests.yaml"
 ALERTS = {
     "ArealStalenessOutOfBand",
     "ArealNoTrainingProgress",
