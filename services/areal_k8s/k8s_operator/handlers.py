@@ -175,7 +175,9 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
     if workload is not None:
         stopped = all(r.current == 0 for r in observed.replicas.values())
         outcome = (phase.name == lifecycle.COMPLETE, phase.message) if phase.name in lifecycle.TERMINAL else None
-        kueue.settle(ctx.kube, workload, observed.admission, stopped=stopped, outcome=outcome, now=now)
+        kueue.settle(
+            ctx.kube, workload, observed.admission, stopped=stopped, outcome=outcome, now=lifecycle.rfc3339(now)
+        )
     status = lifecycle.job_status(
         job_name=job.name,
         job_key=job.config.name,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.apply import apply
@@ -122,20 +121,16 @@ def with_node_selectors(children: list[dict], selectors: dict[str, dict[str, str
     return out
 
 
-def rfc3339(moment: datetime) -> str:
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def with_condition(workload: dict, kind: str, status: str, reason: str, message: str, now: datetime) -> list[dict]:
+def with_condition(workload: dict, kind: str, status: str, reason: str, message: str, now: str) -> list[dict]:
     """The Workload's conditions with `kind` set (its transition time kept while its status holds)."""
     before = condition(workload, kind)
     wanted = {"type": kind, "status": status, "reason": reason, "message": message}
-    wanted["lastTransitionTime"] = before["lastTransitionTime"] if before.get("status") == status else rfc3339(now)
+    wanted["lastTransitionTime"] = before["lastTransitionTime"] if before.get("status") == status else now
     others = [c for c in (workload.get("status") or {}).get("conditions") or [] if c.get("type") != kind]
     return [*others, wanted]
 
 
-def release_quota(kube: KubeApi, workload: dict, now: datetime) -> None:
+def release_quota(kube: KubeApi, workload: dict, now: str) -> None:
     """After an eviction, once the job runs no pods: give the quota back, so Kueue queues the Workload again (what
     Kueue's job integrations do for their jobs)."""
     message = condition(workload, "Evicted").get("message") or "evicted"
@@ -151,7 +146,7 @@ def release_quota(kube: KubeApi, workload: dict, now: datetime) -> None:
     )
 
 
-def mark_finished(kube: KubeApi, workload: dict, succeeded: bool, message: str, now: datetime) -> None:
+def mark_finished(kube: KubeApi, workload: dict, succeeded: bool, message: str, now: str) -> None:
     """A finished job's Workload is Finished: Kueue frees its quota."""
     reason = "Succeeded" if succeeded else "Failed"
     conditions = with_condition(workload, "Finished", "True", reason, message, now)
@@ -180,7 +175,7 @@ def settle(
     *,
     stopped: bool,
     outcome: tuple[bool, str] | None,
-    now: datetime,
+    now: str,
 ) -> None:
     """What the job owes Kueue after a reconcile: an evicted job that runs no pods any more gives its quota back;
     a finished one (`outcome`: succeeded, message) marks its Workload Finished."""
