@@ -137,7 +137,8 @@ async def test_a_queued_job_starts_every_role_on_admission_and_an_eviction_suspe
 ):
     cluster = kueue_cluster
     flavor = {"apiVersion": names.KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": "cpu-pool"}}
-    flavor["spec"] = {"nodeLabels": {"pool": "cpu", "zone": "a"}}
+    toleration = {"key": "pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}
+    flavor["spec"] = {"nodeLabels": {"pool": "cpu", "zone": "a"}, "tolerations": [toleration]}
     assert (await cluster.server.post(f"/apis/{FLAVORS}", json=flavor)).status < 300
     await cluster.create(rljob(queueName="team-a", roles={"rollout": {"replicas": 2, "gpusPerPod": 0}}))
 
@@ -185,6 +186,7 @@ async def test_a_queued_job_starts_every_role_on_admission_and_an_eviction_suspe
     await eventually(lambda: replicas(cluster) == {"controller": 1, "reward": 1, "rollout": 2, "trainer": 1}, "pods")
     for role in ROLE_WORKLOADS:
         assert {"pool": "cpu", "zone": "a"}.items() <= pod_spec(cluster, role)["nodeSelector"].items(), role
+        assert toleration in pod_spec(cluster, role)["tolerations"], role
     await eventually(lambda: phase(cluster) == "Running", "phase Running")
     assert cluster.condition("Admitted")["status"] == "True"
     claims = cluster.get(STATEFULSETS, "demo-trainer")["spec"]["volumeClaimTemplates"]

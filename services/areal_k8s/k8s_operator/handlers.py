@@ -156,7 +156,7 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
         job, running=phase.running, rollout_replicas=rollout_replicas, trainer_replicas=trainer_replicas
     )
     if observed.admission is not None and observed.admission.admitted:
-        children = kueue.with_node_selectors(children, kueue.node_selectors(ctx.kube, observed.admission))
+        children = kueue.placed(children, kueue.placements(ctx.kube, observed.admission))
     for child in children:
         try:
             live = apply(ctx.kube, child)

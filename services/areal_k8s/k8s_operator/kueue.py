@@ -4,7 +4,7 @@ An RLJob names its LocalQueue with spec.queueName or the `kueue.x-k8s.io/queue-n
 writes a Workload (kueue.x-k8s.io/v1beta2) owned by the RLJob, one pod set per role with the pod template and
 count its workload would run, and keeps every workload at zero pods until Kueue admits the Workload: all roles
 start together or none does, so a job never holds its rollout GPUs while its trainer is Pending. Admission's
-flavors bring their ResourceFlavors' node labels into the pods' node selectors. When Kueue evicts the Workload
+flavors bring their ResourceFlavors' node labels and tolerations into the pods. When Kueue evicts the Workload
 (preemption, a deactivated queue), the job stops as for spec.suspend (a checkpoint, then zero pods) and then
 hands its quota back; readmitted, it resumes from that checkpoint. A finished job marks its Workload Finished so
 Kueue frees its quota. Kueue's own job integrations do the same for Jobs and JobSets; this is the RLJob's.
@@ -98,25 +98,39 @@ def admission_of(workload: dict | None) -> Admission:
     return Admission(PENDING, f"queued in {workload['spec'].get('queueName')}: {waiting}", reserved, finished=finished)
 
 
-def node_selectors(kube: KubeApi, admission: Admission) -> dict[str, dict[str, str]]:
-    """Per pod set, the node labels of the ResourceFlavors admission assigned it (cluster-scoped objects)."""
-    selectors: dict[str, dict[str, str]] = {}
+@dataclass
+class Placement:
+    """Where admission puts a pod set: its flavors' node labels, and the tolerations of their taints."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict] = field(default_factory=list)
+
+
+def placements(kube: KubeApi, admission: Admission) -> dict[str, Placement]:
+    """Per pod set, what the ResourceFlavors (cluster-scoped objects) admission assigned it ask of its pods."""
+    out: dict[str, Placement] = {}
     for pod_set, flavors in admission.flavors.items():
+        placement = out.setdefault(pod_set, Placement())
         for flavor in flavors:
-            found = kube.get(f"/apis/{names.KUEUE_API}/resourceflavors/{flavor}") or {}
-            selectors.setdefault(pod_set, {}).update((found.get("spec") or {}).get("nodeLabels") or {})
-    return selectors
+            spec = (kube.get(f"/apis/{names.KUEUE_API}/resourceflavors/{flavor}") or {}).get("spec") or {}
+            placement.node_selector.update(spec.get("nodeLabels") or {})
+            placement.tolerations += [t for t in spec.get("tolerations") or [] if t not in placement.tolerations]
+    return out
 
 
-def with_node_selectors(children: list[dict], selectors: dict[str, dict[str, str]]) -> list[dict]:
-    """`children` with each role's pods restricted to the nodes of its admitted flavors."""
+def placed(children: list[dict], where: dict[str, Placement]) -> list[dict]:
+    """`children` with each role's pods on the nodes of its admitted flavors, tolerating their taints."""
     out = []
     for child in children:
-        role = child["metadata"]["labels"].get(names.LABEL_COMPONENT)
-        if child["kind"] in ("Deployment", "StatefulSet") and selectors.get(role):
+        placement = where.get(child["metadata"]["labels"].get(names.LABEL_COMPONENT))
+        if child["kind"] in ("Deployment", "StatefulSet") and placement:
             child = copy.deepcopy(child)
             pod = child["spec"]["template"]["spec"]
-            pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **selectors[role]}
+            if placement.node_selector:
+                pod["nodeSelector"] = {**pod.get("nodeSelector", {}), **placement.node_selector}
+            extra = [t for t in placement.tolerations if t not in pod.get("tolerations", [])]
+            if extra:
+                pod["tolerations"] = [*pod.get("tolerations", []), *extra]
         out.append(child)
     return out
 
