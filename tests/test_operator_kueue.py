@@ -14,13 +14,15 @@ import kmock
 import pytest
 import yaml
 from operator_fixtures import NAMESPACE, ON_API_SERVER, Cluster, eventually, resource_info, rljob
+from test_operator_kopf import GPU_JOB
 from test_operator_rbac import allowed_permissions, permission_of, user_agent
 from test_operator_rebalance import serving
 
 from areal_k8s.api.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.k8s_operator import kueue, names
+from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import USER_AGENT
-from areal_k8s.k8s_operator.validation import strict_json_schema
+from areal_k8s.k8s_operator.validation import strict_json_schema, validate
 
 pytestmark = ON_API_SERVER
 
@@ -248,3 +250,21 @@ async def test_the_queue_label_queues_the_job_as_spec_queue_name_does(kueue_clus
     assert written["spec"]["queueName"] == "team-b" and workload_schema_errors(written) == []
     await eventually(lambda: phase(cluster) == "Queued", "phase Queued")
     assert set(replicas(cluster).values()) == {0}
+
+
+def test_a_gpu_jobs_pod_sets_carry_each_roles_gpus_for_kueue_to_count():
+    job = validate(rljob(queueName="gpus", **GPU_JOB))
+    written = kueue.desired_workload(job, "gpus", desired_children(job, running=True))
+    assert workload_schema_errors(written) == []
+    gpus = {
+        p["name"]: (
+            p["count"],
+            sum(
+                int(c.get("resources", {}).get("limits", {}).get(names.GPU_RESOURCE, 0))
+                for c in p["template"]["spec"]["containers"]
+            ),
+        )
+        for p in written["spec"]["podSets"]
+    }
+    assert gpus == {"controller": (1, 0), "reward": (1, 0), "rollout": (2, 2), "trainer": (1, 2)}
+    assert written["spec"]["podSets"][2]["template"]["spec"]["nodeSelector"] == {"gpu": "h100", "zone": "a"}
