@@ -3,7 +3,8 @@
 Every route our client calls (common/sglang.py ROUTES) is served by that version and not retired; every field we
 send is a field of the request type SGLang parses the body into; every field we read is one it writes; the
 sampling parameters we send are SGLang's; and our CPU engine serves no route SGLang does not (except under
-/areal/). A version bump in images/sglang shows up here first: the source read is the one `make sglang-env`
+/areal/); the server arguments a job may pass (common/sglang_server_args.json) are the ones SGLang's own parser
+has. A version bump in images/sglang shows up here first: the source read is the one `make sglang-env`
 installed, and its version must be the one the Dockerfile pins.
 """
 
@@ -18,6 +19,8 @@ import pytest
 from sglang_server import sglang_package
 
 from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION
+from areal_k8s.common.sglang_args import ARGUMENTS_FILE, read_sglang_arguments, render
+from areal_k8s.common.sglang_server import SGLANG_PYTHON
 from areal_k8s.rollout.cpu_engine.engine import CpuEngine
 from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
@@ -198,3 +201,11 @@ def test_the_cpu_engine_serves_only_sglangs_routes_and_parameters(srt):
     assert {(r.method, r.path) for r in ROUTES.values()} <= served  # and everything our client calls
     sglang_sampling = class_fields(parse(srt / "sampling" / "sampling_params.py"), "SamplingParams")
     assert set(SamplingParams.__dataclass_fields__) <= sglang_sampling
+
+
+def test_the_server_arguments_a_job_may_pass_are_the_pinned_sglangs(srt):
+    """Runs SGLang's own parser (ServerArgs.add_cli_args) in the SGLang env: the names, the fields they set and how
+    many values they take."""
+    assert render(read_sglang_arguments(SGLANG_PYTHON)) == ARGUMENTS_FILE.read_text(), (
+        "common/sglang_server_args.json is stale: run python -m areal_k8s.common.sglang_args --write"
+    )
