@@ -6,6 +6,7 @@ import pytest
 import yaml
 from operator_fixtures import EXAMPLES
 
+from areal_k8s.cli.launcher import LaunchError, LocalRun
 from areal_k8s.common.config import JobFileError, parse_job
 from areal_k8s.common.sglang_args import RESERVED, SGLangArgumentError, check_sglang_args, known_arguments, sglang_flags
 from areal_k8s.common.sglang_server import SGLangServer
@@ -92,3 +93,14 @@ def test_a_local_sglang_server_takes_the_same_arguments(tmp_path):
     assert server.command()[-2:] == ["--log-level", "debug"]
     with pytest.raises(SGLangArgumentError, match="random_seed is set by areal"):
         SGLangServer(tmp_path / "model", tmp_path / "server.log", sglang_args={"random_seed": 3})
+
+
+def test_a_local_run_refuses_them_and_says_how_to_start_its_external_engines(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    job = parse_job(
+        {**sglang_job({"mem_fraction_static": 0.7}), "model": str(tmp_path / "model"), "run_dir": str(tmp_path / "run")}
+    )
+    with pytest.raises(LaunchError, match=r"start them with --mem-fraction-static 0\.7 and leave sglang_args out"):
+        LocalRun(job).start()
+    assert not (tmp_path / "run").exists()  # refused before anything started
