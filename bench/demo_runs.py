@@ -98,7 +98,9 @@ def setup_seconds(work: Path) -> dict[str, float]:
     cache cold (a new, empty cache directory) and then warm (the same directory, filled by the cold run)."""
     cache = work / "pip-cache"
     shutil.rmtree(cache, ignore_errors=True)
-    return {temperature: one_setup(work, cache) for temperature in ("cold", "warm")}
+    timed = {temperature: one_setup(work, cache) for temperature in ("cold", "warm")}
+    # the set-up is pip unpacking and compiling on these cores: a busy machine stretches it, so say how busy it was
+    return {**timed, "load_average_1min": round(os.getloadavg()[0], 1)}
 
 
 def one_setup(work: Path, cache: Path) -> float:
@@ -171,8 +173,9 @@ def readme_block(report: dict) -> str:
             f"| gain, points (per run: {gains}) | **{s['gain_points']['median']:+.1f}** "
             f"({s['gain_points']['min']:+.1f} "
             f"to {s['gain_points']['max']:+.1f}); {meeting} of {len(runs)} runs gain {BAR_POINTS} points or more |",
-            "| wall time: set-up on a fresh clone (what `make demo` installs; pip's cache cold, then warm) · asset "
-            f"build · RL run | {minutes(setup['cold'])} (warm: {minutes(setup['warm'])}) · "
+            "| wall time: set-up on a fresh clone (what `make demo` installs; pip's cache cold, then warm; load "
+            f"average {setup['load_average_1min']:.0f} on the 2 cores as it ran) · asset build · RL run | "
+            f"{minutes(setup['cold'])} (warm: {minutes(setup['warm'])}) · "
             f"{minutes(s['build_seconds']['median'])} · {minutes(s['rl_seconds']['median'])}; `make demo` in all, "
             f"cold cache: {minutes(statistics.median(total))} (longest {minutes(max(total))}) |",
             f"| trained samples/s · their mean staleness | {s['samples_per_second']['median']:.0f} "
