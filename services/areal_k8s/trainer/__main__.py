@@ -76,6 +76,7 @@ def main() -> None:
             if await run_until_stopped(trainer.run(), stop):
                 await wait_if_asked(args.when_done, stop)
         finally:
+            await asyncio.to_thread(trainer.trackers.close)
             await trainer.publisher.close()
             await server.stop(grace=2)
             await controller_channel.close()
