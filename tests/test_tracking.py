@@ -8,8 +8,13 @@ import logging
 import struct
 
 import pytest
+import yaml
+from operator_fixtures import rljob
 
 from areal_k8s.common.config import JobFileError, parse_job
+from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.children import desired_children
+from areal_k8s.k8s_operator.validation import InvalidSpec, validate
 from areal_k8s.trainer.loop.record import StepRecord
 from areal_k8s.trainer.tracking import RUN_IDS_FILE, Trackers, hyperparameters, step_figures
 
@@ -236,3 +241,67 @@ def test_tracking_mistakes_get_one_readable_line(tmp_path, tracking, expected):
     with pytest.raises(JobFileError) as error:
         job(tmp_path, **tracking)
     assert str(error.value).startswith(f"spec: {expected}") or str(error.value).startswith(f"job: {expected}")
+
+
+# -- in an RLJob -------------------------------------------------------------------------------------------
+
+TRACKED_RLJOB_TRACKING = {
+    "experiment": "gsm8k",
+    "tensorboard": {"enabled": True},
+    "wandb": {"mode": "online", "entity": "team", "api_key_secret": {"name": "wandb", "key": "api-key"}},
+    "mlflow": {"tracking_uri": "http://mlflow.tools:5000", "token_secret": {"name": "mlflow", "key": "token"}},
+}
+
+
+def test_an_rljob_gives_the_trainer_alone_the_trackers_keys_from_its_secrets():
+    valid = validate(rljob(tracking=TRACKED_RLJOB_TRACKING))
+    made = {(c["kind"], c["metadata"]["name"]): c for c in desired_children(valid, running=True)}
+    config_map = yaml.safe_load(made[("ConfigMap", "demo-config")]["data"][names.CONFIG_KEY])
+    assert parse_job(config_map).tracking == valid.config.tracking
+    assert valid.config.tracking.wandb.api_key_secret.name == "wandb"
+    for (kind, name), workload in made.items():
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            secrets = {
+                e["name"]: e["valueFrom"]["secretKeyRef"]
+                for e in container["env"]
+                if e["name"] in ("WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN")
+            }
+            if name == "demo-trainer":
+                assert secrets == {
+                    "WANDB_API_KEY": {"name": "wandb", "key": "api-key"},
+                    "MLFLOW_TRACKING_TOKEN": {"name": "mlflow", "key": "token"},
+                }
+            else:
+                assert secrets == {}, f"{name}/{container['name']}"
+
+
+def test_an_rljob_without_tracking_runs_none():
+    valid = validate(rljob())
+    assert not valid.config.tracking.enabled
+    (trainer,) = [c for c in desired_children(valid, running=True) if c["kind"] == "StatefulSet"]
+    assert not {"WANDB_API_KEY", "MLFLOW_TRACKING_TOKEN"} & {
+        e["name"] for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+
+
+@pytest.mark.parametrize(
+    ("tracking", "expected"),
+    [
+        ({"wandb": {"mode": "cloud"}}, "spec.tracking.wandb.mode: 'cloud' is not one of"),
+        ({"mlflow": {"token": "abc"}}, "spec.tracking.mlflow: Additional properties are not allowed ('token' was"),
+        (
+            {"wandb": {"mode": "online", "api_key_secret": {"name": "wandb"}}},
+            "spec.tracking.wandb.api_key_secret: 'key' is a required property",
+        ),
+        (
+            {"wandb": {"mode": "offline", "api_key_secret": {"name": "wandb", "key": "k"}}},
+            "tracking.wandb: Value error, api_key_secret is only used with mode: online",
+        ),
+    ],
+)
+def test_rljob_tracking_mistakes_are_readable(tracking, expected):
+    with pytest.raises(InvalidSpec) as error:
+        validate(rljob(tracking=tracking))
+    assert any(expected in problem for problem in error.value.problems), error.value.problems
