@@ -22,13 +22,14 @@ JOB = {"name": "tracked", "model": "/models/tiny", "dataset": {"train": "/data/t
 
 
 @pytest.fixture(autouse=True)
-def quiet_wandb(monkeypatch):
-    # No system-metrics sampling, banners or network: the offline run is all the test reads.
+def quiet_wandb(monkeypatch, tmp_path):
+    # No system-metrics sampling, banners or git probing; W&B's own files stay in the test's folder.
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_X_DISABLE_STATS", "true")
     monkeypatch.setenv("WANDB_X_DISABLE_META", "true")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
-    monkeypatch.setenv("WANDB_CACHE_DIR", "/tmp/wandb-cache")
+    for variable, folder in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home" / folder))
 
 
 def job(tmp_path, **tracking):

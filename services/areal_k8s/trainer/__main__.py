@@ -74,6 +74,7 @@ def main() -> None:
         log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
         try:
             if await run_until_stopped(trainer.run(), stop):
+                await asyncio.to_thread(trainer.trackers.close)  # finished: the tracker runs too, not at pod exit
                 await wait_if_asked(args.when_done, stop)
         finally:
             await asyncio.to_thread(trainer.trackers.close)
