@@ -148,19 +148,23 @@ def test_wandb_offline_run_holds_every_step_and_the_job(tmp_path):
 
     run_id = json.loads((tmp_path / "run" / RUN_IDS_FILE).read_text())["wandb"]
     (log_file,) = (tmp_path / "run" / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
-    history, run = {}, None
+    history, run, metrics = {}, None, []
     for record in wandb_records(log_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+            version = items.pop("version")
+            history[version] = {k: v for k, v in items.items() if not k.startswith("_")}
         elif kind == "run":
             run = record.run
+        elif kind == "metric":
+            metrics.append(record.metric)
     expected = expected_figures()
     assert sorted(history) == sorted(expected)
     for step, figures in expected.items():
         assert history[step] == pytest.approx(figures)
     assert (run.project, run.display_name, list(run.tags)) == ("gsm8k", "first-try", ["ci"])
+    assert {m.glob_name: m.step_metric for m in metrics if m.glob_name} == {"*": "version"}  # W&B plots against it
     logged_config = {update.key: json.loads(update.value_json) for update in run.config.update}
     assert logged_config["algorithm"] == config.algorithm.model_dump(mode="json")
 

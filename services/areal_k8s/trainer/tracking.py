@@ -24,7 +24,8 @@ from areal_k8s.trainer.loop.record import StepRecord
 log = logging.getLogger(__name__)
 
 RUN_IDS_FILE = "trainer/tracking.json"  # under run_dir: the W&B and MLflow runs this run directory logs to
-MLFLOW_PARAMS_PER_BATCH = 100  # MLflow's limit on parameters per log_batch
+MLFLOW_PARAMS_PER_BATCH = 100
+WANDB_STEP = "version"  # W&B's x axis for every figure  # MLflow's limit on parameters per log_batch
 
 
 def step_figures(record: StepRecord, step_seconds: float) -> dict[str, float]:
@@ -124,9 +125,13 @@ class WandB:
             config=job.model_dump(mode="json"),
             settings=wandb.Settings(**settings),
         )
+        # Plotted against the version rather than W&B's own step, which only goes up: a trainer restarted from a
+        # checkpoint logs the steps after it again, and W&B would drop them.
+        self.run.define_metric(WANDB_STEP)
+        self.run.define_metric("*", step_metric=WANDB_STEP)
 
     def log(self, step: int, figures: dict[str, float]) -> None:
-        self.run.log(figures, step=step)
+        self.run.log({WANDB_STEP: step, **figures})
 
     def close(self) -> None:
         self.run.finish()
