@@ -213,6 +213,29 @@ def test_a_tracker_that_fails_is_dropped_with_one_warning(tmp_path, caplog, monk
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
 
 
+def test_a_tracker_that_fails_mid_run_is_dropped_and_the_others_log_on(tmp_path, caplog, monkeypatch):
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    caplog.set_level(logging.WARNING, "areal_k8s.trainer.tracking")
+    trackers = Trackers(job(tmp_path, tensorboard={"enabled": True}, mlflow={"tracking_uri": uri}))
+    trackers.log(1, {"reward/mean": 0.1})
+    trackers.log(2, {"reward/mean": 0.2, "bad?name": 1.0})  # MLflow refuses the name: its call fails
+    trackers.log(3, {"reward/mean": 0.3})
+    trackers.close()
+
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("MLflow tracking is off for the rest of the run: logging step 2 failed")
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("tracked").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "reward/mean")] == [1]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
+
+
 def test_a_job_without_trackers_starts_none(tmp_path):
     trackers = Trackers(job(tmp_path))
     log_steps(trackers)
