@@ -10,6 +10,7 @@ import os
 import yaml
 
 from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.pod_settings import add_pod_settings
 from areal_k8s.k8s_operator.validation import ValidJob
 
 # -- metadata ----------------------------------------------------------------------------------------------
@@ -239,13 +240,14 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         spec["nodeSelector"] = block["nodeSelector"]
     if block.get("tolerations"):
         spec["tolerations"] = block["tolerations"]
-    return {
+    template = {
         "metadata": {
             "labels": names.labels(job.name, role),
             "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
         },
         "spec": spec,
     }
+    return add_pod_settings(role, block, template)
 
 
 def image_of(job: ValidJob, role: str) -> str:

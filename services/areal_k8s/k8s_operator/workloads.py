@@ -5,6 +5,7 @@ loopback addresses."""
 from __future__ import annotations
 
 from areal_k8s.common.config import reward_verifier_args
+from areal_k8s.common.sglang_args import sglang_flags
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_templates import (
     config_volume,
@@ -176,6 +177,7 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
         ]
         if rollout.interrupt == "retract":  # retracted requests wait in the queue, where the cache cannot be flushed
             args.append("--disable-radix-cache")
+        args += sglang_flags(rollout.sglang_args)  # checked against the pinned SGLang's arguments
     # The engine is not one of the services: its metrics, if any, are the engine's own business.
     return container(
         "engine",
