@@ -80,6 +80,15 @@ def redis_env(job: ValidJob) -> dict:
     return {"name": "AREAL_REDIS_URL", "value": redis["url"]}
 
 
+def tracking_env(job: ValidJob) -> list[dict]:
+    """The experiment trackers' API keys from the Secrets the spec's tracking section names, as the variables their
+    libraries read (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN); only the trainer logs."""
+    return [
+        {"name": variable, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        for variable, ref in job.config.tracking.secrets.items()
+    ]
+
+
 def resources(block: dict, gpus: int = 0) -> dict:
     out = {kind: dict(block[kind]) for kind in ("requests", "limits") if block.get(kind)}
     if gpus:  # extended resources are requested through limits (requests default to them)

@@ -111,7 +111,7 @@ def compose_job_config(rljob: dict) -> JobConfig:
         "name": key,
         **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
-        **{section: spec[section] for section in ("dataset", "reward", "sampling")},
+        **{section: spec[section] for section in ("dataset", "reward", "sampling", "tracking")},
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
         "trainer": {
             **spec["trainer"],

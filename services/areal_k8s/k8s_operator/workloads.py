@@ -19,6 +19,7 @@ from areal_k8s.k8s_operator.pod_templates import (
     pod_template,
     process_env,
     redis_env,
+    tracking_env,
     user_mounts,
 )
 from areal_k8s.k8s_operator.validation import ENGINE_URL, ValidJob
@@ -251,6 +252,7 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
     env = [
         *process_env(job.config.trainer.threads),
         redis_env(job),
+        *tracking_env(job),
         field_env("POD_IP", "status.podIP"),
         # the rollout engines join the trainer's weight-update group at this address
         {"name": "AREAL_MASTER_ADDRESS", "value": "$(POD_IP)"},

@@ -36,6 +36,7 @@ from areal_k8s.trainer.loop.record import StepRecord
 from areal_k8s.trainer.loop.resume import resume
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
 from areal_k8s.trainer.step.train_step import TrainStep
+from areal_k8s.trainer.tracking import Trackers, step_figures
 from areal_k8s.trainer.weights.publisher import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
@@ -91,6 +92,7 @@ class Trainer:
         self.evaluator = Evaluator(
             job, eval_items, targets=lambda: list(self.publisher.targets.values()), catch_up=self.bring_engines_in
         )
+        self.trackers = Trackers(job)  # W&B, MLflow, TensorBoard (tracking.py); the entry point closes them
 
     @property
     def version(self) -> int:
@@ -258,6 +260,7 @@ class Trainer:
         for lag in record.staleness:
             m.sample_staleness.observe(lag)
         m.token_staleness.add(record.token_staleness_counts)
+        self.trackers.log(record.version, step_figures(record, step_seconds))
 
     async def report(self, record: StepRecord, finished: bool) -> None:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)
