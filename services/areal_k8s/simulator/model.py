@@ -26,7 +26,7 @@ from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.engine import Engine, Sequence
 from areal_k8s.simulator.lengths import group_lengths, mean_length
-from areal_k8s.simulator.placement import Placement, Pulls, first_come
+from areal_k8s.simulator.placement import ORDERS, Divided, Pulls
 from areal_k8s.simulator.results import Result
 from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.simulator.training import Training
@@ -35,12 +35,13 @@ PROMPTS = 1024  # dataset items the simulated controller cycles through
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, placement: Placement = first_come):
+    def __init__(self, scenario: Scenario):
         self.s = scenario
         self.now = 0.0
         items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
         self.core = ControllerCore(scenario.job_config(), items, lease_seconds=math.inf, clock=lambda: self.now)
-        self.pulls = Pulls(self.core, lambda: self.now, placement)
+        self.pulls = Pulls(self.core, lambda: self.now, ORDERS[scenario.placement.order])
+        self.divided = Divided() if scenario.placement.split_groups else None
         self.random = random.Random(scenario.seed)
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.order = itertools.count()
@@ -196,16 +197,23 @@ class Simulation:
 
     def deliver(self, engine: Engine, finished: list[tuple[str, list[Sequence]]]) -> None:
         for group_id, sequences in finished:
+            puller = engine  # the engine whose worker pulled the group: its slot is taken until the group lands
+            if self.divided is not None:  # a part of a group: the group is complete with its last part
+                if (whole := self.divided.finished(group_id, sequences)) is None:
+                    continue
+                puller, group_id, sequences = whole
             if group_id not in self.leases:
                 continue  # the engine was removed and the group handed back
             if self.s.workload.completion_seconds > 0:
-                engine.completing += 1
+                puller.completing += 1
                 self.at(
                     self.now + self.s.workload.completion_seconds,
-                    lambda g=group_id, q=sequences: self.landed(engine, g, q),
+                    lambda g=group_id, q=sequences, e=puller: self.landed(e, g, q),
                 )
             else:
-                self.group_completed(engine, group_id, sequences)
+                self.group_completed(puller, group_id, sequences)
+                if puller is not engine:
+                    self.fill(puller)  # its worker's slot freed (the engine that finished the part asks anyway)
 
     def landed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
         """A group scored and written after its last token: its slot frees."""
@@ -220,20 +228,37 @@ class Simulation:
         self.take(engine, self.pulls.ask(engine, self.free_slots(engine)))
 
     def free_slots(self, engine: Engine) -> int:
+        if self.divided is not None:  # its groups' samples run anywhere: count what its worker pulled
+            return self.s.job.groups_per_engine - self.divided.held[engine.name]
         return self.s.job.groups_per_engine - engine.groups - engine.completing
 
     def take(self, engine: Engine, admitted: list[Admitted]) -> None:
         self.sync(engine)
         w = self.s.workload
+        groups = []
         for a in admitted:
             self.leases[a.lease.group_id] = (a, self.now)
             lengths = group_lengths(self.random, w.response, engine.version, self.s.job.group_size)
-            engine.add_group(a.lease.group_id, [Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
-        self.schedule(engine)
+            groups.append([Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
+        if self.divided is None:
+            for sequences in groups:
+                engine.add_group(sequences[0].group_id, sequences)
+            self.schedule(engine)
+            return
+        each = (w.prompt_tokens + mean_length(w.response, engine.version)) / (self.s.engine.kv_capacity_tokens or 1)
+        ready = [e for e in self.engines if e.ready]
+        for target, parts in self.divided.place(engine, groups, ready, each).items():
+            self.sync(target)
+            for part_id, sequences in parts:
+                target.add_group(part_id, sequences)
+            self.schedule(target)
+        self.schedule(engine)  # (synced above)
 
     def group_completed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
         admission, admitted_at = self.leases.pop(group_id)
         self.core.complete(group_id, "accepted")
+        if self.divided is not None:
+            self.divided.completed(engine)
         self.training.add(group_id, admission, engine.version, sequences, admitted_at)
         self.serve_held()  # a group done may open room (under a concurrency cap): the held pulls come first
 
@@ -287,5 +312,5 @@ class Simulation:
         self.splits.append((self.now, split.rollout, split.trainer))
 
 
-def simulate(scenario: Scenario, placement: Placement = first_come) -> Result:
-    return Simulation(scenario, placement).run()
+def simulate(scenario: Scenario) -> Result:
+    return Simulation(scenario).run()
