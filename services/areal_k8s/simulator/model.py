@@ -240,7 +240,7 @@ class Simulation:
             self.leases[a.lease.group_id] = (a, self.now)
             lengths = group_lengths(self.random, w.response, engine.version, self.s.job.group_size)
             groups.append([Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
-        if self.divided is None:
+        if self.divided is None or not groups:
             for sequences in groups:
                 engine.add_group(sequences[0].group_id, sequences)
             self.schedule(engine)
