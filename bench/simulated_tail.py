@@ -9,6 +9,10 @@
    concurrency cap grown with the engines), at B = 512 and with B grown with the cluster, under both policies:
    where the per-sample deadline (`strict`) costs throughput. The sweep runs fewer steps and reads the steady
    throughput (after the first quarter of the steps).
+4. Tail-aware placement (`placement` in the scenario, simulator/placement.py) under `admission` and `capped`, where
+   the tail binds (1,024 GPUs, B = 512) and on AReaL's 128 GPUs: the system's first-come placement, placement by the
+   engines' live token load, and a group's samples divided over the engines by token load (Seer's divided
+   rollout), each against first-come on the same seeds.
 
 bench/results/simulated_tail.json keeps every run and the median and range of each figure over the seeds; the
 README's lines are written from it (`--readme`), and tests/test_bench_analysis.py checks that they agree.
@@ -40,7 +44,15 @@ ETA = 8  # AReaL's η for math
 SWEEP_GPUS = (128, 256, 512, 1024)
 SWEEP_STEPS = 16  # at B = 2,048 and more; 48 at B = 512 (a tail of many steps needs more steps to show its cost)
 POLICY_STEPS = 40
-PARTS = ("table1", "policies", "sweep")
+TAIL_GPUS = (128, 1024)
+TAIL_STEPS = 24
+PLACEMENTS = {  # the scenario's `placement` block
+    "first_come": {},
+    "token_load": {"order": "token_load"},
+    "divided": {"order": "token_load", "split_groups": True},
+}
+TAIL_POLICIES = ("admission", "capped")
+PARTS = ("table1", "policies", "sweep", "tail")
 FIGURES = (
     "hours",
     "steady_samples_per_second",
@@ -58,8 +70,11 @@ README_END = "<!-- /simulated-tail -->"
 POLICIES = ("admission", "strict", "capped")  # capped at its default cap, 2η
 
 
-def scaled(model: str, gpus: int, batch: int, eta: int, policy: str, steps: int | None, seed: int):
-    """The model's scenario on `gpus` GPUs (75 % generating, engines' slots and concurrency per engine kept)."""
+def scaled(
+    model: str, gpus: int, batch: int, eta: int, policy: str, steps: int | None, seed: int, placement="first_come"
+):
+    """The model's scenario on `gpus` GPUs (75 % generating, engines' slots and concurrency per engine kept), with
+    one of PLACEMENTS."""
     base = load_scenario(ROOT / SCENARIOS[model])
     budget = base.resources.budget_gpus
     engines = base.split.rollout * gpus // budget
@@ -73,12 +88,14 @@ def scaled(model: str, gpus: int, batch: int, eta: int, policy: str, steps: int 
             "seed": seed,
             "split": s.split.model_copy(update={"rollout": engines, "trainer": trainer}),
             "resources": s.resources.model_copy(update={"budget_gpus": gpus}),
+            "placement": s.placement.model_copy(update=PLACEMENTS[placement]),
         }
     )
 
 
 def run(task: dict) -> dict:
     args = {k: task[k] for k in ("model", "gpus", "batch", "eta", "policy", "steps", "seed")}
+    args["placement"] = task.get("placement", "first_come")
     figures = simulate(scaled(**args)).figures()
     kept = {k: figures[k] for k in FIGURES}
     kept |= {f"staleness_{k}": figures["staleness"][k] for k in ("p50", "p99", "max")}
@@ -111,10 +128,19 @@ def tasks(part: str, seeds: int) -> list[dict]:
             for batch in sorted({512, 512 * gpus // 128})
             for policy in POLICIES
         ]
+    if part == "tail":
+        configurations += [
+            {"name": f"tail/{gpus}/{placement}/{policy}", "model": "1.5b", "gpus": gpus, "batch": 512, "eta": ETA}
+            | {"policy": policy, "steps": TAIL_STEPS, "placement": placement}
+            for gpus in TAIL_GPUS
+            for policy in TAIL_POLICIES
+            for placement in PLACEMENTS
+        ]
     out = [{**c, "seed": seed} for c in configurations for seed in range(seeds)]
 
     def work(task: dict) -> float:  # groups simulated, roughly; the 7B's fuller caches stop its engines more often
-        return (task["steps"] or 250) * task["batch"] * (2.5 if task["model"] == "7b" else 1.0)
+        divided = 8.0 if task.get("placement") == "divided" else 1.0  # a group's parts stop many engines
+        return (task["steps"] or 250) * task["batch"] * (2.5 if task["model"] == "7b" else 1.0) * divided
 
     return sorted(out, key=work, reverse=True)  # the longest first, so the processes end together
 
@@ -128,6 +154,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     for name, rs in runs.items():
         summary[name]["staleness_p99"] = spread(rs, "staleness_p99")
         summary[name]["staleness_max"] = spread(rs, "staleness_max")
+        summary[name]["token_staleness_p99"] = spread(rs, "token_staleness_p99")
     table1 = {}
     for model, published in PUBLISHED.items():
         if f"{model}/async" not in summary or f"{model}/sync" not in summary:
@@ -148,7 +175,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 
 
 def part_of(name: str) -> str:
-    return "sweep" if name.startswith("sweep/") else "policies" if "/policy/" in name else "table1"
+    if name.startswith(("sweep/", "tail/")):
+        return name.split("/")[0]
+    return "policies" if "/policy/" in name else "table1"
 
 
 def measure(parts: list[str], seeds: int, processes: int, kept: dict[str, list[dict]]) -> dict[str, list[dict]]:
@@ -179,6 +208,7 @@ def report(runs: dict[str, list[dict]]) -> dict:
         "eta": ETA,
         "policy_steps": POLICY_STEPS,
         "sweep_steps": SWEEP_STEPS,
+        "tail_steps": TAIL_STEPS,
         "tolerance": {"hours": HOURS_TOLERANCE, "ratio": RATIO_TOLERANCE},
         **summarize(runs),
         "runs": runs,
@@ -278,8 +308,54 @@ def readme_block(report: dict) -> str:
             "recovers most of it (the last two columns; the truncation of stale tokens' weights is not modelled: the "
             "simulator has no accuracy).",
         ]
+    lines += tail_lines(report)
     lines.append(README_END)
     return "\n".join(lines)
+
+
+GOAL = {"ratio": 1.3, "engine_busy": 0.7}  # issue 32: against `admission` placed first come; token staleness ≤ 2η
+
+
+def tail_lines(report: dict) -> list[str]:
+    """The tail-aware placement table (part `tail`), each row against first-come placement under the same policy
+    and against `admission` placed first come (the issue's goal)."""
+    f, runs, eta = report["figures"], report["runs"], report["eta"]
+    rows = [
+        (gpus, policy, placement)
+        for gpus in TAIL_GPUS
+        for policy in TAIL_POLICIES
+        for placement in PLACEMENTS
+        if f"tail/{gpus}/{placement}/{policy}" in f and f"tail/{gpus}/first_come/admission" in f
+    ]
+    if not rows:
+        return []
+    lines = [
+        "",
+        f"Tail-aware placement ({report['tail_steps']} steps of 512 prompts × 16 samples, η = {eta}, the same seeds "
+        "for every row; samples/s steady): `first_come` is the system's (held pulls served oldest first, a group's "
+        "samples on the engine that pulled it), `token_load` serves the engine with the least live token load (KV "
+        "tokens held or queued over its cache) first, `divided` also spreads each group's samples one by one over "
+        "the least loaded engines (Seer's divided rollout). The goal (issue 32): samples/s ≥ "
+        f"{GOAL['ratio']}× `admission` placed first come, trained-token staleness p99 ≤ 2η = {2 * eta}, engines "
+        f"≥ {GOAL['engine_busy']:.0%} busy.",
+        "",
+        "| simulated | policy | placement | seeds | samples/s | / first_come | / admission, first_come | trained-token "
+        "staleness p99 (sample p99 / max) | engines busy | goal met |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for gpus, policy, placement in rows:
+        name = f"tail/{gpus}/{placement}/{policy}"
+        rate = f[name]["steady_samples_per_second"]["median"]
+        same = f[f"tail/{gpus}/first_come/{policy}"]["steady_samples_per_second"]["median"]
+        base = f[f"tail/{gpus}/first_come/admission"]["steady_samples_per_second"]["median"]
+        busy, tokens = f[name]["engine_busy"]["median"], f[name]["token_staleness_p99"]["median"]
+        met = rate >= GOAL["ratio"] * base and tokens <= 2 * eta and busy >= GOAL["engine_busy"]
+        lines.append(
+            f"| 1.5B, {gpus} GPUs | {policy} | {placement} | {len(runs[name])} | {rate:.1f} | {rate / same:.2f} | "
+            f"{rate / base:.2f} | {tokens:g} ({f[name]['staleness_p99']['median']:g} / "
+            f"{f[name]['staleness_max']['median']:g}) | {busy:.0%} | {'yes' if met else 'no'} |"
+        )
+    return lines
 
 
 def write_readme(report: dict) -> None:

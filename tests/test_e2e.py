@@ -32,6 +32,7 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         algorithm={"total_steps": 5, "dynamic_sampling": True},
         rollout={"workers": 2},
         trainer={"verify_weight_sync": True, "eval_interval": 0},
+        tracking={"tensorboard": {"enabled": True}},
     )
     run = LocalRun(job)
     statuses = []
@@ -112,6 +113,15 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     tokens = summary["staleness"]["tokens"]
     assert tokens["max"] <= summary["staleness"]["samples"]["max"] == final.max_staleness_seen
     assert tokens["p50"] <= tokens["p99"] <= tokens["max"]
+
+    # the trainer logged every step to TensorBoard, against the step (tests/test_tracking.py checks every figure)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run.run_dir / "tensorboard"))
+    events.Reload()
+    for key, field in (("reward/mean", "reward_mean"), ("train/loss", "loss"), ("train/grad_norm", "grad_norm")):
+        logged = {event.step: event.value for event in events.Scalars(key)}
+        assert logged == pytest.approx({s["version"]: s[field] for s in steps}, rel=1e-6), key
 
 
 @pytest.mark.parametrize(

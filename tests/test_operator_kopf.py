@@ -7,7 +7,7 @@ generous timeout; nothing asserts how long anything took.
 import pytest
 import redis
 import yaml
-from operator_fixtures import ON_API_SERVER, Cluster, eventually, rljob
+from operator_fixtures import NAMESPACE, ON_API_SERVER, Cluster, eventually, rljob
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.common.config import parse_job
@@ -206,6 +206,18 @@ async def test_deleting_the_rljob_deletes_its_redis_keys_and_no_others(cluster: 
         [JobKeys(other_key).controller_counters.encode(), JobKeys(other_key).stream.encode()]
     )
     client.close()
+
+
+async def test_a_deleted_rljobs_reconcile_lock_goes_with_it(cluster: Cluster, operator, redis_url):
+    """The operator keeps a lock per RLJob (one reconcile of it at a time): a deleted RLJob's is dropped, so an
+    operator that sees many jobs come and go does not keep a lock for each."""
+    key = (NAMESPACE, "demo")
+    await cluster.create(rljob(redis_url=redis_url))
+    await eventually(lambda: key in operator.reconcile_locks, "the RLJob's first reconcile")
+    await cluster.delete(cluster.rljob_path("demo"))
+    await eventually(lambda: cluster.rljob() is None, "the RLJob to be gone")
+
+    assert key not in operator.reconcile_locks
 
 
 async def test_an_invalid_spec_is_a_condition_and_fixing_it_recovers(cluster: Cluster, operator):

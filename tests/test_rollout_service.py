@@ -244,3 +244,55 @@ async def test_the_controller_client_trades_records_and_raises_the_errors_the_wo
         with pytest.raises(ControllerUnavailable) as unreachable:
             await ControllerClient(controller_pb2_grpc.ControllerStub(nothing)).acquire_groups(poll(0))
     assert unreachable.value.status == "UNAVAILABLE"
+
+
+async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves(redis_url, unused_tcp_port):
+    """A worker stopped while the controller holds its poll (here on the concurrency bound) cancels the poll rather
+    than wait it out, and leaves: the controller never answers it (an answer would count the bound's refusal)."""
+    import asyncio
+
+    from areal_k8s.api.v1 import controller_pb2_grpc
+    from areal_k8s.controller.core import ControllerCore
+    from areal_k8s.controller.polls import MAX_HOLD_SECONDS
+    from areal_k8s.controller.server import serve
+    from areal_k8s.data.dataset import DatasetItem
+    from areal_k8s.rollout.clients import ControllerClient
+
+    job = JOB.model_copy(update={"algorithm": JOB.algorithm.model_copy(update={"max_concurrent_rollouts": 1})})
+    items = [DatasetItem(id=f"p{i}", prompt="1+1=", reference="2", verifier="addition") for i in range(2)]
+    core = ControllerCore(job, items, lease_seconds=60)
+    core.register("busy", "127.0.0.1:9", engine_version=0)
+    assert core.acquire("busy", 1, engine_version=0)  # the one group the job runs at a time
+    redis_client = connect(redis_url)
+    store = TrajectoryStore(redis_client, job.name)
+    server, port, _, background = await serve(core, store, "127.0.0.1:0")
+    client_channel = channel(f"127.0.0.1:{port}")
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # never asked: no group comes
+    worker = RolloutWorker(
+        job=job,
+        worker_id="w0",
+        address="127.0.0.1:0",
+        controller=ControllerClient(controller_pb2_grpc.ControllerStub(client_channel)),
+        scorer=None,
+        engine=engine,
+        store=store,
+        tokenizer=build_tokenizer(),
+        hold_seconds=MAX_HOLD_SECONDS,
+    )
+    worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
+    stop = asyncio.Event()
+    try:
+        running = asyncio.create_task(worker.run(stop))
+        while not core.holds.waiting and not running.done():  # until the controller holds the worker's poll
+            await asyncio.sleep(0.01)
+        stop.set()
+        await running
+        assert "w0" not in core.workers  # it left
+        assert core.metrics.value("areal_controller_admission_blocks_total", reason="concurrency") == 0
+        assert not core.holds.waiting
+    finally:
+        background.cancel()
+        await client_channel.close()
+        await server.stop(None)
+        await engine.close()
+        await redis_client.aclose()

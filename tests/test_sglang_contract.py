@@ -3,21 +3,29 @@
 Every route our client calls (common/sglang.py ROUTES) is served by that version and not retired; every field we
 send is a field of the request type SGLang parses the body into; every field we read is one it writes; the
 sampling parameters we send are SGLang's; and our CPU engine serves no route SGLang does not (except under
-/areal/). A version bump in images/sglang shows up here first: the source read is the one `make sglang-env`
+/areal/); the server arguments a job may pass (common/sglang_server_args.json) are the ones SGLang's own parser
+has. A version bump in images/sglang shows up here first: the source read is the one `make sglang-env`
 installed, and its version must be the one the Dockerfile pins.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
 import pytest
+import yaml
 from sglang_server import sglang_package
 
 from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION
+from areal_k8s.common.sglang_args import ARGUMENTS_FILE, READ_ARGUMENTS, render
+from areal_k8s.common.sglang_server import SGLANG_PYTHON
+from areal_k8s.k8s_operator.children import desired_children
+from areal_k8s.k8s_operator.validation import validate
 from areal_k8s.rollout.cpu_engine.engine import CpuEngine
 from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
@@ -198,3 +206,39 @@ def test_the_cpu_engine_serves_only_sglangs_routes_and_parameters(srt):
     assert {(r.method, r.path) for r in ROUTES.values()} <= served  # and everything our client calls
     sglang_sampling = class_fields(parse(srt / "sampling" / "sampling_params.py"), "SamplingParams")
     assert set(SamplingParams.__dataclass_fields__) <= sglang_sampling
+
+
+def test_the_server_arguments_a_job_may_pass_are_the_pinned_sglangs_and_its_parser_takes_the_engine_command(srt):
+    """Runs SGLang's own parser (ServerArgs.add_cli_args) in the SGLang env: its argument list (the names, the fields
+    they set and how many values they take) is the committed one, and it parses the command the operator gives a
+    rollout pod's engine, with arguments of every shape, into the values the job asked for."""
+    body = yaml.safe_load((ROOT / "examples" / "rljob-gsm8k.yaml").read_text())
+    body["spec"]["rollout"]["sglang_args"] = {
+        "mem_fraction_static": 0.75,
+        "enable_torch_compile": True,
+        "cuda_graph_bs_decode": [1, 2, 4],
+        "json_model_override_args": {"rope_scaling": None},
+    }
+    (rollout,) = [
+        c for c in desired_children(validate(body), running=True) if c["metadata"]["name"].endswith("-rollout")
+    ]
+    (engine,) = [c for c in rollout["spec"]["template"]["spec"]["containers"] if c["name"] == "engine"]
+    parse = f"print(json.dumps(vars(parser.parse_args({engine['args']!r})), default=str))"
+    done = subprocess.run(
+        [str(SGLANG_PYTHON), "-c", READ_ARGUMENTS + parse], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    arguments, parsed = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    assert render(arguments) == ARGUMENTS_FILE.read_text(), (
+        "common/sglang_server_args.json is stale: run python -m areal_k8s.common.sglang_args --write"
+    )
+    assert (parsed["mem_fraction_static"], parsed["enable_torch_compile"], parsed["cuda_graph_bs_decode"]) == (
+        0.75,
+        True,
+        [1, 2, 4],
+    )
+    assert json.loads(parsed["json_model_override_args"]) == {"rope_scaling": None}
+    assert (parsed["model_path"], parsed["tp_size"]) == (
+        body["spec"]["model"],
+        body["spec"]["roles"]["rollout"]["gpusPerPod"],
+    )

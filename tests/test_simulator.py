@@ -166,3 +166,13 @@ def test_arealctl_plan_ranks_the_splits_and_recommends_a_split_batch_and_eta(tmp
     assert lines[0].startswith("simulated:") and len(lines) >= 2 + len(static_splits(budget))
     assert re.search(r"^recommended: \d+ rollout and \d+ trainer units, B = \d+, η = \d+$", lines[-1]), lines[-1]
     assert re.search(r"^limit: the (split|staleness bound) ", lines[-2])
+
+
+@pytest.mark.parametrize("placement", [{"order": "token_load"}, {"split_groups": True}])
+@settings(max_examples=8, deadline=None)
+@given(eta=st.integers(0, 3), engines=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_placed_by_token_load_or_divided_every_group_is_trained_once_within_eta(placement, eta, engines, seed):
+    """A group completed twice would find its lease gone (the simulation raises); one lost would stall the run."""
+    result = simulate(scenario(seed=seed, job={"max_staleness": eta}, split={"rollout": engines}, placement=placement))
+    assert result.steps == 30 and result.samples == 30 * 8 * 4
+    assert len(result.staleness_counts) <= eta + 1

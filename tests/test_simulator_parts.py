@@ -13,7 +13,7 @@ from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.costs import GpuCosts, engine_costs, trainer_costs
 from areal_k8s.simulator.engine import Engine, Sequence, capacity_rate
 from areal_k8s.simulator.lengths import capped_share, group_lengths, mean_length
-from areal_k8s.simulator.placement import Pulls
+from areal_k8s.simulator.placement import ORDERS, Divided, Pulls, spread
 from areal_k8s.simulator.scenario import EngineCost, Lengths, Scenario
 
 COST = {"step_base_seconds": 0.01, "step_per_sequence_seconds": 1e-4, "step_per_context_token_seconds": 1e-7}
@@ -143,3 +143,66 @@ def test_pulls_go_through_the_controllers_admission_and_a_held_pull_is_served_wh
     served = pulls.open(lambda engine: 2)
     assert [(engine.name, len(admitted)) for engine, admitted in served] == [("b", 2)] and pulls.held == []
     assert pulls.held_seconds["staleness"] == 5.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.floats(0, 1), min_size=1, max_size=12),
+    count=st.integers(0, 64),
+    each=st.floats(0.001, 0.5),
+)
+def test_spread_places_every_sample_each_on_an_engine_that_was_least_loaded(loads, count, each):
+    places = spread(count, loads, each)
+    assert len(places) == count and all(0 <= i < len(loads) for i in places)
+    final = [load + each * places.count(i) for i, load in enumerate(loads)]
+    for i in set(places):  # its last sample found it least loaded, and every load only grew since
+        assert final[i] <= min(final) + each + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups=st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=8), min_size=1, max_size=6))
+def test_a_divided_group_completes_once_with_all_its_samples_after_its_last_part(groups):
+    cost = EngineCost(**COST, kv_capacity_tokens=5000, kv_reserve_tokens=4)
+    engines = [Engine(f"e{i}", cost, 0, 100.0) for i in range(3)]
+    divided = Divided()
+    sequences = [[Sequence(f"g{g}", 10, n) for n in lengths] for g, lengths in enumerate(groups)]
+    for engine, parts in divided.place(engines[0], sequences, engines, 0.01).items():
+        for part_id, part in parts:
+            engine.add_group(part_id, part)
+    assert divided.held["e0"] == len(groups)
+    completed = {}
+    for engine in engines:
+        for part_id, part in drain(engine).items():
+            if whole := divided.finished(part_id, part):
+                owner, group, samples = whole
+                assert owner is engines[0] and group not in completed
+                completed[group] = samples
+                divided.completed(owner)
+    assert sorted(completed) == sorted(f"g{g}" for g in range(len(groups)))
+    for g, lengths in enumerate(groups):
+        assert sorted(q.length for q in completed[f"g{g}"]) == sorted(lengths)
+    assert divided.held["e0"] == 0 and not divided.group_of and not divided.parts_left
+
+
+def test_token_load_serves_the_least_loaded_engines_held_pull_first_where_first_come_serves_the_oldest():
+    scenario = Scenario.model_validate(
+        {"job": {"batch_size": 2, "group_size": 1, "max_staleness": 0, "total_steps": 3}, "split": {"rollout": 3}}
+    )
+    cost = EngineCost(kv_capacity_tokens=10_000)
+    served = {}
+    for order in ("first_come", "token_load"):
+        items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(8)]
+        core = ControllerCore(scenario.job_config(), items, lease_seconds=math.inf, clock=lambda: 0.0)
+        a, busy, idle = (Engine(name, cost, 0, 10.0) for name in ("a", "busy", "idle"))
+        for engine in (a, busy, idle):
+            core.register(engine.name, "sim", -1)
+        busy.add_group("other", [Sequence("other", 100, 50) for _ in range(20)])  # 2,000 tokens of its cache
+        pulls = Pulls(core, lambda: 0.0, ORDERS[order])
+        assert len(pulls.ask(a, 2)) == 2 and pulls.ask(busy, 2) == [] and pulls.ask(idle, 2) == []
+        for group in list(core.outstanding()):
+            core.complete(group, "accepted")
+        core.announce_version(1, restored=False)
+        for engine in (busy, idle):
+            engine.set_version(1)
+        served[order] = [(engine.name, len(admitted)) for engine, admitted in pulls.open(lambda engine: 2)]
+    assert served == {"first_come": [("busy", 2)], "token_load": [("idle", 2)]}  # one batch of room: one pull served

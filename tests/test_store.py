@@ -196,6 +196,48 @@ async def test_entries_whose_read_reply_was_lost_are_recovered_once_by_the_live_
     assert assembler.known == set() and await assembler.recover_lost_deliveries() == 0
 
 
+async def test_looking_for_lost_deliveries_reads_only_the_entries_the_trainer_lacks(store):
+    """The live trainer looks for lost deliveries every few seconds while it waits for a batch, with many entries
+    pending (buffered, or trained and not yet checkpointed): the trajectories it holds are not sent again, only the
+    lost ones (counted in the bytes the Redis server sent)."""
+    from areal_k8s.trainer.step.batching import BatchAssembler
+
+    def large(group_id: str, index: int) -> Trajectory:
+        return trajectory(group_id, index, [0] * 2000)  # some 20 kB on the wire
+
+    async def bytes_sent() -> int:
+        return (await store.client.info("stats"))["total_net_output_bytes"]
+
+    assembler = BatchAssembler(store, "trainer-0", controller=None, batch_size=1, group_size=2, max_staleness=1)
+    await store.ensure_consumer_group()
+    for g in range(10):
+        await store.write_group([large(f"held{g}", i) for i in range(2)])
+    await assembler.drain()
+    await store.write_group([large("lost", i) for i in range(2)])
+    await store.read_new("trainer-0", count=10, block_ms=100)  # delivered, the reply dropped on the floor
+    [(_, fields)] = await store.client.xrange(store.keys.stream, count=1)
+    entry_size = len(fields[b"payload"])
+
+    before = await bytes_sent()
+    assert await assembler.recover_lost_deliveries() == 2
+    sent = await bytes_sent() - before
+    # the two lost entries and the pending list's ids, not the 20 entries held
+    assert sent < 4 * entry_size, f"{sent} bytes sent to recover 2 entries of {entry_size} bytes"
+    assert sorted(assembler.buffer) == [
+        "held0",
+        "held1",
+        "held2",
+        "held3",
+        "held4",
+        "held5",
+        "held6",
+        "held7",
+        "held8",
+        "held9",
+        "lost",
+    ]
+
+
 class NothingOutstanding:
     async def outstanding(self) -> dict[str, int]:
         return {}

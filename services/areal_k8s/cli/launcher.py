@@ -37,6 +37,7 @@ from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
 from areal_k8s.common.redis_server import EmbeddedRedis, free_port
+from areal_k8s.common.sglang_args import sglang_flags
 
 
 class LaunchError(RuntimeError):
@@ -211,6 +212,12 @@ class LocalRun:
             raise LaunchError(
                 "rebalance.enabled in a local run needs rollout.engine: cpu (it starts and stops the engines; "
                 "external SGLang engines in rollout.engine_urls are not its to start)"
+            )
+        if self.job.rollout.sglang_args:
+            raise LaunchError(
+                "rollout.sglang_args reach the SGLang engines areal starts (an RLJob's rollout pods); a local run uses "
+                "the servers at rollout.engine_urls as they are: start them with "
+                f"{' '.join(sglang_flags(self.job.rollout.sglang_args))} and leave sglang_args out"
             )
         self.prepare_run_dir(mode)
         job_file = self.run_dir / "job.yaml"

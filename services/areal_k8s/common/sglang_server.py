@@ -17,9 +17,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from areal_k8s.common.processes import with_parent_death_signal
 from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.sglang_args import check_sglang_args, sglang_flags
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: `make sglang-env` builds the env in it
 SGLANG_ENV = ROOT / ".cache" / "sglang-env"
@@ -67,6 +69,7 @@ class SGLangServer:
         seed: int = 0,
         max_total_tokens: int = 4096,
         extra_args: tuple[str, ...] = (),
+        sglang_args: dict[str, Any] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -74,6 +77,8 @@ class SGLangServer:
         self.seed = seed
         self.max_total_tokens = max_total_tokens
         self.extra_args = extra_args
+        # a job's rollout.sglang_args, checked as the operator checks them for the engines of an RLJob
+        self.sglang_args = check_sglang_args(sglang_args or {})
         self.extra_env = extra_env or {}
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
@@ -101,7 +106,7 @@ class SGLangServer:
             "--max-total-tokens", str(self.max_total_tokens), "--tp", "1",
             # readiness is our own /health_generate poll, which runs a real generation
             "--skip-server-warmup",
-            *self.extra_args,
+            *self.extra_args, *sglang_flags(self.sglang_args),
         ]  # fmt: skip
 
     def environment(self) -> dict[str, str]:

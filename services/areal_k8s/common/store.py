@@ -10,6 +10,7 @@ state (controller/state_store.py; its keys are named here with the others).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -217,6 +218,26 @@ class TrajectoryStore:
                 if fields:  # an entry trimmed while pending comes back empty
                     out.append(_decode(entry_id, fields))
                 last = entry_id
+
+    async def pending_ids(self, consumer: str) -> list[str]:
+        """The ids of the entries delivered to `consumer` and not yet acknowledged, without their trajectories."""
+        ids: list[str] = []
+        start = "-"
+        while page := await self.client.xpending_range(
+            self.keys.stream, CONSUMER_GROUP, min=start, max="+", count=512, consumername=consumer
+        ):
+            ids += [p["message_id"].decode() for p in page]
+            if len(page) < 512:
+                break
+            start = "(" + ids[-1]
+        return ids
+
+    async def read_entries(self, entry_ids: Iterable[str]) -> list[StreamEntry]:
+        """The entries with these ids, in that order; one trimmed from the stream is left out."""
+        out: list[StreamEntry] = []
+        for entry_id in entry_ids:
+            out += [_decode(i, fields) for i, fields in await self.client.xrange(self.keys.stream, entry_id, entry_id)]
+        return out
 
     async def read_new(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
         reply = await self.client.xreadgroup(

@@ -1,10 +1,11 @@
 """The controller's state machine, free of gRPC and Redis so it can be tested as plain Python.
 
-It owns the dataset cursor, the admission counters, the leases of prompt groups handed to rollout workers
-(leases.py), the prompts to admit again (retry.py), the worker registry (workers.py), the requests waiting on a
-bound (holds.py) and the job's progress figures (progress.py). Its durable part is durable.py's `DurableState`: the
-gRPC shell (server.py) writes `take_changes()` to Redis (state_store.py) before it answers a call that changed
-anything, and restores the state on start, so a restarted controller carries on from what it acknowledged.
+It owns the dataset cursor (cursor.py), the admission counters, the leases of prompt groups handed to rollout
+workers (leases.py), the prompts to admit again (retry.py, dead_letters.py), the worker registry (workers.py), the
+requests waiting on a bound (holds.py) and the job's progress figures (progress.py; the status it reports, figures.py).
+Its durable part is durable.py's `DurableState` (persistence.py): the gRPC shell (server.py) writes `take_changes()` to
+Redis (state_store.py) before it answers a call that changed anything, and restores the state on start, so a
+restarted controller carries on from what it acknowledged.
 
 It keeps the accepted groups the trainer has not yet trained (or dropped), by id: a store that comes back without
 its last writes (a Redis whose machine crashed) may have lost their stream entries, and `reconcile` finds them. A
@@ -18,21 +19,22 @@ and the cursor supplies another prompt in its place, so the run still trains `to
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
+from areal_k8s.controller import figures, persistence
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
+from areal_k8s.controller.cursor import DataCursor
+from areal_k8s.controller.dead_letters import requeue_or_dead_letter
 from areal_k8s.controller.durable import Changes, DeadLetter, DurableState
 from areal_k8s.controller.holds import Holds
 from areal_k8s.controller.leases import Lease, Leases
 from areal_k8s.controller.progress import Progress
 from areal_k8s.controller.retry import RetryQueue
-from areal_k8s.controller.stalls import waiting_for
 from areal_k8s.controller.workers import WorkerRegistry
 from areal_k8s.data.dataset import DatasetItem
 
@@ -49,31 +51,6 @@ class Admitted:
 
     lease: Lease
     item: DatasetItem
-
-
-class DataCursor:
-    """Walks the dataset epoch after epoch, in a fresh deterministic order each epoch."""
-
-    def __init__(self, size: int, *, seed: int, shuffle: bool, epoch: int = 0, position: int = 0):
-        if size == 0:
-            raise ValueError("the training dataset is empty")
-        self.size, self.seed, self.shuffle = size, seed, shuffle
-        self.epoch, self.position = epoch, position
-        self._order = self._order_for(epoch)
-
-    def _order_for(self, epoch: int) -> list[int]:
-        order = list(range(self.size))
-        if self.shuffle:
-            random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def next(self) -> int:
-        if self.position == self.size:
-            self.epoch, self.position = self.epoch + 1, 0
-            self._order = self._order_for(self.epoch)
-        index = self._order[self.position]
-        self.position += 1
-        return index
 
 
 class ControllerCore:
@@ -117,19 +94,7 @@ class ControllerCore:
         self.progress_since = self.started_at  # this process's start: a restarted controller's deadline starts anew
         self.metrics = metrics or ControllerMetrics(job.name)
         self.holds = Holds(clock, self.metrics)
-        self._export_state()
-
-    def _export_state(self) -> None:
-        """Gauges read the state when scraped (a Prometheus scrape is the only reader)."""
-        m, algorithm = self.metrics, self.job.algorithm
-        m.policy_version.set_function(lambda: self.version)
-        m.admission_capacity.set_function(self.capacity)
-        m.running_groups.set_function(lambda: self.running)
-        m.workers.set_function(lambda: len(self.workers))
-        m.staleness_bound.set(algorithm.max_staleness)
-        if algorithm.staleness_target is not None:
-            m.staleness_target.labels(edge="min").set(algorithm.staleness_target.min)
-            m.staleness_target.labels(edge="max").set(algorithm.staleness_target.max)
+        figures.export_gauges(self)
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -265,7 +230,7 @@ class ControllerCore:
             self.filtered += 1
         elif result == "failed":
             self.failed += 1
-            self.requeue_or_dead_letter(lease, reason)
+            requeue_or_dead_letter(self, lease, reason)
         elif result == "requeued":
             self.requeued += 1
             if lease.item_index not in self.dead_items:
@@ -320,33 +285,6 @@ class ControllerCore:
             self.retry.appendleft((item_index, 0))
         self.metrics.groups.labels(result="lost").inc()
 
-    def requeue_or_dead_letter(self, lease: Lease, reason: str) -> None:
-        attempts = lease.failures + 1
-        if lease.item_index in self.dead_items:
-            return
-        if attempts < self.job.rollout.max_group_failures:
-            self.retry.append((lease.item_index, attempts))
-            return
-        self.dead_items.add(lease.item_index)
-        item = self.items[lease.item_index]
-        self.unwritten_dead_letters.append(
-            DeadLetter(
-                lease.group_id, item.id, lease.item_index, attempts, reason or "no reason given", lease.worker_id
-            )
-        )
-        self.metrics.dead_lettered.inc()
-        self.fail_if_every_item_is_dead(reason)
-
-    def fail_if_every_item_is_dead(self, last_reason: str = "") -> None:
-        if len(self.dead_items) < len(self.items):
-            return
-        last = f"; the last failure: {last_reason}" if last_reason else ""
-        self.fail(
-            "AllItemsDeadLettered",
-            f"every one of the {len(self.items)} dataset items failed {self.job.rollout.max_group_failures} times in "
-            f"a row and was dead-lettered (the job's dead-letter stream has each one's reason){last}",
-        )
-
     def expired_leases(self) -> list[str]:
         """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
         deadline = self.clock() - self.lease_seconds
@@ -381,124 +319,21 @@ class ControllerCore:
         self.progress_changed |= recorded
         return recorded
 
+    # -- status (figures.py) -------------------------------------------------------------------------------
+
     def stalled(self) -> str:
-        """What the run waits for, once it trained no step for trainer.progress_deadline_seconds (counted from its
-        last step, or from this controller's start); "" while it progresses, and once it is over."""
-        since = max(self.progress.last_step_at, self.progress_since)
-        if self.over or self.clock() - since < self.job.trainer.progress_deadline_seconds:
-            return ""
-        state = self.admission_state()
-        reason = waiting_for(
-            version=self.version,
-            batch_size=self.job.algorithm.batch_size,
-            workers=len(self.workers),
-            untrained=len(self.accepted_groups),
-            generating={worker: len(self.leases.held_by(worker)) for worker in self.leases.holders()},
-            refusal="no_work_left" if admission_rooms(**state)["remaining_work"] <= 0 else blocking_bound(**state),
-            starting=self.waiting_for,
-        )
-        return f"no training step for {self.clock() - since:.0f} s; {reason}"
+        return figures.stalled(self)
 
     def status(self) -> dict:
-        now = self.clock()
-        return {
-            "version": self.version,
-            "total_steps": self.job.algorithm.total_steps,
-            "epoch": self.cursor.epoch,
-            "dataset_cursor": self.cursor.position,
-            "dataset_size": len(self.items),
-            "eta": self.job.algorithm.max_staleness,
-            "group_size": self.job.algorithm.group_size,
-            "capacity": self.capacity(),
-            "running": self.running,
-            "accepted": self.accepted,
-            "filtered": self.filtered,
-            "failed": self.failed,
-            "requeued": self.requeued,
-            "dropped": len(self.dropped_groups),
-            "lost": len(self.lost_groups),
-            "admitted": self.leases.next_ticket,  # each admission takes the next ticket
-            **self.progress.figures(elapsed=max(now - self.started_at, 1e-9)),
-            "held_by_staleness_seconds": self.holds.held_by_staleness_now(),
-            "workers": len(self.workers),
-            "started_at": self.started_at,
-            "updated_at": now,
-            "dead_lettered": len(self.dead_items),
-            "ready": self.waiting_for is None,
-            "failure_reason": self.failure.reason if self.failure else "",
-            "message": self.failure.message if self.failure else self.waiting_for or "",
-            "stalled": self.stalled(),
-        }
+        return figures.status(self)
 
-    # -- persistence ---------------------------------------------------------------------------------------
-
-    def counters(self) -> dict[str, float]:
-        return {
-            "version": self.version,
-            "epoch": self.cursor.epoch,
-            "position": self.cursor.position,
-            "next_ticket": self.leases.next_ticket,
-            "next_incarnation": self.workers.next_incarnation,
-            "accepted": self.accepted,
-            "filtered": self.filtered,
-            "failed": self.failed,
-            "requeued": self.requeued,
-            "retry_head": self.retry.head,
-            "held_by_staleness_seconds": self.holds.held_by_staleness_seconds,
-            "started_at": self.started_at,
-        }
+    # -- persistence (persistence.py) ----------------------------------------------------------------------
 
     def take_changes(self) -> Changes:
-        """What changed since the last call, for the shell to write: the counters and the records that changed."""
-        changes = Changes(
-            counters=self.counters(),
-            progress=asdict(self.progress) if self.progress_changed else None,
-            leases=self.leases.take_changed(),
-            retry=self.retry.take_changed(),
-            dead_letters=self.unwritten_dead_letters,
-            dropped_groups=self.unwritten_drops,
-            accepted_groups=self.changed_accepted,
-            lost_groups=self.changed_lost,
-        )
-        self.unwritten_dead_letters, self.unwritten_drops, self.progress_changed = [], set(), False
-        self.changed_accepted, self.changed_lost = {}, {}
-        return changes
+        return persistence.take_changes(self)
 
     def durable_state(self) -> DurableState:
-        return DurableState(
-            counters=self.counters(),
-            progress=asdict(self.progress),
-            leases=sorted(self.leases.values(), key=lambda lease: lease.ticket),
-            retry=list(self.retry),
-            dead_items=set(self.dead_items),
-            dropped_groups=set(self.dropped_groups),
-            accepted_groups=dict(self.accepted_groups),
-            lost_groups=set(self.lost_groups),
-        )
+        return persistence.durable_state(self)
 
     def restore(self, state: DurableState) -> None:
-        """Continue from a durable state. Lease holders get a fresh grace period to re-register and report back."""
-        counters = state.counters
-        self.version = counters["version"]
-        self.cursor = DataCursor(
-            len(self.items),
-            seed=self.job.seed,
-            shuffle=self.job.dataset.shuffle,
-            epoch=counters["epoch"],
-            position=counters["position"],
-        )
-        self.workers.next_incarnation = counters["next_incarnation"]
-        self.accepted, self.filtered = counters["accepted"], counters["filtered"]
-        self.failed, self.requeued = counters["failed"], counters["requeued"]
-        self.holds.held_by_staleness_seconds = counters["held_by_staleness_seconds"]
-        self.started_at = counters["started_at"]
-        self.dropped_groups = set(state.dropped_groups)
-        self.accepted_groups, self.lost_groups = dict(state.accepted_groups), set(state.lost_groups)
-        self.retry = RetryQueue(counters["retry_head"], state.retry)
-        self.dead_items = set(state.dead_items)
-        self.fail_if_every_item_is_dead()
-        self.leases = Leases(counters["next_ticket"], state.leases)
-        self.progress = Progress.from_snapshot(state.progress)
-        now = self.clock()
-        for lease in self.leases.values():
-            self.workers.hold_place(lease.worker_id, now)
+        persistence.restore(self, state)

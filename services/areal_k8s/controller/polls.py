@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from areal_k8s.common.metrics import HOLD_REASONS
+
+if TYPE_CHECKING:
+    from areal_k8s.controller.core import Admitted, ControllerCore
+
+MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
+# lifted by a new version, a group that leaves the admission counts unused (filtered, failed, re-queued, dropped),
+# or the start-up check passing
+WAITABLE_REFUSALS = frozenset(HOLD_REASONS)  # refusals a long poll waits out; the others are answered at once
 
 
 class HeldPolls:
@@ -64,3 +76,38 @@ class HeldPolls:
     def served(self) -> None:
         self.woken -= 1
         self.open()
+
+
+async def acquire_when_room(
+    core: ControllerCore, polls: HeldPolls, worker_id: str, max_groups: int, engine_version: int, wait_ms: int
+) -> tuple[list[Admitted], int]:
+    """Admit up to `max_groups` groups for `worker_id`, holding the poll up to `wait_ms` (at most MAX_HOLD_SECONDS)
+    while a waitable bound admits nothing. Returns the groups admitted and the capacity they were admitted from."""
+    requested = max_groups
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + min(wait_ms / 1000, MAX_HOLD_SECONDS)
+    woken = False
+    try:
+        # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
+        while (remaining := deadline - loop.time()) > 0:
+            refusal = core.refusal(worker_id, requested, engine_version)
+            if refusal not in WAITABLE_REFUSALS:
+                break
+            if woken:  # woken for room that a poll which did not wait took first: wait again
+                woken = False
+                polls.served()
+            hold = core.begin_hold(refusal)
+            try:
+                woken = await polls.wait(remaining)
+            finally:
+                core.end_hold(hold)
+            if not woken:
+                break
+            # The polls woken together each take their share of the room, so a trainer step's room is split
+            # among the waiting workers, not taken by the first.
+            max_groups = min(requested, max(1, math.ceil(core.capacity() / polls.woken)))
+        capacity = core.capacity()
+        return core.acquire(worker_id, max_groups, engine_version), capacity
+    finally:
+        if woken:
+            polls.served()

@@ -20,21 +20,16 @@ import grpc
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgument, require, rpc, start_server
-from areal_k8s.common.metrics import HOLD_REASONS
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.controller.durable import Changes
-from areal_k8s.controller.polls import HeldPolls
+from areal_k8s.controller.polls import HeldPolls, acquire_when_room
 from areal_k8s.controller.state_store import ControllerStateStore, StateWriter
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
 
 log = logging.getLogger(__name__)
 
-MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
-# lifted by a new version, a group that leaves the admission counts unused (filtered, failed, re-queued, dropped),
-# or the start-up check passing
-WAITABLE_REFUSALS = frozenset(HOLD_REASONS)  # refusals a long poll waits out; the others are answered at once
 CHECK_RETRY_SECONDS = 1.0  # between attempts to reach a reward service that is not up yet
 CHECK_TIMEOUT_SECONDS = 60.0  # one check: the reward service imports each custom verifier's module
 
@@ -109,33 +104,6 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         else:
             return
         log.info("restored controller state: version %d, %d groups in flight", self.core.version, self.core.running)
-
-    async def check_verifiers(self, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]) -> None:
-        """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
-        self.core.waiting_for = f"waiting for the reward service to check the job's verifiers ({', '.join(verifiers)})"
-        request = reward_pb2.CheckVerifiersRequest(verifiers=verifiers)
-        for attempt in itertools.count():
-            try:
-                await reward.CheckVerifiers(request, timeout=CHECK_TIMEOUT_SECONDS)
-                log.info("the reward service loads every verifier of the job: %s", ", ".join(verifiers))
-                break
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    self.core.fail(
-                        "VerifierUnavailable", f"the reward service cannot load the job's verifiers: {exc.details()}"
-                    )
-                    log.error("job failed: %s", self.core.failure.message)
-                    break
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older reward service: it checks on each Score
-                    log.warning("the reward service cannot check verifiers in advance; admitting without the check")
-                    break
-                if attempt == 0:
-                    log.info(
-                        "the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name
-                    )
-            await asyncio.sleep(CHECK_RETRY_SECONDS)
-        self.core.waiting_for = None
-        self.polls.open_all()
 
     async def reap_dead_workers(self) -> int:
         """Revoke the groups of workers that went silent."""
@@ -256,35 +224,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
             revoked = self.core.leases.unheld(request.worker_id, set(request.holding))
             await self.revoke(revoked, "its answer never reached the worker")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(request.wait_ms / 1000, MAX_HOLD_SECONDS)
-        max_groups, woken = request.max_groups, False
         try:
-            # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
-            while (remaining := deadline - loop.time()) > 0:
-                refusal = self.core.refusal(request.worker_id, request.max_groups, request.engine_version)
-                if refusal not in WAITABLE_REFUSALS:
-                    break
-                if woken:  # woken for room that a poll which did not wait took first: wait again
-                    woken = False
-                    self.polls.served()
-                hold = self.core.begin_hold(refusal)
-                try:
-                    woken = await self.polls.wait(remaining)
-                finally:
-                    self.core.end_hold(hold)
-                if not woken:
-                    break
-                # The polls woken together each take their share of the room, so a trainer step's room is split
-                # among the waiting workers, not taken by the first.
-                max_groups = min(request.max_groups, max(1, math.ceil(self.core.capacity() / self.polls.woken)))
-            capacity = self.core.capacity()
-            admitted = self.core.acquire(request.worker_id, max_groups, request.engine_version)
+            admitted, capacity = await acquire_when_room(
+                self.core, self.polls, request.worker_id, request.max_groups, request.engine_version, request.wait_ms
+            )
         except UnknownWorker as exc:
             raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None
-        finally:
-            if woken:
-                self.polls.served()
         if admitted or revoked:
             await self.writer.written()
         return controller_pb2.AcquireGroupsResponse(
@@ -344,23 +289,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @rpc
     async def ListWorkers(self, request, context):
-        leases = self.core.leases
-        return controller_pb2.ListWorkersResponse(
-            workers=[
-                controller_pb2.WorkerInfo(
-                    worker_id=w.worker_id,
-                    address=w.address,
-                    engine_version=w.engine_version,
-                    last_seen=w.last_seen,
-                    running_groups=len(leases.held_by(w.worker_id)),
-                    engine_ranks=w.engine_ranks,
-                    registered_at=w.registered_at,
-                    engine_dtype=w.engine_dtype,
-                )
-                for w in sorted(self.core.workers.values(), key=lambda w: w.worker_id)
-                if w.address  # placeholders for lease holders that have not re-registered since a restart
-            ]
-        )
+        return controller_pb2.ListWorkersResponse(workers=worker_infos(self.core))
 
     @rpc
     async def AnnounceVersion(self, request, context):
@@ -384,21 +313,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         require(request.samples >= 0 and request.tokens >= 0, "samples and tokens must be >= 0")
         require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
         self.core.trained(list(request.group_ids))
-        recorded = self.core.record_step(
-            version=request.version,
-            groups=len(request.group_ids),
-            samples=request.samples,
-            tokens=request.tokens,
-            max_staleness=request.max_staleness,
-            mean_staleness=request.mean_staleness,
-            reward_mean=request.reward_mean,
-            eval_accuracy=request.eval_accuracy,
-            base_evaluation=request.base_evaluation,
-            finished=request.finished,
-            staleness_counts=request.staleness_counts,
-            wait_seconds=request.wait_seconds,
-            token_staleness_counts=request.token_staleness_counts,
-        )
+        recorded = record_step_report(self.core, request)
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
         elif request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers polls
@@ -430,6 +345,72 @@ def job_status(core: ControllerCore, stream: dict) -> controller_pb2.JobStatus:
         stream_length=int(stream["length"]),
         **fields,
     )
+
+
+def worker_infos(core: ControllerCore) -> list[controller_pb2.WorkerInfo]:
+    """The registered workers, by id, with the groups each holds."""
+    leases = core.leases
+    return [
+        controller_pb2.WorkerInfo(
+            worker_id=w.worker_id,
+            address=w.address,
+            engine_version=w.engine_version,
+            last_seen=w.last_seen,
+            running_groups=len(leases.held_by(w.worker_id)),
+            engine_ranks=w.engine_ranks,
+            registered_at=w.registered_at,
+            engine_dtype=w.engine_dtype,
+        )
+        for w in sorted(core.workers.values(), key=lambda w: w.worker_id)
+        if w.address  # placeholders for lease holders that have not re-registered since a restart
+    ]
+
+
+def record_step_report(core: ControllerCore, request: controller_pb2.ReportTrainStepRequest) -> bool:
+    """Record a reported step in the core; False for a step already recorded."""
+    return core.record_step(
+        version=request.version,
+        groups=len(request.group_ids),
+        samples=request.samples,
+        tokens=request.tokens,
+        max_staleness=request.max_staleness,
+        mean_staleness=request.mean_staleness,
+        reward_mean=request.reward_mean,
+        eval_accuracy=request.eval_accuracy,
+        base_evaluation=request.base_evaluation,
+        finished=request.finished,
+        staleness_counts=request.staleness_counts,
+        wait_seconds=request.wait_seconds,
+        token_staleness_counts=request.token_staleness_counts,
+    )
+
+
+async def check_verifiers(
+    core: ControllerCore, polls: HeldPolls, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]
+) -> None:
+    """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
+    core.waiting_for = f"waiting for the reward service to check the job's verifiers ({', '.join(verifiers)})"
+    request = reward_pb2.CheckVerifiersRequest(verifiers=verifiers)
+    for attempt in itertools.count():
+        try:
+            await reward.CheckVerifiers(request, timeout=CHECK_TIMEOUT_SECONDS)
+            log.info("the reward service loads every verifier of the job: %s", ", ".join(verifiers))
+            break
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                core.fail("VerifierUnavailable", f"the reward service cannot load the job's verifiers: {exc.details()}")
+                log.error("job failed: %s", core.failure.message)
+                break
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older reward service: it checks on each Score
+                log.warning("the reward service cannot check verifiers in advance; admitting without the check")
+                break
+            if attempt == 0:
+                log.info(
+                    "the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name
+                )
+        await asyncio.sleep(CHECK_RETRY_SECONDS)
+    core.waiting_for = None
+    polls.open_all()
 
 
 async def serve(
@@ -466,7 +447,11 @@ async def serve(
                 log.exception("reaping dead workers or reading the stream failed")
 
     async def background() -> None:
-        checks = [servicer.check_verifiers(reward, verifiers or job_verifiers(core.job, core.items))] if reward else []
+        checks = (
+            [check_verifiers(core, servicer.polls, reward, verifiers or job_verifiers(core.job, core.items))]
+            if reward
+            else []
+        )
         try:
             await asyncio.gather(reaper(), *checks)
         finally:

@@ -90,6 +90,8 @@ class Context:
     hand_off_trainer: Callable[[str], int] = hand_off_trainer  # address -> the version it handed off at
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     interval: float = 10.0  # seconds between level-triggered reconciles
+    # one reconcile of an RLJob at a time (see `register`); a deleted RLJob's lock goes with it
+    reconcile_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
 
 
 def rljob_path(namespace: str, name: str) -> str:
@@ -286,7 +288,7 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
         settings.persistence.finalizer = names.FINALIZER
         settings.peering.standalone = True  # run one replica: kopf's peering is not leader election
 
-    locks: dict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+    locks = ctx.reconcile_locks
 
     def reconcile_into(body: kopf.Body) -> None:
         if body.metadata.get("deletionTimestamp"):
@@ -319,4 +321,5 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     # Give up after a few minutes of an unreachable Redis rather than block the RLJob's deletion for ever.
     @kopf.on.delete(**resource, retries=20, backoff=10)
     def delete_job_keys(body, **_):
+        locks.pop((body.metadata["namespace"], body.metadata["name"]), None)  # being deleted: no reconcile takes it
         finalize(ctx, copy.deepcopy(dict(body)))

@@ -10,6 +10,7 @@ import os
 import yaml
 
 from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.pod_settings import add_pod_settings
 from areal_k8s.k8s_operator.validation import ValidJob
 
 # -- metadata ----------------------------------------------------------------------------------------------
@@ -77,6 +78,15 @@ def redis_env(job: ValidJob) -> dict:
         ref = redis["urlSecretRef"]
         return {"name": "AREAL_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
     return {"name": "AREAL_REDIS_URL", "value": redis["url"]}
+
+
+def tracking_env(job: ValidJob) -> list[dict]:
+    """The experiment trackers' API keys from the Secrets the spec's tracking section names, as the variables their
+    libraries read (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN); only the trainer logs."""
+    return [
+        {"name": variable, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        for variable, ref in job.config.tracking.secrets.items()
+    ]
 
 
 def resources(block: dict, gpus: int = 0) -> dict:
@@ -230,13 +240,14 @@ def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list
         spec["nodeSelector"] = block["nodeSelector"]
     if block.get("tolerations"):
         spec["tolerations"] = block["tolerations"]
-    return {
+    template = {
         "metadata": {
             "labels": names.labels(job.name, role),
             "annotations": {names.CONFIG_HASH_ANNOTATION: config_hash(job)},
         },
         "spec": spec,
     }
+    return add_pod_settings(role, block, template)
 
 
 def image_of(job: ValidJob, role: str) -> str:

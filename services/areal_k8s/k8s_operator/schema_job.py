@@ -13,6 +13,7 @@ from areal_k8s.common.config import (
     RewardConfig,
     RolloutConfig,
     SamplingConfig,
+    TrackingConfig,
     TrainerConfig,
 )
 
@@ -40,6 +41,11 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
         "operator reports one as Degraded, reason AutoscalerConflict, and changes nothing while it exists). "
         "The trainer's size stays as set unless roles.trainer.minReplicas/maxReplicas allow it to move: a move "
         "restarts the trainer world at the new size from a checkpoint it hands off at a step boundary.",
+    ),
+    "tracking": (
+        TrackingConfig,
+        "The job file's `tracking` section: the experiment trackers the trainer logs each step to. The API keys "
+        "come from the Secrets it names (the trainer gets them as WANDB_API_KEY and MLFLOW_TRACKING_TOKEN).",
     ),
 }
 JOB_FIELDS = ("model", "tokenizer", "seed")
@@ -79,7 +85,7 @@ def structural(prop: dict) -> dict:
 def section_schema(model: type[BaseModel], description: str, exclude: set[str] = frozenset()) -> dict:
     source = model.model_json_schema()
     properties = {
-        k: nested_section(v, source["$defs"]) if "$ref" in v else structural(v)
+        k: nested_section(v, source["$defs"]) if model_ref(v) else structural(v)
         for k, v in source["properties"].items()
         if k not in exclude
     }
@@ -92,11 +98,20 @@ def section_schema(model: type[BaseModel], description: str, exclude: set[str] =
     return schema
 
 
+def model_ref(prop: dict) -> str | None:
+    """The model a property holds (`Model` or `Model | None`), else None."""
+    return prop.get("$ref") or next((v["$ref"] for v in prop.get("anyOf", []) if "$ref" in v), None)
+
+
 def nested_section(prop: dict, defs: dict) -> dict:
-    """A section's field that is a model of its own (reward.code), every field defaulted."""
-    model = defs[prop["$ref"].rsplit("/", 1)[-1]]
-    properties = {k: structural(v) for k, v in model["properties"].items()}
-    return {"type": "object", "description": prop.get("description", ""), "properties": properties, "default": {}}
+    """A section's field that is a model of its own: every field defaulted (reward.code, tracking.wandb), or optional
+    and absent unless given (tracking.wandb.api_key_secret)."""
+    model = defs[model_ref(prop).rsplit("/", 1)[-1]]
+    properties = {k: nested_section(v, defs) if model_ref(v) else structural(v) for k, v in model["properties"].items()}
+    schema = {"type": "object", "description": prop.get("description", ""), "properties": properties}
+    if "anyOf" in prop:
+        return {**schema, "nullable": True, **({"required": list(model["required"])} if model.get("required") else {})}
+    return {**schema, "default": {}}
 
 
 def job_field(name: str) -> dict:

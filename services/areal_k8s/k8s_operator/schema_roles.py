@@ -50,8 +50,103 @@ def role(
             },
         },
     }
+    properties.update(pod_settings())
     properties.update(extra or {})
     return obj(description, properties, default={})
+
+
+def kubernetes_object(description: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
+    """A core/v1 object kept whole (its full schema is hundreds of lines; the apiserver checks the pods made of it)."""
+    return {**obj(description, properties or {}, required=required), "x-kubernetes-preserve-unknown-fields": True}
+
+
+def string_map(description: str) -> dict:
+    return {"type": "object", "description": description, "additionalProperties": {"type": "string"}}
+
+
+def named_list(description: str, item: dict) -> dict:
+    return {
+        "type": "array",
+        "description": description,
+        "x-kubernetes-list-type": "map",
+        "x-kubernetes-list-map-keys": ["name"],
+        "items": item,
+    }
+
+
+def pod_settings() -> dict:
+    """What a shared cluster asks of a role's pods, in core/v1's own shapes (KubeRay and JobSet take a whole pod
+    template; these are the parts of one the operator does not build itself). Names the operator sets (its env,
+    labels, volumes and mount paths) are refused, not overridden: pod_settings.py."""
+    return {
+        "env": named_list(
+            "Environment variables of every container of the role's pods (core/v1 EnvVar), after the operator's: "
+            "they may refer to its variables, $(POD_IP) and the like, but not set them again.",
+            obj(
+                "One variable.",
+                {
+                    "name": string("Variable name."),
+                    "value": string("Its value."),
+                    "valueFrom": kubernetes_object(
+                        "core/v1 EnvVarSource: secretKeyRef, configMapKeyRef, fieldRef or resourceFieldRef."
+                    ),
+                },
+                required=["name"],
+            ),
+        ),
+        "envFrom": {
+            "type": "array",
+            "description": "Secrets and ConfigMaps whose keys become variables of every container (core/v1 "
+            "EnvFromSource); `env` (the operator's included) wins over them.",
+            "items": obj(
+                "One source.",
+                {
+                    "prefix": string("Prefix of the variable names."),
+                    "secretRef": obj(
+                        "A Secret.",
+                        {"name": string("Secret name."), "optional": {"type": "boolean"}},
+                        required=["name"],
+                    ),
+                    "configMapRef": obj(
+                        "A ConfigMap.",
+                        {"name": string("ConfigMap name."), "optional": {"type": "boolean"}},
+                        required=["name"],
+                    ),
+                },
+            ),
+        },
+        "affinity": kubernetes_object("core/v1 Affinity of the pods: nodeAffinity, podAffinity, podAntiAffinity."),
+        "priorityClassName": string("PriorityClass of the pods (preemption order on a shared cluster)."),
+        "serviceAccountName": string(
+            "ServiceAccount the pods run as (e.g. for workload identity); no token is mounted, the services do not "
+            "call the Kubernetes API."
+        ),
+        "imagePullSecrets": {
+            "type": "array",
+            "description": "Secrets for pulling the role's images from a private registry.",
+            "items": obj("core/v1 LocalObjectReference.", {"name": string("Secret name.")}, required=["name"]),
+        },
+        "labels": string_map("Labels of the pods, beside the operator's own (which may not be set here)."),
+        "annotations": string_map("Annotations of the pods, beside the operator's config hash."),
+        "volumes": named_list(
+            "Extra volumes of the pods (core/v1 Volume: any source), mounted with `volumeMounts`.",
+            kubernetes_object("One volume.", {"name": string("Volume name.", maxLength=63)}, required=["name"]),
+        ),
+        "volumeMounts": {
+            "type": "array",
+            "description": "Where every container of the pods mounts the role's `volumes` (core/v1 VolumeMount).",
+            "items": obj(
+                "One mount.",
+                {
+                    "name": string("A volume of `volumes`."),
+                    "mountPath": string("Where it appears.", pattern="^/"),
+                    "subPath": string("Mount only this path of the volume."),
+                    "readOnly": {"type": "boolean", "description": "Mount read-only."},
+                },
+                required=["name", "mountPath"],
+            ),
+        },
+    }
 
 
 def security_profile(kind: str, pods: str, default: str) -> dict:

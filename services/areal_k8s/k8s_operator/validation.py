@@ -68,7 +68,8 @@ def strict_json_schema(schema: dict) -> dict:
     }
     if "properties" in schema:
         out["properties"] = {k: strict_json_schema(v) for k, v in schema["properties"].items()}
-        out.setdefault("additionalProperties", False)
+        if not schema.get("x-kubernetes-preserve-unknown-fields"):  # a core/v1 object kept whole
+            out.setdefault("additionalProperties", False)
     if out.pop("nullable", False):
         out["type"] = [out["type"], "null"]
     if "anyOf" in schema:
@@ -110,7 +111,7 @@ def compose_job_config(rljob: dict) -> JobConfig:
         "name": key,
         **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
-        **{section: spec[section] for section in ("dataset", "reward", "sampling")},
+        **{section: spec[section] for section in ("dataset", "reward", "sampling", "tracking")},
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
         "trainer": {
             **spec["trainer"],
@@ -163,7 +164,7 @@ def validate(rljob: dict) -> ValidJob:
     except JobFileError as exc:
         raise InvalidSpec([str(exc)]) from None
     meta = rljob["metadata"]
-    return ValidJob(
+    job = ValidJob(
         name=meta["name"],
         namespace=meta["namespace"],
         uid=meta.get("uid"),
@@ -171,3 +172,9 @@ def validate(rljob: dict) -> ValidJob:
         spec=rljob["spec"],
         config=config,
     )
+    # A role's pod settings are checked against the pods they join: building the children raises InvalidSpec for
+    # one that would replace a part of the operator's (pod_settings.py). Imported here: children build on ValidJob.
+    from areal_k8s.k8s_operator.children import desired_children
+
+    desired_children(job, running=True)
+    return job

@@ -5,6 +5,7 @@ loopback addresses."""
 from __future__ import annotations
 
 from areal_k8s.common.config import reward_verifier_args
+from areal_k8s.common.sglang_args import sglang_flags
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_templates import (
     config_volume,
@@ -18,6 +19,7 @@ from areal_k8s.k8s_operator.pod_templates import (
     pod_template,
     process_env,
     redis_env,
+    tracking_env,
     user_mounts,
 )
 from areal_k8s.k8s_operator.validation import ENGINE_URL, ValidJob
@@ -175,6 +177,7 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
         ]
         if rollout.interrupt == "retract":  # retracted requests wait in the queue, where the cache cannot be flushed
             args.append("--disable-radix-cache")
+        args += sglang_flags(rollout.sglang_args)  # checked against the pinned SGLang's arguments
     # The engine is not one of the services: its metrics, if any, are the engine's own business.
     return container(
         "engine",
@@ -249,6 +252,7 @@ def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = Non
     env = [
         *process_env(job.config.trainer.threads),
         redis_env(job),
+        *tracking_env(job),
         field_env("POD_IP", "status.podIP"),
         # the rollout engines join the trainer's weight-update group at this address
         {"name": "AREAL_MASTER_ADDRESS", "value": "$(POD_IP)"},

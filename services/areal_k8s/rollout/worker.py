@@ -18,6 +18,7 @@ from areal_k8s.common.sglang import EngineError, sampling_params
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.common.trajectory import PromptGroup, Timings, Trajectory
 from areal_k8s.rollout.controller_link import (
+    Acquired,
     AcquireRequest,
     Controller,
     ControllerError,
@@ -254,7 +255,7 @@ class RolloutWorker:
                 self.requests.flush()
                 free = self.job.rollout.groups_per_worker - len(self.in_flight)
                 try:
-                    reply = await self.controller.acquire_groups(
+                    reply = await self.acquire_unless_stopped(
                         AcquireRequest(
                             worker_id=self.worker_id,
                             max_groups=free,
@@ -263,7 +264,8 @@ class RolloutWorker:
                             holding=[g.group_id for g in self.in_flight.values()],
                             reports_holding=True,
                             incarnation=self.incarnation,
-                        )
+                        ),
+                        stopping,
                     )
                 # Superseded (another process registered under our name since) is not caught: this one stops.
                 except NotRegistered:  # the controller restarted and forgot us
@@ -273,6 +275,8 @@ class RolloutWorker:
                     log.warning("controller unreachable (%s); retrying", exc.status)
                     await asyncio.sleep(1.0)
                     continue
+                if reply is None:  # stopped while the controller held the poll
+                    break
                 if reply.finished:
                     log.info("job finished; worker %s stops", self.worker_id)
                     return
@@ -291,6 +295,22 @@ class RolloutWorker:
             await self.abandon_in_flight()
             if stop.is_set():
                 await self.leave()
+
+    async def acquire_unless_stopped(self, request: AcquireRequest, stopping: asyncio.Future) -> Acquired | None:
+        """The controller's answer to a poll, or None when the worker is stopped first: the poll the controller holds
+        (up to its hold) is cancelled, not waited out, and groups it may have leased meanwhile go back when the worker
+        leaves."""
+        poll = asyncio.ensure_future(self.controller.acquire_groups(request))
+        try:
+            await asyncio.wait({poll, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            poll.cancel()
+            raise
+        if poll.done():
+            return poll.result()
+        poll.cancel()
+        await asyncio.gather(poll, return_exceptions=True)
+        return None
 
     async def rejoin_with_new_engine(self, stopping: asyncio.Future) -> None:
         """The engine died or restarted (as a kubelet restarts a pod's container): it serves its initial weights, if

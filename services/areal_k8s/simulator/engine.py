@@ -145,6 +145,12 @@ class Engine:
     def context(self) -> int:
         return self.offset + len(self.batch) * self.steps
 
+    def token_load(self) -> float:
+        """KV tokens its sequences hold or wait to be prefilled with, over its cache, as of its clock (a worker reads
+        its engine's load as last reported): what a load-aware placement compares."""
+        tokens = self.context() + sum(q.prompt + q.generated for q in self.waiting)
+        return tokens / (self.cost.kv_capacity_tokens or 1)
+
     def fits(self, context: int, used: int, n: int) -> bool:
         cap = self.cost.kv_capacity_tokens
         return cap is None or used + context + self.cost.kv_reserve_tokens * (n + 1) <= cap

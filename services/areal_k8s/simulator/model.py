@@ -6,9 +6,10 @@ staleness policy (`select_batch`) and the staleness rebalancer (`advance`). What
 (the scenario's costs, engine.py's continuous batch in a bounded KV cache) and how long responses are
 (lengths.py).
 
-The trainer takes a batch when `select_batch` gives one, trains it (time by its tokens and their squared lengths over
-its GPUs), then pushes the weights: every engine pauses for the push, and with `push.retract` prefills every
-sequence it holds again (interruptible generation) before going on under the new version.
+The trainer's side (the stream, the batch choice, a step's compute and what it trained) is training.py's; this
+class runs the events, the engines and the rebalancer. After a step the trainer pushes the weights: every engine
+pauses for the push, and with `push.retract` prefills every sequence it holds again (interruptible generation)
+before going on under the new version.
 """
 
 from __future__ import annotations
@@ -17,31 +18,30 @@ import heapq
 import itertools
 import math
 import random
-from collections import Counter
 from collections.abc import Callable
 
 from areal_k8s.common.rebalance import Split, State, advance, settings_for, totals_of
-from areal_k8s.common.store import StreamEntry
 from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.engine import Engine, Sequence
 from areal_k8s.simulator.lengths import group_lengths, mean_length
-from areal_k8s.simulator.placement import Placement, Pulls, first_come
-from areal_k8s.simulator.results import Result, add_counts
+from areal_k8s.simulator.placement import ORDERS, Divided, Pulls
+from areal_k8s.simulator.results import Result
 from areal_k8s.simulator.scenario import Scenario
-from areal_k8s.trainer.step.batching import Group, select_batch
+from areal_k8s.simulator.training import Training
 
 PROMPTS = 1024  # dataset items the simulated controller cycles through
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, placement: Placement = first_come):
+    def __init__(self, scenario: Scenario):
         self.s = scenario
         self.now = 0.0
         items = [DatasetItem(id=f"p{i}", prompt="", reference="", verifier="exact") for i in range(PROMPTS)]
         self.core = ControllerCore(scenario.job_config(), items, lease_seconds=math.inf, clock=lambda: self.now)
-        self.pulls = Pulls(self.core, lambda: self.now, placement)
+        self.pulls = Pulls(self.core, lambda: self.now, ORDERS[scenario.placement.order])
+        self.divided = Divided() if scenario.placement.split_groups else None
         self.random = random.Random(scenario.seed)
         self.events: list[tuple[float, int, Callable[[], None]]] = []
         self.order = itertools.count()
@@ -49,19 +49,7 @@ class Simulation:
         self.names = itertools.count()
         self.leases: dict[str, tuple[Admitted, float]] = {}  # group -> (its admission, when)
         self.trainer_units = scenario.split.trainer
-        self.stream: list[Group] = []
-        self.generated: dict[str, tuple[int, int, list[Sequence], float]] = {}  # group -> tokens, Σ S², sequences, t0
-        self.training = False
-        self.trainer_free_at = 0.0  # a rescale keeps the trainer busy until then
-        self.waiting_since: float | None = 0.0
-        self.straggler_since: float | None = None
-        self.blocked_after: tuple[int, int] | None = None  # (see try_train)
-        self.wait_seconds = self.straggler_seconds = self.compute_seconds = self.reported_wait = 0.0
-        self.samples = self.tokens = 0
-        self.latency_sum = 0.0
-        self.staleness_counts: list[int] = []
-        self.step_ends: list[float] = []
-        self.token_staleness_counts: list[int] = []
+        self.training = Training(self)
         self.gpu_seconds = self.trainer_gpu_seconds = self.engine_seconds = 0.0
         self.retired = [0, 0.0, 0, 0.0]  # decoded, capacity, retractions, decoding seconds of engines removed
         self.accounted_at = 0.0
@@ -95,20 +83,20 @@ class Simulation:
     def result(self) -> Result:
         decoded = sum(e.decoded for e in self.engines) + self.retired[0]
         capacity = sum(e.capacity for e in self.engines) + self.retired[1]
-        shape = self.s.job
+        shape, t = self.s.job, self.training
         return Result(
             self.s.name,
             shape.batch_size,
             shape.group_size,
             self.now,
             self.core.version,
-            self.samples,
-            self.tokens,
-            self.wait_seconds,
-            self.straggler_seconds,
-            self.compute_seconds,
-            self.staleness_counts,
-            self.token_staleness_counts,
+            t.samples,
+            t.tokens,
+            t.wait_seconds,
+            t.straggler_seconds,
+            t.compute_seconds,
+            t.staleness_counts,
+            t.token_staleness_counts,
             decoded,
             capacity,
             self.engine_seconds,
@@ -116,8 +104,8 @@ class Simulation:
             self.gpu_seconds,
             self.trainer_gpu_seconds,
             sum(e.retractions for e in self.engines) + self.retired[2],
-            self.latency_sum / (self.samples / shape.group_size) if self.samples else 0.0,
-            self.step_ends,
+            t.latency_sum / (t.samples / shape.group_size) if t.samples else 0.0,
+            t.step_ends,
             dict(self.pulls.held_seconds),
             self.decisions,
             self.splits,
@@ -177,7 +165,7 @@ class Simulation:
         engines = sum(1 for e in self.engines if e.batch or e is starting)
         busy = (
             engines * self.s.engine.threads
-            + (self.s.trainer.threads if self.training else 0)
+            + (self.s.trainer.threads if self.training.busy else 0)
             + self.s.background_threads
         )
         return max(1.0, busy / self.s.cores)
@@ -209,16 +197,23 @@ class Simulation:
 
     def deliver(self, engine: Engine, finished: list[tuple[str, list[Sequence]]]) -> None:
         for group_id, sequences in finished:
+            puller = engine  # the engine whose worker pulled the group: its slot is taken until the group lands
+            if self.divided is not None:  # a part of a group: the group is complete with its last part
+                if (whole := self.divided.finished(group_id, sequences)) is None:
+                    continue
+                puller, group_id, sequences = whole
             if group_id not in self.leases:
                 continue  # the engine was removed and the group handed back
             if self.s.workload.completion_seconds > 0:
-                engine.completing += 1
+                puller.completing += 1
                 self.at(
                     self.now + self.s.workload.completion_seconds,
-                    lambda g=group_id, q=sequences: self.landed(engine, g, q),
+                    lambda g=group_id, q=sequences, e=puller: self.landed(e, g, q),
                 )
             else:
-                self.group_completed(engine, group_id, sequences)
+                self.group_completed(puller, group_id, sequences)
+                if puller is not engine:
+                    self.fill(puller)  # its worker's slot freed (the engine that finished the part asks anyway)
 
     def landed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
         """A group scored and written after its last token: its slot frees."""
@@ -233,146 +228,69 @@ class Simulation:
         self.take(engine, self.pulls.ask(engine, self.free_slots(engine)))
 
     def free_slots(self, engine: Engine) -> int:
+        if self.divided is not None:  # its groups' samples run anywhere: count what its worker pulled
+            return self.s.job.groups_per_engine - self.divided.held[engine.name]
         return self.s.job.groups_per_engine - engine.groups - engine.completing
 
     def take(self, engine: Engine, admitted: list[Admitted]) -> None:
         self.sync(engine)
         w = self.s.workload
+        groups = []
         for a in admitted:
             self.leases[a.lease.group_id] = (a, self.now)
             lengths = group_lengths(self.random, w.response, engine.version, self.s.job.group_size)
-            engine.add_group(a.lease.group_id, [Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
-        self.schedule(engine)
+            groups.append([Sequence(a.lease.group_id, w.prompt_tokens, n) for n in lengths])
+        if self.divided is None or not groups:
+            for sequences in groups:
+                engine.add_group(sequences[0].group_id, sequences)
+            self.schedule(engine)
+            return
+        each = (w.prompt_tokens + mean_length(w.response, engine.version)) / (self.s.engine.kv_capacity_tokens or 1)
+        ready = [e for e in self.engines if e.ready]
+        for target, parts in self.divided.place(engine, groups, ready, each).items():
+            self.sync(target)
+            for part_id, sequences in parts:
+                target.add_group(part_id, sequences)
+            self.schedule(target)
+        self.schedule(engine)  # (synced above)
 
     def group_completed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
         admission, admitted_at = self.leases.pop(group_id)
         self.core.complete(group_id, "accepted")
-        lease = admission.lease
-        entries = tuple(
-            StreamEntry(
-                f"{group_id}-{i}", group_id, min(q.tokens_by_version), engine.version, lease.admitted_version,
-                lease.ticket, None,
-            )
-            for i, q in enumerate(sequences)
-        )  # fmt: skip
-        self.stream.append(Group(group_id, lease.admitted_version, lease.ticket, entries))
-        tokens = sum(q.length for q in sequences)
-        squares = sum((q.prompt + q.length) ** 2 for q in sequences)
-        self.generated[group_id] = (tokens, squares, sequences, admitted_at)
-        self.try_train(self.stream[-1])
+        if self.divided is not None:
+            self.divided.completed(engine)
+        self.training.add(group_id, admission, engine.version, sequences, admitted_at)
         self.serve_held()  # a group done may open room (under a concurrency cap): the held pulls come first
 
     def serve_held(self) -> None:
         for engine, admitted in self.pulls.open(self.free_slots):
             self.take(engine, admitted)
 
-    # -- training ------------------------------------------------------------------------------------------
+    # -- a training step's push, and the version it puts live ---------------------------------------------
 
-    def try_train(self, arrived: Group | None = None) -> None:
-        """Train if `select_batch` gives a batch. A trainer waiting for a straggler (`strict`, or `capped` at its cap)
-        asks again only when the group that `arrived` is older than the B-th oldest complete one: any other moves a
-        deadline from the running groups to those left behind, which changes nothing `select_batch` weighs."""
-        if self.training or self.now < self.trainer_free_at:
-            return
-        job = self.s.job
-        strict = job.staleness_policy != "admission" and len(self.stream) >= job.batch_size  # strict, capped: may wait
-        if (
-            strict
-            and arrived is not None
-            and self.blocked_after is not None
-            and (arrived.admitted_version, arrived.ticket) > self.blocked_after
-        ):
-            return
-        batch = select_batch(
-            self.stream,
-            list(self.core.outstanding().values()) if strict else [],
-            version=self.core.version,
-            batch_size=job.batch_size,
-            max_staleness=job.max_staleness,
-            policy=job.staleness_policy,
-        )
-        if batch is None:
-            if self.waiting_since is None:
-                self.waiting_since = self.now
-            if strict:
-                oldest = heapq.nsmallest(job.batch_size, ((g.admitted_version, g.ticket) for g in self.stream))
-                self.blocked_after = oldest[-1]
-                if self.straggler_since is None:
-                    self.straggler_since = self.now  # B groups are complete: the policy waits for a straggler
-            return
-        self.blocked_after = None
-        if self.waiting_since is not None:
-            self.wait_seconds += self.now - self.waiting_since
-            self.waiting_since = None
-        if self.straggler_since is not None:
-            self.straggler_seconds += self.now - self.straggler_since
-            self.straggler_since = None
-        taken = {g.group_id for g in batch}
-        self.stream = [g for g in self.stream if g.group_id not in taken]
-        work = [self.generated.pop(g.group_id) for g in batch]
-        tokens, squares = sum(w[0] for w in work), sum(w[1] for w in work)
-        self.latency_sum += sum(self.now - w[3] for w in work)
-        gpus = self.trainer_units * self.limits.trainer_unit
-        trainer = self.s.trainer
-        seconds = (tokens * trainer.gpu_seconds_per_token + squares * trainer.gpu_seconds_per_square_token) / gpus
-        seconds *= self.contention()
-        self.training = True
-        self.compute_seconds += seconds
-        self.at(self.now + seconds, lambda: self.trained(batch, [q for w in work for q in w[2]], tokens))
-
-    def trained(self, batch: list[Group], sequences: list[Sequence], tokens: int) -> None:
-        version = self.core.version
-        staleness = [version - min(q.tokens_by_version) for q in sequences]
-        for s, n in Counter(staleness).items():
-            add_counts(self.staleness_counts, s, n)
-        tokens_by_version: dict[int, int] = {}
-        for q in sequences:
-            for v, n in q.tokens_by_version.items():
-                tokens_by_version[v] = tokens_by_version.get(v, 0) + n
-        for v, n in tokens_by_version.items():
-            add_counts(self.token_staleness_counts, version - v, n)
-        self.samples += len(staleness)
-        self.tokens += tokens
+    def push_weights(self) -> None:
+        """Generation pauses for the push, then goes on under the new version (with `push.retract`, every running
+        sequence is prefilled again first)."""
         push = self.s.push
-        for engine in self.engines:  # generation pauses for the push, then goes on under the new version
+        for engine in self.engines:
             self.sync(engine)
             engine.idle_until(self.now + push.seconds)
             if push.retract:
                 engine.interrupt()
             self.schedule(engine)
-        self.at(self.now + push.seconds, lambda: self.pushed(version + 1, len(batch), staleness, tokens))
 
-    def pushed(self, version: int, groups: int, staleness: list[int], tokens: int) -> None:
-        wait, self.reported_wait = self.wait_seconds - self.reported_wait, self.wait_seconds
-        self.core.record_step(
-            version=version,
-            groups=groups,
-            samples=len(staleness),
-            tokens=tokens,
-            max_staleness=max(staleness),
-            mean_staleness=sum(staleness) / len(staleness),
-            reward_mean=0.0,
-            eval_accuracy=-1.0,
-            base_evaluation=False,
-            finished=version >= self.s.job.total_steps,
-            staleness_counts=[staleness.count(s) for s in range(max(staleness) + 1)],
-            wait_seconds=wait,
-        )
-        self.core.announce_version(version, restored=False)
-        self.step_ends.append(self.now)
+    def version_live(self, version: int) -> None:
         for engine in self.engines:
             if engine.ready:
                 engine.set_version(version)
-        self.training = False
         self.serve_held()
         for engine in list(self.engines):
             self.fill(engine)
-        self.try_train()
 
     # -- the rebalancer ------------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        waiting = len(self.stream) * self.s.job.group_size  # generated, not yet trained: the stream's backlog
+        waiting = len(self.training.stream) * self.s.job.group_size  # generated, not yet trained: the stream's backlog
         report = job_status(self.core, {"pending": 0, "lag": waiting, "length": waiting})
         self.policy, decision = advance(self.policy, totals_of(report), self.limits, self.settings)
         if decision is not None and decision.code != "CollectingData":
@@ -388,10 +306,11 @@ class Simulation:
             self.remove_engine()
         if split.trainer != self.trainer_units:
             self.trainer_units = split.trainer
-            self.trainer_free_at = max(self.now, self.trainer_free_at) + self.s.trainer.rescale_seconds
-            self.at(self.trainer_free_at, self.try_train)
+            training = self.training
+            training.free_at = max(self.now, training.free_at) + self.s.trainer.rescale_seconds
+            self.at(training.free_at, training.try_train)
         self.splits.append((self.now, split.rollout, split.trainer))
 
 
-def simulate(scenario: Scenario, placement: Placement = first_come) -> Result:
-    return Simulation(scenario, placement).run()
+def simulate(scenario: Scenario) -> Result:
+    return Simulation(scenario).run()

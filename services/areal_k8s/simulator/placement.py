@@ -2,14 +2,18 @@
 (`rollout.groups_per_worker`) through the controller's own admission (`ControllerCore.acquire`). A pull a bound
 refuses (staleness or concurrency) is held, as the controller holds a long poll, and when room may have opened (a new
 version, a group done) the held pulls are served in the order a `Placement` gives, each as far as the room goes:
-the system's order is first come, first served; one by the engines' live token load can be passed instead."""
+the system's order is first come, first served; `token_load` serves the least loaded engine first (its KV tokens
+held or queued over its cache). With `spread`, a group's samples leave the engine that pulled it: each goes to the
+engine with the least token load (Seer's divided rollout)."""
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from collections.abc import Callable
 
 from areal_k8s.controller.core import Admitted, ControllerCore
-from areal_k8s.simulator.engine import Engine
+from areal_k8s.simulator.engine import Engine, Sequence
 
 WAITED_OUT = ("staleness", "concurrency")  # refusals a held pull waits out (controller/server.py)
 Placement = Callable[[list[Engine]], list[Engine]]  # the held pulls (oldest first) -> the order to serve them
@@ -17,6 +21,27 @@ Placement = Callable[[list[Engine]], list[Engine]]  # the held pulls (oldest fir
 
 def first_come(held: list[Engine]) -> list[Engine]:
     return held
+
+
+def token_load(held: list[Engine]) -> list[Engine]:
+    return sorted(held, key=Engine.token_load)
+
+
+ORDERS: dict[str, Placement] = {"first_come": first_come, "token_load": token_load}
+
+
+def spread(count: int, loads: list[float], each: float) -> list[int]:
+    """Where `count` samples go among engines with these `loads`: each to the least loaded (the lowest index among
+    equals), which it then loads by `each` (a sample's expected share of a cache: a new sample holds only its
+    prompt yet, and the live load would send a whole group to one engine)."""
+    heap = [(load, i) for i, load in enumerate(loads)]
+    heapq.heapify(heap)
+    places = []
+    for _ in range(count):
+        load, i = heap[0]
+        places.append(i)
+        heapq.heapreplace(heap, (load + each, i))
+    return places
 
 
 class Pulls:
@@ -67,3 +92,49 @@ class Pulls:
             engine.hold = None
             bound, since = self.since.pop(engine.name)
             self.held_seconds[bound] += self.clock() - since
+
+
+class Divided:
+    """A group's samples spread over the engines (`spread`), each engine holding its part under its own id; the
+    group completes when its last part does, and its slot is the pulling worker's until then."""
+
+    def __init__(self):
+        self.group_of: dict[str, str] = {}  # part -> its group
+        self.parts_left: dict[str, int] = {}  # group -> its parts not finished
+        self.done: dict[str, list[Sequence]] = {}  # group -> the sequences of its finished parts
+        self.owner: dict[str, Engine] = {}  # group -> the engine whose worker pulled it
+        self.held: Counter[str] = Counter()  # engine -> groups its worker pulled, not yet complete
+
+    def place(
+        self, owner: Engine, groups: list[list[Sequence]], engines: list[Engine], each: float
+    ) -> dict[Engine, list[tuple[str, list[Sequence]]]]:
+        """Each sample to the least loaded engine (`each`: a sample's expected share of a cache): engine -> parts."""
+        places = iter(spread(sum(map(len, groups)), [e.token_load() for e in engines], each))
+        out: dict[Engine, list[tuple[str, list[Sequence]]]] = {}
+        for sequences in groups:
+            group = sequences[0].group_id
+            parts: dict[Engine, list[Sequence]] = {}
+            for q in sequences:
+                parts.setdefault(engines[next(places)], []).append(q)
+            for engine, part in parts.items():
+                part_id = f"{group}@{engine.name}"
+                for q in part:
+                    q.group_id = part_id
+                self.group_of[part_id] = group
+                out.setdefault(engine, []).append((part_id, part))
+            self.parts_left[group], self.done[group], self.owner[group] = len(parts), [], owner
+            self.held[owner.name] += 1
+        return out
+
+    def finished(self, part_id: str, sequences: list[Sequence]) -> tuple[Engine, str, list[Sequence]] | None:
+        """A part finished: its group's owner, id and sequences if it was the last, else None."""
+        group = self.group_of.pop(part_id)
+        self.done[group] += sequences
+        self.parts_left[group] -= 1
+        if self.parts_left[group]:
+            return None
+        del self.parts_left[group]
+        return self.owner.pop(group), group, self.done.pop(group)
+
+    def completed(self, owner: Engine) -> None:
+        self.held[owner.name] -= 1

@@ -10,7 +10,7 @@ scenario is simulated, and says so.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -110,6 +110,17 @@ class JobShape(_Part):
     staleness_target: StalenessBand | None = None
 
 
+class PlacementSpec(_Part):
+    """How admitted groups reach engines (simulator/placement.py). `order`: which held pull is served first when room
+    opens, the oldest (`first_come`, the system's) or the engine with the least live token load (`token_load`: KV
+    tokens held or queued over its cache). `split_groups`: each of a group's samples goes to the engine with the
+    least token load, wherever the group was leased (Seer's divided rollout, arXiv 2511.14617); the group completes
+    when its last sample does."""
+
+    order: Literal["first_come", "token_load"] = "first_come"
+    split_groups: bool = False
+
+
 class SplitSpec(_Part):
     rollout: Annotated[int, Field(ge=1)]
     trainer: Annotated[int, Field(ge=1)] = 1
@@ -137,6 +148,7 @@ class Scenario(_Part):
     trainer: TrainerCost = Field(default_factory=TrainerCost)
     push: PushCost = Field(default_factory=PushCost)
     workload: Workload = Field(default_factory=Workload)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     tick_seconds: Annotated[float, Field(gt=0)] = 10.0  # how often the rebalancer reads the controller's status
     # CPU cores the engines and the trainer share (one machine, as `arealctl run`): while their busy threads
@@ -151,6 +163,8 @@ class Scenario(_Part):
             "push": self.push.sources,
             "workload.response": self.workload.response.sources,
         }
+        if self.placement.split_groups and self.rebalance.enabled:
+            raise ValueError("placement.split_groups is not modelled with the rebalancer (it removes engines)")
         for block, ids in cited.items():
             if unknown := [i for i in ids if i not in self.sources]:
                 raise ValueError(f"{block}.sources names {', '.join(unknown)}, which `sources` does not list")

@@ -74,8 +74,10 @@ def main() -> None:
         log.info("trainer listening on %s:%d (job %s)", args.host, port, job.name)
         try:
             if await run_until_stopped(trainer.run(), stop):
+                await asyncio.to_thread(trainer.trackers.close)  # finished: the tracker runs too, not at pod exit
                 await wait_if_asked(args.when_done, stop)
         finally:
+            await asyncio.to_thread(trainer.trackers.close)
             await trainer.publisher.close()
             await server.stop(grace=2)
             await controller_channel.close()

@@ -21,6 +21,13 @@ from areal_k8s.common.config.reference import reference_markdown
 from areal_k8s.common.config.reward import BUILTIN_VERIFIERS, CodeRewardConfig, RewardConfig, reward_verifier_args
 from areal_k8s.common.config.rollout import MultiTurnConfig, RolloutConfig, ToolAgentConfig
 from areal_k8s.common.config.sampling import SamplingConfig
+from areal_k8s.common.config.tracking import (
+    MlflowConfig,
+    SecretKeyRef,
+    TensorBoardConfig,
+    TrackingConfig,
+    WandbConfig,
+)
 from areal_k8s.common.config.trainer import ParallelismConfig, TrainerConfig
 
 __all__ = [
@@ -31,6 +38,7 @@ __all__ = [
     "DatasetConfig",
     "JobConfig",
     "JobFileError",
+    "MlflowConfig",
     "MultiTurnConfig",
     "ParallelismConfig",
     "RebalanceConfig",
@@ -38,10 +46,14 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SamplingConfig",
+    "SecretKeyRef",
     "StalenessBand",
     "StalenessPolicy",
+    "TensorBoardConfig",
     "ToolAgentConfig",
+    "TrackingConfig",
     "TrainerConfig",
+    "WandbConfig",
     "describe_validation_error",
     "load_job_file",
     "parse_job",

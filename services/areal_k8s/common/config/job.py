@@ -14,6 +14,7 @@ from areal_k8s.common.config.reward import RewardConfig
 from areal_k8s.common.config.rollout import RolloutConfig
 from areal_k8s.common.config.sampling import SamplingConfig
 from areal_k8s.common.config.section import Section
+from areal_k8s.common.config.tracking import TrackingConfig
 from areal_k8s.common.config.trainer import TrainerConfig
 
 NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a DNS-1123 label: the job name also names Kubernetes objects
@@ -46,6 +47,7 @@ class JobConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @property
     def trainer_bounds(self) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from areal_k8s.common.config.section import Section
+from areal_k8s.common.sglang_args import check_sglang_args
 
 BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/areal_k8s/rollout/workflows/
 CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -57,6 +58,14 @@ class RolloutConfig(Section):
     engine_urls: list[str] = Field(
         default_factory=list, description="SGLang server URLs, one per worker (engine `sglang` only)."
     )
+    sglang_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Engine `sglang`: arguments of SGLang's server, by its option names with underscores "
+        "(`mem_fraction_static: 0.8` for --mem-fraction-static 0.8; a switch is `true`, a list option a list), "
+        "passed to every engine the operator starts. Checked against the pinned SGLang's own list; what areal sets "
+        "itself (model_path, tokenizer_path, host, port, tp_size, random_seed, ...) is refused, naming the field "
+        "that decides it.",
+    )
     max_batch_size: Annotated[int, Field(ge=1)] = Field(64, description="CPU engine: sequences decoded together.")
     threads: Annotated[int, Field(ge=1)] = Field(1, description="CPU engine: torch threads.")
     groups_per_worker: Annotated[int, Field(ge=1)] = Field(
@@ -102,6 +111,11 @@ class RolloutConfig(Section):
             raise ValueError(f"expected one of {', '.join(BUILTIN_WORKFLOWS)} or 'package.module:Class'")
         return name
 
+    @field_validator("sglang_args")
+    @classmethod
+    def _known_sglang_args(cls, arguments: dict[str, Any]) -> dict[str, Any]:
+        return check_sglang_args(arguments)
+
     @model_validator(mode="after")
     def _workflow_args_are_for_custom_workflows(self) -> RolloutConfig:
         if self.workflow_args and self.workflow in BUILTIN_WORKFLOWS:
@@ -119,4 +133,6 @@ class RolloutConfig(Section):
             )
         if self.engine == "cpu" and self.engine_urls:
             raise ValueError("engine_urls is only used with engine: sglang")
+        if self.engine == "cpu" and self.sglang_args:
+            raise ValueError("sglang_args is only used with engine: sglang")
         return self

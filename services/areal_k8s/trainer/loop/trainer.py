@@ -1,11 +1,12 @@
 """The trainer: consume trajectories, step the policy, checkpoint, push weights, announce the version.
 
-`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested. The loop
-knows no training backend: the policy is a `TrainEngine` (backends/engine.py) chosen by `trainer.backend`, which the
-step (step/train_step.py) hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world
-(world.py) reads the stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends
-each batch to the other ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add
-up over the ranks.
+`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested (its
+start and recovery in loop/resume.py, the batches it takes in loop/intake.py). The loop knows no training backend:
+the policy is a `TrainEngine` (backends/engine.py) chosen by `trainer.backend`, which the step (step/train_step.py)
+hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the
+stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the
+other ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add up over the
+ranks.
 """
 
 from __future__ import annotations
@@ -25,22 +26,21 @@ from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.backends.engine import TrainEngine, make_engine
 from areal_k8s.trainer.checkpoint import (
     TrainerState,
-    entries_to_train_again,
     latest_checkpoint,
-    load_state,
     save_checkpoint,
 )
-from areal_k8s.trainer.controller import Controller, DroppedGroup, StepReport, WeightVersion
+from areal_k8s.trainer.controller import Controller, WeightVersion
 from areal_k8s.trainer.evaluation import Evaluator
+from areal_k8s.trainer.loop.intake import drop_past_the_bound, next_batch
 from areal_k8s.trainer.loop.record import StepRecord
+from areal_k8s.trainer.loop.resume import resume
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
 from areal_k8s.trainer.step.train_step import TrainStep
+from areal_k8s.trainer.tracking import Trackers, step_figures
 from areal_k8s.trainer.weights.publisher import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
-
-MEMBERSHIP_POLL_SECONDS = 1.0  # while waiting for data, how often to look for engines that joined since the last push
 
 
 class Trainer:
@@ -92,6 +92,7 @@ class Trainer:
         self.evaluator = Evaluator(
             job, eval_items, targets=lambda: list(self.publisher.targets.values()), catch_up=self.bring_engines_in
         )
+        self.trackers = Trackers(job)  # W&B, MLflow, TensorBoard (tracking.py); the entry point closes them
 
     @property
     def version(self) -> int:
@@ -100,7 +101,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await self.start()
+        await resume(self)
         if not self.world.leads:
             return await self.follow()
         total = self.job.algorithm.total_steps
@@ -108,14 +109,14 @@ class Trainer:
         while self.version < total:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
-            groups = await self.next_batch()
+            groups = await next_batch(self)
             # Held to the step's checkpoint: an on-demand one (loop/handoff.py) falls between steps, never on an
             # unreported one.
             async with self.lock:
                 self.phase = "training"
                 await asyncio.to_thread(self.world.send, TRAIN, groups)
                 record = await asyncio.to_thread(self.train_step, groups)
-                record.dropped_groups = await self.drop_past_the_bound()
+                record.dropped_groups = await drop_past_the_bound(self)
                 record.seconds["wait"] = time.monotonic() - waited - record.seconds["train"]
                 record.seconds["checkpoint"], checkpointed = checkpointed, 0.0
                 self.state.version += 1
@@ -169,91 +170,6 @@ class Trainer:
                 await asyncio.to_thread(self.engine.save_checkpoint, None)
                 await asyncio.to_thread(self.world.barrier)
         self.phase = "finished"
-
-    async def next_batch(self) -> list[Group]:
-        """The next batch. While it is not there, engines that registered since the last push (new or restarted
-        workers, which the controller gives no work until they serve the current version) get the current weights:
-        left for the next step's push, they would wait forever when no other engine can produce that step."""
-        batch = asyncio.ensure_future(self.assembler.next_batch(self.version))
-        try:
-            while not batch.done():
-                await asyncio.wait({batch}, timeout=MEMBERSHIP_POLL_SECONDS)
-                if (
-                    not batch.done()
-                    and self.publisher.retry_due()
-                    and await self.publisher.engines_behind(self.version)
-                ):
-                    log.info(
-                        "rollout engines outside the weight-update group are behind version %d: pushing it",
-                        self.version,
-                    )
-                    await self.push_weights()
-        finally:
-            batch.cancel()
-        return batch.result()
-
-    async def drop_past_the_bound(self) -> list[str]:
-        """Settle the groups the assembler dropped as past the staleness bound: the controller admits their prompts
-        again, and their entries are acknowledged with the next checkpoint (a trainer restored before it drops them
-        again)."""
-        dropped, self.assembler.dropped = self.assembler.dropped, []
-        if not dropped:
-            return []
-        bound = self.job.algorithm.wait_bound
-        reason = f"past the staleness bound {bound} at version {self.version} (the trainer rolled back)"
-        await self.controller.drop_groups(
-            [
-                DroppedGroup(group_id=g.group_id, prompt_id=g.entries[0].trajectory.prompt_id, reason=reason)
-                for g in dropped
-            ]
-        )
-        self.unacked += [e for g in dropped for e in g.entries]
-        log.warning("dropped %d groups %s", len(dropped), reason)
-        return [g.group_id for g in dropped]
-
-    # -- start and recovery --------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Load the newest checkpoint (or the initial model), take over pending entries, sync the engines. Every
-        rank resumes from rank 0's checkpoint; rank 0 alone goes on to the stream and the engines."""
-        async with self.lock:  # an on-demand checkpoint (its collectives included) waits for the model
-            checkpoint = latest_checkpoint(self.checkpoints) if self.world.leads else None
-            if checkpoint:
-                self.state = load_state(checkpoint)
-            checkpoint, self.state = await asyncio.to_thread(self.world.share, (checkpoint, self.state))
-            if self.reference:
-                await asyncio.to_thread(self.reference.load, self.job.model)
-            if checkpoint:
-                await asyncio.to_thread(self.engine.load_checkpoint, checkpoint)
-                log.info(
-                    "resumed from %s at version %d (written by %d trainer ranks, resumed by %d)",
-                    checkpoint,
-                    self.version,
-                    self.state.world_size,
-                    self.world.size,
-                )
-            else:
-                await asyncio.to_thread(self.engine.load, self.job.model)
-            await asyncio.to_thread(self.engine.gather_for_push)
-            self.state.world_size = self.world.size
-        if not self.world.leads:
-            return
-        await self.store.ensure_consumer_group()
-        pending = await entries_to_train_again(self.store, self.consumer, self.state)
-        self.assembler.add(pending)
-        if pending:
-            log.info("reclaimed %d pending stream entries", len(pending))
-        self.phase = "pushing_weights"
-        await self.push_weights()
-        # (restored either way: a trainer killed before its first checkpoint restarts at 0, behind steps it reported)
-        await self.announce(restored=True)
-        if checkpoint is None:
-            self.phase = "evaluating"
-            self.state.base_accuracy = await self.evaluate()
-            await self.controller.report_step(
-                StepReport(version=0, eval_accuracy=self.state.base_accuracy, base_evaluation=True)
-            )
-            log.info("base model held-out accuracy %.3f", self.state.base_accuracy)
 
     # -- one step ------------------------------------------------------------------------------------------
 
@@ -344,6 +260,7 @@ class Trainer:
         for lag in record.staleness:
             m.sample_staleness.observe(lag)
         m.token_staleness.add(record.token_staleness_counts)
+        self.trackers.log(record.version, step_figures(record, step_seconds))
 
     async def report(self, record: StepRecord, finished: bool) -> None:
         self.steps_log.parent.mkdir(parents=True, exist_ok=True)

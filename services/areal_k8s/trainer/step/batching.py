@@ -175,7 +175,9 @@ class BatchAssembler:
         stalled longer than the client's socket timeout) or the connection drops mid-reply. Waiting on a lost
         group would stall the run for good."""
         self.looked_for_lost_at = time.monotonic()
-        lost = self.add([e for e in await self.store.read_pending(self.consumer) if e.entry_id not in self.known])
+        # The pending list's ids only: the entries this process holds are not read (and decoded) again.
+        unseen = [entry_id for entry_id in await self.store.pending_ids(self.consumer) if entry_id not in self.known]
+        lost = self.add(await self.store.read_entries(unseen)) if unseen else 0
         if lost:
             log.warning("recovered %d stream entries delivered to %s whose read reply was lost", lost, self.consumer)
         return lost
