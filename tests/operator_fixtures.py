@@ -228,8 +228,17 @@ async def controller(redis_url):
 
 @pytest.fixture
 def operator_context(cluster) -> Context:
-    """The production Context, pointed at kmock, reconciling every 0.2 s; tests replace what they need."""
-    return Context(kube=KubeApi.for_url(str(cluster.server.url)), interval=0.2)
+    """The production Context, pointed at kmock, reconciling every 0.2 s; tests replace what they need. No
+    controller or trainer runs unless a test starts one: their addresses are a loopback port nothing listens on, so a
+    status read or a hand-off is refused at once (a cluster DNS name would wait on this machine's resolver for as
+    long as it takes to fail, inside the reconcile's lock)."""
+    nobody = "127.0.0.1:1"
+    return Context(
+        kube=KubeApi.for_url(str(cluster.server.url)),
+        interval=0.2,
+        controller_address=lambda namespace, name: nobody,
+        trainer_address=lambda namespace, name: nobody,
+    )
 
 
 @pytest.fixture
