@@ -291,19 +291,24 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     locks = ctx.reconcile_locks
 
     def reconcile_into(body: kopf.Body) -> None:
-        if body.metadata.get("deletionTimestamp"):
-            return  # being deleted: the garbage collector removes the children, the finalizer cleans Redis
         key = (body.metadata["namespace"], body.metadata["name"])
+        if body.metadata.get("deletionTimestamp"):
+            locks.pop(key, None)  # being deleted: the garbage collector removes the children, the finalizer Redis
+            return
         # One reconcile of an RLJob at a time, each from the object as it is now and its status written before the
         # next starts. A change handler and the timer may run together, and kopf hands each the body of its last
         # watch event and patches the status after the handler returns: two reconciles could then both start from
         # the status before a rebalancing decision and take it twice (two hand-offs, two world restarts).
         with locks[key]:
             rljob = ctx.kube.get(rljob_path(*key))
-            if rljob is None or rljob["metadata"].get("deletionTimestamp"):
-                return
-            status = reconcile(ctx, copy.deepcopy(rljob))
-            ctx.kube.patch(rljob_path(*key) + "/status", {"status": status})
+            going = rljob is None or rljob["metadata"].get("deletionTimestamp")
+            if not going:
+                status = reconcile(ctx, copy.deepcopy(rljob))
+                ctx.kube.patch(rljob_path(*key) + "/status", {"status": status})
+        if going:
+            # a timer or change handler that started from a body older than the deletion: its lock goes too
+            locks.pop(key, None)
+            return
         for event_type, reason, message in lifecycle.transitions(rljob.get("status") or {}, status):
             kopf.event(body, type=event_type, reason=reason, message=message)
 
