@@ -398,6 +398,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             staleness_counts=request.staleness_counts,
             wait_seconds=request.wait_seconds,
             token_staleness_counts=request.token_staleness_counts,
+            checkpoint_error=request.checkpoint_error,
         )
         if not recorded:
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
