@@ -29,8 +29,8 @@ def two_pods() -> dict:
 
 
 def connects(pod, address: str) -> bool:
-    """Whether a TCP connection from inside `pod` to address:8080 is answered within 2 s."""
-    probe = f"import socket; socket.create_connection(('{address}', 8080), timeout=2)"
+    """Whether a TCP connection from inside `pod` to address:8080 is answered within 1 s."""
+    probe = f"import socket; socket.create_connection(('{address}', 8080), timeout=1)"
     return (
         subprocess.run(["ip", "netns", "exec", pod.netns, "python", "-c", probe], capture_output=True).returncode == 0
     )

@@ -44,9 +44,9 @@ class StepRecord:
     token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness (index s)
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
-    def report(self, finished: bool, checkpoint_error: str = "") -> StepReport:
-        """What the controller keeps of the step for the job status (`finished`: the run's last step;
-        `checkpoint_error`: why the last checkpoint was not written, if it was not)."""
+    def report(self, checkpoint_error: str = "") -> StepReport:
+        """What the controller keeps of the step for the job status (`checkpoint_error`: why the last checkpoint
+        was not written, if it was not). The run's end is a report of its own, once the final model is written."""
         return StepReport(
             version=self.version,
             group_ids=self.groups,
@@ -60,7 +60,6 @@ class StepRecord:
             reward_mean=self.reward_mean,
             loss=self.loss,
             step_seconds=sum(self.seconds.values()),
-            finished=finished,
             eval_accuracy=self.eval_accuracy,
             checkpoint_error=checkpoint_error,
         )

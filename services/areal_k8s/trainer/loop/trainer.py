@@ -133,7 +133,7 @@ class Trainer:
                     record.seconds["eval"] = time.monotonic() - evaluated
                 record.finished_at = time.time()
                 self.observe(record, step_seconds=time.monotonic() - waited)
-                await self.report(record, finished=self.version == total)
+                await self.report(record)
                 self.last = record
                 # Last: a step is done once its checkpoint is (a trainer killed before it trains the step again from
                 # the previous one, its report counted as a step re-done).
@@ -146,6 +146,10 @@ class Trainer:
         await asyncio.to_thread(self.world.send, STOP)
         self.phase = "writing_final_model"
         await asyncio.to_thread(self.write_final_model)
+        # The job is finished once its final model is written (from the last step's checkpoint, tried until it is):
+        # a full volume holds its completion, never completes it without the model. Sent again by a trainer
+        # restarted after the last step.
+        await self.controller.report_step(StepReport(version=self.version, eval_accuracy=-1.0, finished=True))
         self.phase = "finished"
 
     def write_final_model(self) -> Path:
@@ -365,9 +369,9 @@ class Trainer:
             m.sample_staleness.observe(lag)
         m.token_staleness.add(record.token_staleness_counts)
 
-    async def report(self, record: StepRecord, finished: bool) -> None:
+    async def report(self, record: StepRecord) -> None:
         self.steps_log.append(record)
-        await self.controller.report_step(record.report(finished, checkpoint_error=self.checkpoint_error))
+        await self.controller.report_step(record.report(checkpoint_error=self.checkpoint_error))
         log.info(
             "version %d: reward %.3f loss %.4f staleness ≤ %d%s",
             record.version,
