@@ -424,23 +424,26 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
             wall = time.monotonic() - began
             steps = trained_steps(cluster, job)
             final_checkpoint = latest_checkpoint(volume / job.config.name / "checkpoints")
+            final_version = load_state(final_checkpoint).version if final_checkpoint else None
     context = f"seed {seed}\n{described}"
     assert not chaos.pending and len(chaos.started) == len(CLUSTER_FAULTS), (chaos.pending, chaos.started, seed)
     assert all(len(seen) == 2 for seen in chaos.addresses.values()), (chaos.addresses, seed)  # each came back
     final = statuses[-1]
     assert condition(final, "Complete") == ("True", "TrainingFinished")
     assert final["policyVersion"] == algorithm.total_steps
-    # the operator saw each role's container restarts (the kubelet's counts, per pod: a rollout pod lost between
-    # its two kills leaves one on each)
+    # the operator counted the containers' restarts per role (the kubelet's counts, per pod: a rollout pod lost
+    # between its two kills leaves one on each), and no more than were killed: nothing crashed of itself, the trainer
+    # on its full volume included. (A kill late in the run may land after the last status that reads the pods: a
+    # trainer that restarted with a backlog in the stream can train its last steps within a second.)
     seen = {
         role: max((s["replicas"].get(role, {}).get("restarts", 0) for s in statuses), default=0) for role in names.ROLES
     }
     kills = {role: sum(r == role for r, _ in CHAOS_VICTIMS) for role in names.ROLES}
-    assert all(1 <= seen[role] <= kills[role] for role in names.ROLES), f"{seen}\n{context}"
+    assert any(seen.values()) and all(seen[role] <= kills[role] for role in names.ROLES), f"{seen}\n{context}"
     # checkpoints fell in the full volume's steps: they failed and the operator said so; the job completed only
     # once the last step's checkpoint was written, with room again
     assert chaos.degraded_by_checkpoint, context
-    assert final_checkpoint and load_state(final_checkpoint).version == algorithm.total_steps, context
+    assert final_version == algorithm.total_steps, context
     history, redone = final_history(
         steps,
         total_steps=algorithm.total_steps,
