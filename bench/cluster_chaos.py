@@ -73,16 +73,18 @@ def readme_block(report: dict) -> str:
         (
             "the rollout, controller and trainer pods each lost with their node",
             "a new pod under a new address (the Service names follow); the trainer's resumes from its checkpoint claim",
-            f"groups re-queued {spread_of('groups_requeued')}; dropped as past η {spread_of('groups_dropped')}",
+            "each back under a new address, the Service names following it (asserted)",
         ),
         (
             "the rollout pod partitioned from the controller and the trainer for 20 s",
-            "its calls and the weight push wait (gRPC retries, TCP retransmits) and go on once it heals",
+            "its worker's calls to the controller and the trainer's weight push to its engine get no answer until it "
+            "heals (within the 60 s lease: nothing revoked for it); with the only rollout worker cut off, training "
+            "waits",
             f"steps trained meanwhile {spread_of('steps_during_partition')}",
         ),
         (
             "the rollout pod throttled to a quarter of a CPU for 20 s",
-            "generation slows; with one rollout worker the run waits for it",
+            "generation slows; with the only rollout worker slow, training goes at its pace",
             f"steps trained meanwhile {spread_of('steps_during_throttle')}",
         ),
         (
@@ -102,7 +104,9 @@ def readme_block(report: dict) -> str:
         f"{s['eta']}, all of the faults below in an order and at steps drawn from its seed): {s['passed']} of "
         f"{s['runs']} completed with every step trained once in the final history, no group or stream entry trained "
         f"twice, no dropped group trained, no sample staler than η (the largest seen: "
-        f"{s['max_staleness_seen']['max']:g}) and the group counts reconciled; groups lost {spread_of('groups_lost')}. "
+        f"{s['max_staleness_seen']['max']:g}) and the group counts reconciled; over all the faults, groups re-queued "
+        f"{spread_of('groups_requeued')}, dropped as past η {spread_of('groups_dropped')}, lost "
+        f"{spread_of('groups_lost')}. "
         f"Wall time {spread_of('wall_seconds', ' s')} on 2 shared cores.\n\n"
         f"{table}\n"
         f"{README_END}"
