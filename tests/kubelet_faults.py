@@ -18,6 +18,8 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 CFS_PERIOD_US = 100_000
 UNKNOWN_MAC = "02:00:00:00:fa:17"  # locally administered, on no interface of the harness
@@ -56,6 +58,8 @@ def throttle(pod, fraction: float, name: str) -> Iterator[Path]:
     at full speed) get `fraction` of one CPU between them; `name` names the cgroup. Yields the cgroup's directory."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    if not (CPU_CGROUP / "cpu.cfs_quota_us").exists():
+        pytest.skip(f"no cgroup v1 cpu controller at {CPU_CGROUP} to throttle with")
     group = CPU_CGROUP / name
     group.mkdir()
     try:
@@ -76,7 +80,10 @@ def throttle(pod, fraction: float, name: str) -> Iterator[Path]:
 def sized_volume(path: Path, megabytes: int) -> Iterator[Path]:
     """`path` (made if missing, and empty) as a tmpfs of `megabytes` MiB while in the block: a volume that can fill."""
     path.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0777", "tmpfs", str(path)], check=True)
+    tmpfs = ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0777", "tmpfs", str(path)]
+    mounted = subprocess.run(tmpfs, capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs for a volume that fills (`mount`: {mounted.stderr.strip()}); needs root")
     try:
         yield path
     finally:
