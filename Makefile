@@ -123,9 +123,12 @@ bench-rebalance: demo-assets
 bench-sglang: demo-assets sglang-env
 	$(PY) bench/sglang_vs_cpu.py
 
-# the chaos test several times with random seeds: its figures (bench/results/chaos.json) and docs/fault-tolerance.md's lines
+# the chaos tests several times with random seeds: process kills (bench/results/chaos.json) and the seeded cluster chaos in
+# the pods harness (bench/results/cluster_chaos.json, RUNS of them), and docs/fault-tolerance.md's lines and table from them
+RUNS ?= 3
 chaos: venv
 	$(PY) bench/chaos.py --runs 5
+	$(PY) bench/cluster_chaos.py --runs $(RUNS)
 
 # peak memory of per-token log-probabilities over a 152k vocabulary, full logits against chunked (bench/results/logprob_memory.json)
 bench-logprobs: proto

@@ -65,6 +65,7 @@ IMAGE_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "HOME": "/tmp/home",
     "HF_HUB_OFFLINE": "1",
+    "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "services"),  # this checkout's code, whichever installed
 }
 IMAGE_USER, IMAGE_WORKDIR = 10001, "/tmp"
 REPOSITORY = Path(__file__).resolve().parents[1]  # the editable install's source: part of the "image"

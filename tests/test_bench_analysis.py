@@ -97,6 +97,16 @@ def test_the_readme_carries_the_chaos_figures_as_measured():
     assert all(run["max_staleness_seen"] <= run["eta"] and run["dead_lettered"] == 0 for run in report["runs"])
 
 
+def test_the_docs_carry_the_cluster_chaos_table_as_measured():
+    """docs/fault-tolerance.md's cluster table is the one bench/cluster_chaos.py writes from its committed results, the
+    medians and ranges of the runs the file holds; in each, the full volume was reported and no sample was past η."""
+    cluster = load_bench("cluster_chaos")
+    report = json.loads(cluster.RESULTS.read_text())
+    assert cluster.readme_block(report) in cluster.DOC.read_text(), "run `python bench/cluster_chaos.py --readme`"
+    assert report["summary"] == cluster.summarize(report["runs"], len(report["runs"]) + len(report["failed_seeds"]))
+    assert all(r["max_staleness_seen"] <= r["eta"] and r["checkpoint_failed_seconds"] > 0 for r in report["runs"])
+
+
 def test_the_readme_carries_the_simulated_figures_as_computed():
     """docs/simulator.md's simulated 1,024-GPU table is the one bench/simulated.py writes from its committed results,
     and the summary is the median and range of the runs it keeps."""

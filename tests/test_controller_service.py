@@ -17,6 +17,7 @@ from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import serve
 from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.k8s_operator import lifecycle
 from areal_k8s.reward.server import serve as serve_reward
 
 ITEMS = [DatasetItem(id=f"p{i}", prompt=f"{i}+{i}=", reference=str(2 * i), verifier="addition") for i in range(6)]
@@ -791,3 +792,21 @@ async def test_a_held_poll_is_woken_only_by_room_and_one_per_group_that_room_adm
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
     second = await asyncio.wait_for(waiting[1], timeout=30)  # an engine behind the new version: answered at once
     assert list(second.groups) == [] and second.version == 1 and len(polls) == 0
+
+
+async def test_a_checkpoint_the_trainer_could_not_write_degrades_the_job_until_one_is(controller):
+    """The trainer reports a checkpoint it could not write (a full volume) and trains on: the job status carries the
+    reason and the operator reports Degraded (CheckpointFailed) with it, until a checkpoint is written again."""
+    stub = controller.stub
+    error = "writing the checkpoint of version 2 to /checkpoints failed: [Errno 28] No space left on device"
+    running = lifecycle.Phase("Running", "Running", "up")
+
+    async def degraded() -> tuple[bool, str, str]:
+        status = await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+        return lifecycle.job_conditions(running, lifecycle.Observed(controller=status))["Degraded"]
+
+    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=2, eval_accuracy=-1, checkpoint_error=error))
+    assert await degraded() == (True, "CheckpointFailed", error)
+    assert (await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())).eval_accuracy == -1  # nothing else moved
+    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=2, eval_accuracy=-1))  # written at last
+    assert (await degraded())[:2] == (False, "AsExpected")

@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -61,9 +60,7 @@ def trained_run(model_path, tmp_path_factory):
         record = trainer.train_step(make_groups(model_path, 2, seed=version))
         record.eval_accuracy = 0.5 if version == 2 else -1.0
         trainer.state.version = version
-        trainer.steps_log.parent.mkdir(parents=True, exist_ok=True)
-        with trainer.steps_log.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+        assert trainer.steps_log.append(record)
         save_checkpoint(trainer.checkpoints, trainer.engine, trainer.state, keep=5)
     trainer.write_final_model()
     weights = {name: p.detach().clone() for name, p in trainer.engine.model.named_parameters()}

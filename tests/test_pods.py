@@ -5,7 +5,10 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
+import random
 import subprocess
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -13,12 +16,14 @@ import pytest
 import yaml
 from e2e_jobs import final_history
 from kubelet import Cluster, sweep_namespaces
+from kubelet_faults import fill, partition, sized_volume, throttle
 
 from areal_k8s.demo.build import build_demo_assets
 from areal_k8s.k8s_operator import lifecycle, names
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.handlers import controller_service_address, trainer_service_address
 from areal_k8s.k8s_operator.validation import ValidJob, validate
+from areal_k8s.trainer.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.e2e
 
@@ -195,9 +200,9 @@ def demo_assets(tmp_path_factory) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def example_cluster(tmp_path: Path, assets: Path):
-    """A node with the demo's assets on their claim and the chart's Redis ready."""
-    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets}) as cluster:
+async def example_cluster(tmp_path: Path, assets: Path, **claims: Path):
+    """A node with the demo's assets on their claim (and `claims`, bound already) and the chart's Redis ready."""
+    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets, **claims}) as cluster:
         for obj in chart_redis():
             cluster.apply(obj)
         await cluster.wait_for(
@@ -236,10 +241,12 @@ async def run_to_the_end(
 
 
 def trained_steps(cluster: Cluster, job: ValidJob) -> list[dict]:
-    """The trainer's steps.jsonl, on its checkpoint claim (none before the trainer wrote its first step)."""
+    """The trainer's steps.jsonl, on its checkpoint claim (none before the trainer wrote its first step); a line
+    being written (no newline yet) is not one yet."""
     claim = cluster.claims.get(f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0")
     log = claim / job.config.name / "trainer" / "steps.jsonl" if claim else None
-    return [json.loads(line) for line in log.read_text().splitlines()] if log and log.is_file() else []
+    lines = log.read_text().split("\n")[:-1] if log and log.is_file() else []
+    return [json.loads(line) for line in lines]
 
 
 @pytest.mark.timeout(420)
@@ -323,8 +330,25 @@ CHAOS_VICTIMS = [
 ]
 
 
-# roles whose pod is lost after those kills (its node gone): it comes back under a new address, as if rescheduled
+# roles whose pod is lost (its node gone): it comes back under a new address, as if rescheduled
 LOST_PODS = ["rollout", "controller", "trainer"]
+# the cluster faults drawn besides: the rollout pod cut off from the controller's and the trainer's pods, the rollout
+# pod throttled to a quarter of a CPU (each for FAULT_SECONDS), the trainer's checkpoint volume full for FILL_STEPS
+CLUSTER_FAULTS = ["partition", "throttle", "fill"]
+FAULT_SECONDS, THROTTLE_FRACTION, FILL_STEPS = 20, 0.25, 4
+CHECKPOINT_VOLUME_MB = 64  # the trainer's checkpoint claim: a tmpfs of this size, to fill
+
+
+def chaos_schedule(seed: int) -> tuple[list[tuple[int, tuple[str, str | None]]], dict[str, int]]:
+    """The kills and pod losses in an order drawn from `seed`, one after every third step (a rollout pod lost
+    before its engine is killed: two pods, each with one restart), and the step after which each cluster fault
+    starts, drawn over the same steps (faults overlap kills and each other)."""
+    rng = random.Random(seed)
+    kills = [*CHAOS_VICTIMS, *((role, None) for role in LOST_PODS)]
+    rng.shuffle(kills)
+    return [(3 * (i + 1), kill) for i, kill in enumerate(kills)], {
+        fault: rng.randrange(2, 3 * len(kills)) for fault in CLUSTER_FAULTS
+    }
 
 
 def pod_of(cluster: Cluster, job: ValidJob, role: str):
@@ -346,61 +370,154 @@ def container_of(cluster: Cluster, job: ValidJob, role: str, name: str):
     return next(c for c in pod_of(cluster, job, role).containers if c.spec["name"] == name)
 
 
+async def throttled(pod, seconds: float, name: str) -> None:
+    with throttle(pod, THROTTLE_FRACTION, name):
+        await asyncio.sleep(seconds)
+
+
+class ClusterChaos:
+    """Starts each kill, pod loss and cluster fault of a schedule once the job has trained past its step, and keeps
+    what happened (for the assertions and `make chaos`'s figures)."""
+
+    def __init__(self, cluster: Cluster, job: ValidJob, seed: int, checkpoint_volume: Path):
+        self.cluster, self.job, self.volume = cluster, job, checkpoint_volume
+        self.pending, self.fault_steps = chaos_schedule(seed)
+        self.started: dict[str, int] = {}  # cluster fault -> the step it started after
+        self.ended: dict[str, int] = {}  # cluster fault -> the step trained when it was seen over
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.filler: Path | None = None
+        self.addresses: dict[str, set[str]] = {role: set() for role in LOST_PODS}  # each role's pod addresses seen
+        self.degraded_by_checkpoint = 0  # statuses (one a second) that read Degraded: CheckpointFailed
+
+    def __call__(self, status: dict) -> None:
+        cluster, job = self.cluster, self.job
+        trained = max([s["version"] for s in trained_steps(cluster, job)] + [status.get("policyVersion") or 0])
+        while self.pending and trained >= self.pending[0][0] and pod_of(cluster, job, self.pending[0][1][0]):
+            _, (role, name) = self.pending.pop(0)
+            if name is None:
+                cluster.lose_pod(pod_of(cluster, job, role))
+            else:
+                Cluster.kill_group(container_of(cluster, job, role, name))
+        rollout, controller, trainer = (pod_of(cluster, job, role) for role in ("rollout", "controller", "trainer"))
+        for fault, step in self.fault_steps.items():
+            if fault in self.started or trained < step or not (rollout and controller and trainer):
+                continue
+            self.started[fault] = trained
+            if fault == "partition":
+                self.tasks[fault] = asyncio.create_task(partition(rollout, [controller.ip, trainer.ip], FAULT_SECONDS))
+            elif fault == "throttle":
+                self.tasks[fault] = asyncio.create_task(throttled(rollout, FAULT_SECONDS, f"{cluster.prefix}-slow"))
+            else:
+                self.filler = fill(self.volume)
+        if self.filler and trained >= self.started["fill"] + FILL_STEPS:
+            self.filler.unlink()
+            self.filler = None
+            self.ended["fill"] = trained
+        for fault, task in self.tasks.items():
+            if task.done() and fault not in self.ended:
+                self.ended[fault] = trained
+        self.degraded_by_checkpoint += condition(status, "Degraded") == ("True", "CheckpointFailed")
+        for role in LOST_PODS:
+            if pod := pod_of(cluster, job, role):
+                self.addresses[role].add(pod.ip)
+
+    async def settle(self) -> None:
+        """Every fault over (a run that ended first heals what is still on)."""
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self.filler:
+            self.filler.unlink()
+
+
 @pytest.mark.timeout(600)
 async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_path, demo_assets):
-    """The example, shorter, with each of its containers and the chart's Redis SIGKILLed once while it trains: the
-    kubelet restarts each in place (same pod, name and address, its emptyDir kept: Redis reads its append-only
-    file). Then the rollout, controller and trainer pods are each lost with their node: each comes back as a new
-    pod under a new address (the trainer's under its name, with its checkpoint claim), which the Service names
-    follow. The job completes with nothing lost, nothing trained twice and every sample within η; the operator
-    counts the restarts per role."""
+    """Seeded cluster chaos on the example, shorter: each of its containers and the chart's Redis SIGKILLed once
+    (the kubelet restarts each in place: same pod, name and address, its emptyDir kept: Redis reads its append-only
+    file), the rollout, controller and trainer pods each lost with their node (each comes back as a new pod under a
+    new address, the trainer's under its name with its checkpoint claim, which the Service names follow), in an
+    order drawn from the seed; meanwhile, from steps drawn from the seed, the rollout pod partitioned from the
+    controller and the trainer, the rollout pod throttled, the checkpoint volume full. The job completes with
+    nothing lost, nothing trained twice in its history and every sample within η; the versions go back only to a
+    checkpoint; the operator counts the restarts per role and said the checkpoint failed while the volume was full.
+    The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
+    seed = int(os.environ.get("AREAL_CLUSTER_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
+    print(f"cluster chaos seed {seed} (replay: AREAL_CLUSTER_CHAOS_SEED={seed})")
     rljob = the_example()
     rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * (len(CHAOS_VICTIMS) + len(LOST_PODS))
     rljob["spec"]["trainer"].update(checkpoint_interval=2, eval_interval=0)
     job = validate(rljob)
     algorithm = job.config.algorithm
-    victims = [*CHAOS_VICTIMS, *((role, None) for role in LOST_PODS)]
-    pending = [(3 * (i + 1), victim) for i, victim in enumerate(victims)]  # after steps 3, 6, ...
-    addresses: dict[str, set[str]] = {role: set() for role in LOST_PODS}  # each role's pod addresses seen
+    claim = f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"
 
-    async with example_cluster(tmp_path, demo_assets) as cluster:
-
-        def kill_when_due(status: dict) -> None:
-            trained = max((s["version"] for s in trained_steps(cluster, job)), default=0)
-            while pending and trained >= pending[0][0] and pod_of(cluster, job, pending[0][1][0]):
-                _, (role, name) = pending.pop(0)
-                if name is None:
-                    cluster.lose_pod(pod_of(cluster, job, role))
-                else:
-                    Cluster.kill_group(container_of(cluster, job, role, name))
-            for role in LOST_PODS:
-                if pod := pod_of(cluster, job, role):
-                    addresses[role].add(pod.ip)
-
-        statuses, described = await run_to_the_end(cluster, job, timeout=540, each=kill_when_due)
-        steps = trained_steps(cluster, job)
-    assert not pending, f"not killed: {pending}"
-    assert all(len(seen) == 2 for seen in addresses.values()), addresses  # each lost pod came back elsewhere
+    with sized_volume(tmp_path / "checkpoints", CHECKPOINT_VOLUME_MB) as volume:
+        async with example_cluster(tmp_path, demo_assets, **{claim: volume}) as cluster:
+            chaos = ClusterChaos(cluster, job, seed, volume)
+            began = time.monotonic()
+            try:
+                statuses, described = await run_to_the_end(cluster, job, timeout=540, each=chaos)
+            finally:
+                await chaos.settle()
+            wall = time.monotonic() - began
+            steps = trained_steps(cluster, job)
+            final_checkpoint = latest_checkpoint(volume / job.config.name / "checkpoints")
+            final_version = load_state(final_checkpoint).version if final_checkpoint else None
+    context = f"seed {seed}\n{described}"
+    assert not chaos.pending and len(chaos.started) == len(CLUSTER_FAULTS), (chaos.pending, chaos.started, seed)
+    assert all(len(seen) == 2 for seen in chaos.addresses.values()), (chaos.addresses, seed)  # each came back
     final = statuses[-1]
     assert condition(final, "Complete") == ("True", "TrainingFinished")
     assert final["policyVersion"] == algorithm.total_steps
-    # the operator saw each role's container restarts (the counts are the kubelet's, per pod, until the pods go)
+    # the operator counted the containers' restarts per role (the kubelet's counts, per pod: a rollout pod lost
+    # between its two kills leaves one on each), and no more than were killed: nothing crashed of itself, the trainer
+    # on its full volume included. (A kill late in the run may land after the last status that reads the pods: a
+    # trainer that restarted with a backlog in the stream can train its last steps within a second.)
     seen = {
         role: max((s["replicas"].get(role, {}).get("restarts", 0) for s in statuses), default=0) for role in names.ROLES
     }
-    assert seen == {"controller": 1, "reward": 1, "trainer": 1, "rollout": 2}, f"{seen}\n{described}"
-    final_history(
+    kills = {role: sum(r == role for r, _ in CHAOS_VICTIMS) for role in names.ROLES}
+    assert any(seen.values()) and all(seen[role] <= kills[role] for role in names.ROLES), f"{seen}\n{context}"
+    # checkpoints fell in the full volume's steps: they failed and the operator said so; the job completed only
+    # once the last step's checkpoint was written, with room again
+    assert chaos.degraded_by_checkpoint, context
+    assert final_version == algorithm.total_steps, context
+    history, redone = final_history(
         steps,
         total_steps=algorithm.total_steps,
         batch_size=algorithm.batch_size,
         group_size=algorithm.group_size,
         max_staleness=algorithm.max_staleness,
         checkpoint_interval=2,
-        context=described,
+        context=context,
     )
-    assert final["groups"]["admitted"] == sum(
-        final["groups"][k] for k in ("running", "accepted", "filtered", "failed", "requeued")
-    )
+    # every admitted group settled once; the ones dropped (past η after a rollback) or lost never in the history
+    groups = final["groups"]
+    assert groups["admitted"] == sum(groups[k] for k in ("running", "accepted", "filtered", "failed", "requeued"))
+    dropped = {g for s in steps for g in s["dropped_groups"]}
+    assert not dropped & {g for s in history.values() for g in s["groups"]}, context
+    assert len(dropped) <= groups["dropped"], context
+    if results := os.environ.get("AREAL_CLUSTER_CHAOS_RESULTS"):  # for `make chaos` (bench/cluster_chaos.py)
+        figures = {
+            "seed": seed,
+            "eta": algorithm.max_staleness,
+            "total_steps": algorithm.total_steps,
+            "wall_seconds": round(wall, 1),
+            "steps_redone": redone,
+            "groups_requeued": groups["requeued"],
+            "groups_dropped": groups["dropped"],
+            "groups_lost": groups["lost"],
+            "max_staleness_seen": final["staleness"]["max"],
+            "checkpoint_failed_seconds": chaos.degraded_by_checkpoint,
+            "restarts": seen,
+            "kills": [kill for _, kill in chaos_schedule(seed)[0]],
+            "faults_started_after_step": chaos.started,
+            **{
+                f"steps_during_{fault}": chaos.ended.get(fault, algorithm.total_steps) - chaos.started[fault]
+                for fault in CLUSTER_FAULTS
+            },
+        }
+        with open(results, "a") as out:
+            out.write(json.dumps(figures) + "\n")
 
 
 def probe_file(path: str, period: int = 1, **thresholds) -> dict:

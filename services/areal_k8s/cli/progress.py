@@ -90,6 +90,8 @@ def status_table(s: controller_pb2.JobStatus, recorder: MetricsRecorder | None =
     table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
     if s.stalled:  # past trainer.progress_deadline_seconds without a step: what the run waits for
         table.add_row("not progressing", s.stalled)
+    if s.checkpoint_error:  # the trainer trains on; a restart would resume from the checkpoint before
+        table.add_row("checkpoint failed", s.checkpoint_error)
     if recorder and recorder.snapshots:
         rows = metric_rows(recorder)
         for left, right in zip(rows[::2], rows[1::2]):

@@ -29,6 +29,7 @@ class Progress:
     last_step_at: float = 0.0
     finished: bool = False
     last_step: int = 0  # the newest training step recorded since the trainer last restored a checkpoint
+    checkpoint_error: str = ""  # why the trainer's last checkpoint was not written ("" once one is)
 
     @classmethod
     def from_snapshot(cls, figures: dict) -> Progress:
@@ -65,11 +66,13 @@ class Progress:
         staleness_counts: Sequence[int] = (),
         wait_seconds: float = 0.0,
         token_staleness_counts: Sequence[int] = (),
+        checkpoint_error: str = "",
     ) -> bool:
         """Record a step report; False for a report of a step already recorded (a retry whose first attempt was
         recorded before the answer was lost), which changes nothing."""
         if groups and version <= self.last_step:
             return False
+        self.checkpoint_error = checkpoint_error
         if base_evaluation:
             self.base_accuracy = eval_accuracy
         elif eval_accuracy >= 0:
@@ -118,4 +121,5 @@ class Progress:
             "eval_accuracy": self.eval_accuracy,
             "base_accuracy": self.base_accuracy,
             "finished": self.finished,
+            "checkpoint_error": self.checkpoint_error,
         }

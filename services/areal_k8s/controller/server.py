@@ -382,6 +382,7 @@ def record_step_report(core: ControllerCore, request: controller_pb2.ReportTrain
         staleness_counts=request.staleness_counts,
         wait_seconds=request.wait_seconds,
         token_staleness_counts=request.token_staleness_counts,
+        checkpoint_error=request.checkpoint_error,
     )
 
 

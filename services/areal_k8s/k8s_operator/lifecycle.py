@@ -203,6 +203,8 @@ def job_conditions(phase: Phase, observed: Observed, max_dead_lettered: int = 0)
         degraded = (True, "ApplyFailed", "; ".join(observed.apply_errors))
     elif phase.running and controller_ready and observed.controller_error:
         degraded = (True, "ControllerUnreachable", observed.controller_error)
+    elif phase.running and observed.controller is not None and observed.controller.checkpoint_error:
+        degraded = (True, "CheckpointFailed", observed.controller.checkpoint_error)
     elif observed.autoscaler_conflict:
         degraded = (True, "AutoscalerConflict", observed.autoscaler_conflict)
     elif phase.running and observed.controller is not None and observed.controller.dead_lettered > max_dead_lettered:

@@ -30,15 +30,26 @@ def checkpoint_dir(root: Path, version: int) -> Path:
     return root / f"v{version:06d}"
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full or failing volume): nothing of it is left, the previous one stays the
+    latest."""
+
+
 def save_checkpoint(root: Path, engine: TrainEngine, state: TrainerState, keep: int) -> Path:
-    """Write into a temporary folder and rename it, so a crash never leaves a half checkpoint that looks whole."""
+    """Write into a temporary folder and rename it, so a crash never leaves a half checkpoint that looks whole. A write
+    that fails (ENOSPC, say) removes what it wrote and raises CheckpointWriteError; the older checkpoints stay."""
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, state.version)
     partial = root / f".partial-{final.name}"
     shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    engine.save_checkpoint(partial)
-    (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    try:
+        partial.mkdir()
+        engine.save_checkpoint(partial)
+        (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
+    except Exception as exc:  # the engine's writers wrap OSError in their own errors (torch: RuntimeError)
+        shutil.rmtree(partial, ignore_errors=True)  # freeing its space too
+        failed = f"writing the checkpoint of version {state.version} to {root} failed: {exc}"
+        raise CheckpointWriteError(failed) from exc
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     for old in list_checkpoints(root)[:-keep]:

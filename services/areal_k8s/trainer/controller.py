@@ -46,6 +46,7 @@ class StepReport:
     finished: bool = False  # the trainer reached its last step
     eval_accuracy: float = 0.0  # -1 when no evaluation ran this step
     base_evaluation: bool = False
+    checkpoint_error: str = ""  # why the trainer's last checkpoint was not written ("" once one is)
 
 
 @dataclass(frozen=True)

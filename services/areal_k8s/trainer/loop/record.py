@@ -3,9 +3,14 @@ controller is told."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from areal_k8s.trainer.controller import StepReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,8 +44,9 @@ class StepRecord:
     token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness (index s)
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
 
-    def report(self, finished: bool) -> StepReport:
-        """What the controller keeps of the step for the job status (`finished`: the run's last step)."""
+    def report(self, checkpoint_error: str = "") -> StepReport:
+        """What the controller keeps of the step for the job status (`checkpoint_error`: why the last checkpoint
+        was not written, if it was not). The run's end is a report of its own, once the final model is written."""
         return StepReport(
             version=self.version,
             group_ids=self.groups,
@@ -54,6 +60,42 @@ class StepRecord:
             reward_mean=self.reward_mean,
             loss=self.loss,
             step_seconds=sum(self.seconds.values()),
-            finished=finished,
             eval_accuracy=self.eval_accuracy,
+            checkpoint_error=checkpoint_error,
         )
+
+
+class StepLog:
+    """steps.jsonl, a line per step. A line its volume has no room for (ENOSPC) is cut off again, so the file never
+    holds half a line, and written with the next step's."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.waiting: list[str] = []  # lines not yet written, oldest first
+
+    def append(self, record: StepRecord) -> bool:
+        """Write `record` (after any waiting lines); False if it waits for room."""
+        self.waiting.append(json.dumps(asdict(record)) + "\n")
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Write the waiting lines; False if they still wait for room."""
+        if not self.waiting:
+            return True
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("ab", buffering=0) as f:  # unbuffered: nothing is left to write at close
+                whole, lines = f.tell(), "".join(self.waiting).encode()
+                try:
+                    written = 0
+                    while written < len(lines):
+                        written += f.write(lines[written:])
+                except OSError:
+                    f.truncate(whole)
+                    raise
+        except OSError as exc:
+            versions = [json.loads(line)["version"] for line in self.waiting]
+            log.warning("the records of steps %s wait to be written to %s: %s", versions, self.path, exc)
+            return False
+        self.waiting = []
+        return True

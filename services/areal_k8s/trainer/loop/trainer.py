@@ -12,10 +12,8 @@ ranks.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from areal_k8s.common.config import JobConfig
@@ -25,14 +23,15 @@ from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.trainer.backends.engine import TrainEngine, make_engine
 from areal_k8s.trainer.checkpoint import (
+    CheckpointWriteError,
     TrainerState,
     latest_checkpoint,
     save_checkpoint,
 )
-from areal_k8s.trainer.controller import Controller, WeightVersion
+from areal_k8s.trainer.controller import Controller, StepReport, WeightVersion
 from areal_k8s.trainer.evaluation import Evaluator
 from areal_k8s.trainer.loop.intake import drop_past_the_bound, next_batch
-from areal_k8s.trainer.loop.record import StepRecord
+from areal_k8s.trainer.loop.record import StepLog, StepRecord
 from areal_k8s.trainer.loop.resume import resume
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
 from areal_k8s.trainer.step.train_step import TrainStep
@@ -41,6 +40,8 @@ from areal_k8s.trainer.weights.publisher import WeightPublisher
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
+
+FINAL_CHECKPOINT_RETRY_SECONDS = 5.0  # the last step's checkpoint is the final model's: tried until it is written
 
 
 class Trainer:
@@ -66,7 +67,8 @@ class Trainer:
         self.world = world or World()  # formed (joined) before the engines are made: they read their rank from it
         self.run_dir = Path(job.run_dir)
         self.checkpoints = self.run_dir / "checkpoints"
-        self.steps_log = self.run_dir / "trainer" / "steps.jsonl"
+        self.steps_log = StepLog(self.run_dir / "trainer" / "steps.jsonl")
+        self.checkpoint_error = ""  # why the last checkpoint could not be written ("" once one is)
         self.engine: TrainEngine = make_engine(job)
         # The KL penalty's reference is the initial model, frozen.
         self.reference: TrainEngine | None = make_engine(job, trainable=False) if job.algorithm.kl_coef > 0 else None
@@ -133,16 +135,23 @@ class Trainer:
                     record.seconds["eval"] = time.monotonic() - evaluated
                 record.finished_at = time.time()
                 self.observe(record, step_seconds=time.monotonic() - waited)
-                await self.report(record, finished=self.version == total)
+                await self.report(record)
                 self.last = record
                 # Last: a step is done once its checkpoint is (a trainer killed before it trains the step again from
                 # the previous one, its report counted as a step re-done).
                 if self.version % self.job.trainer.checkpoint_interval == 0 or self.version == total:
                     checkpointed = await self.commit()
+                    while self.version == total and (self.checkpoint_error or self.steps_log.waiting):
+                        await asyncio.sleep(FINAL_CHECKPOINT_RETRY_SECONDS)
+                        checkpointed += await self.commit()
                     self.metrics.phase_seconds.labels(phase="checkpoint").inc(checkpointed)
         await asyncio.to_thread(self.world.send, STOP)
         self.phase = "writing_final_model"
         await asyncio.to_thread(self.write_final_model)
+        # The job is finished once its final model is written (from the last step's checkpoint, tried until it is):
+        # a full volume holds its completion, never completes it without the model. Sent again by a trainer
+        # restarted after the last step.
+        await self.controller.report_step(StepReport(version=self.version, eval_accuracy=-1.0, finished=True))
         self.phase = "finished"
 
     def write_final_model(self) -> Path:
@@ -187,13 +196,27 @@ class Trainer:
         delivered_again, self.assembler.delivered_again = self.assembler.delivered_again, []
         self.state.unacked_entries = [e.entry_id for e in self.unacked] + delivered_again
         await asyncio.to_thread(self.world.send, COMMIT)
-        await asyncio.to_thread(
-            save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints
-        )
+        try:
+            await asyncio.to_thread(
+                save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints
+            )
+            failure = ""
+        except CheckpointWriteError as exc:  # training goes on from the previous checkpoint's point of view
+            failure = str(exc)
         await asyncio.to_thread(self.world.barrier)
-        await self.store.ack(self.state.unacked_entries)
-        self.assembler.forget(self.state.unacked_entries)
-        self.unacked = []
+        if failure:  # nothing acknowledged: a trainer restored from the previous checkpoint trains these again
+            self.assembler.delivered_again[:0] = delivered_again
+            log.warning("%s; training goes on, the latest checkpoint stays the previous one", failure)
+        else:
+            await self.store.ack(self.state.unacked_entries)
+            self.assembler.forget(self.state.unacked_entries)
+            self.unacked = []
+            self.steps_log.flush()  # a step's record that waited for room is written with its checkpoint
+        if failure != self.checkpoint_error:  # the job status says so (the RLJob's Degraded condition)
+            self.checkpoint_error = failure
+            await self.controller.report_step(
+                StepReport(version=self.version, eval_accuracy=-1.0, checkpoint_error=failure)
+            )
         return time.monotonic() - started
 
     async def save_now(self) -> Path:
@@ -201,6 +224,8 @@ class Trainer:
             raise RuntimeError(f"rank 0 of the trainer world writes the checkpoints, not rank {self.world.rank}")
         async with self.lock:
             await self.commit()
+        if self.checkpoint_error:
+            raise CheckpointWriteError(self.checkpoint_error)
         return latest_checkpoint(self.checkpoints)
 
     # -- weights -------------------------------------------------------------------------------------------
@@ -262,11 +287,9 @@ class Trainer:
         m.token_staleness.add(record.token_staleness_counts)
         self.trackers.log(record.version, step_figures(record, step_seconds))
 
-    async def report(self, record: StepRecord, finished: bool) -> None:
-        self.steps_log.parent.mkdir(parents=True, exist_ok=True)
-        with self.steps_log.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
-        await self.controller.report_step(record.report(finished))
+    async def report(self, record: StepRecord) -> None:
+        self.steps_log.append(record)
+        await self.controller.report_step(record.report(checkpoint_error=self.checkpoint_error))
         log.info(
             "version %d: reward %.3f loss %.4f staleness ≤ %d%s",
             record.version,
