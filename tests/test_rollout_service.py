@@ -296,3 +296,55 @@ async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves
         await server.stop(None)
         await engine.close()
         await redis_client.aclose()
+
+
+async def test_a_group_whose_outcome_a_newer_incarnation_made_stale_ends_quietly(redis_url, unused_tcp_port):
+    """A worker process that another registered under its name since (a restart it did not see) finishes a group:
+    the controller refuses the outcome (Superseded), which the group's task takes as said, not as an exception
+    nobody retrieves; the group went back to the queue when the newer incarnation registered."""
+    from areal_k8s.api.v1 import controller_pb2_grpc
+    from areal_k8s.controller.core import ControllerCore
+    from areal_k8s.controller.server import serve
+    from areal_k8s.data.dataset import DatasetItem
+    from areal_k8s.rollout.clients import ControllerClient
+    from areal_k8s.rollout.controller_link import AcquireRequest, Registration
+
+    items = [DatasetItem(id="p0", prompt="1+1=", reference="2", verifier="addition")]
+    core = ControllerCore(JOB, items, lease_seconds=60)
+    redis_client = connect(redis_url)
+    store = TrajectoryStore(redis_client, JOB.name)
+    server, port, _, background = await serve(core, store, "127.0.0.1:0")
+    client_channel = channel(f"127.0.0.1:{port}")
+    controller = ControllerClient(controller_pb2_grpc.ControllerStub(client_channel))
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # nothing listens: engine gone
+    worker = RolloutWorker(
+        job=JOB,
+        worker_id="w0",
+        address="127.0.0.1:0",
+        controller=controller,
+        scorer=None,
+        engine=engine,
+        store=store,
+        tokenizer=build_tokenizer(),
+    )
+    try:
+        await worker.register()
+        acquired = await controller.acquire_groups(
+            AcquireRequest("w0", 1, 0, 0, holding=[], reports_holding=False, incarnation=worker.incarnation)
+        )
+        [group] = acquired.groups
+        newer = await controller.register(
+            Registration(worker_id="w0", address="127.0.0.1:9", engine_version=0, engine_ranks=1, engine_dtype="")
+        )
+        assert newer > worker.incarnation and core.leases.held_by("w0") == []  # revoked at the new registration
+        requeued = core.requeued
+
+        await worker.process_group(group)  # raised Superseded before
+
+        assert core.leases.held_by("w0") == [] and core.requeued == requeued  # the refused outcome changed nothing
+    finally:
+        background.cancel()
+        await client_channel.close()
+        await server.stop(None)
+        await engine.close()
+        await redis_client.aclose()

@@ -223,9 +223,14 @@ class RolloutWorker:
             else:
                 log.exception("group %s failed", group.group_id)
                 result = Result.FAILED
-        await self.controller.complete_groups(
-            self.worker_id, [GroupOutcome(group.group_id, result, reason)], self.incarnation
-        )
+        try:
+            await self.controller.complete_groups(
+                self.worker_id, [GroupOutcome(group.group_id, result, reason)], self.incarnation
+            )
+        except ControllerError as exc:
+            # Refused (a later incarnation took this worker's leases over) or unanswered: the controller settles the
+            # group without us, by its lease or as the new incarnation's; the task ends quietly either way.
+            log.warning("group %s: its outcome (%s) was not taken: %s", group.group_id, result.value, exc)
 
     # -- the pull loop -------------------------------------------------------------------------------------
 
