@@ -75,14 +75,18 @@ def write_readme(report: dict, path: Path = DOC) -> None:
     write_between(path, README_BEGIN, README_END, readme_block(report))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=5)
+def seeded_runs(
+    argv: list[str] | None, doc: str, what: str, default_runs, run_once, summarize, readme_block, write_readme, results
+) -> int:
+    """`make chaos`'s command line for a seeded chaos test (this one, bench/cluster_chaos.py's): --runs random seeds
+    or --seeds, each run's record, the results file and the docs' generated block; --readme writes the block only."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=default_runs)
     parser.add_argument("--seeds", type=int, nargs="*", help="seeds to run (default: --runs random ones)")
-    parser.add_argument("--readme", action="store_true", help="only write the docs page's lines from the results file")
+    parser.add_argument("--readme", action="store_true", help="only write the docs page's block from the results file")
     args = parser.parse_args(argv)
     if args.readme:
-        write_readme(json.loads(RESULTS.read_text()))
+        write_readme(json.loads(results.read_text()))
         return 0
     seeds = args.seeds or [random.SystemRandom().randrange(10**6) for _ in range(args.runs)]
     with tempfile.TemporaryDirectory() as scratch:
@@ -90,13 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         failed = [seed for seed in seeds if not run_once(seed, lines)]
         runs = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
     if not runs:
-        print(f"no chaos run passed (seeds {failed})", file=sys.stderr)
+        print(f"no {what} run passed (seeds {failed})", file=sys.stderr)
         return 1
     report = {"runs": runs, "failed_seeds": failed, "summary": summarize(runs, len(seeds))}
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    results.write_text(json.dumps(report, indent=2) + "\n")
     write_readme(report)
     print(readme_block(report))
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return seeded_runs(argv, __doc__, "chaos", 5, run_once, summarize, readme_block, write_readme, RESULTS)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,10 @@ bench/results/cluster_chaos.json holds every run and each figure's median and ra
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
 import sys
-import tempfile
 from pathlib import Path
 
-from chaos import passes
+from chaos import passes, seeded_runs
 from figures import spread, write_between
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,27 +114,7 @@ def write_readme(report: dict, path: Path = DOC) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--seeds", type=int, nargs="*", help="seeds to run (default: --runs random ones)")
-    parser.add_argument("--readme", action="store_true", help="only write the docs page's table from the results file")
-    args = parser.parse_args(argv)
-    if args.readme:
-        write_readme(json.loads(RESULTS.read_text()))
-        return 0
-    seeds = args.seeds or [random.SystemRandom().randrange(10**6) for _ in range(args.runs)]
-    with tempfile.TemporaryDirectory() as scratch:
-        lines = Path(scratch) / "runs.jsonl"
-        failed = [seed for seed in seeds if not run_once(seed, lines)]
-        runs = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
-    if not runs:
-        print(f"no cluster chaos run passed (seeds {failed})", file=sys.stderr)
-        return 1
-    report = {"runs": runs, "failed_seeds": failed, "summary": summarize(runs, len(seeds))}
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    write_readme(report)
-    print(readme_block(report))
-    return 1 if failed else 0
+    return seeded_runs(argv, __doc__, "cluster chaos", 3, run_once, summarize, readme_block, write_readme, RESULTS)
 
 
 if __name__ == "__main__":
