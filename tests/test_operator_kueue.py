@@ -16,9 +16,9 @@ import yaml
 from operator_fixtures import NAMESPACE, ON_API_SERVER, Cluster, eventually, resource_info, rljob
 from test_operator_kopf import GPU_JOB
 from test_operator_rbac import allowed_permissions, permission_of, user_agent
-from test_operator_rebalance import serving
+from test_operator_rebalance import HandingOffTrainer, serving
 
-from areal_k8s.api.v1 import controller_pb2, trainer_pb2, trainer_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, trainer_pb2_grpc
 from areal_k8s.k8s_operator import kueue, names
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import USER_AGENT
@@ -67,20 +67,9 @@ def kueue_cluster(cluster: Cluster) -> Cluster:
     return cluster
 
 
-class HandingOffTrainer(trainer_pb2_grpc.TrainerServicer):
-    """A real gRPC Trainer service: each hand-off notes the trainer StatefulSet's replicas at that moment."""
-
-    def __init__(self, cluster: Cluster):
-        self.cluster, self.asked = cluster, []
-
-    async def SaveCheckpoint(self, request, context):
-        self.asked.append((request.hand_off, self.cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"]))
-        return trainer_pb2.SaveCheckpointResponse(path="/checkpoints/v000002", version=2)
-
-
 @pytest.fixture
 async def trainer_rank_0(operator_context, kueue_cluster):
-    servicer = HandingOffTrainer(kueue_cluster)
+    servicer = HandingOffTrainer(kueue_cluster, version=2)
     async with serving(trainer_pb2_grpc.add_TrainerServicer_to_server, servicer) as address:
         operator_context.trainer_address = lambda namespace, name: address
         yield servicer

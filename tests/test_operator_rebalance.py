@@ -256,14 +256,14 @@ def test_the_trainer_bounds_come_from_roles_trainer_in_data_parallel_replicas():
 
 
 class HandingOffTrainer(trainer_pb2_grpc.TrainerServicer):
-    """A real gRPC Trainer service that hands off at version 5, noting the trainer StatefulSet's size when asked."""
+    """A real gRPC Trainer service that hands off at `version`, noting the trainer StatefulSet's size when asked."""
 
-    def __init__(self, cluster: Cluster):
-        self.cluster, self.asked = cluster, []
+    def __init__(self, cluster: Cluster, version: int = 5):
+        self.cluster, self.version, self.asked = cluster, version, []
 
     async def SaveCheckpoint(self, request, context):
         self.asked.append((request.hand_off, self.cluster.get(STATEFULSETS, "demo-trainer")["spec"]["replicas"]))
-        return trainer_pb2.SaveCheckpointResponse(path="/checkpoints/v000005", version=5)
+        return trainer_pb2.SaveCheckpointResponse(path=f"/checkpoints/v{self.version:06d}", version=self.version)
 
 
 @pytest.fixture
