@@ -48,12 +48,11 @@ BUILD_FORMAT = 2  # 2: built pinned to AVX2; assets of an older format are rebui
 
 
 @dataclass(frozen=True)
-class DemoBuildConfig:
+class ModelBuildConfig:
+    """What every task's asset build has: the seed, the data sizes, the model's shape, the supervised warm-up and the
+    base model's evaluation, at the demo's values (a task's build overrides what differs and adds its task's)."""
+
     seed: int = 0
-    # task distribution
-    min_digits: int = task.DEFAULT_DIGITS.min_digits
-    max_digits: int = task.DEFAULT_DIGITS.max_digits
-    tail_exponent: float = task.DEFAULT_DIGITS.tail_exponent
     train_size: int = 4000
     eval_size: int = 256
     # model
@@ -73,6 +72,14 @@ class DemoBuildConfig:
     # base-model evaluation
     eval_max_new_tokens: int = 128
     eval_batch_size: int = 128
+
+
+@dataclass(frozen=True)
+class DemoBuildConfig(ModelBuildConfig):
+    # task distribution
+    min_digits: int = task.DEFAULT_DIGITS.min_digits
+    max_digits: int = task.DEFAULT_DIGITS.max_digits
+    tail_exponent: float = task.DEFAULT_DIGITS.tail_exponent
 
     @property
     def digits(self) -> task.DigitDistribution:
@@ -95,8 +102,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(config, tokenizer: PreTrainedTokenizerFast, *, max_positions: int = 256) -> Qwen2ForCausalLM:
-    """A Qwen2 of `config`'s shape with random weights drawn from its seed (any config with those fields)."""
+def build_model(
+    config: ModelBuildConfig, tokenizer: PreTrainedTokenizerFast, *, max_positions: int = 256
+) -> Qwen2ForCausalLM:
+    """A Qwen2 of `config`'s shape with random weights drawn from its seed."""
     model_config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,

@@ -16,24 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_k8s.demo import long_tail
-from areal_k8s.demo.build import build_assets, build_command, warm_up_and_save
+from areal_k8s.demo.build import ModelBuildConfig, build_assets, build_command, warm_up_and_save
 from areal_k8s.reward.running_sum_verifier import running_sum_reward
 
 
 @dataclass(frozen=True)
-class LongTailBuildConfig:
-    seed: int = 0
+class LongTailBuildConfig(ModelBuildConfig):
     # task distribution (long_tail.StepDistribution)
     median_steps: float = long_tail.DEFAULT_STEPS.median_steps
     sigma: float = long_tail.DEFAULT_STEPS.sigma
     max_steps: int = long_tail.DEFAULT_STEPS.max_steps
-    train_size: int = 4000
-    eval_size: int = 256
     # model: the demo's shape, with room for the longest prompt and worked solution
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
     max_positions: int = 1024
     # supervised warm-up: this share of the solutions are bare answers; stops once greedy accuracy on a probe set
     # reaches the target (or after max steps)
@@ -44,12 +37,9 @@ class LongTailBuildConfig:
     sft_max_steps: int = 400
     sft_probe_size: int = 64
     sft_batch_size: int = 32  # half the demo's: a batch of the longest solutions is ~25k tokens
-    sft_lr: float = 2e-3
-    sft_warmup_steps: int = 20
     probe_max_new_tokens: int = 128  # the probe's long sums go unsolved: a short budget keeps checks cheap
     # base-model evaluation
     eval_max_new_tokens: int = 1024
-    eval_batch_size: int = 128
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shortcut_fraction <= 1.0:
