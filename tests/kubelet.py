@@ -361,7 +361,9 @@ class Cluster:
         """The pod's node went away: its containers die at once (SIGKILL, no SIGTERM first) and the pod is deleted,
         as the node lifecycle controller evicts it. Its workload makes a new one at its next `apply`, as if on
         another node: a new address (the DNS follows it), fresh emptyDirs; a StatefulSet's under the same name, once
-        the old one is gone, with the same claims."""
+        the old one is gone, with the same claims. Its network goes first, as a node's does: no FIN or RST of its
+        dying processes reaches a peer, whose connections to it fall silent."""
+        run("ip", "-n", pod.netns, "link", "set", "eth0", "down", check=False)
         for container in pod.containers:
             self.kill_group(container)
         self.delete_pod(pod, grace=0)

@@ -217,18 +217,20 @@ async def example_cluster(tmp_path: Path, assets: Path, **claims: Path):
 
 
 async def run_to_the_end(
-    cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None
+    cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None, context: str = ""
 ) -> tuple[list[dict], str]:
     """Reconcile every second until the job is Complete and its pods are gone; the statuses seen, and the pods as
-    described while it ran (for a failure's message). `each` sees every status, and may return the job changed
-    (a spec edit), which the next reconciles then see."""
+    described while it ran (for a failure's message, which `context` begins: CI's excerpt of a long failure keeps
+    its first and last lines). `each` sees every status, and may return the job changed (a spec edit), which the
+    next reconciles then see."""
     selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
     statuses, status, described = [], {}, ""
     deadline = asyncio.get_running_loop().time() + timeout
     while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
         if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
             pytest.fail(
-                f"the job did not complete: {condition(status, 'Failed')} "
+                f"{context}the job did not complete at version {status.get('policyVersion')}: "
+                f"{condition(status, 'Failed')} "
                 f"{status.get('conditions')}\n{cluster.describe()}"
             )
         status = await reconcile(cluster, job, status)
@@ -421,6 +423,9 @@ class ClusterChaos:
             if pod := pod_of(cluster, job, role):
                 self.addresses[role].add(pod.ip)
 
+    def __str__(self) -> str:
+        return f"kills to come {self.pending}, faults started {self.started}, ended {self.ended}"
+
     async def settle(self) -> None:
         """Every fault over (a run that ended first heals what is still on)."""
         for task in self.tasks.values():
@@ -455,7 +460,9 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
             chaos = ClusterChaos(cluster, job, seed, volume)
             began = time.monotonic()
             try:
-                statuses, described = await run_to_the_end(cluster, job, timeout=540, each=chaos)
+                statuses, described = await run_to_the_end(
+                    cluster, job, timeout=540, each=chaos, context=f"cluster chaos seed {seed}, {chaos}: "
+                )
             finally:
                 await chaos.settle()
             wall = time.monotonic() - began

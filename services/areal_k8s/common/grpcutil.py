@@ -15,9 +15,24 @@ log = logging.getLogger(__name__)
 
 # Trajectory batches and weight metadata can be large; gRPC's 4 MiB default is too small for a group of long samples.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# A peer whose node is lost sends no FIN: a call on its connection (a held poll, a step report) would wait out its
+# deadline, and new calls would queue behind it. Each side pings after KEEPALIVE_TIME_MS of silence and drops a
+# connection whose ping goes unanswered for KEEPALIVE_TIMEOUT_MS: its calls fail UNAVAILABLE (retried ones are sent
+# again) and the channel resolves the name again, reaching the Service's new pod.
+KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 10_000
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),  # an idle connection to a lost peer is dropped before the next call
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a held call sends nothing
+]
+# A server accepts its clients' pings at that rate (gRPC's default would answer them with GOAWAY "too_many_pings").
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail to bind, not silently share its connections
 ]
 
 
@@ -75,8 +90,7 @@ async def start_server(
     `services` are (add_XServicer_to_server, servicer, full service name). Returns the server, the bound port
     and the health servicer (every service starts SERVING; shells flip it when they lose a dependency).
     """
-    # No SO_REUSEPORT: a second server on a taken port must fail to bind, not silently share its connections.
-    server = grpc.aio.server(options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = []

@@ -10,6 +10,7 @@ state (controller/state_store.py; its keys are named here with the others).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -112,8 +113,27 @@ def _decode(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
 REDIS_RETRY = Retry(ExponentialWithJitterBackoff(base=0.2, cap=5.0), retries=30)
 
 
+# A Redis whose node is lost sends no FIN: a blocking read (XREADGROUP BLOCK) would wait on its connection for ever.
+# The kernel probes a connection silent for 10 s and drops it after 2 unanswered probes 5 s apart, or when data sent
+# goes unacknowledged for 20 s (as gRPC's keepalive does, grpcutil.py); the command fails with a connection error,
+# is retried, and reconnects (the Service names the new pod).
+TCP_KEEPALIVE = {
+    socket.TCP_KEEPIDLE: 10,
+    socket.TCP_KEEPINTVL: 5,
+    socket.TCP_KEEPCNT: 2,
+    socket.TCP_USER_TIMEOUT: 20_000,
+}
+
+
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30, retry=REDIS_RETRY)
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        health_check_interval=30,
+        retry=REDIS_RETRY,
+        socket_keepalive=True,
+        socket_keepalive_options=TCP_KEEPALIVE,
+    )
 
 
 class TrajectoryStore:
