@@ -287,6 +287,9 @@ def register(registry: kopf.OperatorRegistry, ctx: Context) -> None:
     def configure(settings: kopf.OperatorSettings, **_):
         settings.persistence.finalizer = names.FINALIZER
         settings.peering.standalone = True  # run one replica: kopf's peering is not leader election
+        # An RLJob deleted while its timer's reconcile runs keeps its finalizer until kopf sees the timer exit, which
+        # it polls for every 60 s by default: the deletion would wait that long after the reconcile ended.
+        settings.background.cancellation_polling = ctx.interval
 
     locks = ctx.reconcile_locks
 
