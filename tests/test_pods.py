@@ -338,6 +338,9 @@ LOST_PODS = ["rollout", "controller", "trainer"]
 # pod throttled to a quarter of a CPU (each for FAULT_SECONDS), the trainer's checkpoint volume full for FILL_STEPS
 CLUSTER_FAULTS = ["partition", "throttle", "fill"]
 FAULT_SECONDS, THROTTLE_FRACTION, FILL_STEPS = 20, 0.25, 4
+# the rollout worker's lease in the chaos run: the partition outlasts it, so the controller revokes what the worker
+# held and admits it again, and refuses the worker's late writes once it is reachable again
+LEASE_SECONDS = 10
 CHECKPOINT_VOLUME_MB = 64  # the trainer's checkpoint claim: a tmpfs of this size, to fill
 
 
@@ -442,15 +445,16 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
     file), the rollout, controller and trainer pods each lost with their node (each comes back as a new pod under a
     new address, the trainer's under its name with its checkpoint claim, which the Service names follow), in an
     order drawn from the seed; meanwhile, from steps drawn from the seed, the rollout pod partitioned from the
-    controller and the trainer, the rollout pod throttled, the checkpoint volume full. The job completes with
-    nothing lost, nothing trained twice in its history and every sample within η; the versions go back only to a
-    checkpoint; the operator counts the restarts per role and said the checkpoint failed while the volume was full.
-    The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
+    controller and the trainer for longer than its lease, the rollout pod throttled, the checkpoint volume full. The
+    job completes with nothing lost, nothing trained twice in its history and every sample within η; the versions go
+    back only to a checkpoint; the operator counts the restarts per role and said the checkpoint failed while the
+    volume was full. The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
     seed = int(os.environ.get("AREAL_CLUSTER_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
     print(f"cluster chaos seed {seed} (replay: AREAL_CLUSTER_CHAOS_SEED={seed})")
     rljob = the_example()
     rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * (len(CHAOS_VICTIMS) + len(LOST_PODS))
     rljob["spec"]["trainer"].update(checkpoint_interval=2, eval_interval=0)
+    rljob["spec"]["rollout"]["lease_seconds"] = LEASE_SECONDS  # the partition outlasts it
     job = validate(rljob)
     algorithm = job.config.algorithm
     claim = f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"

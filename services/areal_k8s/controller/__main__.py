@@ -20,7 +20,6 @@ def main() -> None:
     parser.add_argument(
         "--redis-url", default=os.environ.get("AREAL_REDIS_URL"), required=not os.environ.get("AREAL_REDIS_URL")
     )
-    parser.add_argument("--lease-seconds", type=float, default=60.0, help="a worker silent this long loses its groups")
     parser.add_argument(
         "--reward",
         default=os.environ.get("AREAL_REWARD_ADDRESS"),
@@ -38,7 +37,7 @@ def main() -> None:
         client = connect(args.redis_url)
         metrics = ControllerMetrics(job.name)
         metrics.serve(args.host, args.metrics_port)
-        core = ControllerCore(job, items, lease_seconds=args.lease_seconds, metrics=metrics)
+        core = ControllerCore(job, items, metrics=metrics)
         reward_channel = dependency_channel(args.reward) if args.reward else None
         if reward_channel is None:
             log.warning("no --reward: the job's verifiers are not checked before work is admitted")

@@ -59,13 +59,13 @@ class ControllerCore:
         job: JobConfig,
         items: list[DatasetItem],
         *,
-        lease_seconds: float = 60.0,
+        lease_seconds: float | None = None,  # default: the job's rollout.lease_seconds
         clock: Callable[[], float] = time.time,
         metrics: ControllerMetrics | None = None,
     ):
         self.job = job
         self.items = items
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = job.rollout.lease_seconds if lease_seconds is None else lease_seconds
         self.clock = clock
         self.cursor = DataCursor(len(items), seed=job.seed, shuffle=job.dataset.shuffle)
         self.version = 0

@@ -71,6 +71,12 @@ class RolloutConfig(Section):
     groups_per_worker: Annotated[int, Field(ge=1)] = Field(
         8, description="Prompt groups a worker keeps in flight (its share of the admission capacity)."
     )
+    lease_seconds: Annotated[float, Field(ge=5)] = Field(
+        60.0,
+        description="A worker silent this long (no poll: a worker polls every fraction of a second) loses the groups "
+        "it holds: they are revoked (a late write of theirs is refused) and their prompts admitted again. Shorter: a "
+        "lost rollout pod's work comes back sooner; longer: a worker rides out a longer partition with its work.",
+    )
     max_group_failures: Annotated[int, Field(ge=1)] = Field(
         3,
         description="A prompt whose group fails this many times in a row (any cause, a lost worker too) is "
