@@ -534,6 +534,30 @@ async def test_load_reports_queue_and_busy_time(server_url):
     assert after["uptime_seconds"] >= after["busy_seconds"]
 
 
+async def test_v1_loads_counts_the_running_requests_kv_tokens_over_the_engines_capacity(engine, server_url):
+    """SGLang's /v1/loads, as the worker reads it: the running requests' tokens (prompt and output so far) over the
+    KV capacity (every row of the batch at the model's context); nothing once they are gone."""
+    long = {"temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}
+    running = await started(engine, (PROMPTS[0], long), (PROMPTS[2], long))
+    await engine.pause_generation("in_place")  # frozen: the counts hold still while read
+    client = SGLangClient(server_url)
+    try:
+        (busy,) = (await client.request("GET", "/v1/loads", None, timeout=60))["loads"]
+        busy_load = await client.token_load(timeout=60)
+        await engine.abort_request(abort_all=True)
+        await asyncio.gather(*running)
+        (idle,) = (await client.request("GET", "/v1/loads", None, timeout=60))["loads"]
+    finally:
+        await engine.continue_generation()
+        await client.close()
+    prompts = len(PROMPTS[0]) + len(PROMPTS[2])
+    assert (busy["num_running_reqs"], busy["num_waiting_reqs"]) == (2, 0)
+    assert prompts + 2 <= busy["num_used_tokens"] == busy["num_total_tokens"] < prompts + 2 * LONG
+    assert busy["max_total_num_tokens"] == 8 * engine.context_length  # max_batch_size 8
+    assert busy_load == busy["num_total_tokens"] / busy["max_total_num_tokens"] > 0
+    assert (idle["num_running_reqs"], idle["num_waiting_reqs"], idle["num_total_tokens"]) == (0, 0, 0)
+
+
 async def test_control_calls_reach_a_paused_engine_holding_many_generation_requests(server_url):
     """A paused engine holds every generation request open; pause/continue must not queue behind them (a client
     connection pool shared with generation deadlocked the weight push once more than its limit were in flight)."""
