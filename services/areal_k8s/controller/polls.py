@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import math
 from collections.abc import Callable
@@ -34,7 +35,10 @@ class HeldPolls:
         self.room = room
         self.placement = placement
         self.woken = 0  # polls woken that have not yet taken their share
-        self._waiting: dict[int, tuple[asyncio.Future, float | None]] = {}  # arrival -> (woken, engine load)
+        self._waiting: dict[int, asyncio.Future] = {}  # arrival number -> woken
+        # (place in the order, arrival) of the waiting polls, a heap: thousands of workers' polls are held at once.
+        # A poll that left (its hold ended, its caller went away) stays until it comes up, then is skipped.
+        self._order: list[tuple[tuple[float, ...], int]] = []
         self._ids = itertools.count()
 
     def __len__(self) -> int:
@@ -45,7 +49,8 @@ class HeldPolls:
         `engine_load`: the caller's engine's token load, None when it cannot say."""
         loop = asyncio.get_running_loop()
         key, woken = next(self._ids), loop.create_future()
-        self._waiting[key] = (woken, engine_load)
+        self._waiting[key] = woken
+        self._enqueue(key, engine_load)
         timer = loop.call_later(timeout, self._expire, key)
         try:
             return await woken
@@ -57,31 +62,36 @@ class HeldPolls:
             timer.cancel()
             self._waiting.pop(key, None)
 
-    def _expire(self, key: int) -> None:
-        if (held := self._waiting.pop(key, None)) is not None and not held[0].done():
-            held[0].set_result(False)
-
-    def _next(self) -> int:
-        """The held poll to serve next (the dict keeps arrival order, so first come is its first key)."""
+    def _enqueue(self, key: int, engine_load: float | None) -> None:
         if self.placement == "first_come":
-            return next(iter(self._waiting))
-        return min(self._waiting, key=lambda key: _load_rank(self._waiting[key][1], key))
+            place: tuple[float, ...] = ()
+        else:  # least loaded first; a poll whose engine could not say after every one that did
+            place = (engine_load is None, engine_load or 0.0)
+        if len(self._order) > 2 * len(self._waiting) + 64:  # mostly polls that left: drop them
+            self._order = [entry for entry in self._order if entry[1] in self._waiting]
+            heapq.heapify(self._order)
+        heapq.heappush(self._order, (place, key))
+
+    def _expire(self, key: int) -> None:
+        if (woken := self._waiting.pop(key, None)) is not None and not woken.done():
+            woken.set_result(False)
 
     def open(self) -> None:
-        """Room may have opened: wake waiting polls, in the placement's order, until as many are woken as there is
-        room for."""
+        """Room may have opened: wake waiting polls, in the placement's order (the arrival numbers break ties), until
+        as many are woken as there is room for."""
         room = self.room()
         while self.woken < room and self._waiting:
-            woken, _ = self._waiting.pop(self._next())
-            if not woken.done():
+            _, key = heapq.heappop(self._order)
+            woken = self._waiting.pop(key, None)
+            if woken is not None and not woken.done():
                 woken.set_result(True)
                 self.woken += 1
 
     def open_all(self) -> None:
         """Wake every waiting poll: a new version (polls from engines behind it are answered at once), the start-up
         check passing, or the job over."""
-        held, self._waiting = self._waiting, {}
-        for woken, _ in held.values():
+        held, self._waiting, self._order = self._waiting, {}, []
+        for woken in held.values():
             if not woken.done():
                 woken.set_result(True)
                 self.woken += 1
@@ -89,11 +99,6 @@ class HeldPolls:
     def served(self) -> None:
         self.woken -= 1
         self.open()
-
-
-def _load_rank(engine_load: float | None, arrival: int) -> tuple[bool, float, int]:
-    """Least loaded first, then oldest; a poll whose engine could not say its load after every one that did."""
-    return (engine_load is None, engine_load or 0.0, arrival)
 
 
 async def acquire_when_room(
