@@ -332,10 +332,10 @@ def tail_lines(report: dict) -> list[str]:
     lines = [
         "",
         f"Tail-aware placement ({report['tail_steps']} steps of 512 prompts × 16 samples, η = {eta}, the same seeds "
-        "for every row; samples/s steady): `first_come` is the system's (held pulls served oldest first, a group's "
-        "samples on the engine that pulled it), `token_load` serves the engine with the least live token load (KV "
-        "tokens held or queued over its cache) first, `divided` also spreads each group's samples one by one over "
-        "the least loaded engines (Seer's divided rollout). The goal (issue 32): samples/s ≥ "
+        "for every row; samples/s steady): `first_come` serves held pulls oldest first (a group's samples on the "
+        "engine that pulled it), `token_load` (the system's default, `rollout.placement`) serves the engine with the "
+        "least live token load (KV tokens held or queued over its cache) first, `divided` also spreads each group's "
+        "samples one by one over the least loaded engines (Seer's divided rollout). The goal (issue 32): samples/s ≥ "
         f"{GOAL['ratio']}× `admission` placed first come, trained-token staleness p99 ≤ 2η = {2 * eta}, engines "
         f"≥ {GOAL['engine_busy']:.0%} busy.",
         "",

@@ -785,6 +785,30 @@ async def test_held_polls_are_woken_in_order_one_per_group_of_room_and_pass_unus
     assert late.done() and late.result() is True and polls.woken == 1 and len(polls) == 0
 
 
+@pytest.mark.parametrize("placement", ["token_load", "first_come"])
+async def test_held_polls_are_woken_least_loaded_first_or_first_come(placement):
+    """token_load wakes the poll whose engine is least loaded, the older one among equal loads, and those that could
+    not say their load after every one that did (first come among them); first_come wakes by arrival only. Either
+    way one poll per group of room, and a woken poll's unused room goes to the next in that order."""
+    room = [0]
+    polls = HeldPolls(room=lambda: room[0], placement=placement)
+    loads = [None, 0.6, 0.2, None, 0.6]  # in arrival order
+    held = [asyncio.ensure_future(polls.wait(60, load)) for load in loads]
+    await asyncio.sleep(0)
+    woken_order = []
+    for _ in loads:
+        room[0] = 1
+        polls.open()
+        await asyncio.sleep(0)
+        (woken,) = [i for i, poll in enumerate(held) if poll.done() and i not in woken_order]
+        assert held[woken].result() is True and polls.woken == 1
+        woken_order.append(woken)
+        room[0] = 0
+        polls.served()  # it took the group: the room is gone, nobody else wakes
+    expected = {"token_load": [2, 1, 4, 0, 3], "first_come": [0, 1, 2, 3, 4]}[placement]
+    assert woken_order == expected and len(polls) == 0
+
+
 def test_trained_tokens_by_staleness_add_up_over_steps_and_survive_a_restart():
     """The status keeps the trained tokens by staleness as the reports give them (a step re-done counts again: its
     tokens were trained twice), and a restored controller has them; summary.json's p50/p99/max come from them."""

@@ -794,6 +794,47 @@ async def test_a_held_poll_is_woken_only_by_room_and_one_per_group_that_room_adm
     assert list(second.groups) == [] and second.version == 1 and len(polls) == 0
 
 
+@pytest.mark.parametrize("placement", ["token_load", "first_come"])
+async def test_room_for_one_group_goes_to_the_least_loaded_held_poll_or_to_the_oldest(redis_url, placement):
+    """Two polls held by the staleness bound, the older from a busier engine; a filtered group opens room for one.
+    token_load gives it to the less loaded engine's worker, first_come to the worker that waited first."""
+    job = JOB.model_copy(update={"rollout": JOB.rollout.model_copy(update={"placement": placement})})
+    c = await Controller(redis_url, job=job).start()
+    try:
+        stub = c.stub
+        for worker in ("w0", "busy", "idle"):
+            await stub.RegisterWorker(register(worker))
+        groups = (await acquire(stub, 10)).groups  # the window: (η + v + 1)·B = 4
+        waiting = {}
+        for worker, load in (("busy", 0.9), ("idle", 0.1)):
+            request = controller_pb2.AcquireGroupsRequest(
+                worker_id=worker, max_groups=2, engine_version=0, wait_ms=60_000, engine_load=load
+            )
+            waiting[worker] = asyncio.ensure_future(stub.AcquireGroups(request))
+            await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: this poll is held first
+        assert len(c.servicer.polls) == 2
+        await stub.CompleteGroups(
+            controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[0], "FILTERED")])
+        )
+        served = "idle" if placement == "token_load" else "busy"
+        first = await asyncio.wait_for(waiting[served], timeout=30)
+        (other,) = set(waiting) - {served}
+        assert len(first.groups) == 1 and not waiting[other].done() and len(c.servicer.polls) == 1
+        await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))  # ends the other hold (its engine is behind)
+        assert list((await asyncio.wait_for(waiting[other], timeout=30)).groups) == []
+    finally:
+        await c.stop()
+
+
+async def test_a_poll_with_a_negative_engine_load_is_refused(controller):
+    await controller.stub.RegisterWorker(register("w0"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await controller.stub.AcquireGroups(
+            controller_pb2.AcquireGroupsRequest(worker_id="w0", max_groups=1, engine_load=-0.5)
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "engine_load" in info.value.details()
+
+
 async def test_a_checkpoint_the_trainer_could_not_write_degrades_the_job_until_one_is(controller):
     """The trainer reports a checkpoint it could not write (a full volume) and trains on: the job status carries the
     reason and the operator reports Degraded (CheckpointFailed) with it, until a checkpoint is written again."""

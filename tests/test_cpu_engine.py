@@ -23,6 +23,7 @@ from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch, Sequence, context
 from areal_k8s.rollout.cpu_engine.engine import CpuEngine
 from areal_k8s.rollout.cpu_engine.requests import SamplingParams
 from areal_k8s.rollout.cpu_engine.server import create_app
+from areal_k8s.rollout.engine_load import READ_INTERVAL_SECONDS, EngineLoad
 
 torch.set_num_threads(1)
 
@@ -532,6 +533,47 @@ async def test_load_reports_queue_and_busy_time(server_url):
     assert after["busy_seconds"] > before["busy_seconds"]
     assert after["generated_tokens"] - before["generated_tokens"] >= sum(len(a["output_ids"]) for a in answers)
     assert after["uptime_seconds"] >= after["busy_seconds"]
+
+
+async def test_v1_loads_counts_the_running_requests_kv_tokens_over_the_engines_capacity(engine, server_url):
+    """SGLang's /v1/loads, as the worker reads it: the running requests' tokens (prompt and output so far) over the
+    KV capacity (every row of the batch at the model's context); nothing once they are gone. The worker reads it
+    again only once its last read is READ_INTERVAL_SECONDS old."""
+    long = {"temperature": 0.0, "max_new_tokens": LONG, "ignore_eos": True}
+    client = SGLangClient(server_url)
+    now = [0.0]
+    worker_view = EngineLoad(client, clock=lambda: now[0])
+    assert await worker_view.current() == 0  # idle
+    running = await started(engine, (PROMPTS[0], long), (PROMPTS[2], long))
+    await engine.pause_generation("in_place")  # frozen: the counts hold still while read
+    try:
+        (busy,) = (await client.request("GET", "/v1/loads", None, timeout=60))["loads"]
+        busy_load = await client.token_load(timeout=60)
+        now[0] = READ_INTERVAL_SECONDS / 2
+        assert await worker_view.current() == 0  # the last read, not yet due again
+        now[0] = READ_INTERVAL_SECONDS
+        assert await worker_view.current() == busy_load
+        await engine.abort_request(abort_all=True)
+        await asyncio.gather(*running)
+        (idle,) = (await client.request("GET", "/v1/loads", None, timeout=60))["loads"]
+    finally:
+        await engine.continue_generation()
+        await client.close()
+    prompts = len(PROMPTS[0]) + len(PROMPTS[2])
+    assert (busy["num_running_reqs"], busy["num_waiting_reqs"]) == (2, 0)
+    assert prompts + 2 <= busy["num_used_tokens"] == busy["num_total_tokens"] < prompts + 2 * LONG
+    assert busy["max_total_num_tokens"] == 8 * engine.context_length  # max_batch_size 8
+    assert busy_load == busy["num_total_tokens"] / busy["max_total_num_tokens"] > 0
+    assert (idle["num_running_reqs"], idle["num_waiting_reqs"], idle["num_total_tokens"]) == (0, 0, 0)
+
+
+async def test_a_worker_whose_engine_cannot_say_its_load_reports_it_unknown(unused_tcp_port, server_url):
+    """Nothing listens (or a route the engine lacks): the load is None, never an error, and read again later."""
+    for client in (SGLangClient(f"http://127.0.0.1:{unused_tcp_port}"), SGLangClient(server_url + "/nowhere")):
+        try:
+            assert await EngineLoad(client).current() is None
+        finally:
+            await client.close()
 
 
 async def test_control_calls_reach_a_paused_engine_holding_many_generation_requests(server_url):

@@ -267,7 +267,7 @@ async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves
     store = TrajectoryStore(redis_client, job.name)
     server, port, _, background = await serve(core, store, "127.0.0.1:0")
     client_channel = channel(f"127.0.0.1:{port}")
-    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # never asked: no group comes
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # no group comes; load unknown
     worker = RolloutWorker(
         job=job,
         worker_id="w0",

@@ -2,10 +2,10 @@
 
 Every route our client calls (common/sglang.py ROUTES) is served by that version and not retired; every field we
 send is a field of the request type SGLang parses the body into; every field we read is one it writes; the
-sampling parameters we send are SGLang's; and our CPU engine serves no route SGLang does not (except under
-/areal/); the server arguments a job may pass (common/sglang_server_args.json) are the ones SGLang's own parser
-has. A version bump in images/sglang shows up here first: the source read is the one `make sglang-env`
-installed, and its version must be the one the Dockerfile pins.
+sampling parameters we send are SGLang's; our CPU engine serves no route SGLang does not (except under /areal/)
+and answers /v1/loads in SGLang's shape; the server arguments a job may pass (common/sglang_server_args.json) are
+the ones SGLang's own parser has. A version bump in images/sglang shows up here first: the source read is the one
+`make sglang-env` installed, and its version must be the one the Dockerfile pins.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 from sglang_server import sglang_package
+from tiny_models import build_tiny_qwen2
 
-from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION
+from areal_k8s.common.sglang import READS, ROUTES, SAMPLING_PARAMS, SGLANG_VERSION, token_load
 from areal_k8s.common.sglang_args import ARGUMENTS_FILE, READ_ARGUMENTS, render
 from areal_k8s.common.sglang_server import SGLANG_PYTHON
 from areal_k8s.k8s_operator.children import desired_children
@@ -43,14 +44,18 @@ def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
+def classes(module: ast.Module) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in module.body if isinstance(node, ast.ClassDef)}
+
+
 def class_fields(module: ast.Module, name: str) -> set[str]:
     """Annotated fields of a class and of the classes it derives from in the same module (dataclasses, msgspec)."""
-    classes = {node.name: node for node in module.body if isinstance(node, ast.ClassDef)}
+    classes_ = classes(module)
     fields, todo = set(), [name]
     while todo:
-        node = classes[todo.pop()]
+        node = classes_[todo.pop()]
         fields |= {s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
-        todo += [base.id for base in node.bases if isinstance(base, ast.Name) and base.id in classes]
+        todo += [base.id for base in node.bases if isinstance(base, ast.Name) and base.id in classes_]
     return fields
 
 
@@ -87,16 +92,47 @@ def keys_written_to(module: ast.AST, variable: str) -> set[str]:
     return keys
 
 
+def included_routers(srt: Path) -> list[Path]:
+    """The modules whose `router` http_server.py includes into its app (`from sglang.srt.entrypoints.m import router
+    as r` ... `app.include_router(r)`): /v1/loads is served that way."""
+    server = parse(srt / "entrypoints" / "http_server.py")
+    included = {
+        node.args[0].id
+        for node in ast.walk(server)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "include_router"
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+    }
+    return [
+        srt.parent / Path(*node.module.split(".")[1:]).with_suffix(".py")
+        for node in ast.walk(server)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang.srt.entrypoints.")
+        for alias in node.names
+        if alias.name == "router" and (alias.asname or alias.name) in included
+    ]
+
+
 def http_routes(srt: Path) -> dict[tuple[str, str], ast.AsyncFunctionDef]:
-    """(method, path) -> handler, from the decorators of sglang/srt/entrypoints/http_server.py."""
+    """(method, path) -> handler, from the decorators of sglang/srt/entrypoints/http_server.py (`app`) and of the
+    routers it includes (`router`)."""
     routes = {}
-    for node in parse(srt / "entrypoints" / "http_server.py").body:
+    sources = [(srt / "entrypoints" / "http_server.py", "app")] + [(p, "router") for p in included_routers(srt)]
+    for path, owner in sources:
+        routes |= _decorated_routes(parse(path), owner)
+    return routes
+
+
+def _decorated_routes(module: ast.Module, owner: str) -> dict[tuple[str, str], ast.AsyncFunctionDef]:
+    routes = {}
+    for node in module.body:
         if not isinstance(node, ast.AsyncFunctionDef):
             continue
         for decorator in node.decorator_list:
             if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)):
                 continue
-            if not (isinstance(decorator.func.value, ast.Name) and decorator.func.value.id == "app"):
+            if not (isinstance(decorator.func.value, ast.Name) and decorator.func.value.id == owner):
                 continue
             verb = decorator.func.attr
             if not decorator.args or not isinstance(decorator.args[0], ast.Constant):
@@ -194,6 +230,40 @@ def test_every_field_we_read_is_one_sglang_writes(srt):
             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
         }
     assert set(READS["server_info"]) <= arguments
+    loads = http_routes(srt)["GET", "/v1/loads"]
+    assert set(READS["loads"]) <= returned_keys(loads)
+    assert set(READS["loads.loads[]"]) <= load_snapshot_fields(srt)
+
+
+def returned_keys(handler: ast.AsyncFunctionDef) -> set[str]:
+    return {
+        k
+        for node in ast.walk(handler)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Dict)
+        for k in string_keys(node.value)
+    }
+
+
+def load_snapshot_fields(srt: Path) -> set[str]:
+    """The fields /v1/loads gives for each rank (its `core` section: LoadSnapshot's scalars)."""
+    return class_fields(parse(srt / "managers" / "load_snapshot.py"), "LoadSnapshot")
+
+
+def test_the_cpu_engines_v1_loads_has_sglangs_shape(srt, tmp_path):
+    """Its envelope has SGLang's keys, each rank's fields are LoadSnapshot's with their types, and `token_load` reads
+    it as it reads SGLang's."""
+    engine = CpuEngine(build_tiny_qwen2(tmp_path), max_batch_size=4)
+    try:
+        answer = engine.loads()
+    finally:
+        engine.shutdown()
+    assert set(answer) == returned_keys(http_routes(srt)["GET", "/v1/loads"])
+    (rank,) = answer["loads"]
+    snapshot = classes(parse(srt / "managers" / "load_snapshot.py"))["LoadSnapshot"]
+    types = {s.target.id: ast.unparse(s.annotation) for s in snapshot.body if isinstance(s, ast.AnnAssign)}
+    assert set(rank) <= set(types), f"fields SGLang's LoadSnapshot lacks: {sorted(set(rank) - set(types))}"
+    assert {name: type(value).__name__ for name, value in rank.items()} == {name: types[name] for name in rank}
+    assert token_load(answer) == 0  # idle
 
 
 def test_the_cpu_engine_serves_only_sglangs_routes_and_parameters(srt):

@@ -13,6 +13,7 @@ import torch
 from sglang_server import skip_or_fail_without_env
 from transformers import Qwen2ForCausalLM
 
+from areal_k8s.common.sglang import token_load
 from areal_k8s.common.sglang_server import SGLangServer, SGLangServerError
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -91,6 +92,16 @@ def test_model_info_carries_the_weight_version_and_get_weight_version_is_gone(sg
     assert info["model_path"] == str(sglang_model)
     status, answer = sglang_server.request("GET", "/get_weight_version")
     assert status == 404, answer
+
+
+def test_v1_loads_gives_the_token_load_the_worker_reports(sglang_server):
+    """/v1/loads has the fields `token_load` reads (KV tokens in use or queued, the KV capacity) for each rank; an
+    idle server's load is 0 of a positive capacity."""
+    status, answer = sglang_server.request("GET", "/v1/loads")
+    assert status == 200, answer
+    (rank,) = answer["loads"]
+    assert rank["max_total_num_tokens"] > 0 and rank["num_total_tokens"] >= rank["num_used_tokens"] >= 0
+    assert token_load(answer) == rank["num_total_tokens"] / rank["max_total_num_tokens"]
 
 
 def test_pause_with_abort_ends_a_running_request_and_continue_resumes(sglang_server):

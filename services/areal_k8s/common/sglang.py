@@ -71,6 +71,7 @@ ROUTES = {
     "model_info": Route("GET", "/model_info", None),
     "server_info": Route("GET", "/server_info", None),
     "health": Route("GET", "/health", None),  # in 0.5.20 it runs a one-token generation when the server is idle
+    "loads": Route("GET", "/v1/loads", None),  # per data-parallel rank: requests and KV tokens (what /get_load was)
 }
 # The keys of `sampling_params` rollouts send (SGLang's SamplingParams arguments); see `sampling_params`.
 SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids")
@@ -87,6 +88,8 @@ READS = {
     "generate.meta_info.weight_versions[]": ("version", "start", "end"),
     "model_info": ("weight_version",),
     "server_info": ("tp_size", "pp_size", "disable_radix_cache"),
+    "loads": ("loads",),
+    "loads.loads[]": ("num_total_tokens", "max_total_num_tokens"),
 }
 
 
@@ -178,6 +181,17 @@ def token_versions(meta_info: dict[str, Any]) -> list[str]:
 
 class UnfitEngine(ValueError):
     """An engine whose configuration cannot serve the job; the message says which flag to change."""
+
+
+def token_load(loads: dict[str, Any]) -> float:
+    """An engine's live token load from its /v1/loads answer: the KV tokens its requests hold or are queued for
+    (`num_total_tokens`: SGLang's tokens in use plus the waiting requests' tokens) over its KV capacity
+    (`max_total_num_tokens`), summed over its data-parallel ranks. Above 1 when more is queued than the cache holds."""
+    ranks = loads["loads"]
+    capacity = sum(rank["max_total_num_tokens"] for rank in ranks)
+    if capacity <= 0:
+        raise ValueError(f"/v1/loads reports a KV capacity of {capacity} tokens")
+    return sum(rank["num_total_tokens"] for rank in ranks) / capacity
 
 
 def served_dtype(server_info: dict[str, Any], model_dir: str | Path) -> str:
@@ -343,6 +357,14 @@ class SGLangClient:
 
     async def server_info(self) -> dict[str, Any]:
         return await self._call("server_info", None)
+
+    async def token_load(self, timeout: float) -> float:
+        """The engine's live token load (`token_load`), read from its /v1/loads."""
+        answer = await self._call("loads", None, timeout=timeout)
+        try:
+            return token_load(answer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(self.base_url + ROUTES["loads"].path, 200, f"unreadable load ({exc!r})") from None
 
     async def health(self) -> bool:
         try:

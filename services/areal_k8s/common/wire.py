@@ -31,6 +31,8 @@ def to_message(record: Any, message_type: type[Message]) -> Message:
             target.update(value)
         elif isinstance(value, (list, tuple)):
             target.extend(value)
+        elif value is None:  # an optional field left unset
+            continue
         else:
             setattr(message, name, value)
     return message

@@ -74,7 +74,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.store = store
         self.state = ControllerStateStore(store.client, store.keys)
         self.writer = StateWriter(core, self.state, seq=0)
-        self.polls = HeldPolls(room=core.admissible)
+        self.polls = HeldPolls(room=core.admissible, placement=core.job.rollout.placement)
         self.unverified: set[str] = set()  # groups leased when Redis restarted: their writes may be among those lost
         self.stall_logged_at = -math.inf
         self.redis_run_id: str | None = None  # the Redis server's run id: a new one means it restarted
@@ -218,6 +218,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def AcquireGroups(self, request, context):
         require(bool(request.worker_id), "worker_id is required")
         require(request.max_groups >= 0, f"max_groups must be >= 0, got {request.max_groups}")
+        engine_load = request.engine_load if request.HasField("engine_load") else None
+        require(
+            engine_load is None or engine_load >= 0,  # NaN fails too
+            f"engine_load must be a token load >= 0 (or unset when unknown), got {engine_load}",
+        )
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
         revoked = []
@@ -226,7 +231,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             await self.revoke(revoked, "its answer never reached the worker")
         try:
             admitted, capacity = await acquire_when_room(
-                self.core, self.polls, request.worker_id, request.max_groups, request.engine_version, request.wait_ms
+                self.core,
+                self.polls,
+                request.worker_id,
+                request.max_groups,
+                request.engine_version,
+                request.wait_ms,
+                engine_load,
             )
         except UnknownWorker as exc:
             raise FailedPrecondition(f"{exc}: call RegisterWorker first") from None

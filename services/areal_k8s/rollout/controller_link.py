@@ -50,6 +50,7 @@ class AcquireRequest:
     holding: list[str]  # groups leased to this worker and not completed yet
     reports_holding: bool  # `holding` is complete: a lease it does not name never reached the worker
     incarnation: int  # the registration's; 0: not checked
+    engine_load: float | None = None  # the engine's live token load (engine_load.py); None: it cannot say
 
 
 @dataclass

@@ -28,6 +28,7 @@ from areal_k8s.rollout.controller_link import (
     Registration,
     Result,
 )
+from areal_k8s.rollout.engine_load import EngineLoad
 from areal_k8s.rollout.generation import Sample, generate_each
 from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow, load_workflow
 from areal_k8s.rollout.workflows.api import Scorer
@@ -102,6 +103,7 @@ class RolloutWorker:
         self.controller = controller
         self.scorer = scorer
         self.engine = engine
+        self.engine_load = EngineLoad(engine)  # sent with each poll: the controller serves the least loaded first
         self.store = store
         self.tokenizer = tokenizer
         self.poll_interval = poll_interval
@@ -269,6 +271,7 @@ class RolloutWorker:
                             holding=[g.group_id for g in self.in_flight.values()],
                             reports_holding=True,
                             incarnation=self.incarnation,
+                            engine_load=await self.engine_load.current() if free > 0 else None,
                         ),
                         stopping,
                     )

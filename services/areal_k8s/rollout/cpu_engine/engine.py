@@ -11,12 +11,15 @@ import asyncio
 import functools
 import logging
 import random
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
+from areal_k8s.common.sglang import SGLANG_VERSION
 from areal_k8s.rollout.cpu_engine.decoding import Sequence, context_length
 from areal_k8s.rollout.cpu_engine.requests import (
     PAUSE_MODES,
@@ -241,6 +244,30 @@ class CpuEngine:
     def load(self) -> dict[str, Any]:
         """Our /areal/load: requests queued and running, and how busy the engine has been since it started."""
         return self._scheduler.load()
+
+    def loads(self) -> dict[str, Any]:
+        """SGLang's /v1/loads, its `core` fields, for the one rank this engine is. The KV capacity is every row of
+        the batch at the model's context: the cache grows on demand up to that, never past it."""
+        running, waiting, used, queued = self._scheduler.token_counts()
+        capacity = self.max_batch_size * self.context_length
+        load = {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_used_tokens": used,
+            "num_total_tokens": used + queued,  # SGLang's: in use plus the waiting requests' tokens
+            "max_total_num_tokens": capacity,
+            "max_running_requests": self.max_batch_size,
+            "token_usage": round(used / capacity, 4),
+        }
+        return {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": SGLANG_VERSION,  # the API it speaks
+            "accelerator": None,
+            "num_accelerators": 1,
+            "loads": [load],
+        }
 
     def is_alive(self) -> bool:
         return self._scheduler.is_alive()

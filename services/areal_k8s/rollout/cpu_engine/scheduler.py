@@ -123,6 +123,15 @@ class Scheduler:
             **self._batch.counters(),
         }
 
+    def token_counts(self) -> tuple[int, int, int, int]:
+        """(running requests, waiting requests, KV tokens the running ones hold, tokens the waiting ones will need):
+        SGLang's /v1/loads counts. Requests held while paused are not counted, as SGLang holds them before its
+        scheduler; a retracted request is waiting with its prompt and output so far."""
+        running = self._batch.sequences  # read off the scheduler thread: a snapshot at most a step old
+        with self._wakeup:
+            waiting = list(self._waiting)
+        return len(running), len(waiting), _tokens(running), _tokens(waiting)
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -231,3 +240,7 @@ class Scheduler:
                 reply.set_result(None)
             else:
                 reply.set_exception(error)
+
+
+def _tokens(sequences: list[Sequence]) -> int:
+    return sum(len(s.prompt_ids) + len(s.output_ids) for s in sequences)

@@ -47,6 +47,7 @@ def create_app(engine: CpuEngine) -> web.Application:
     app.router.add_get("/health", health_generate)  # in SGLang 0.5.20 both run a generation
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/ping", ping)
+    app.router.add_get("/v1/loads", loads)
     app.router.add_route("GET", "/areal/weights_checksum", weights_checksum)
     app.router.add_route("POST", "/areal/weights_checksum", weights_checksum)
     app.router.add_get("/areal/load", load)
@@ -188,6 +189,10 @@ async def server_info(request: web.Request) -> web.Response:
 async def weights_checksum(request: web.Request) -> web.Response:
     body = await _body(request) if request.method == "POST" else {}
     return web.json_response(await _engine(request).weights_checksum(body.get("names")))
+
+
+async def loads(request: web.Request) -> web.Response:
+    return web.json_response(_engine(request).loads())
 
 
 async def load(request: web.Request) -> web.Response:
