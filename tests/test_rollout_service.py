@@ -1,15 +1,25 @@
 """The rollout service's gRPC shell on loopback: bad requests are refused with INVALID_ARGUMENT before they reach
 the engine, and an engine that cannot be reached is reported as UNAVAILABLE, never as a crash."""
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 import pytest
 
-from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from areal_k8s.api.v1 import common_pb2, controller_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.byte_tokenizer import build_tokenizer
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, token_versions, weight_group_ranks
 from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.polls import MAX_HOLD_SECONDS
+from areal_k8s.controller.server import serve
+from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.rollout.clients import ControllerClient
+from areal_k8s.rollout.controller_link import AcquireRequest, Registration
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 
@@ -186,21 +196,8 @@ async def test_the_controller_client_trades_records_and_raises_the_errors_the_wo
     """ControllerClient over a real controller on loopback: groups arrive as PromptGroup records, outcomes leave as
     plain ones, and the refusals the worker reacts to arrive as NotRegistered (FAILED_PRECONDITION), Superseded
     (ABORTED) and ControllerUnavailable (anything else: here, nothing listening)."""
-    from areal_k8s.api.v1 import controller_pb2_grpc
     from areal_k8s.common.trajectory import PromptGroup
-    from areal_k8s.controller.core import ControllerCore
-    from areal_k8s.controller.server import serve
-    from areal_k8s.data.dataset import DatasetItem
-    from areal_k8s.rollout.clients import ControllerClient
-    from areal_k8s.rollout.controller_link import (
-        AcquireRequest,
-        ControllerUnavailable,
-        GroupOutcome,
-        NotRegistered,
-        Registration,
-        Result,
-        Superseded,
-    )
+    from areal_k8s.rollout.controller_link import ControllerUnavailable, GroupOutcome, NotRegistered, Result, Superseded
 
     def poll(incarnation: int) -> AcquireRequest:
         return AcquireRequest(
@@ -246,50 +243,29 @@ async def test_the_controller_client_trades_records_and_raises_the_errors_the_wo
     assert unreachable.value.status == "UNAVAILABLE"
 
 
-async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves(redis_url, unused_tcp_port):
-    """A worker stopped while the controller holds its poll (here on the concurrency bound) cancels the poll rather
-    than wait it out, and leaves: the controller never answers it (an answer would count the bound's refusal)."""
-    import asyncio
-
-    from areal_k8s.api.v1 import controller_pb2_grpc
-    from areal_k8s.controller.core import ControllerCore
-    from areal_k8s.controller.polls import MAX_HOLD_SECONDS
-    from areal_k8s.controller.server import serve
-    from areal_k8s.data.dataset import DatasetItem
-    from areal_k8s.rollout.clients import ControllerClient
-
-    job = JOB.model_copy(update={"algorithm": JOB.algorithm.model_copy(update={"max_concurrent_rollouts": 1})})
-    items = [DatasetItem(id=f"p{i}", prompt="1+1=", reference="2", verifier="addition") for i in range(2)]
-    core = ControllerCore(job, items, lease_seconds=60)
-    core.register("busy", "127.0.0.1:9", engine_version=0)
-    assert core.acquire("busy", 1, engine_version=0)  # the one group the job runs at a time
+@contextlib.asynccontextmanager
+async def worker_of_a_served_controller(
+    core: ControllerCore, redis_url: str, engine_port: int, **worker_args
+) -> AsyncIterator[RolloutWorker]:
+    """Worker w0 of `core`'s job, talking to `core` served over gRPC on loopback (Redis at `redis_url`); nothing
+    listens on its engine's port."""
     redis_client = connect(redis_url)
-    store = TrajectoryStore(redis_client, job.name)
+    store = TrajectoryStore(redis_client, core.job.name)
     server, port, _, background = await serve(core, store, "127.0.0.1:0")
     client_channel = channel(f"127.0.0.1:{port}")
-    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # no group comes; load unknown
-    worker = RolloutWorker(
-        job=job,
-        worker_id="w0",
-        address="127.0.0.1:0",
-        controller=ControllerClient(controller_pb2_grpc.ControllerStub(client_channel)),
-        scorer=None,
-        engine=engine,
-        store=store,
-        tokenizer=build_tokenizer(),
-        hold_seconds=MAX_HOLD_SECONDS,
-    )
-    worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
-    stop = asyncio.Event()
+    engine = SGLangClient(f"http://127.0.0.1:{engine_port}", control_timeout=5)
     try:
-        running = asyncio.create_task(worker.run(stop))
-        while not core.holds.waiting and not running.done():  # until the controller holds the worker's poll
-            await asyncio.sleep(0.01)
-        stop.set()
-        await running
-        assert "w0" not in core.workers  # it left
-        assert core.metrics.value("areal_controller_admission_blocks_total", reason="concurrency") == 0
-        assert not core.holds.waiting
+        yield RolloutWorker(
+            job=core.job,
+            worker_id="w0",
+            address="127.0.0.1:0",
+            controller=ControllerClient(controller_pb2_grpc.ControllerStub(client_channel)),
+            scorer=None,
+            engine=engine,
+            store=store,
+            tokenizer=build_tokenizer(),
+            **worker_args,
+        )
     finally:
         background.cancel()
         await client_channel.close()
@@ -298,36 +274,36 @@ async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves
         await redis_client.aclose()
 
 
+async def test_a_stopped_worker_cancels_the_poll_the_controller_holds_and_leaves(redis_url, unused_tcp_port):
+    """A worker stopped while the controller holds its poll (here on the concurrency bound) cancels the poll rather
+    than wait it out, and leaves: the controller never answers it (an answer would count the bound's refusal)."""
+    job = JOB.model_copy(update={"algorithm": JOB.algorithm.model_copy(update={"max_concurrent_rollouts": 1})})
+    items = [DatasetItem(id=f"p{i}", prompt="1+1=", reference="2", verifier="addition") for i in range(2)]
+    core = ControllerCore(job, items, lease_seconds=60)
+    core.register("busy", "127.0.0.1:9", engine_version=0)
+    assert core.acquire("busy", 1, engine_version=0)  # the one group the job runs at a time
+    # no group comes, so the engine is only asked for its load (unknown)
+    async with worker_of_a_served_controller(core, redis_url, unused_tcp_port, hold_seconds=MAX_HOLD_SECONDS) as worker:
+        worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
+        stop = asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        while not core.holds.waiting and not running.done():  # until the controller holds the worker's poll
+            await asyncio.sleep(0.01)
+        stop.set()
+        await running
+        assert "w0" not in core.workers  # it left
+        assert core.metrics.value("areal_controller_admission_blocks_total", reason="concurrency") == 0
+        assert not core.holds.waiting
+
+
 async def test_a_group_whose_outcome_a_newer_incarnation_made_stale_ends_quietly(redis_url, unused_tcp_port):
     """A worker process that another registered under its name since (a restart it did not see) finishes a group:
     the controller refuses the outcome (Superseded), which the group's task takes as said, not as an exception
     nobody retrieves; the group went back to the queue when the newer incarnation registered."""
-    from areal_k8s.api.v1 import controller_pb2_grpc
-    from areal_k8s.controller.core import ControllerCore
-    from areal_k8s.controller.server import serve
-    from areal_k8s.data.dataset import DatasetItem
-    from areal_k8s.rollout.clients import ControllerClient
-    from areal_k8s.rollout.controller_link import AcquireRequest, Registration
-
     items = [DatasetItem(id="p0", prompt="1+1=", reference="2", verifier="addition")]
     core = ControllerCore(JOB, items, lease_seconds=60)
-    redis_client = connect(redis_url)
-    store = TrajectoryStore(redis_client, JOB.name)
-    server, port, _, background = await serve(core, store, "127.0.0.1:0")
-    client_channel = channel(f"127.0.0.1:{port}")
-    controller = ControllerClient(controller_pb2_grpc.ControllerStub(client_channel))
-    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=5)  # nothing listens: engine gone
-    worker = RolloutWorker(
-        job=JOB,
-        worker_id="w0",
-        address="127.0.0.1:0",
-        controller=controller,
-        scorer=None,
-        engine=engine,
-        store=store,
-        tokenizer=build_tokenizer(),
-    )
-    try:
+    async with worker_of_a_served_controller(core, redis_url, unused_tcp_port) as worker:  # its engine is gone
+        controller = worker.controller
         await worker.register()
         acquired = await controller.acquire_groups(
             AcquireRequest("w0", 1, 0, 0, holding=[], reports_holding=False, incarnation=worker.incarnation)
@@ -342,9 +318,3 @@ async def test_a_group_whose_outcome_a_newer_incarnation_made_stale_ends_quietly
         await worker.process_group(group)  # raised Superseded before
 
         assert core.leases.held_by("w0") == [] and core.requeued == requeued  # the refused outcome changed nothing
-    finally:
-        background.cancel()
-        await client_channel.close()
-        await server.stop(None)
-        await engine.close()
-        await redis_client.aclose()

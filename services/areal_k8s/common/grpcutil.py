@@ -20,32 +20,19 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # connection whose ping goes unanswered for KEEPALIVE_TIMEOUT_MS: its calls fail UNAVAILABLE (retried ones are sent
 # again) and the channel resolves the name again, reaching the Service's new pod.
 KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS = 10_000, 10_000
-
-
-def keepalive_options(time_ms: int, timeout_ms: int) -> tuple[list, list]:
-    """(channel options, server options) for pings every `time_ms`, a connection dropped after `timeout_ms`
-    without an answer."""
-    pings = [
-        ("grpc.keepalive_time_ms", time_ms),
-        ("grpc.keepalive_timeout_ms", timeout_ms),
-        ("grpc.keepalive_permit_without_calls", 1),  # an idle connection to a lost peer is dropped before a call
-        ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a held call sends nothing
-    ]
-    # A server accepts its clients' pings at that rate: gRPC's default (one per 5 minutes without data) answers
-    # them with GOAWAY "too_many_pings", closing the connection and failing its calls.
-    accepted = [("grpc.http2.min_ping_interval_without_data_ms", time_ms // 2)]
-    return pings, pings + accepted
-
-
-_CHANNEL_KEEPALIVE, _SERVER_KEEPALIVE = keepalive_options(KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS)
-MESSAGE_SIZES = [
+CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),  # an idle connection to a lost peer is dropped before a call
+    ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a held call sends nothing
 ]
-CHANNEL_OPTIONS = [*MESSAGE_SIZES, *_CHANNEL_KEEPALIVE]
 SERVER_OPTIONS = [
-    *MESSAGE_SIZES,
-    *_SERVER_KEEPALIVE,
+    *CHANNEL_OPTIONS,
+    # A server accepts its clients' pings at that rate: gRPC's default (one per 5 minutes without data) answers
+    # them with GOAWAY "too_many_pings", closing the connection and failing its calls.
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail to bind, not silently share its connections
 ]
 
