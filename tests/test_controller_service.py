@@ -361,20 +361,32 @@ async def test_a_finished_job_answers_held_polls(controller):
     assert reply.finished and list(reply.groups) == []
 
 
-async def test_workers_waiting_on_the_bound_split_what_a_step_opens(controller):
+async def test_the_room_a_step_opens_goes_to_the_least_loaded_waiting_worker_first(controller):
+    """Two polls held by the staleness bound, the older from the busier engine; the next version opens room for two
+    groups. Under token_load (the default) the less loaded engine's worker gets both, as many as it asked for; the
+    other is woken too, finds the room taken and waits on, until the job ends."""
     stub = controller.stub
-    for worker in ("w0", "w1"):
+    for worker in ("busy", "idle"):
         await stub.RegisterWorker(controller_pb2.RegisterWorkerRequest(worker_id=worker, address="127.0.0.1:9"))
-    groups = (await acquire(stub, 10)).groups
+    groups = (await acquire(stub, 10, worker="busy")).groups
     accepted = [
         controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups
     ]
-    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=accepted))
-    polls = [await held_acquire(stub, 10, wait_ms=60_000, version=1, worker=w) for w in ("w0", "w1")]
-    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="busy", outcomes=accepted))
+    polls = {}
+    for worker, load in (("busy", 0.9), ("idle", 0.1)):
+        request = controller_pb2.AcquireGroupsRequest(
+            worker_id=worker, max_groups=10, engine_version=1, wait_ms=60_000, engine_load=load
+        )
+        polls[worker] = asyncio.ensure_future(stub.AcquireGroups(request))
+        await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: this poll is held first
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))  # (η + v + 1)·B − 4 = 2 groups may start
-    replies = await asyncio.wait_for(asyncio.gather(*polls), timeout=30)
-    assert [len(r.groups) for r in replies] == [1, 1]  # not both to whichever poll woke first
+    assert len((await asyncio.wait_for(polls["idle"], timeout=30)).groups) == 2
+    await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
+    assert not polls["busy"].done() and len(controller.servicer.polls) == 1
+    await stub.ReportTrainStep(controller_pb2.TrainStepReport(version=1, finished=True))
+    reply = await asyncio.wait_for(polls["busy"], timeout=30)
+    assert reply.finished and list(reply.groups) == []
 
 
 # -- prompts that keep failing, and verifiers the reward service cannot load ---------------------------------
@@ -783,7 +795,7 @@ async def test_a_held_poll_is_woken_only_by_room_and_one_per_group_that_room_adm
     await stub.CompleteGroups(
         controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[0], "ACCEPTED")])
     )
-    assert len(polls) == 2 and polls.woken == 0
+    assert len(polls) == 2 and polls.promised == 0
     await stub.CompleteGroups(
         controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[1], "FILTERED")])
     )

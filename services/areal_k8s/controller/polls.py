@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,20 +21,23 @@ WAITABLE_REFUSALS = frozenset(HOLD_REASONS)  # refusals a long poll waits out; t
 
 
 class HeldPolls:
-    """The polls waiting for admission room, woken in the placement's order and only as many as the room admits:
-    room for one group wakes one poll, a change that opens no room (a completion under the staleness bound) wakes
-    none. `first_come` wakes the oldest first; `token_load` the poll whose engine reported the least live token load
-    (the simulator's finding: new groups go to the emptiest engines, and one still decoding long responses gets
-    nothing new, so its stragglers finish sooner), oldest first among equals and after every poll that reported a
-    load when its engine could not say. `room` says how many groups a request could be given now. A woken poll
-    calls `served` once it has taken its share; if room is left (a woken poll took less, or its caller went away),
-    the next polls are woken."""
+    """The polls waiting for admission room, each with the groups it wants, given room in the placement's order:
+    `first_come` the oldest first; `token_load` the poll whose engine reported the least live token load (the
+    simulator's finding: new groups go to the emptiest engines, and one still decoding long responses gets nothing
+    new, so its stragglers finish sooner), oldest first among equals and after every poll that reported a load when
+    its engine could not say. `room` says how many groups a request could be given now. When room opens, the first
+    poll in the order is promised a share of it, what it wants as far as the room goes, then the next, until the room
+    is promised (simulator/placement.py serves held pulls so): room for one group wakes one poll, a change that opens
+    no room (a completion under the staleness bound) wakes none. A woken poll calls `served` with its share once it
+    has taken what it could; room it left (it took less, or its caller went away) goes to the next polls."""
 
-    def __init__(self, room: Callable[[], int], placement: Placement = "token_load"):
+    def __init__(self, room: Callable[[], int], version: Callable[[], int], placement: Placement = "token_load"):
         self.room = room
+        self.version = version  # the version live now: a poll from an engine behind it can take nothing
         self.placement = placement
-        self.woken = 0  # polls woken that have not yet taken their share
-        self._waiting: dict[int, asyncio.Future] = {}  # arrival number -> woken
+        self.promised = 0  # groups promised to woken polls that have not yet taken them
+        # arrival number -> (its share, groups wanted, its engine's version)
+        self._waiting: dict[int, tuple[asyncio.Future, int, int]] = {}
         # (place in the order, arrival) of the waiting polls, a heap: thousands of workers' polls are held at once.
         # A poll that left (its hold ended, its caller went away) stays until it comes up, then is skipped.
         self._order: list[tuple[tuple[float, ...], int]] = []
@@ -44,19 +46,21 @@ class HeldPolls:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    async def wait(self, timeout: float, engine_load: float | None = None) -> bool:
-        """Wait to be woken (True) or for `timeout` seconds (False). A woken caller must call `served` after.
+    async def wait(self, timeout: float, wanted: int, engine_version: int, engine_load: float | None = None) -> int:
+        """Wait up to `timeout` seconds for a share of the room, of at most `wanted` groups; returns the share, 0 when
+        the wait timed out or the poll was woken with none. A caller woken with a share must call `served` after.
         `engine_load`: the caller's engine's token load, None when it cannot say."""
         loop = asyncio.get_running_loop()
-        key, woken = next(self._ids), loop.create_future()
-        self._waiting[key] = woken
+        key, share = next(self._ids), loop.create_future()
+        self._waiting[key] = share, wanted, engine_version
         self._enqueue(key, engine_load)
-        timer = loop.call_later(timeout, self._expire, key)
+        self.open()  # room promised to nobody (a woken poll passed it on before this one waited again)
+        timer = loop.call_later(timeout, self._wake, key, 0)
         try:
-            return await woken
-        except asyncio.CancelledError:  # the caller went away; if it was woken, its share goes to the next
-            if woken.done() and not woken.cancelled() and woken.result():
-                self.served()
+            return await share
+        except asyncio.CancelledError:  # the caller went away; its share, if it had one, goes to the next
+            if share.done() and not share.cancelled() and share.result():
+                self.served(share.result())
             raise
         finally:
             timer.cancel()
@@ -72,32 +76,36 @@ class HeldPolls:
             heapq.heapify(self._order)
         heapq.heappush(self._order, (place, key))
 
-    def _expire(self, key: int) -> None:
-        if (woken := self._waiting.pop(key, None)) is not None and not woken.done():
-            woken.set_result(False)
+    def _wake(self, key: int, share: int) -> int:
+        """Wake the poll `key` with `share` groups; returns the groups promised (0 if it had already left)."""
+        waiting = self._waiting.pop(key, None)
+        if waiting is None or waiting[0].done():
+            return 0
+        waiting[0].set_result(share)
+        self.promised += share
+        return share
 
     def open(self) -> None:
-        """Room may have opened: wake waiting polls, in the placement's order (the arrival numbers break ties), until
-        as many are woken as there is room for."""
-        room = self.room()
-        while self.woken < room and self._waiting:
+        """Room may have opened: promise it to the waiting polls in the placement's order (the arrival numbers break
+        ties), each what it wants as far as the room goes; one whose engine is behind the version is woken with none."""
+        room = self.room() - self.promised
+        while room > 0 and self._order:
             _, key = heapq.heappop(self._order)
-            woken = self._waiting.pop(key, None)
-            if woken is not None and not woken.done():
-                woken.set_result(True)
-                self.woken += 1
+            if key in self._waiting:
+                _, wanted, engine_version = self._waiting[key]
+                room -= self._wake(key, min(wanted, room) if engine_version >= self.version() else 0)
 
     def open_all(self) -> None:
         """Wake every waiting poll: a new version (polls from engines behind it are answered at once), the start-up
-        check passing, or the job over."""
-        held, self._waiting, self._order = self._waiting, {}, []
-        for woken in held.values():
-            if not woken.done():
-                woken.set_result(True)
-                self.woken += 1
+        check passing, or the job over. The room is promised as `open` does; the polls after it are woken with none."""
+        self.open()
+        for key in list(self._waiting):
+            self._wake(key, 0)
+        self._order = []
 
-    def served(self) -> None:
-        self.woken -= 1
+    def served(self, share: int) -> None:
+        """A woken poll took what it could of its `share`: what it left goes to the next polls."""
+        self.promised -= share
         self.open()
 
 
@@ -111,33 +119,31 @@ async def acquire_when_room(
     engine_load: float | None = None,
 ) -> tuple[list[Admitted], int]:
     """Admit up to `max_groups` groups for `worker_id`, holding the poll up to `wait_ms` (at most MAX_HOLD_SECONDS)
-    while a waitable bound admits nothing; `engine_load` places it among the held polls. Returns the groups admitted
-    and the capacity they were admitted from."""
-    requested = max_groups
+    while a waitable bound admits nothing; `engine_load` places it among the held polls. A held poll takes the share
+    it was promised when woken; one woken with none waits again, unless its engine is behind the version (it must
+    pull weights) or the job is over. Returns the groups admitted and the capacity they were admitted from."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait_ms / 1000, MAX_HOLD_SECONDS)
-    woken = False
+    share = 0  # groups the held polls promised this one
+    held_for: str | None = None  # the refusal it was last held for
     try:
         # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
         while (remaining := deadline - loop.time()) > 0:
-            refusal = core.refusal(worker_id, requested, engine_version)
+            refusal = core.refusal(worker_id, max_groups, engine_version)
+            if refusal is None and held_for and not share and not core.over:
+                refusal = held_for  # woken with no share: the room that opened is promised to polls placed first
             if refusal not in WAITABLE_REFUSALS:
                 break
-            if woken:  # woken for room that a poll which did not wait took first: wait again
-                woken = False
-                polls.served()
-            hold = core.begin_hold(refusal)
+            if share:  # woken for room that a poll which did not wait took first: wait again
+                polls.served(share)
+                share = 0
+            held_for, hold = refusal, core.begin_hold(refusal)
             try:
-                woken = await polls.wait(remaining, engine_load)
+                share = await polls.wait(remaining, max_groups, engine_version, engine_load)
             finally:
                 core.end_hold(hold)
-            if not woken:
-                break
-            # The polls woken together each take their share of the room, so a trainer step's room is split
-            # among the waiting workers, not taken by the first.
-            max_groups = min(requested, max(1, math.ceil(core.capacity() / polls.woken)))
         capacity = core.capacity()
-        return core.acquire(worker_id, max_groups, engine_version), capacity
+        return core.acquire(worker_id, share or max_groups, engine_version), capacity
     finally:
-        if woken:
-            polls.served()
+        if share:
+            polls.served(share)

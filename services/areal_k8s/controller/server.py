@@ -74,7 +74,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.store = store
         self.state = ControllerStateStore(store.client, store.keys)
         self.writer = StateWriter(core, self.state, seq=0)
-        self.polls = HeldPolls(room=core.admissible, placement=core.job.rollout.placement)
+        self.polls = HeldPolls(core.admissible, lambda: core.version, core.job.rollout.placement)
         self.unverified: set[str] = set()  # groups leased when Redis restarted: their writes may be among those lost
         self.stall_logged_at = -math.inf
         self.redis_run_id: str | None = None  # the Redis server's run id: a new one means it restarted
