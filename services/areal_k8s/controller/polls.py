@@ -54,7 +54,6 @@ class HeldPolls:
         key, share = next(self._ids), loop.create_future()
         self._waiting[key] = share, wanted, engine_version
         self._enqueue(key, engine_load)
-        self.open()  # room promised to nobody (a woken poll passed it on before this one waited again)
         timer = loop.call_later(timeout, self._wake, key, 0)
         try:
             return await share
@@ -120,24 +119,22 @@ async def acquire_when_room(
 ) -> tuple[list[Admitted], int]:
     """Admit up to `max_groups` groups for `worker_id`, holding the poll up to `wait_ms` (at most MAX_HOLD_SECONDS)
     while a waitable bound admits nothing; `engine_load` places it among the held polls. A held poll takes the share
-    it was promised when woken; one woken with none waits again, unless its engine is behind the version (it must
-    pull weights) or the job is over. Returns the groups admitted and the capacity they were admitted from."""
+    it was promised when woken; one woken with none (the polls placed before it took the room) waits again, unless
+    its engine is behind the version (it must pull weights) or the job is over. Returns the groups admitted and the
+    capacity they were admitted from."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + min(wait_ms / 1000, MAX_HOLD_SECONDS)
     share = 0  # groups the held polls promised this one
-    held_for: str | None = None  # the refusal it was last held for
     try:
         # Long poll: wait for a bound to lift instead of letting the worker find out on its next poll.
         while (remaining := deadline - loop.time()) > 0:
             refusal = core.refusal(worker_id, max_groups, engine_version)
-            if refusal is None and held_for and not share and not core.over:
-                refusal = held_for  # woken with no share: the room that opened is promised to polls placed first
             if refusal not in WAITABLE_REFUSALS:
                 break
             if share:  # woken for room that a poll which did not wait took first: wait again
                 polls.served(share)
                 share = 0
-            held_for, hold = refusal, core.begin_hold(refusal)
+            hold = core.begin_hold(refusal)
             try:
                 share = await polls.wait(remaining, max_groups, engine_version, engine_load)
             finally:
