@@ -117,8 +117,10 @@ class RolloutConfig(Section):
         "opens. `token_load`: the worker whose engine has the least live token load first (KV tokens in use or "
         "queued over its KV capacity, from the engine's /v1/loads; a worker whose engine cannot say comes after "
         "those that can); in the simulator it never lost to first come and gained 1.06x admission at 1,024 GPUs "
-        "(docs/simulator.md). `first_come`: the oldest poll first. Room a new version opens is shared by every held "
-        "poll either way.",
+        "(docs/simulator.md). `first_come`: the oldest poll first. Either way each poll in that order gets what it "
+        "asked for as far as the room goes, the room a new version opens too (as the simulator serves held pulls); "
+        "the polls after it get nothing and wait on, except those whose engine is behind the new version, answered "
+        "at once.",
     )
 
     @field_validator("workflow")
