@@ -335,8 +335,9 @@ CHAOS_VICTIMS = [
 # roles whose pod is lost (its node gone): it comes back under a new address, as if rescheduled
 LOST_PODS = ["rollout", "controller", "trainer"]
 # the cluster faults drawn besides: the rollout pod cut off from the controller's and the trainer's pods, the rollout
-# pod throttled to a quarter of a CPU (each for FAULT_SECONDS), the trainer's checkpoint volume full for FILL_STEPS
-CLUSTER_FAULTS = ["partition", "throttle", "fill"]
+# pod throttled to a quarter of a CPU, the controller's pod cut off from Redis's (each for FAULT_SECONDS), the
+# trainer's checkpoint volume full for FILL_STEPS
+CLUSTER_FAULTS = ["partition", "throttle", "fill", "store_cut"]
 FAULT_SECONDS, THROTTLE_FRACTION, FILL_STEPS = 20, 0.25, 4
 # the rollout worker's lease in the chaos run: the partition outlasts it, so the controller revokes what the worker
 # held and admits it again, and refuses the worker's late writes once it is reachable again
@@ -403,13 +404,17 @@ class ClusterChaos:
                 cluster.lose_pod(pod_of(cluster, job, role))
             else:
                 Cluster.kill_group(container_of(cluster, job, role, name))
-        rollout, controller, trainer = (pod_of(cluster, job, role) for role in ("rollout", "controller", "trainer"))
+        rollout, controller, trainer, store = (
+            pod_of(cluster, job, role) for role in ("rollout", "controller", "trainer", "redis")
+        )
         for fault, step in self.fault_steps.items():
-            if fault in self.started or trained < step or not (rollout and controller and trainer):
+            if fault in self.started or trained < step or not (rollout and controller and trainer and store):
                 continue
             self.started[fault] = trained
             if fault == "partition":
                 self.tasks[fault] = asyncio.create_task(partition(rollout, [controller.ip, trainer.ip], FAULT_SECONDS))
+            elif fault == "store_cut":
+                self.tasks[fault] = asyncio.create_task(partition(controller, [store.ip], FAULT_SECONDS))
             elif fault == "throttle":
                 self.tasks[fault] = asyncio.create_task(throttled(rollout, FAULT_SECONDS, f"{cluster.prefix}-slow"))
             else:
@@ -445,10 +450,11 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
     file), the rollout, controller and trainer pods each lost with their node (each comes back as a new pod under a
     new address, the trainer's under its name with its checkpoint claim, which the Service names follow), in an
     order drawn from the seed; meanwhile, from steps drawn from the seed, the rollout pod partitioned from the
-    controller and the trainer for longer than its lease, the rollout pod throttled, the checkpoint volume full. The
-    job completes with nothing lost, nothing trained twice in its history and every sample within η; the versions go
-    back only to a checkpoint; the operator counts the restarts per role and said the checkpoint failed while the
-    volume was full. The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
+    controller and the trainer for longer than its lease, the rollout pod throttled, the controller's pod cut off
+    from Redis's, the checkpoint volume full. The job completes with nothing lost, nothing trained twice in its
+    history and every sample within η; the versions go back only to a checkpoint; the operator counts the restarts
+    per role (the controller cut off from its store does not crash) and said the checkpoint failed while the volume
+    was full. The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
     seed = int(os.environ.get("AREAL_CLUSTER_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
     print(f"cluster chaos seed {seed} (replay: AREAL_CLUSTER_CHAOS_SEED={seed})")
     rljob = the_example()
