@@ -193,6 +193,39 @@ async def test_restarted_controller_continues_where_it_stopped(redis_url):
         await second.stop()
 
 
+async def test_a_registration_answers_with_the_incarnation_it_made_while_its_write_waits(controller, redis_url):
+    """While Redis takes no writes (a controller cut off from it), a registration waits for its write; meanwhile the
+    worker registers again and leaves. Each registration still answers with its own incarnation (the cluster chaos
+    found the answer read after the write: it failed with a KeyError once the worker was reaped as silent)."""
+    workers = controller.servicer.core.workers
+
+    async def until(condition):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+    register = controller_pb2.RegisterWorkerRequest(worker_id="w0", address="127.0.0.1:9", engine_version=0)
+    admin = redis.asyncio.Redis.from_url(redis_url)
+    await admin.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+    try:
+        first = asyncio.ensure_future(controller.stub.RegisterWorker(register))
+        await until(lambda: "w0" in workers)
+        made_first = workers["w0"].incarnation
+        second = asyncio.ensure_future(controller.stub.RegisterWorker(register))
+        await until(lambda: workers["w0"].incarnation != made_first)
+        made_second = workers["w0"].incarnation
+        left = asyncio.ensure_future(
+            controller.stub.UnregisterWorker(controller_pb2.UnregisterWorkerRequest(worker_id="w0"))
+        )
+        await until(lambda: "w0" not in workers)
+        assert not first.done()  # still waiting for the store
+        answers = await asyncio.gather(first, second, left)
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+    assert [answers[0].incarnation, answers[1].incarnation] == [made_first, made_second]
+    assert 0 < made_first < made_second
+
+
 async def test_each_registration_is_a_new_incarnation_and_a_superseded_one_is_aborted(redis_url):
     """A worker's leases are its current incarnation's: registering again revokes the earlier one's at once, and
     that process's later calls (a process its replacement superseded) are refused with ABORTED, naming both. The

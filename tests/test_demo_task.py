@@ -264,21 +264,17 @@ def test_the_build_pins_the_instruction_set_whatever_the_caller_runs_on(tiny_ass
     assert (rebuilt["weights_sha256"], rebuilt["cpu_capability"]) == (manifest["weights_sha256"], "AVX2")
 
 
-def test_a_build_parameter_on_the_command_line_is_checked(tmp_path):
-    # the two command lines run side by side: each is mostly an interpreter importing torch
-    unknown, not_an_integer = (
-        subprocess.Popen(
-            [sys.executable, "-m", "areal_k8s.demo.build", "--out", str(tmp_path), param],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for param in ("--param=sft_steps=3", "--param=sft_max_steps=many")
-    )
-    _, stderr = unknown.communicate()
-    assert unknown.returncode == 2 and "unknown build parameter 'sft_steps'" in stderr
-    _, stderr = not_an_integer.communicate()
-    assert not_an_integer.returncode == 2 and "sft_max_steps must be an integer, got 'many'" in stderr
+def test_a_build_parameter_on_the_command_line_is_checked(tmp_path, capsys):
+    from areal_k8s.demo.build import main
+
+    for param, message in (
+        ("--param=sft_steps=3", "unknown build parameter 'sft_steps'"),
+        ("--param=sft_max_steps=many", "sft_max_steps must be an integer, got 'many'"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--out", str(tmp_path), param])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before anything was built
 
 
 def test_warmup_stops_once_the_probe_reaches_the_target(tmp_path):

@@ -188,6 +188,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             max(request.engine_ranks, 1),
             request.engine_dtype,
         )
+        # Read now: while the write below waits (a slow or cut-off Redis), the worker may register again or be
+        # reaped as silent, and the answer must name the incarnation this call made.
+        incarnation = self.core.workers[request.worker_id].incarnation
         log.info(
             "worker %s registered at %s (engine version %d, %d weight-group ranks)",
             request.worker_id,
@@ -200,7 +203,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         return controller_pb2.RegisterWorkerResponse(
             version=self.core.version,
             job=self.core.job.name,
-            incarnation=self.core.workers[request.worker_id].incarnation,
+            incarnation=incarnation,
         )
 
     @rpc
