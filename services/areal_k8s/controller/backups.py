@@ -1,0 +1,29 @@
+"""Backups of the stragglers the trainer waits on, as MapReduce backs up its last tasks.
+
+Under `strict` (and `capped` at its cap) the trainer waits for a group still generating whose place in the batch is
+needed; with one slow engine beside fast ones, every group placed on it becomes such a straggler, and the staleness
+bound stops admission exactly while the trainer waits: the fast engines sit idle. The trainer names the running
+groups it waits on with each GetOutstanding (trainer/step/batching.py `waited_on`); each gets a backup: its prompt
+admitted again as a new group (`<id>-backup`) with the original's admitted version and ticket, so deadlines, ordering
+and the staleness bound see one group. A backup takes no admission room (it replaces, it adds no work to the future),
+starts only when a worker other than the original's asks for work, and a group gets at most one. The first copy
+written wins: the stream's write script refuses a copy whose twin is written (common/store.py), and the controller
+settles the other copy as superseded and revokes it. A copy that ends otherwise (filtered, failed, handed back)
+while its twin runs just leaves: the twin carries the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from areal_k8s.controller.leases import Lease
+
+
+def backup_candidates(waited_on: Iterable[str], leases: Mapping[str, Lease], worker_id: str | None = None) -> list[str]:
+    """Of the groups the trainer waits on, those that may get a backup (on `worker_id`; None: on any worker): still
+    running, neither a backup nor backed up already, and not held by that worker."""
+    return [
+        gid
+        for gid in dict.fromkeys(waited_on)
+        if (lease := leases.get(gid)) is not None and not lease.twin and lease.worker_id != worker_id
+    ]
