@@ -220,7 +220,11 @@ async def test_the_backup_of_a_group_its_slow_worker_never_finishes_is_trained_o
         written, unknown = await write_and_complete(c, "fast", backup)
         assert written and unknown == 0
         assert [g.group_id for g in await asyncio.wait_for(batch, 30)] == [backup.group_id]
-        # The slow worker's copy comes too late: its write and its report are refused, as a revoked lease's are.
+        # The slow worker learns on its next poll that its copy was revoked; a late write and report are refused.
+        slow_poll = controller_pb2.AcquireGroupsRequest(
+            worker_id="slow", engine_version=1, holding=[original.group_id], reports_holding=True
+        )
+        assert list((await stub.AcquireGroups(slow_poll)).revoked) == [original.group_id]
         assert await c.store.write_group([trajectory(original, i) for i in range(2)]) is None
         assert await complete(stub, "slow", original) == 1
         assert await c.store.groups_in_stream() == {first.group_id, f"g{first.ticket + 1}", backup.group_id}

@@ -348,6 +348,7 @@ class ControllerCore:
         elif version > self.version:
             self.progress.trained(version)
         self.version = version
+        self.waited_on = []  # a new step: the trainer says what its next batch waits on
         self.progress_changed = True
 
     def record_step(self, **report: Any) -> bool:

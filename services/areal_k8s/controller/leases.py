@@ -120,6 +120,11 @@ class Leases(Mapping[str, Lease]):
         """The groups leased to `worker_id` that it says it is not working on: their answer never reached it."""
         return [gid for gid in self._by_worker.get(worker_id, ()) if gid not in holding]
 
+    def not_held(self, worker_id: str, holding: Iterable[str]) -> list[str]:
+        """The groups of `holding` no longer leased to `worker_id`: settled without it (revoked, or superseded by
+        their other copy), so it can stop generating them."""
+        return [gid for gid in holding if gid not in self._by_worker.get(worker_id, ())]
+
     def take_changed(self) -> dict[str, Lease | None]:
         """The leases granted or settled since the last call: group id -> its lease, None once settled."""
         changed, self._changed = self._changed, set()

@@ -235,10 +235,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         )
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
-        revoked = []
+        revoked, gone = [], []
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
             revoked = self.core.leases.unheld(request.worker_id, set(request.holding))
             await self.revoke(revoked, "its answer never reached the worker")
+            gone = self.core.leases.not_held(request.worker_id, request.holding)
         try:
             admitted, capacity = await acquire_when_room(
                 self.core,
@@ -258,6 +259,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             version=self.core.version,
             finished=self.core.over,
             capacity=capacity,
+            revoked=gone,
         )
 
     @rpc
