@@ -7,6 +7,8 @@ from test_controller_service import Controller, trajectory
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2
 from areal_k8s.common.config import parse_job
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.controller.backups import backup_candidates
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.durable import decode_lease, encode_lease
@@ -260,3 +262,45 @@ async def test_a_controller_restarted_mid_backup_keeps_one_group_and_the_copy_wr
         assert await second.store.groups_in_stream() == {original.group_id}
     finally:
         await second.stop()
+
+
+class BackupNotYetReported:
+    """The controller as the trainer sees it while a backup written first is not yet reported: its original is still
+    listed as running."""
+
+    async def outstanding(self, waited_on=()) -> dict[str, int]:
+        return {"g0": 0}
+
+
+def written(group_id: str, admitted: int, ticket: int, i: int) -> Trajectory:
+    return Trajectory(
+        trajectory_id=f"{group_id}-{i}",
+        group_id=group_id,
+        token_ids=[1, 2],
+        prompt_length=1,
+        logprobs=[0, -1],
+        versions=[-1, max(admitted, 1)],
+        loss_mask=[False, True],
+        admitted_version=admitted,
+        ticket=ticket,
+    )
+
+
+async def test_a_backup_written_before_it_is_reported_counts_once_for_the_trainer(redis_url):
+    """B = 2, η = 1, version 1: g0's backup (admitted at 0) is written, and the controller still lists g0 as running.
+    Counted twice, the straggler would make the trainer wait for a group that has come already."""
+    redis_client = connect(redis_url)
+    store = TrajectoryStore(redis_client, "t")
+    try:
+        await store.ensure_consumer_group()
+        for group_id, admitted, ticket in (("g0-backup", 0, 0), ("g1", 1, 1), ("g2", 1, 2), ("g3", 2, 3)):
+            await store.write_group([written(group_id, admitted, ticket, i) for i in range(2)])
+        complete = [group(0, 0), group(1, 1), group(1, 2), group(2, 3)]
+        assert select_batch(complete, [0], version=1, batch_size=2, max_staleness=1) is None  # counted twice
+        assembler = BatchAssembler(
+            store, "trainer-0", BackupNotYetReported(), batch_size=2, group_size=2, max_staleness=1
+        )
+        batch = await asyncio.wait_for(assembler.next_batch(version=1), 30)
+        assert [g.group_id for g in batch] == ["g0-backup", "g1"]
+    finally:
+        await redis_client.aclose()

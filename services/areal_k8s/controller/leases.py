@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, replace
 
+from areal_k8s.common.trajectory import backup_group_id
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -81,9 +83,8 @@ class Leases(Mapping[str, Lease]):
     def grant_backup(self, group_id: str, worker_id: str, admitted_at: float) -> Lease:
         """A backup of the running group `group_id` for `worker_id`: its prompt, ticket and admitted version."""
         original = self._leases[group_id]
-        backup = replace(
-            original, group_id=f"{group_id}-backup", worker_id=worker_id, admitted_at=admitted_at, backup_of=group_id
-        )
+        backup_id = backup_group_id(group_id)
+        backup = replace(original, group_id=backup_id, worker_id=worker_id, admitted_at=admitted_at, backup_of=group_id)
         self._leases[group_id] = replace(original, backup=backup.group_id)
         self._add(backup)
         self.pairs += 1

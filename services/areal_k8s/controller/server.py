@@ -166,7 +166,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def revoke_superseded(self) -> None:
         """Revoke the copies of backed-up groups whose twin was written first: the write script refused them already
         while the twin link stands, and the revocation keeps refusing them once the change settling them removes it.
-        Their workers learn it on their next call, as for any revoked lease. The caller writes the change."""
+        Their workers learn it on their next poll (its answer's `revoked`). The caller writes the change."""
         superseded, self.core.superseded = self.core.superseded, []
         for group_id in superseded:
             await self.store.revoke_group(group_id)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from areal_k8s.common.config import StalenessPolicy, wait_bound
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
+from areal_k8s.common.trajectory import backup_group_id
 from areal_k8s.trainer.controller import Controller
 
 log = logging.getLogger(__name__)
@@ -231,8 +232,13 @@ class BatchAssembler:
             # was reported, so the read below sees it. (The other order could miss a group in both places.)
             outstanding = await self.controller.outstanding(self.waited_on)
             await self.drain()
-            # A group written but not yet reported back is in both places: count it once, as complete.
-            running = {gid: version for gid, version in outstanding.items() if gid not in self.buffer}
+            # A group written but not yet reported back is in both places (its backup written first too, as its
+            # original): count it once, as complete.
+            running = {
+                gid: version
+                for gid, version in outstanding.items()
+                if gid not in self.buffer and backup_group_id(gid) not in self.buffer
+            }
             late = past_the_bound(
                 self.complete_groups(),
                 version=version,
