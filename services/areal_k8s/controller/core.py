@@ -26,7 +26,7 @@ from typing import Any
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
-from areal_k8s.controller import figures, persistence
+from areal_k8s.controller import backups, figures, persistence
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
 from areal_k8s.controller.backups import backup_candidates
 from areal_k8s.controller.cursor import DataCursor
@@ -180,7 +180,7 @@ class ControllerCore:
             return "starting"
         if engine_version < self.version:
             return "stale_engine"
-        if backup_candidates(self.waited_on, self.leases, worker_id):
+        if backup_candidates(self.waited_on, self.leases, worker_id):  # a backup is not held back by the bounds
             return None
         state = self.admission_state()
         if admission_rooms(**state)["remaining_work"] <= 0:
@@ -203,7 +203,8 @@ class ControllerCore:
             return []
         if self.over:
             return []
-        admitted = [self.start_backup(gid, worker_id) for gid in self.backups_for(worker_id)[:max_groups]]
+        started = backups.start(self, worker_id, max_groups)  # backups first: they take no admission room
+        admitted = [Admitted(lease, self.items[lease.item_index]) for lease in started]
         for _ in range(min(max_groups - len(admitted), self.capacity())):
             if (next_item := self.next_item()) is None:
                 break
@@ -213,19 +214,7 @@ class ControllerCore:
         return admitted
 
     def wait_on(self, group_ids: Iterable[str]) -> bool:
-        """The trainer waits on these running groups (all it waits on: the previous list is replaced). True when one
-        may get a backup, which the shell offers to the held polls."""
-        self.waited_on = list(group_ids) if self.job.rollout.backup_stragglers else []
-        return bool(backup_candidates(self.waited_on, self.leases))
-
-    def backups_for(self, worker_id: str) -> list[str]:
-        return backup_candidates(self.waited_on, self.leases, worker_id)
-
-    def start_backup(self, group_id: str, worker_id: str) -> Admitted:
-        lease = self.leases.grant_backup(group_id, worker_id, self.clock())
-        self.backups_started += 1
-        self.metrics.backups.labels(event="started").inc()
-        return Admitted(lease, self.items[lease.item_index])
+        return backups.wait_on(self, group_ids)
 
     def next_item(self) -> tuple[int, int] | None:
         """(item index, its failures in a row) to admit next: a failed prompt first, else the cursor's next one

@@ -7,7 +7,8 @@ straggler, a group still generating while newer ones finished, is the policy (`a
 - `strict` keeps the bound per sample: a group admitted at version a is trained no later than its deadline a + η.
   The trainer takes the oldest complete groups, but only if the groups left behind (complete or still generating)
   can all still meet their deadlines with B per step; otherwise it waits for the straggler whose place in this
-  batch is needed (earliest-deadline-first: it waits only when the bound would otherwise break). A trainer that
+  batch is needed (earliest-deadline-first: it waits only when the bound would otherwise break), and names it to the
+  controller, which has it generated again on another worker (`waited_on`; controller/backups.py). A trainer that
   rolled back to a checkpoint can hold more groups than it can train in time; it never trains one past the bound
   to get out of that corner: a group whose tokens are more than η versions old is dropped (its entries
   acknowledged at the next checkpoint) and the controller admits its prompt again.
