@@ -8,7 +8,8 @@ admitted again as a new group (`<id>-backup`) with the original's admitted versi
 and the staleness bound see one group. A backup takes no admission room (it replaces, it adds no work to the future),
 starts only when a worker other than the original's asks for work, and a group gets at most one. The first copy
 written wins: the stream's write script refuses a copy whose twin is written (common/store.py), and the controller
-settles the other copy as superseded and revokes it. A copy that ends otherwise (filtered, failed, handed back)
+settles the other copy as superseded and revokes it (its worker learns it on its next poll, AcquireGroups'
+`revoked`, and stops generating it). A copy that ends otherwise (filtered, failed, handed back)
 while its twin runs just leaves: the twin carries the group.
 """
 
