@@ -115,8 +115,8 @@ class TimedControllerClient(ControllerClient):
         finally:
             self.recorder.record(method, started)
 
-    async def outstanding(self):
-        return await self._timed("GetOutstanding", super().outstanding())
+    async def outstanding(self, waited_on=()):
+        return await self._timed("GetOutstanding", super().outstanding(waited_on))
 
     async def announce_version(self, version):
         return await self._timed("AnnounceVersion", super().announce_version(version))

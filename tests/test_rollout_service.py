@@ -318,3 +318,29 @@ async def test_a_group_whose_outcome_a_newer_incarnation_made_stale_ends_quietly
         await worker.process_group(group)  # raised Superseded before
 
         assert core.leases.held_by("w0") == [] and core.requeued == requeued  # the refused outcome changed nothing
+
+
+async def test_a_worker_stops_generating_a_group_the_controller_settled_without_it(redis_url, unused_tcp_port):
+    """A group the worker holds that is no longer leased to it (its lease expired, or the other copy of a backed-up
+    group was written first) comes back in the poll's `revoked`: the worker cancels its task, whose write would be
+    refused."""
+    items = [DatasetItem(id="p0", prompt="1+1=", reference="2", verifier="addition")]
+    core = ControllerCore(JOB, items, lease_seconds=60)
+    async with worker_of_a_served_controller(core, redis_url, unused_tcp_port) as worker:
+        await worker.register()
+
+        def poll(holding: list[str], max_groups: int = 0) -> AcquireRequest:
+            return AcquireRequest(
+                "w0", max_groups, 0, 0, holding=holding, reports_holding=True, incarnation=worker.incarnation
+            )
+
+        [group] = (await worker.controller.acquire_groups(poll([], max_groups=1))).groups
+        generating = asyncio.create_task(asyncio.Event().wait())  # stands in for the group's generation
+        worker.in_flight[generating] = group
+        assert (await worker.controller.acquire_groups(poll([group.group_id]))).revoked == []
+        core.complete(group.group_id, "requeued")  # settled without the worker
+        reply = await worker.controller.acquire_groups(poll([group.group_id]))
+        assert reply.revoked == [group.group_id]
+        worker.stop_revoked(reply.revoked)
+        await asyncio.gather(generating, return_exceptions=True)
+        assert generating.cancelled()

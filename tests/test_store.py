@@ -239,7 +239,7 @@ async def test_looking_for_lost_deliveries_reads_only_the_entries_the_trainer_la
 
 
 class NothingOutstanding:
-    async def outstanding(self) -> dict[str, int]:
+    async def outstanding(self, waited_on=()) -> dict[str, int]:
         return {}
 
 

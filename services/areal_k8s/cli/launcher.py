@@ -154,6 +154,8 @@ def run_summary(
             "dropped": status.dropped,
             "lost": status.lost,  # accepted, then lost by a Redis that forgot its last writes; admitted again
         },
+        # stragglers generated a second time (each group is counted once above, whichever copy won)
+        "backups": {"started": status.backups_started, "won": status.backups_won},
         "dead_lettered_items": status.dead_lettered,
         "samples_per_second": round(status.samples_per_second, 3),
         "tokens_per_second": round(status.tokens_per_second, 1),

@@ -85,7 +85,8 @@ def status_table(s: controller_pb2.JobStatus, recorder: MetricsRecorder | None =
         "groups",
         f"admitted {s.admitted}: running {s.running}, accepted {s.accepted}, filtered {s.filtered}, "
         f"failed {s.failed}, re-queued {s.requeued} (capacity {s.capacity}, dropped past η {s.dropped}, lost by Redis "
-        f"{s.lost}, dead-lettered {s.dead_lettered})",
+        f"{s.lost}, dead-lettered {s.dead_lettered}; backups of stragglers {s.backups_started}, "
+        f"{s.backups_won} won)",
     )
     table.add_row("trajectory stream", f"queue {s.queue_depth}, kept {s.stream_length}", "workers", str(s.workers))
     if s.stalled:  # past trainer.progress_deadline_seconds without a step: what the run waits for

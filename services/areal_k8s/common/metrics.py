@@ -170,6 +170,11 @@ class ControllerMetrics(ServiceMetrics):
             "Prompt groups settled, by result (accepted, filtered, failed, requeued; then dropped, lost).",
             extra=("result",),
         )
+        self.backups = self.counter(
+            "areal_controller_backups_total",
+            "Backups of the stragglers the trainer waited on, by event (started; won: written before its original).",
+            extra=("event",),
+        )
         self.dead_lettered = self.counter(
             "areal_controller_dead_lettered_items_total",
             "Dataset items dead-lettered: their group failed rollout.max_group_failures times in a row; they are never "
@@ -192,6 +197,8 @@ class ControllerMetrics(ServiceMetrics):
         )
         for result in GROUP_RESULTS:
             self.groups.labels(result=result)
+        for event in ("started", "won"):
+            self.backups.labels(event=event)
         for reason in ADMISSION_BLOCKS:
             self.admission_blocks.labels(reason=reason)
         for reason in HOLD_REASONS:

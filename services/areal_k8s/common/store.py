@@ -27,12 +27,15 @@ CONSUMER_GROUP = "trainer"
 # Entries kept in a job's dead-letter stream; the oldest go first. Nothing consumes it: it is there to be read.
 DEAD_LETTER_RETENTION = 10_000
 
-# KEYS: stream, written, revoked. ARGV: group_id, then per trajectory: trajectory_id, min_version, max_version,
+# KEYS: stream, written, revoked, twins. ARGV: group_id, then per trajectory: trajectory_id, min_version, max_version,
 # admitted_version, ticket, payload. Returns the entry ids; none for a group written already (a write sent again after
-# a lost answer adds nothing); false for a revoked group.
+# a lost answer adds nothing); false for a revoked group, and for a copy of a backed-up group whose twin (its backup,
+# or its original) is written: the first copy written is the group, the other is never trained.
 _WRITE_GROUP = """
 if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return false end
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return {} end
+local twin = redis.call('HGET', KEYS[4], ARGV[1])
+if twin and redis.call('SISMEMBER', KEYS[2], twin) == 1 then return false end
 local ids = {}
 for i = 2, #ARGV, 6 do
   ids[#ids + 1] = redis.call('XADD', KEYS[1], '*',
@@ -63,7 +66,8 @@ class JobKeys:
         self.revoked = f"{self.prefix}:revoked-groups"
         self.dead_letters = f"{self.prefix}:dead-letters"
         # the controller's durable state (controller/state_store.py): counters, a record per lease and per retry place,
-        # the items dead-lettered, the groups dropped, the accepted groups not yet trained and the groups lost
+        # the items dead-lettered, the groups dropped, the accepted groups not yet trained and the groups lost; and the
+        # links between the copies of backed-up groups, which the stream's write script reads
         self.controller_counters = f"{self.prefix}:controller:counters"
         self.controller_leases = f"{self.prefix}:controller:leases"
         self.controller_retry = f"{self.prefix}:controller:retry"
@@ -71,6 +75,7 @@ class JobKeys:
         self.controller_dropped = f"{self.prefix}:controller:dropped"
         self.controller_accepted = f"{self.prefix}:controller:accepted"
         self.controller_lost = f"{self.prefix}:controller:lost"
+        self.controller_twins = f"{self.prefix}:controller:twins"  # each copy of a backed-up group -> the other
         # what an older controller kept: its whole state as one JSON document, and the version it last announced
         self.legacy_snapshot = f"{self.prefix}:controller"
         self.legacy_version = f"{self.prefix}:version"
@@ -146,8 +151,8 @@ class TrajectoryStore:
     # -- producers (rollout) -------------------------------------------------------------------------------
 
     async def write_group(self, trajectories: list[Trajectory]) -> list[str] | None:
-        """Append one group's trajectories atomically and at most once. None: the controller revoked the group (not
-        written); an empty list: it was written already."""
+        """Append one group's trajectories atomically and at most once. None: the controller revoked the group, or
+        the group's other copy was written first (not written); an empty list: it was written already."""
         group_ids = {t.group_id for t in trajectories}
         if len(group_ids) != 1:
             raise ValueError(f"write_group needs trajectories of exactly one group, got {sorted(group_ids)}")
@@ -162,7 +167,8 @@ class TrajectoryStore:
                 t.ticket,
                 trajectory_message(t).SerializeToString(),
             ]
-        ids = await self._write_group(keys=[self.keys.stream, self.keys.written, self.keys.revoked], args=args)
+        keys = [self.keys.stream, self.keys.written, self.keys.revoked, self.keys.controller_twins]
+        ids = await self._write_group(keys=keys, args=args)
         return None if ids is None else [i.decode() for i in ids]
 
     # -- controller ----------------------------------------------------------------------------------------

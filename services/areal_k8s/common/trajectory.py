@@ -65,3 +65,9 @@ class Trajectory:
     admitted_version: int = 0
     ticket: int = 0
     timings: Timings = field(default_factory=Timings)
+
+
+def backup_group_id(group_id: str) -> str:
+    """The id of the backup of the group `group_id` (controller/backups.py). Until a backup written first is
+    reported, the controller lists its original as running: the trainer counts the two as one group."""
+    return f"{group_id}-backup"

@@ -26,8 +26,9 @@ from typing import Any
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
-from areal_k8s.controller import figures, persistence
+from areal_k8s.controller import backups, figures, persistence
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
+from areal_k8s.controller.backups import backup_candidates
 from areal_k8s.controller.cursor import DataCursor
 from areal_k8s.controller.dead_letters import requeue_or_dead_letter
 from areal_k8s.controller.durable import Changes, DeadLetter, DurableState
@@ -73,6 +74,10 @@ class ControllerCore:
         self.filtered = 0
         self.failed = 0
         self.requeued = 0
+        self.backups_started = 0
+        self.backups_won = 0  # backups written before their original (the original superseded)
+        self.waited_on: list[str] = []  # running groups the trainer waits on (it names them with each GetOutstanding)
+        self.superseded: list[str] = []  # copies whose twin was written first: the shell revokes them in Redis
         self.dropped_groups: set[str] = set()  # written groups the trainer dropped as past η; their prompts came back
         self.accepted_groups: dict[str, int] = {}  # accepted, not yet trained or dropped: group id -> item index
         self.lost_groups: set[str] = set()  # accepted, then lost by the store; their prompts came back
@@ -100,7 +105,8 @@ class ControllerCore:
 
     @property
     def running(self) -> int:
-        return len(self.leases)
+        """Groups generating: a group with a running backup is one."""
+        return len(self.leases) - self.leases.pairs
 
     @property
     def total_groups(self) -> int:
@@ -131,8 +137,11 @@ class ControllerCore:
         return admission_capacity(**self.admission_state())
 
     def admissible(self) -> int:
-        """Groups a request could be given now: the capacity, unless the job is over or a start-up check waits."""
-        return 0 if self.over or self.waiting_for is not None else self.capacity()
+        """Groups a request could be given now: the capacity and the backups due, unless the job is over or a start-up
+        check waits."""
+        if self.over or self.waiting_for is not None:
+            return 0
+        return self.capacity() + len(backup_candidates(self.waited_on, self.leases))
 
     def register(
         self, worker_id: str, address: str, engine_version: int, engine_ranks: int = 1, engine_dtype: str = ""
@@ -171,6 +180,8 @@ class ControllerCore:
             return "starting"
         if engine_version < self.version:
             return "stale_engine"
+        if backup_candidates(self.waited_on, self.leases, worker_id):  # a backup is not held back by the bounds
+            return None
         state = self.admission_state()
         if admission_rooms(**state)["remaining_work"] <= 0:
             return "no_work_left"
@@ -192,14 +203,18 @@ class ControllerCore:
             return []
         if self.over:
             return []
-        admitted = []
-        for _ in range(min(max_groups, self.capacity())):
+        started = backups.start(self, worker_id, max_groups)  # backups first: they take no admission room
+        admitted = [Admitted(lease, self.items[lease.item_index]) for lease in started]
+        for _ in range(min(max_groups - len(admitted), self.capacity())):
             if (next_item := self.next_item()) is None:
                 break
             item_index, failures = next_item
             lease = self.leases.grant(item_index, self.version, worker_id, self.clock(), failures)
             admitted.append(Admitted(lease, self.items[item_index]))
         return admitted
+
+    def wait_on(self, group_ids: Iterable[str]) -> bool:
+        return backups.wait_on(self, group_ids)
 
     def next_item(self) -> tuple[int, int] | None:
         """(item index, its failures in a row) to admit next: a failed prompt first, else the cursor's next one
@@ -217,9 +232,18 @@ class ControllerCore:
     def complete(self, group_id: str, result: str, reason: str = "") -> bool:
         """Settle a lease: `accepted`, `filtered`, `failed` (re-queued or dead-lettered; `reason` says why it
         failed) or `requeued` (re-queued, not counted against the prompt). False if the lease is unknown."""
+        twin = self.leases.running_twin(group_id)
         lease = self.leases.settle(group_id)
         if lease is None:
             return False
+        if twin is not None:  # a backed-up group: only the copy written first counts (the shell checked it is written)
+            if result != "accepted":
+                return True  # this copy leaves; its twin carries the group
+            self.leases.settle(twin)
+            self.superseded.append(twin)
+            if lease.backup_of:
+                self.backups_won += 1
+                self.metrics.backups.labels(event="won").inc()
         if result == "accepted":
             self.accepted += 1
             if group_id in self.trained_unsettled:
@@ -295,8 +319,10 @@ class ControllerCore:
         return [gid for worker_id in silent for gid in self.leases.held_by(worker_id)]
 
     def outstanding(self) -> dict[str, int]:
-        """Groups still generating: group id -> the version they were admitted at."""
-        return {gid: lease.admitted_version for gid, lease in self.leases.items()}
+        """Groups still generating: group id -> the version they were admitted at (a group running with its backup
+        once, by its original's id)."""
+        leases = self.leases
+        return {gid: lease.admitted_version for gid, lease in leases.items() if lease.backup_of not in leases}
 
     # -- versions and progress -----------------------------------------------------------------------------
 
@@ -311,6 +337,7 @@ class ControllerCore:
         elif version > self.version:
             self.progress.trained(version)
         self.version = version
+        self.waited_on = []  # a new step: the trainer says what its next batch waits on
         self.progress_changed = True
 
     def record_step(self, **report: Any) -> bool:

@@ -24,6 +24,8 @@ INT_COUNTERS = (
     "failed",
     "requeued",
     "retry_head",
+    "backups_started",
+    "backups_won",
 )
 FLOAT_COUNTERS = ("held_by_staleness_seconds", "started_at")
 
@@ -110,14 +112,23 @@ class Changes:
 
 
 def encode_lease(lease: Lease) -> str:
+    link = [lease.backup, lease.backup_of] if lease.twin else []  # the copies of a backed-up group name each other
     return json.dumps(
-        [lease.item_index, lease.ticket, lease.admitted_version, lease.worker_id, lease.admitted_at, lease.failures]
+        [
+            lease.item_index,
+            lease.ticket,
+            lease.admitted_version,
+            lease.worker_id,
+            lease.admitted_at,
+            lease.failures,
+            *link,
+        ]
     )
 
 
 def decode_lease(group_id: str, record: str) -> Lease:
-    item_index, ticket, admitted_version, worker_id, admitted_at, failures = json.loads(record)
-    return Lease(group_id, item_index, ticket, admitted_version, worker_id, admitted_at, failures)
+    """A lease's record: six fields, eight for a backed-up group or a backup (the link to its twin)."""
+    return Lease(group_id, *json.loads(record))
 
 
 def encode_retry(entry: RetryEntry) -> str:
@@ -130,8 +141,9 @@ def decode_retry(record: str) -> RetryEntry:
 
 
 def decode_counters(fields: dict[str, str]) -> dict[str, float]:
+    """The counters; the backup counters are absent in a state an older controller wrote."""
     return {
-        **{name: int(fields[name]) for name in INT_COUNTERS},
+        **{name: int(fields.get(name, 0) if name.startswith("backups_") else fields[name]) for name in INT_COUNTERS},
         **{name: float(fields[name]) for name in FLOAT_COUNTERS},
     }
 

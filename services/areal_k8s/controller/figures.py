@@ -60,6 +60,8 @@ def status(core: ControllerCore) -> dict:
         "filtered": core.filtered,
         "failed": core.failed,
         "requeued": core.requeued,
+        "backups_started": core.backups_started,
+        "backups_won": core.backups_won,
         "dropped": len(core.dropped_groups),
         "lost": len(core.lost_groups),
         "admitted": core.leases.next_ticket,  # each admission takes the next ticket

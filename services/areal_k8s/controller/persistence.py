@@ -28,6 +28,8 @@ def counters(core: ControllerCore) -> dict[str, float]:
         "filtered": core.filtered,
         "failed": core.failed,
         "requeued": core.requeued,
+        "backups_started": core.backups_started,
+        "backups_won": core.backups_won,
         "retry_head": core.retry.head,
         "held_by_staleness_seconds": core.holds.held_by_staleness_seconds,
         "started_at": core.started_at,
@@ -78,6 +80,7 @@ def restore(core: ControllerCore, state: DurableState) -> None:
     core.workers.next_incarnation = counters["next_incarnation"]
     core.accepted, core.filtered = counters["accepted"], counters["filtered"]
     core.failed, core.requeued = counters["failed"], counters["requeued"]
+    core.backups_started, core.backups_won = counters["backups_started"], counters["backups_won"]
     core.holds.held_by_staleness_seconds = counters["held_by_staleness_seconds"]
     core.started_at = counters["started_at"]
     core.dropped_groups = set(state.dropped_groups)

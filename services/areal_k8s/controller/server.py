@@ -159,8 +159,18 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             already_written = await self.store.revoke_group(group_id)
             self.core.complete(group_id, "accepted" if already_written else "requeued", why)
             log.warning("group %s: %s, %s", group_id, why, "already written" if already_written else "re-queued")
+        await self.revoke_superseded()
         if group_ids:
             self.room_may_have_opened()
+
+    async def revoke_superseded(self) -> None:
+        """Revoke the copies of backed-up groups whose twin was written first: the write script refused them already
+        while the twin link stands, and the revocation keeps refusing them once the change settling them removes it.
+        Their workers learn it on their next poll (its answer's `revoked`). The caller writes the change."""
+        superseded, self.core.superseded = self.core.superseded, []
+        for group_id in superseded:
+            await self.store.revoke_group(group_id)
+            log.info("group %s: its twin was written first; revoked", group_id)
 
     def log_stall(self) -> None:
         """Once per progress deadline while no step comes: what the run waits for."""
@@ -228,10 +238,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         )
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
-        revoked = []
+        revoked, gone = [], []
         if request.reports_holding:  # before the hold: what is leased from here on is not in the worker's list
             revoked = self.core.leases.unheld(request.worker_id, set(request.holding))
             await self.revoke(revoked, "its answer never reached the worker")
+            gone = self.core.leases.not_held(request.worker_id, request.holding)
         try:
             admitted, capacity = await acquire_when_room(
                 self.core,
@@ -251,6 +262,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             version=self.core.version,
             finished=self.core.over,
             capacity=capacity,
+            revoked=gone,
         )
 
     @rpc
@@ -269,6 +281,12 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             result, group_id = _RESULTS[outcome.result], outcome.group_id
             if result in ("failed", "requeued") and await self.store.revoke_group(group_id):
                 result = "accepted"  # its trajectories reached the stream before the worker gave up on it
+            elif (
+                result == "accepted"
+                and self.core.leases.running_twin(group_id) is not None
+                and not await self.store.written_groups([group_id])
+            ):
+                result = "requeued"  # a backed-up group's copy whose twin was written first: it leaves, unwritten
             # A group leased before Redis lost writes may have been written among them: it must be in the written set.
             lost = (
                 result == "accepted" and group_id in self.unverified and not await self.store.written_groups([group_id])
@@ -278,6 +296,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             if lost and group_id in self.core.accepted_groups:  # (not when trained already)
                 log.warning("group %s was reported written and is not in the stream: Redis lost it", group_id)
                 self.core.lose(group_id)
+        await self.revoke_superseded()
         self.room_may_have_opened()  # an accepted group opens none: it moves from running to accepted
         await self.writer.written()  # (also for outcomes known already: a first attempt's write may be under way)
         return controller_pb2.CompleteGroupsResponse(unknown=unknown)
@@ -319,6 +338,8 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @rpc
     async def GetOutstanding(self, request, context):
+        if self.core.wait_on(request.waited_on):  # a backup for each straggler the trainer waits on, to the held polls
+            self.room_may_have_opened()
         return controller_pb2.GetOutstandingResponse(running=self.core.outstanding())
 
     @rpc

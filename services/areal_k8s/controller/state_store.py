@@ -1,7 +1,8 @@
 """The controller's durable state in Redis (durable.py says what it holds), written change by change.
 
 Counters in one hash (the progress figures one field of it), a hash of leases, a hash of retry places, a set of
-dead-lettered items, a set of dropped groups, a hash of accepted groups not yet trained, a set of lost groups: each
+dead-lettered items, a set of dropped groups, a hash of accepted groups not yet trained, a set of lost groups (and
+the twin links of the leases of backed-up groups, for the stream's write script; controller/backups.py): each
 write is one Lua script that applies the counters and the records that changed, settles the written-set entries of
 the leases it removes, and appends the dead letters of items newly dead-lettered, all at once. A write carries a
 sequence number and is applied only if it is newer than the last one applied, so a write sent again (its answer lost
@@ -42,20 +43,21 @@ from areal_k8s.controller.durable import (
 
 log = logging.getLogger(__name__)
 
-# KEYS: counters, leases, retry, dead items, dropped, dead letters, written groups, accepted groups, lost groups.
+# KEYS: counters, leases, retry, dead items, dropped, dead letters, written groups, accepted groups, lost groups, twins.
 # ARGV: the write's sequence number, the dead letters kept, the last write seen applied, 1 for a whole state (the
 # state's keys are emptied first), then sections, each its count and its items: counters (field, value), leases
-# written (group id, record), leases settled (group id), retry places written (place, record), retry places cleared
-# (place), groups dropped (group id), dead letters (item index, then six field-value pairs), dead items (item index),
-# accepted groups written (group id, item index), accepted groups removed (group id), groups lost (group id), groups
-# no longer lost (group id). Returns 0, changing nothing, for a write no newer than the last one applied; -1, changing
-# nothing, when the last one applied is older than the last one seen applied (the store lost writes).
+# written (group id, record), leases settled (group id; its twin link goes too), retry places written (place, record),
+# retry places cleared (place), groups dropped (group id), dead letters (item index, then six field-value pairs), dead
+# items (item index), accepted groups written (group id, item index), accepted groups removed (group id), groups lost
+# (group id), groups no longer lost (group id), twin links (group id, its twin's). Returns 0, changing nothing, for a
+# write no newer than the last one applied; -1, changing nothing, when the last one applied is older than the last one
+# seen applied (the store lost writes).
 _WRITE = """
 local seq = tonumber(ARGV[1])
 local stored = tonumber(redis.call('HGET', KEYS[1], 'seq') or '0')
 if seq <= stored then return 0 end
 if ARGV[4] == '1' then
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8], KEYS[9])
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[8], KEYS[9], KEYS[10])
 elseif stored < tonumber(ARGV[3]) then
   return -1
 end
@@ -73,6 +75,7 @@ a, b = section(1)
 for j = a, b do
   redis.call('HDEL', KEYS[2], ARGV[j])
   redis.call('SREM', KEYS[7], ARGV[j])
+  redis.call('HDEL', KEYS[10], ARGV[j])
 end
 a, b = section(2)
 for j = a, b, 2 do redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1]) end
@@ -96,6 +99,8 @@ a, b = section(1)
 for j = a, b do redis.call('SADD', KEYS[9], ARGV[j]) end
 a, b = section(1)
 for j = a, b do redis.call('SREM', KEYS[9], ARGV[j]) end
+a, b = section(2)
+for j = a, b, 2 do redis.call('HSET', KEYS[10], ARGV[j], ARGV[j + 1]) end
 redis.call('HSET', KEYS[1], 'seq', seq)
 return 1
 """
@@ -115,9 +120,10 @@ def write_arguments(seq: int, changes: Changes, applied: int = 0) -> list[object
     unaccepted = [gid for gid, item in changes.accepted_groups.items() if item is None]
     lost = [gid for gid, is_lost in changes.lost_groups.items() if is_lost]
     found = [gid for gid, is_lost in changes.lost_groups.items() if not is_lost]
+    twins = [(gid, lease.twin) for gid, lease in changes.leases.items() if lease is not None and lease.twin]
     args: list[object] = [seq, DEAD_LETTER_RETENTION, applied, int(changes.whole)]
     sections = (counters, leases, settled, places, cleared, changes.dropped_groups, letters, changes.dead_items)
-    for section in (*sections, accepted, unaccepted, lost, found):
+    for section in (*sections, accepted, unaccepted, lost, found, twins):
         args.append(len(section))
         for item in section:
             args.extend(item if isinstance(item, list | tuple) else [item])
@@ -143,6 +149,7 @@ class ControllerStateStore:
             k.written,
             k.controller_accepted,
             k.controller_lost,
+            k.controller_twins,
         ]
         return int(await self._write(keys=keys, args=write_arguments(seq, changes, applied)))
 

@@ -294,6 +294,7 @@ def job_status(
                 "dropped": report.dropped,
                 "lost": report.lost,
             },
+            backups={"started": report.backups_started, "won": report.backups_won},
         )
     if phase.running:
         status["startTime"] = previous.get("startTime") or rfc3339(now)

@@ -143,6 +143,14 @@ def status_schema() -> dict:
                     "tokensPerSecond": {"type": "number", "description": "Trained tokens per second."},
                 },
             ),
+            "backups": obj(
+                "Backups of the stragglers the trainer waited on (rollout.backup_stragglers): the same prompt "
+                "generated again on another worker; each group is counted once under groups, whichever copy won.",
+                {
+                    "started": integer("Backups started."),
+                    "won": integer("Backups written before their original, which was revoked."),
+                },
+            ),
             "deadLetteredItems": integer(
                 "Dataset items given up on after rollout.max_group_failures failed groups in a row "
                 "(each has an entry with its last reason in the job's dead-letter stream in Redis)."

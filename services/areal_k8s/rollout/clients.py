@@ -59,6 +59,7 @@ class ControllerClient:
             version=reply.version,
             finished=reply.finished,
             capacity=reply.capacity,
+            revoked=list(reply.revoked),
         )
 
     async def complete_groups(

@@ -4,7 +4,7 @@ of that service's message fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -59,6 +59,7 @@ class Acquired:
     version: int  # the controller's current policy version
     finished: bool  # the job is over: stop pulling
     capacity: int  # admission capacity before this call
+    revoked: list[str] = field(default_factory=list)  # groups it holds that are no longer its: it stops them
 
 
 class Result(Enum):

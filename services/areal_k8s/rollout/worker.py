@@ -288,6 +288,7 @@ class RolloutWorker:
                 if reply.finished:
                     log.info("job finished; worker %s stops", self.worker_id)
                     return
+                self.stop_revoked(reply.revoked)
                 for group in reply.groups:
                     task = asyncio.create_task(self.process_group(group))
                     self.in_flight[task] = group
@@ -343,6 +344,15 @@ class RolloutWorker:
                 "could not unregister (%s); the controller forgets this worker when its heartbeat times out",
                 exc.status,
             )
+
+    def stop_revoked(self, group_ids: list[str]) -> None:
+        """Stop generating the groups the controller settled without this worker (their lease expired, or the other
+        copy of a backed-up group was written first): their writes would be refused, their outcomes not taken."""
+        revoked = set(group_ids)
+        for task, group in list(self.in_flight.items()):
+            if group.group_id in revoked:
+                log.info("group %s: settled without this worker; stopped", group.group_id)
+                task.cancel()
 
     async def abandon_in_flight(self, why: str = "worker stopped") -> None:
         """Hand unfinished groups back at once (on shutdown, or when the engine went away) rather than waiting for

@@ -5,6 +5,7 @@ implementation, over the controller's gRPC service; a test may pass any object w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,8 +63,9 @@ class WorkerInfo:
 
 
 class Controller(Protocol):
-    async def outstanding(self) -> dict[str, int]:
-        """The groups still generating: group id -> the version it was admitted at."""
+    async def outstanding(self, waited_on: Sequence[str] = ()) -> dict[str, int]:
+        """The groups still generating: group id -> the version it was admitted at. `waited_on`: the running groups
+        the trainer waits on now (each may get a backup)."""
 
     async def drop_groups(self, groups: list[DroppedGroup]) -> None: ...
 

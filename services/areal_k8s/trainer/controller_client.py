@@ -3,6 +3,8 @@ its messages are built and read (common/wire.py converts the records)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -14,8 +16,8 @@ class ControllerClient:
     def __init__(self, channel: grpc.aio.Channel):
         self.stub = controller_pb2_grpc.ControllerStub(channel)
 
-    async def outstanding(self) -> dict[str, int]:
-        reply = await self.stub.GetOutstanding(controller_pb2.GetOutstandingRequest())
+    async def outstanding(self, waited_on: Sequence[str] = ()) -> dict[str, int]:
+        reply = await self.stub.GetOutstanding(controller_pb2.GetOutstandingRequest(waited_on=waited_on))
         return dict(reply.running)
 
     async def drop_groups(self, groups: list[DroppedGroup]) -> None:

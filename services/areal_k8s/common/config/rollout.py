@@ -122,6 +122,14 @@ class RolloutConfig(Section):
         "the polls after it get nothing and wait on, except those whose engine is behind the new version, answered "
         "at once.",
     )
+    backup_stragglers: bool = Field(
+        True,
+        description="Back up the stragglers the trainer waits on (under `strict`, or `capped` at its cap): each "
+        "running group whose place in the batch is needed is generated a second time, by a worker other than its "
+        "own, with its admitted version and place in admission order, and the copy written first is trained (the "
+        "other is revoked). A backup takes no admission room and a group gets at most one: a slow engine then no "
+        "longer sets the run's pace while the fast ones sit idle behind the staleness bound.",
+    )
 
     @field_validator("workflow")
     @classmethod

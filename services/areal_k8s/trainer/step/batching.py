@@ -7,7 +7,8 @@ straggler, a group still generating while newer ones finished, is the policy (`a
 - `strict` keeps the bound per sample: a group admitted at version a is trained no later than its deadline a + η.
   The trainer takes the oldest complete groups, but only if the groups left behind (complete or still generating)
   can all still meet their deadlines with B per step; otherwise it waits for the straggler whose place in this
-  batch is needed (earliest-deadline-first: it waits only when the bound would otherwise break). A trainer that
+  batch is needed (earliest-deadline-first: it waits only when the bound would otherwise break), and names it to the
+  controller, which has it generated again on another worker (`waited_on`; controller/backups.py). A trainer that
   rolled back to a checkpoint can hold more groups than it can train in time; it never trains one past the bound
   to get out of that corner: a group whose tokens are more than η versions old is dropped (its entries
   acknowledged at the next checkpoint) and the controller admits its prompt again.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from areal_k8s.common.config import StalenessPolicy, wait_bound
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
+from areal_k8s.common.trajectory import backup_group_id
 from areal_k8s.trainer.controller import Controller
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,28 @@ def select_batch(
     return batch
 
 
+def waited_on(
+    complete: list[Group],
+    running: dict[str, int],
+    *,
+    batch_size: int,
+    max_staleness: int,
+    policy: StalenessPolicy = "strict",
+    staleness_cap: int | None = None,
+) -> list[str]:
+    """The running groups (group id -> admitted version) a trainer waits on when `select_batch` answered None with
+    B groups complete: those an earliest-deadline batch over every group takes (complete ones first among equal
+    deadlines, as `select_batch` orders them). The controller backs them up (controller/backups.py). None are named
+    while fewer than B groups are complete, or under a policy that never waits for a straggler."""
+    bound = wait_bound(policy, max_staleness, staleness_cap)
+    if bound is None or len(complete) < batch_size:
+        return []
+    everything = sorted(
+        [(g.admitted_version + bound, 0, "") for g in complete] + [(a + bound, 1, gid) for gid, a in running.items()]
+    )
+    return [gid for _, is_running, gid in everything[:batch_size] if is_running]
+
+
 def past_the_bound(
     groups: Iterable[Group],
     *,
@@ -146,6 +170,7 @@ class BatchAssembler:
         # acknowledged with the next checkpoint.
         self.taken: set[str] = set()
         self.delivered_again: list[str] = []
+        self.waited_on: list[str] = []  # running groups the last batch attempt waited on, named to the controller
         self.looked_for_lost_at = time.monotonic()
 
     def add(self, entries: list[StreamEntry]) -> int:
@@ -206,10 +231,15 @@ class BatchAssembler:
         while True:
             # Ask the controller first, then read: a group it no longer counts as running was written before it
             # was reported, so the read below sees it. (The other order could miss a group in both places.)
-            outstanding = await self.controller.outstanding()
+            outstanding = await self.controller.outstanding(self.waited_on)
             await self.drain()
-            # A group written but not yet reported back is in both places: count it once, as complete.
-            running = [version for gid, version in outstanding.items() if gid not in self.buffer]
+            # A group written but not yet reported back is in both places (its backup written first too, as its
+            # original): count it once, as complete.
+            running = {
+                gid: version
+                for gid, version in outstanding.items()
+                if gid not in self.buffer and backup_group_id(gid) not in self.buffer
+            }
             late = past_the_bound(
                 self.complete_groups(),
                 version=version,
@@ -221,9 +251,10 @@ class BatchAssembler:
                 del self.buffer[group.group_id]
                 self.taken.add(group.group_id)
                 self.dropped.append(group)
+            complete = self.complete_groups()
             batch = select_batch(
-                self.complete_groups(),
-                running,
+                complete,
+                list(running.values()),
                 version=version,
                 batch_size=self.batch_size,
                 max_staleness=self.max_staleness,
@@ -234,7 +265,16 @@ class BatchAssembler:
                 for group in batch:
                     del self.buffer[group.group_id]
                     self.taken.add(group.group_id)
+                self.waited_on = []
                 return batch
+            self.waited_on = waited_on(
+                complete,
+                running,
+                batch_size=self.batch_size,
+                max_staleness=self.max_staleness,
+                policy=self.policy,
+                staleness_cap=self.staleness_cap,
+            )
             if time.monotonic() - self.looked_for_lost_at >= LOOK_FOR_LOST_SECONDS:
                 await self.recover_lost_deliveries()
             await self.drain(block_ms=self.poll_ms)
