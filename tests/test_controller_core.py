@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from areal_k8s.common import histograms
 from areal_k8s.common.config import parse_job, wait_bound
 from areal_k8s.controller.admission import admission_capacity
-from areal_k8s.controller.core import ControllerCore
+from areal_k8s.controller.core import RESTORED_HOLDER_GRACE, ControllerCore
 from areal_k8s.controller.durable import from_snapshot
 from areal_k8s.controller.polls import HeldPolls, acquire_when_room
 from areal_k8s.controller.retry import RetryQueue
@@ -165,6 +165,32 @@ def test_the_durable_state_restores_cursor_counters_and_leases():
     assert revived.register("w", "127.0.0.1:1", 1) == []  # the worker lives on: its groups are still generating
     assert [a.item.id for a in revived.acquire("w", 1, engine_version=1)] == ["p3"]
     assert revived.expired_leases() == []  # lease holders get a grace period after a restart
+
+
+def test_a_restored_lease_holder_that_does_not_register_again_loses_its_leases_before_a_whole_lease():
+    """After a restart, a holder that never calls in again (its pod went while the controller was down: a suspended
+    job, a lost node) gives its groups back after the restored holders' grace, not a whole lease; one that registers
+    again keeps them, and live workers keep the whole lease (30 s here)."""
+    clock = Clock()
+    core = make_core(clock, max_staleness=3)
+    for worker in ("gone", "back"):
+        core.register(worker, "127.0.0.1:2", 0)
+    gone, back = (core.acquire(worker, 2, engine_version=0) for worker in ("gone", "back"))
+    revived = make_core(clock, max_staleness=3)
+    revived.workers.clear()
+    revived.restore(core.durable_state())
+    clock.now += RESTORED_HOLDER_GRACE - 1
+    assert revived.register("back", "127.0.0.1:1", 0) == []
+    assert revived.expired_leases() == []
+    clock.now += 2
+    assert sorted(revived.expired_leases()) == sorted(a.lease.group_id for a in gone)
+    assert "gone" not in revived.workers
+    for a in gone:  # as the shell settles them, once revoked in Redis
+        revived.complete(a.lease.group_id, "requeued", "its worker went silent")
+    clock.now += 30 - 3  # a whole lease (30 s here) from the registration, less a second
+    assert revived.expired_leases() == []
+    clock.now += 2
+    assert sorted(revived.expired_leases()) == sorted(a.lease.group_id for a in back)
 
 
 def test_a_step_report_sent_again_changes_nothing_but_a_step_trained_again_after_a_restore_is_recorded():

@@ -27,6 +27,9 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),  # an idle connection to a lost peer is dropped before a call
     ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a held call sends nothing
+    # A restarted pod is back within seconds; gRPC's default backoff grows to 120 s between reconnection attempts, so
+    # a client whose peer was down for a minute could wait another minute and more once it is back.
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 SERVER_OPTIONS = [
     *CHANNEL_OPTIONS,

@@ -54,6 +54,12 @@ class Admitted:
     item: DatasetItem
 
 
+# Seconds a lease holder restored from the durable state has to register again. A live worker calls the controller
+# at least once per held poll (MAX_HOLD_SECONDS, polls.py) and retries a refused call within a second, its channel
+# reconnecting within grpcutil's capped backoff (5 s): 20 s is several chances.
+RESTORED_HOLDER_GRACE = 20.0
+
+
 class ControllerCore:
     def __init__(
         self,
@@ -310,9 +316,18 @@ class ControllerCore:
         self.metrics.groups.labels(result="lost").inc()
 
     def expired_leases(self) -> list[str]:
-        """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them."""
-        deadline = self.clock() - self.lease_seconds
-        silent = {w.worker_id for w in self.workers.values() if w.last_seen < deadline}
+        """Groups held by workers that stopped calling in. The shell revokes them in Redis, then settles them. A
+        holder restored from the durable state that has not registered again since is given RESTORED_HOLDER_GRACE
+        seconds (or the lease, if shorter): a live worker is back within seconds of the controller's return, and one
+        that is not went with its pod (a job suspended, a node lost while the controller restarted): its groups
+        should not wait out a whole lease."""
+        now = self.clock()
+        deadline, placeholder_deadline = now - self.lease_seconds, now - min(self.lease_seconds, RESTORED_HOLDER_GRACE)
+        silent = {
+            w.worker_id
+            for w in self.workers.values()
+            if w.last_seen < (deadline if w.address else placeholder_deadline)
+        }
         silent |= {holder for holder in self.leases.holders() if holder not in self.workers}
         for worker_id in silent & self.workers.keys():
             del self.workers[worker_id]
