@@ -108,17 +108,17 @@ async def engine(stub, store, name: str, factor: float, shape: Shape, seed: int,
         backup = group.group_id.endswith("-backup")
         try:
             await asyncio.sleep(generation_seconds(shape, seed, group.ticket, backup, factor))
+            written = await store.write_group([trajectory(group, i) for i in range(shape.group_size)]) is not None
         except asyncio.CancelledError:
             if asyncio.current_task() not in spent.unfinished:  # revoked: the twin was written first
                 spent.lost_seconds += time.monotonic() - started
                 spent.lost_copies += 1
             raise
-        seconds = time.monotonic() - started
-        if await store.write_group([trajectory(group, i) for i in range(shape.group_size)]) is None:
-            spent.lost_seconds += seconds
+        if written:
+            spent.written_seconds += time.monotonic() - started
+        else:  # refused: the twin was written first
+            spent.lost_seconds += time.monotonic() - started
             spent.lost_copies += 1
-        else:
-            spent.written_seconds += seconds
         outcome = controller_pb2.GroupOutcome(group_id=group.group_id, result=controller_pb2.GroupOutcome.ACCEPTED)
         await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id=name, outcomes=[outcome]))
 
