@@ -272,19 +272,20 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
-async def run_benchmark(shape: Shape, seeds: list[int], settings: list[str]) -> dict:
+async def run_benchmark(redis_url: str, shape: Shape, seeds: list[int], settings: list[str]) -> dict:
+    """Per seed and setting, backups off then on; every run's figures, and their summary."""
+    load_before = os.getloadavg()
     runs = []
-    with tempfile.TemporaryDirectory() as scratch, EmbeddedRedis(Path(scratch)) as redis:
-        for seed in seeds:
-            for setting in settings:
-                for backups in (False, True):
-                    run = await measure(redis.url, shape, setting, backups, seed)
-                    print(json.dumps(run), flush=True)
-                    runs.append(run)
+    for seed in seeds:
+        for setting in settings:
+            for backups in (False, True):
+                run = await measure(redis_url, shape, setting, backups, seed)
+                print(json.dumps(run), flush=True)
+                runs.append(run)
     return {
         "shape": vars(shape),
         "seeds": seeds,
-        "machine_note": f"{os.cpu_count()} cores",
+        "load_average": {"start": load_before, "end": os.getloadavg()},
         "runs": runs,
         "summary": summary(runs),
     }
@@ -338,6 +339,9 @@ def main() -> None:
     parser.add_argument("--tail", type=float, default=9.0, help="p99 / p50 of a group's generation time")
     parser.add_argument("--slowdown", type=float, default=4.0, help="the slow engine's times are multiplied by this")
     parser.add_argument("--step-seconds", type=float, default=0.05, help="a simulated training step and its push")
+    parser.add_argument(
+        "--machine-note", default=f"{os.cpu_count()} cores", help="what the docs say the figures were measured on"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--readme", action="store_true", help="only write the docs block from the results file")
     args = parser.parse_args()
@@ -356,7 +360,9 @@ def main() -> None:
         args.slowdown,
         args.step_seconds,
     )
-    report = asyncio.run(run_benchmark(shape, list(range(args.seeds)), args.settings))
+    with tempfile.TemporaryDirectory() as scratch, EmbeddedRedis(Path(scratch)) as redis:
+        report = asyncio.run(run_benchmark(redis.url, shape, list(range(args.seeds)), args.settings))
+    report["machine_note"] = args.machine_note
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

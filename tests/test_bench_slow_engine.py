@@ -1,6 +1,6 @@
 """bench/slow_engine.py at a tiny size (2 steps, 1 seed), so that its machinery cannot rot between its runs: the real
-controller, Redis, gRPC and batch assembler with simulated engines, backups off and on, with one slow engine and with
-none. Only what a run must keep and record is checked, never how fast it was."""
+controller, Redis (the session's), gRPC and batch assembler with simulated engines, backups off and on, with one slow
+engine and with none. Only what a run must keep and record is checked, never how fast it was."""
 
 import importlib.util
 import sys
@@ -42,8 +42,9 @@ FIGURES = {
 }
 
 
-async def test_the_benchmark_runs_off_and_on_keeps_its_invariants_and_records_every_figure():
-    report = await bench.run_benchmark(TINY, [0], list(bench.SETTINGS))
+async def test_the_benchmark_runs_off_and_on_keeps_its_invariants_and_records_every_figure(redis_url):
+    report = await bench.run_benchmark(redis_url, TINY, [0], list(bench.SETTINGS))
+    report["machine_note"] = "the test's machine"
     runs = report["runs"]
     assert [(r["setting"], r["backups"]) for r in runs] == [
         ("slow", False),
