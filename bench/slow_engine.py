@@ -11,7 +11,8 @@ pod to a quarter CPU). Per seed, the settings (one slow engine, none slow) each 
 
 Every run must keep the invariants, or the script fails: no ticket trained twice, the steps' groups all trained, the
 job status's admitted = running + accepted + filtered + failed + requeued, its consumed = the groups trained, no
-backup when off, no more backups won than started. Timings live here, never in tests.
+backup when off, no more backups won than started, no more copies lost than backups started.
+Timings live here, never in tests.
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def check_invariants(run: dict, tickets: list[int], status, shape: Shape) -> Non
         broken.append(f"the controller counts {status.consumed} groups consumed, the trainer trained {len(tickets)}")
     if status.backups_won > status.backups_started or (not run["backups"] and status.backups_started):
         broken.append(f"backups started {status.backups_started}, won {status.backups_won}")
+    if run["lost_copies"] > status.backups_started:  # a pair loses one copy at most: its other one is trained
+        broken.append(f"{run['lost_copies']} copies lost, more than the {status.backups_started} backups started")
     if broken:
         raise RuntimeError(f"{label}: " + "; ".join(broken))
 

@@ -65,7 +65,7 @@ async def test_the_benchmark_runs_off_and_on_keeps_its_invariants_and_records_ev
 
 
 def test_a_run_that_trains_a_ticket_twice_or_loses_count_of_its_groups_fails():
-    run = {"setting": "slow", "backups": True, "seed": 0}
+    run = {"setting": "slow", "backups": True, "seed": 0, "lost_copies": 1}
     status = SimpleNamespace(
         running=1,
         accepted=8,
@@ -84,3 +84,5 @@ def test_a_run_that_trains_a_ticket_twice_or_loses_count_of_its_groups_fails():
         bench.check_invariants(run, list(range(8)), SimpleNamespace(**{**vars(status), "admitted": 10}), TINY)
     with pytest.raises(RuntimeError, match="backups started 1, won 2"):
         bench.check_invariants(run, list(range(8)), SimpleNamespace(**{**vars(status), "backups_won": 2}), TINY)
+    with pytest.raises(RuntimeError, match="2 copies lost, more than the 1 backups started"):
+        bench.check_invariants({**run, "lost_copies": 2}, list(range(8)), status, TINY)
