@@ -153,6 +153,7 @@ def test_the_docs_carry_the_simulated_table_1_and_policy_sweep_as_computed():
         "sync_vs_async",
         "rebalance_local",
         "weight_push",
+        "slow_engine",
     ],
 )
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
