@@ -598,11 +598,9 @@ class Cluster:
                 continue
             container.state = {"running": {}}
             prober = asyncio.create_task(self.probe(pod, container, asyncio.get_running_loop().time()))
-            try:
-                code = await container.process.wait()
-            finally:  # also when the cluster stops: a prober left running fails once the node agent is gone
-                prober.cancel()
-                await asyncio.gather(prober, return_exceptions=True)
+            code = await container.process.wait()
+            prober.cancel()
+            await asyncio.gather(prober, return_exceptions=True)
             self.kill_group(container)
             container.started = container.ready = False
             container.last_state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}
