@@ -394,6 +394,19 @@ async def test_a_finished_job_answers_held_polls(controller):
     assert reply.finished and list(reply.groups) == []
 
 
+async def held_polls(stub, *, max_groups: int, engine_version: int) -> dict[str, asyncio.Future]:
+    """Long polls from a busy engine's worker and then an idle one's, each held (by the staleness bound) before the
+    next is sent: worker -> its reply to come."""
+    polls = {}
+    for worker, load in (("busy", 0.9), ("idle", 0.1)):
+        request = controller_pb2.AcquireGroupsRequest(
+            worker_id=worker, max_groups=max_groups, engine_version=engine_version, wait_ms=60_000, engine_load=load
+        )
+        polls[worker] = asyncio.ensure_future(stub.AcquireGroups(request))
+        await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: this poll is held first
+    return polls
+
+
 async def test_the_room_a_step_opens_goes_to_the_least_loaded_waiting_worker_first(controller):
     """Two polls held by the staleness bound, the older from the busier engine; the next version opens room for two
     groups. Under token_load (the default) the less loaded engine's worker gets both, as many as it asked for; the
@@ -406,13 +419,7 @@ async def test_the_room_a_step_opens_goes_to_the_least_loaded_waiting_worker_fir
         controller_pb2.GroupOutcome(group_id=g.group_id, result=controller_pb2.GroupOutcome.ACCEPTED) for g in groups
     ]
     await stub.CompleteGroups(controller_pb2.CompleteGroupsRequest(worker_id="busy", outcomes=accepted))
-    polls = {}
-    for worker, load in (("busy", 0.9), ("idle", 0.1)):
-        request = controller_pb2.AcquireGroupsRequest(
-            worker_id=worker, max_groups=10, engine_version=1, wait_ms=60_000, engine_load=load
-        )
-        polls[worker] = asyncio.ensure_future(stub.AcquireGroups(request))
-        await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: this poll is held first
+    polls = await held_polls(stub, max_groups=10, engine_version=1)
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))  # (η + v + 1)·B − 4 = 2 groups may start
     assert len((await asyncio.wait_for(polls["idle"], timeout=30)).groups) == 2
     await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
@@ -850,13 +857,7 @@ async def test_room_for_one_group_goes_to_the_least_loaded_held_poll_or_to_the_o
         for worker in ("w0", "busy", "idle"):
             await stub.RegisterWorker(register(worker))
         groups = (await acquire(stub, 10)).groups  # the window: (η + v + 1)·B = 4
-        waiting = {}
-        for worker, load in (("busy", 0.9), ("idle", 0.1)):
-            request = controller_pb2.AcquireGroupsRequest(
-                worker_id=worker, max_groups=2, engine_version=0, wait_ms=60_000, engine_load=load
-            )
-            waiting[worker] = asyncio.ensure_future(stub.AcquireGroups(request))
-            await stub.GetJobStatus(controller_pb2.GetJobStatusRequest())  # a round trip: this poll is held first
+        waiting = await held_polls(stub, max_groups=2, engine_version=0)
         assert len(c.servicer.polls) == 2
         await stub.CompleteGroups(
             controller_pb2.CompleteGroupsRequest(worker_id="w0", outcomes=[outcome(groups[0], "FILTERED")])
