@@ -8,6 +8,7 @@ weight whose gradients are nearly zero can take a visibly different step from a 
 those gradients (a CI run once had one weight of 8,192 off by 5e-6), while the update as a whole agrees."""
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -66,9 +67,11 @@ def run_once(assets, run_dir, seed: int) -> tuple[list[dict], dict[str, torch.Te
 
 @pytest.mark.e2e
 def test_a_synchronous_run_with_one_worker_is_reproducible_for_a_seed(assets, tmp_path, reward_importable):
-    first, first_weights = run_once(assets, tmp_path / "a", seed=7)
-    again, again_weights = run_once(assets, tmp_path / "b", seed=7)
-    other, other_weights = run_once(assets, tmp_path / "c", seed=8)
+    # the three runs side by side: each is mostly processes starting, and whatever the others do to their timing
+    # must not change what a seed fixes
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(run_once, assets, tmp_path / name, seed) for name, seed in (("a", 7), ("b", 7), ("c", 8))]
+        (first, first_weights), (again, again_weights), (other, other_weights) = (run.result() for run in runs)
 
     assert [s["version"] for s in first] == [s["version"] for s in again] == list(range(1, STEPS + 1))
     for one, two in zip(first, again):
