@@ -1,11 +1,10 @@
 """Our rollout agent and our trainer's weight push against the real SGLang (0.5.20, the version the chart pins) on
 this CPU: the production path, not our imitation of it.
 
-The module runs servers of its own (these tests change their weights), with a KV pool small enough that SGLang
-retracts requests under memory pressure: one as SGLang starts by default, one without its radix cache (what
-`rollout.interrupt: retract` needs) and one of two tensor-parallel ranks. The servers the selected tests use are
-launched together when the first is asked for; each test waits only for its own. A test runs `arealctl run` of a
-small job on the first end to end.
+The tests run on the session's servers (tests/sglang_server.py), whose KV pool is small enough that SGLang retracts
+requests under memory pressure: one as SGLang starts by default (test_sglang_server.py shares it: these tests change
+its weights), one without its radix cache (what `rollout.interrupt: retract` needs) and one of two tensor-parallel
+ranks. A test runs `arealctl run` of a small job on the first end to end.
 """
 
 from __future__ import annotations
@@ -13,20 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 
 import pytest
 import redis
 import torch
 from e2e_jobs import make_job, read_steps
-from sglang_server import skip_or_fail_without_env
 from tiny_models import perturbed
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.sglang import SGLangClient, UnfitEngine, sampling_params, weight_group_ranks
-from areal_k8s.common.sglang_server import GPU, SGLangServer
+from areal_k8s.common.sglang_server import GPU
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.rollout.generation import generate_interruptible
 from areal_k8s.trainer.checkpoint import checkpoint_dir
@@ -34,88 +32,14 @@ from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 
 pytestmark = pytest.mark.e2e
 
-KV_TOKENS = 1024  # a small KV pool: a dozen long requests do not fit, and SGLang retracts some of them
 LOGPROB_TOLERANCE = 1e-3  # SGLang and transformers, both float32, differ only in the order of float operations
 PROMPT = [5, 6, 7, 8, 9]
 BACKEND = "nccl" if GPU else "gloo"  # the trainer's side of the weight push (the engines join with the same)
 
 
-# The module's servers by name: SGLangServer's options (every one with the small KV pool).
-SERVERS = {
-    "server": {},
-    "no-radix": {"extra_args": ("--disable-radix-cache",)},
-    # one core per rank: SGLang's CPU rule
-    "tp2": {"extra_args": ("--tp", "2"), "extra_env": {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}},
-}
-# A liveness bound, not a timing assertion: the servers start together, and each start-up shares the two cores.
-LAUNCH_TIMEOUT_S = 600.0
-
-
-def servers_used(item: pytest.Item) -> set[str]:
-    """The servers a test of this module runs against."""
-    used = {"server"} if "server" in item.fixturenames else set()
-    if "tp2_starting" in item.fixturenames and not GPU:
-        used.add("tp2")
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and callspec.params.get("paused_client") == "retract":
-        used.add("no-radix")
-    return used
-
-
-class Launcher:
-    """The module's servers, each started on a thread of its own: launched together, a server's start-up (mostly
-    processes importing SGLang) overlaps the others' instead of following them, and each test waits for its own."""
-
-    def __init__(self, model_path, tmp_path_factory):
-        self.model_path, self.tmp_path_factory = model_path, tmp_path_factory
-        self.pool = ThreadPoolExecutor(len(SERVERS))
-        self.servers: dict[str, SGLangServer] = {}
-        self.starts: dict[str, Future] = {}
-
-    def launch(self, name: str) -> Future:
-        if name not in self.starts:
-            log = self.tmp_path_factory.mktemp(f"sglang-rl-{name}") / "server.log"
-            self.servers[name] = SGLangServer(self.model_path, log, max_total_tokens=KV_TOKENS, **SERVERS[name])
-            self.starts[name] = self.pool.submit(self.servers[name].start, LAUNCH_TIMEOUT_S)
-        return self.starts[name]
-
-    def get(self, name: str) -> SGLangServer:
-        return self.launch(name).result()
-
-    def stop(self) -> None:
-        """Every server stopped, together, once its start has ended. The stops go on while the next tests run (each
-        waits seconds for SGLang's own drain, its servers idle); `join` waits for them."""
-        wait(self.starts.values())
-        for server in self.servers.values():
-            self.pool.submit(server.stop)
-        self.pool.shutdown(wait=False)
-
-    def join(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
-@pytest.fixture(scope="module")
-def launcher(request, sglang_model, tmp_path_factory):
-    skip_or_fail_without_env()
-    launcher = Launcher(sglang_model, tmp_path_factory)
-    for name in SERVERS:  # what the module's selected tests use, launched at once
-        if any(name in servers_used(item) for item in request.session.items if item.module is request.module):
-            launcher.launch(name)
-    request.config.add_cleanup(launcher.join)  # at the end of the session, the stops are over
-    try:
-        yield launcher
-    finally:
-        launcher.stop()
-
-
-@pytest.fixture(scope="module")
-def server(launcher):
-    return launcher.get("server")
-
-
 @pytest.fixture
-async def client(server):
-    engine = SGLangClient(server.url, control_timeout=120)
+async def client(sglang_server):
+    engine = SGLangClient(sglang_server.url, control_timeout=120)
     yield engine
     await engine.close()
 
@@ -216,16 +140,13 @@ async def test_a_bad_update_is_refused_and_a_rebuilt_group_works(client, trained
     assert (await client.model_info())["weight_version"] == "8"
 
 
-@pytest.fixture(scope="module")
-def server_without_radix_cache(launcher):
-    """What `rollout.interrupt: retract` needs (the operator starts SGLang so)."""
-    return launcher.get("no-radix")
-
-
-@pytest.fixture(params=["abort", "retract"])
-async def paused_client(request, server):
-    """(pause mode, a client of an engine fit for it)."""
-    url = server.url if request.param == "abort" else request.getfixturevalue("server_without_radix_cache").url
+@pytest.fixture(
+    params=["abort", pytest.param("retract", marks=pytest.mark.sglang_servers("no-radix"))],
+)
+async def paused_client(request, sglang_server, sglang_servers):
+    """(pause mode, a client of an engine fit for it: `retract` needs one without SGLang's radix cache, as the
+    operator starts it for `rollout.interrupt: retract`)."""
+    url = sglang_server.url if request.param == "abort" else sglang_servers.get("no-radix").url
     engine = SGLangClient(url, control_timeout=120)
     assert weight_group_ranks(await engine.server_info(), request.param) == 1
     yield request.param, engine
@@ -266,7 +187,7 @@ async def test_a_sample_interrupted_by_a_push_names_each_tokens_version_with_exa
         torch.testing.assert_close(torch.tensor(sample.logprobs)[positions], recomputed, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
-def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path, reward_importable):
+def test_arealctl_runs_a_job_on_sglang_end_to_end(sglang_server, sglang_model, tmp_path, reward_importable):
     """`rollout.engine: sglang`: the rollout agent drives the real server, the trainer pushes every version into it
     over gloo. Staleness stays within η, every trajectory is trained once, and the server ends up serving the final
     checkpoint's weights under its version."""
@@ -282,7 +203,7 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
         model=str(sglang_model),
         dataset={"train": str(tmp_path / "train.jsonl"), "eval": str(tmp_path / "eval.jsonl")},
         algorithm={"total_steps": 4, "dynamic_sampling": True},
-        rollout={"engine": "sglang", "engine_urls": [server.url]},
+        rollout={"engine": "sglang", "engine_urls": [sglang_server.url]},
         trainer={"weight_sync_backend": BACKEND, "device": "cuda" if GPU else "cpu"},
     )
     run = LocalRun(job)
@@ -302,12 +223,12 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
     assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
     assert all(s["weight_push"]["buckets"] >= 1 for s in steps)
 
-    status, info = server.request("GET", "/model_info")
+    status, info = sglang_server.request("GET", "/model_info")
     assert status == 200 and info["weight_version"] == "4"
     final_model = AutoModelForCausalLM.from_pretrained(
         checkpoint_dir(run.run_dir / "checkpoints", 4), dtype=torch.float32
     ).eval()
-    status, answer = server.request(
+    status, answer = sglang_server.request(
         "POST",
         "/generate",
         {
@@ -323,13 +244,14 @@ def test_arealctl_runs_a_job_on_sglang_end_to_end(server, sglang_model, tmp_path
 
 
 @pytest.fixture
-def tp2_starting(launcher) -> Future:
-    """The TP-2 server's start, under way since the module's servers were launched."""
+def tp2_starting(sglang_servers) -> Future:
+    """The TP-2 server's start, under way since the session's servers were launched."""
     if GPU:
         pytest.skip("the CPU engine cannot join an NCCL group; on GPUs the layout is covered by the TP-2 engine alone")
-    return launcher.launch("tp2")
+    return sglang_servers.launch("tp2")
 
 
+@pytest.mark.sglang_servers(*(() if GPU else ("tp2",)))
 async def test_an_engine_with_tensor_parallelism_joins_with_every_rank_beside_another(
     sglang_model, trained, tmp_path, tp2_starting
 ):

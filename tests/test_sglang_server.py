@@ -1,6 +1,7 @@
 """Smoke tests of the real SGLang server (0.5.20 on CPU): the facts of its HTTP API that our client relies on.
 
-They share one server (the `sglang_server` fixture); none of them changes its weights.
+They run on the session's shared server (the `sglang_server` fixture), with the checkpoint's weights loaded again
+first (tests/test_sglang_rl.py pushes others into it); none of them changes its weights.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ LOGPROB_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def checkpoint_model(sglang_model) -> Qwen2ForCausalLM:
-    """The served checkpoint, loaded by transformers: the reference for what the server computes."""
+def checkpoint_model(sglang_server, sglang_model) -> Qwen2ForCausalLM:
+    """The served checkpoint, loaded by transformers: the reference for what the server computes, which serves it
+    again from its files (SGLang's own reload) whatever weights an earlier test pushed."""
+    status, answer = sglang_server.request("POST", "/update_weights_from_disk", {"model_path": str(sglang_model)})
+    assert status == 200 and answer["success"], answer
     return Qwen2ForCausalLM.from_pretrained(sglang_model, dtype=torch.float32).eval()
 
 
@@ -108,7 +112,7 @@ def test_pause_with_abort_ends_a_running_request_and_continue_resumes(sglang_ser
     request = urllib.request.Request(
         sglang_server.url + "/generate",
         data=json.dumps(
-            {"input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "max_new_tokens": 2000}, "stream": True}
+            {"input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "max_new_tokens": 1000}, "stream": True}
         ).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -125,7 +129,7 @@ def test_pause_with_abort_ends_a_running_request_and_continue_resumes(sglang_ser
     chunks = [json.loads(event) for event in events if event and event != "[DONE]"]
     last = chunks[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert len(last["output_ids"]) < 2000
+    assert len(last["output_ids"]) < 1000
     status, answer = sglang_server.request(
         "POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "max_new_tokens": 4}}
     )
