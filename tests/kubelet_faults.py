@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import errno
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,15 +30,38 @@ def ip(netns: str, *args: str, check: bool = True) -> subprocess.CompletedProces
     return subprocess.run(["ip", "-n", netns, *args], capture_output=True, text=True, check=check)
 
 
-async def partition(pod, peers: list[str], seconds: float) -> None:
-    """Cut `pod` off from the addresses `peers` for `seconds`, then heal it (also if cancelled). Traffic to anything
-    else, the node's DNS included, flows."""
+def cut(pod, peers: list[str]) -> None:
+    """Cut `pod` off from the addresses `peers` until `heal`. Traffic to anything else, the node's DNS included,
+    flows."""
     for peer in peers:
         ip(pod.netns, "neigh", "replace", peer, "lladdr", UNKNOWN_MAC, "nud", "permanent", "dev", "eth0")
+
+
+async def partition(pod, peers: list[str], seconds: float) -> None:
+    """Cut `pod` off from the addresses `peers` for `seconds`, then heal it (also if cancelled)."""
+    cut(pod, peers)
     try:
         await asyncio.sleep(seconds)
     finally:
         heal(pod, peers)
+
+
+async def partition_following(pods: Callable[[], tuple], seconds: float, poll: float = 0.2) -> None:
+    """For `seconds`, cut the first of the live pods `pods()` names off from the second, whichever pods those are
+    (the pods of two roles, say: a replacement of either is cut off too, as across a link between two sets of nodes),
+    then heal every cut (also if cancelled)."""
+    cuts: dict[tuple[str, str], object] = {}  # (netns, peer address) -> the pod cut
+    deadline = asyncio.get_running_loop().time() + seconds
+    try:
+        while asyncio.get_running_loop().time() < deadline:
+            pod, peer = pods()
+            if pod and peer and (pod.netns, peer.ip) not in cuts:
+                cut(pod, [peer.ip])
+                cuts[pod.netns, peer.ip] = pod
+            await asyncio.sleep(poll)
+    finally:
+        for (_, address), pod in cuts.items():
+            heal(pod, [address])
 
 
 def heal(pod, peers: list[str]) -> None:

@@ -1,5 +1,6 @@
 """The harness's cluster faults (tests/kubelet_faults.py) on two small pods: a partition both sides see as silence
-and that heals, a throttled pod held to its CPU quota, a volume written full."""
+and that heals, one that follows a lost pod to its replacement, a throttled pod held to its CPU quota, a volume
+written full."""
 
 import asyncio
 import errno
@@ -7,7 +8,7 @@ import subprocess
 
 import pytest
 from kubelet import Cluster
-from kubelet_faults import fill, partition, sized_volume, throttle
+from kubelet_faults import fill, partition, partition_following, sized_volume, throttle
 
 BUSY = "import socket, threading\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
 SERVE = "s = socket.create_server(('0.0.0.0', 8080))\nwhile True: s.accept()[0].close()\n"
@@ -58,6 +59,25 @@ async def test_a_partition_cuts_a_pod_from_its_peers_both_ways_and_heals_and_a_t
             assert (group / "cgroup.procs").read_text().split()  # the pod's processes are in it
         assert int(stat["nr_throttled"]) > 0, stat  # its spinning thread ran past the quota and was held back
         assert not group.exists()
+
+        # a partition between the pods whichever they are: b's replacement (a new address) is cut off from a too
+        def pair() -> tuple:
+            live = [p for p in cluster.pods.values() if not p.deleted]
+            return a, next((p for p in live if p is not a and p.ip), None)
+
+        cut = asyncio.create_task(partition_following(pair, seconds=60, poll=0.05))
+        await asyncio.sleep(0.2)
+        assert not await asyncio.to_thread(connects, a, b.ip)
+        cluster.lose_pod(b)
+        cluster.apply(two_pods())
+        await cluster.wait_for(lambda: (c := pair()[1]) is not None and c.ip != b.ip, "b's replacement", 30)
+        replacement = pair()[1]
+        await cluster.wait_for(lambda: connects(replacement, replacement.ip), "the replacement to listen", 30)
+        assert not await asyncio.to_thread(connects, a, replacement.ip)
+        assert not await asyncio.to_thread(connects, replacement, a.ip)
+        cut.cancel()
+        await asyncio.gather(cut, return_exceptions=True)
+        await cluster.wait_for(lambda: connects(a, replacement.ip), "the replacement to listen, healed", 30)
 
 
 def test_a_filled_volume_refuses_writes_until_the_filler_goes(tmp_path):

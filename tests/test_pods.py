@@ -16,7 +16,7 @@ import pytest
 import yaml
 from e2e_jobs import final_history
 from kubelet import Cluster, sweep_namespaces
-from kubelet_faults import fill, partition, sized_volume, throttle
+from kubelet_faults import fill, partition, partition_following, sized_volume, throttle
 
 from areal_k8s.demo.build import build_demo_assets
 from areal_k8s.k8s_operator import lifecycle, names
@@ -336,9 +336,13 @@ CHAOS_VICTIMS = [
 LOST_PODS = ["rollout", "controller", "trainer"]
 # the cluster faults drawn besides: the rollout pod cut off from the controller's and the trainer's pods, the rollout
 # pod throttled to a quarter of a CPU, the controller's pod cut off from Redis's (each for FAULT_SECONDS), the
-# trainer's checkpoint volume full for FILL_STEPS
-CLUSTER_FAULTS = ["partition", "throttle", "fill", "store_cut"]
+# trainer's checkpoint volume full for FILL_STEPS, the trainer's pod cut off from the rollout pod's alone (the
+# engines keep generating for the controller; the trainer's weight pushes meet silence) for PUSH_CUT_SECONDS
+CLUSTER_FAULTS = ["partition", "throttle", "fill", "store_cut", "push_cut"]
 FAULT_SECONDS, THROTTLE_FRACTION, FILL_STEPS = 20, 0.25, 4
+# a push that meets the cut fails at the job's weight-sync deadline, well within the cut, and the group is formed again
+# once the cut heals
+PUSH_CUT_SECONDS, WEIGHT_SYNC_TIMEOUT, CUT_IN_PLACE_SECONDS = 15, 4, 2
 # the rollout worker's lease in the chaos run: the partition outlasts it, so the controller revokes what the worker
 # held and admits it again, and refuses the worker's late writes once it is reachable again
 LEASE_SECONDS = 10
@@ -394,6 +398,7 @@ class ClusterChaos:
         self.filler: Path | None = None
         self.addresses: dict[str, set[str]] = {role: set() for role in LOST_PODS}  # each role's pod addresses seen
         self.degraded_by_checkpoint = 0  # statuses (one a second) that read Degraded: CheckpointFailed
+        self.push_cut: dict = {}  # the push cut's wall-clock start and end
 
     def __call__(self, status: dict) -> None:
         cluster, job = self.cluster, self.job
@@ -415,6 +420,9 @@ class ClusterChaos:
                 self.tasks[fault] = asyncio.create_task(partition(rollout, [controller.ip, trainer.ip], FAULT_SECONDS))
             elif fault == "store_cut":
                 self.tasks[fault] = asyncio.create_task(partition(controller, [store.ip], FAULT_SECONDS))
+            elif fault == "push_cut":  # between the roles: a trainer or rollout pod lost meanwhile comes back cut off
+                self.push_cut = {"start": time.time()}
+                self.tasks[fault] = asyncio.create_task(partition_following(self.trainer_and_rollout, PUSH_CUT_SECONDS))
             elif fault == "throttle":
                 self.tasks[fault] = asyncio.create_task(throttled(rollout, FAULT_SECONDS, f"{cluster.prefix}-slow"))
             else:
@@ -426,10 +434,15 @@ class ClusterChaos:
         for fault, task in self.tasks.items():
             if task.done() and fault not in self.ended:
                 self.ended[fault] = trained
+                if fault == "push_cut":
+                    self.push_cut["end"] = time.time()
         self.degraded_by_checkpoint += condition(status, "Degraded") == ("True", "CheckpointFailed")
         for role in LOST_PODS:
             if pod := pod_of(cluster, job, role):
                 self.addresses[role].add(pod.ip)
+
+    def trainer_and_rollout(self) -> tuple:
+        return pod_of(self.cluster, self.job, "trainer"), pod_of(self.cluster, self.job, "rollout")
 
     def __str__(self) -> str:
         return f"kills to come {self.pending}, faults started {self.started}, ended {self.ended}"
@@ -439,8 +452,15 @@ class ClusterChaos:
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.push_cut.setdefault("end", time.time())
         if self.filler:
             self.filler.unlink()
+
+
+def pushes_into(steps: list[dict], cut: dict) -> list[dict]:
+    """The steps whose weight push began after the cut between the trainer and the engines was in place (a push is a
+    step's last network traffic: one finished seconds into the cut met it) and that finished before it healed."""
+    return [s for s in steps if cut["start"] + CUT_IN_PLACE_SECONDS < s["finished_at"] < cut["end"]]
 
 
 @pytest.mark.timeout(600)
@@ -451,16 +471,19 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
     new address, the trainer's under its name with its checkpoint claim, which the Service names follow), in an
     order drawn from the seed; meanwhile, from steps drawn from the seed, the rollout pod partitioned from the
     controller and the trainer for longer than its lease, the rollout pod throttled, the controller's pod cut off
-    from Redis's, the checkpoint volume full. The job completes with nothing lost, nothing trained twice in its
-    history and every sample within η; the versions go back only to a checkpoint; the operator counts the restarts
-    per role (the controller cut off from its store does not crash) and said the checkpoint failed while the volume
-    was full. The seed is AREAL_CLUSTER_CHAOS_SEED, or drawn (printed: a failure shows it)."""
+    from Redis's, the checkpoint volume full, the trainer's pod cut off from the rollout pod's for longer than the
+    weight-sync deadline. The job completes with nothing lost, nothing trained twice in its history and every sample
+    within η; the versions go back only to a checkpoint; the operator counts the restarts per role (the controller
+    cut off from its store does not crash) and said the checkpoint failed while the volume was full; the pushes into
+    the cut failed at that deadline and a later one reached the engines. The seed is AREAL_CLUSTER_CHAOS_SEED, or
+    drawn (printed: a failure shows it)."""
     seed = int(os.environ.get("AREAL_CLUSTER_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
     print(f"cluster chaos seed {seed} (replay: AREAL_CLUSTER_CHAOS_SEED={seed})")
     rljob = the_example()
     rljob["spec"]["algorithm"]["total_steps"] = 6 + 3 * (len(CHAOS_VICTIMS) + len(LOST_PODS))
     rljob["spec"]["trainer"].update(checkpoint_interval=2, eval_interval=0)
     rljob["spec"]["rollout"]["lease_seconds"] = LEASE_SECONDS  # the partition outlasts it
+    rljob["spec"]["trainer"]["weight_sync_timeout_seconds"] = WEIGHT_SYNC_TIMEOUT  # the push cut outlasts it
     job = validate(rljob)
     algorithm = job.config.algorithm
     claim = f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"
@@ -513,6 +536,11 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
     dropped = {g for s in steps for g in s["dropped_groups"]}
     assert not dropped & {g for s in history.values() for g in s["groups"]}, context
     assert len(dropped) <= groups["dropped"], context
+    # a push into the cut between the trainer and the engines failed at its deadline, within the cut (the trainer
+    # went on), and the weight-update group was formed again after it: a later push reached the engines
+    cut_pushes = pushes_into(steps, chaos.push_cut)
+    assert all(not s["weight_push"] for s in cut_pushes), f"{cut_pushes}\n{context}"
+    assert any(s["weight_push"] for s in steps if s["finished_at"] > chaos.push_cut["end"]), context
     if results := os.environ.get("AREAL_CLUSTER_CHAOS_RESULTS"):  # for `make chaos` (bench/cluster_chaos.py)
         figures = {
             "seed": seed,
@@ -525,6 +553,7 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
             "groups_lost": groups["lost"],
             "max_staleness_seen": final["staleness"]["max"],
             "checkpoint_failed_seconds": chaos.degraded_by_checkpoint,
+            "pushes_failed_in_push_cut": len(cut_pushes),
             "restarts": seen,
             "kills": [kill for _, kill in chaos_schedule(seed)[0]],
             "faults_started_after_step": chaos.started,

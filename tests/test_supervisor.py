@@ -178,12 +178,16 @@ def alive(pids: set[int]) -> set[int]:
     return {pid for pid in pids if (state := process_state(pid)) and state[0] != "Z"}
 
 
-def start_arealctl(tmp_path: Path, job, *args: str) -> subprocess.Popen:
+def start_arealctl(tmp_path: Path, job, *, training: bool) -> subprocess.Popen:
+    """`arealctl run` of `job`, once it has started every process (they may still be starting up: a user's Ctrl-C
+    or the OOM killer does not wait for the first step) or, if `training`, once the trainer has trained a step."""
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    process = subprocess.Popen([*AREALCTL, "run", str(job_file), *args], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen([*AREALCTL, "run", str(job_file)], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + HANG_GUARD_SECONDS
-    while not (Path(job.run_dir) / "trainer" / "steps.jsonl").exists():  # every service is up and training
+    while len(children_of(process.pid)) < EVERY_PROCESS or (
+        training and not (Path(job.run_dir) / "trainer" / "steps.jsonl").exists()
+    ):
         assert process.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
     return process
@@ -194,7 +198,7 @@ def test_no_process_outlives_a_launcher_killed_with_sigkill(assets, tmp_path, re
     """The services run in sessions of their own; a launcher that cannot clean up (SIGKILL, the OOM killer) used to
     leave every one of them running. The kernel now ends them with it."""
     run_dir = tmp_path / "run"
-    process = start_arealctl(tmp_path, make_job(assets, run_dir, algorithm={"total_steps": 10_000}))
+    process = start_arealctl(tmp_path, make_job(assets, run_dir, algorithm={"total_steps": 10_000}), training=False)
     started = children_of(process.pid)
     assert len(started) == EVERY_PROCESS
     process.send_signal(signal.SIGKILL)
@@ -206,12 +210,17 @@ def test_no_process_outlives_a_launcher_killed_with_sigkill(assets, tmp_path, re
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_or_sigterm_stops_the_run_gracefully_and_writes_the_summary(assets, tmp_path, reward_importable, stop):
-    """Ctrl-C, or SIGTERM (`timeout`, a process manager) as Ctrl-C: every service stopped, summary.json written
-    with `interrupted: true`, exit code 130."""
+@pytest.mark.parametrize(
+    "stop, training", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["ctrl-c-starting", "sigterm-training"]
+)
+def test_ctrl_c_or_sigterm_stops_the_run_gracefully_and_writes_the_summary(
+    assets, tmp_path, reward_importable, stop, training
+):
+    """Ctrl-C, or SIGTERM (`timeout`, a process manager) as Ctrl-C, while the services start up or once they
+    train: every service stopped, summary.json written with `interrupted: true`, exit code 130."""
     run_dir = tmp_path / "run"
-    process = start_arealctl(tmp_path, make_job(assets, run_dir, algorithm={"total_steps": 10_000}))
+    job = make_job(assets, run_dir, algorithm={"total_steps": 10_000})
+    process = start_arealctl(tmp_path, job, training=training)
     started = children_of(process.pid)
     process.send_signal(stop)
     _, stderr = process.communicate(timeout=HANG_GUARD_SECONDS)
@@ -222,7 +231,7 @@ def test_ctrl_c_or_sigterm_stops_the_run_gracefully_and_writes_the_summary(asset
     )  # stopped before arealctl returned, not left to the kernel
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["completed"] is False
-    assert summary["steps"] >= 0 and summary["total_steps"] == 10_000 and summary["restarts"] == {}
+    assert summary["steps"] >= training and summary["total_steps"] == 10_000 and summary["restarts"] == {}
 
 
 def test_a_failed_grpc_call_ends_a_service_with_one_readable_line():
