@@ -48,7 +48,8 @@ def test_a_run_survives_one_kill_of_every_process(assets, tmp_path, reward_impor
     job = make_job(
         assets,
         tmp_path / "run",
-        algorithm={"total_steps": STEPS, "max_staleness": 1},
+        # the default policy (tests/test_e2e.py's kill tests run the others)
+        algorithm={"total_steps": STEPS, "max_staleness": 1, "staleness_policy": "strict"},
         rollout={"workers": 2},
         trainer={"checkpoint_interval": 2},
     )

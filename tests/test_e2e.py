@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.common.config import wait_bound
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys
 from areal_k8s.common.weights import weights_checksum
 from areal_k8s.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_state
@@ -247,8 +248,15 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
     its first checkpoint (at 3): it starts again from the base model, and the controller, which had seen the step's
     report, follows it back to version 0; then once it has trained a step after the checkpoint at 3 (its entries
     trained but not acknowledged): it resumes from the checkpoint. Each time, what it trained since its checkpoint
-    is pending in the stream, and its next incarnation reclaims it and trains it again."""
-    job = make_job(assets, tmp_path / "run", algorithm={"total_steps": 8}, trainer={"checkpoint_interval": 3})
+    is pending in the stream, and its next incarnation reclaims it and trains it again. Under `admission` (AReaL's
+    rule: η bounds admission only), whose samples have no bound: each group is trained once in the final history,
+    and each trained token counted once by its staleness."""
+    job = make_job(
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": 8, "staleness_policy": "admission"},
+        trainer={"checkpoint_interval": 3},
+    )
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -286,6 +294,13 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
         assert final.phase == controller_pb2.JobStatus.COMPLETED and final.version == 8
         # the history holds each step once; the steps trained again are counted as such, not as consumption
         assert final.consumed == 8 * job.algorithm.batch_size and final.steps_redone == len(redone) > 0
+        history = {s["version"]: s for s in records}
+        groups = [g for s in history.values() for g in s["groups"]]
+        assert len(groups) == len(set(groups)) == 8 * job.algorithm.batch_size
+        for s in records:  # each trained token counted once by its own staleness, none staler than its sample
+            assert sum(s["token_staleness_counts"]) == s["tokens"]
+            assert len(s["token_staleness_counts"]) - 1 <= max(s["staleness"])
+
         client.close()
     finally:
         run.stop()
@@ -342,14 +357,19 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
     The launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
     (gRPC calls wait for the channel to be ready and idempotent ones are sent again; Redis commands are sent
     again), the controller restores its state from Redis, a worker whose engine came back with its initial weights
-    writes nothing sampled with them and registers again for the current ones, and the run completes with every
-    trained sample within η and no trajectory trained twice.
+    writes nothing sampled with them and registers again for the current ones, and the run completes with no
+    trajectory trained twice and every trained sample within the bound of its staleness policy: `capped` here (the
+    chaos test and the killed trainer's test run `strict` and `admission`), whose bound is 2η.
 
     (One run for the four victims, where there was a run per victim: every kill still restarts only its victim, once,
     and the checks of the end of the run hold after all four.)"""
     job = make_job(
-        assets, tmp_path / "run", algorithm={"total_steps": SERVICE_RUN_STEPS}, trainer={"checkpoint_interval": 2}
+        assets,
+        tmp_path / "run",
+        algorithm={"total_steps": SERVICE_RUN_STEPS, "staleness_policy": "capped"},
+        trainer={"checkpoint_interval": 2},
     )
+    bound = wait_bound("capped", job.algorithm.max_staleness)
     run = LocalRun(job)
     try:
         endpoints = run.start("new")
@@ -370,7 +390,7 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         assert run.supervisor.restarts == dict.fromkeys(SERVICE_VICTIMS, 1)
         steps = read_steps(run.run_dir)
         assert [s["version"] for s in steps] == list(range(1, SERVICE_RUN_STEPS + 1))
-        assert max(x for s in steps for x in s["staleness"]) <= job.algorithm.max_staleness
+        assert max(x for s in steps for x in s["staleness"]) <= bound == 2 * job.algorithm.max_staleness
         entries = [e for s in steps for e in s["entries"]]
         assert len(entries) == len(set(entries))
         client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")
