@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tiny_models import build_tiny_qwen2, perturbed
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.common.sglang import CpuEngineClient
+from areal_k8s.common.sglang import CpuEngineClient, EngineError
 from areal_k8s.common.weights import flatten_bucket, plan_buckets, unflatten_bucket, weights_checksum
 from areal_k8s.rollout.cpu_engine.launcher import SUBPROCESS_ENV, cpu_engine, engine_client, wait_for_ready_line
 from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
@@ -111,11 +111,14 @@ def model_path(tmp_path_factory):
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=1)
 
 
+# the module engine's --weight-update-timeout: what a job's trainer.weight_sync_timeout_seconds gives its engines
+ENGINE_TIMEOUT = 5
+
+
 @pytest.fixture(scope="module")
 def engine_url(model_path, tmp_path_factory):
-    with cpu_engine(
-        model_path, tmp_path_factory.mktemp("engine") / "engine.log", "--threads", "1", "--max-batch-size", "16"
-    ) as url:
+    options = ("--threads", "1", "--max-batch-size", "16", "--weight-update-timeout", str(ENGINE_TIMEOUT))
+    with cpu_engine(model_path, tmp_path_factory.mktemp("engine") / "engine.log", *options) as url:
         yield url
 
 
@@ -166,6 +169,32 @@ async def test_pushed_weights_land_exactly_and_generate_like_the_trainer(client,
     for prompt, answer in zip(PROMPTS, answers):
         assert answer["output_ids"] == hf_greedy(trainer_model, prompt, 20)
         assert answer["meta_info"]["weight_version"] == "7"
+
+
+async def test_a_trainer_gone_in_the_middle_of_a_push_leaves_the_engine_ready_for_the_next(client, trainer_model):
+    """A trainer announces a push and is gone before it broadcasts (its pod lost: silence): the engine's receive fails
+    at its --weight-update-timeout, the job's weight-sync deadline, so the next trainer's group forms (the engine
+    joins one group at a time) and its push lands. The engine used to wait 600 s there, and every group the next
+    trainer tried to form meanwhile timed out."""
+    name, tensor = next(iter(trainer_model.named_parameters()))
+    gone = sender(timeout=ENGINE_TIMEOUT)
+    await gone.connect([client])
+    announced = asyncio.ensure_future(
+        client.update_weights_from_distributed([name], ["float32"], [list(tensor.shape)], gone.group_name)
+    )
+    await asyncio.sleep(0.5)  # the engine is receiving
+    successor = sender()  # its own deadline is the module's usual 60 s
+    await successor.connect([client])
+    try:
+        await successor.push(trainer_model.named_parameters(), version=11)
+    finally:
+        await successor.close()
+    with pytest.raises(EngineError, match="timed out"):
+        await announced  # the announced push failed on the engine at its deadline
+    await gone.close()
+    checksum = await client.weights_checksum()
+    assert checksum["weight_version"] == "11"
+    assert checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
 
 
 async def test_a_bfloat16_push_lands_rounded_in_a_float32_engine_and_half_the_bytes_travel(client, trainer_model):
@@ -255,7 +284,7 @@ TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
     """
     import asyncio, sys, torch, torch.distributed as dist
     from areal_k8s.common.distributed import create_rendezvous_store
-    from areal_k8s.common.sglang import CpuEngineClient
+    from areal_k8s.common.sglang import CpuEngineClient, EngineError
     from areal_k8s.common.weights import weights_checksum
     from areal_k8s.trainer.weights.sender import WeightSender
 

@@ -70,6 +70,7 @@ def engine_command(job: JobConfig, host: str, ends: Endpoints, i: int) -> list[s
         *("--port", port_of(ends.engines[i])),
         *("--max-batch-size", str(job.rollout.max_batch_size)),
         *("--threads", str(job.rollout.threads)),
+        *("--weight-update-timeout", f"{job.trainer.weight_sync_timeout_seconds:g}"),
     ]
 
 

@@ -157,6 +157,8 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
             str(rollout.threads),
             "--seed",
             str(config.seed),
+            "--weight-update-timeout",
+            f"{config.trainer.weight_sync_timeout_seconds:g}",
         ]
     else:
         image = engine_block.get("image") or names.default_image("sglang")

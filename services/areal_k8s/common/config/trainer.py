@@ -69,7 +69,8 @@ class TrainerConfig(Section):
     weight_sync_timeout_seconds: Annotated[float, Field(gt=0)] = Field(
         300.0,
         description="How long joining the weight-update group or one bucket's broadcast may take before the push "
-        "fails.",
+        "fails, on the trainer's side and on the CPU engines' (a trainer gone in the middle of a push holds an "
+        "engine no longer than this).",
     )
     verify_weight_sync: bool = Field(
         False,

@@ -37,6 +37,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "$AREAL_ENGINE_DEVICE, else cpu (how scripts/gpu_check.py puts the engines of an `arealctl run` on a GPU)",
     )
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument(
+        "--weight-update-timeout",
+        type=float,
+        default=600.0,
+        help="seconds joining a weight-update group or receiving one broadcast may take (the job's "
+        "trainer.weight_sync_timeout_seconds): a trainer gone in the middle of a push leaves the engine waiting no "
+        "longer than the trainer itself waits, so the next trainer's group can form",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -52,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=args.threads,
         seed=args.seed,
         weight_version=args.weight_version,
+        weight_update_timeout=args.weight_update_timeout,
         device=args.device,
     )
     app = create_app(engine)
