@@ -197,6 +197,15 @@ async def test_a_trainer_gone_in_the_middle_of_a_push_leaves_the_engine_ready_fo
     assert checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
 
 
+async def test_a_rendezvous_server_that_cannot_start_fails_the_connection_not_the_trainer(client):
+    """The trainer's rendezvous server could not start (here: an address that is not this host's; in a loaded pod, its
+    own connection timing out): a WeightSyncError, which the trainer survives as a failed push. It used to escape
+    as torch's DistNetworkError and end the trainer."""
+    weights = WeightSender("gloo", "192.0.2.1", timeout=2.0, group_name=f"test-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(WeightSyncError, match=r"rendezvous server on 192\.0\.2\.1 did not start"):
+        await weights.connect([client])
+
+
 async def test_a_bfloat16_push_lands_rounded_in_a_float32_engine_and_half_the_bytes_travel(client, trainer_model):
     # what a trainer with push_dtype bfloat16 sends: the engine keeps its float32 parameters, holding the rounded values
     pushed = [(name, p.detach().to(torch.bfloat16)) for name, p in trainer_model.named_parameters()]

@@ -114,7 +114,12 @@ class WeightSender:
             *(t.destroy_weights_update_group(self.group_name) for t in targets), return_exceptions=True
         )
         world_size, offsets = group_layout(ranks)
-        rendezvous = create_rendezvous_store(self.master_address, self.master_port, world_size, self.timeout)
+        try:  # in a thread: its server's start and own connection may take up to the timeout on a loaded node
+            rendezvous = await asyncio.to_thread(
+                create_rendezvous_store, self.master_address, self.master_port, world_size, self.timeout
+            )
+        except RuntimeError as exc:  # torch's DistNetworkError among them: a failed push, not a dead trainer
+            raise WeightSyncError(f"the rendezvous server on {self.master_address} did not start: {exc}") from exc
         port = rendezvous.port
         joins = [
             asyncio.ensure_future(
