@@ -3,7 +3,7 @@
 `python -m areal_k8s.demo.long_tail_build --out .cache/long-tail` (what `make long-tail-assets` runs). The build is
 the demo's (services/areal_k8s/demo/build.py: pinned to AVX2 on one thread, stopped on a probe's greedy accuracy,
 the manifest written last) on the running-sum task of long_tail.py, with a context long enough for its longest
-worked solutions. The warm-up stops once the model solves 30 % of a probe set greedily: it writes the format, slips
+worked solutions. The warm-up stops once the model solves 45 % of a probe set greedily: it writes the format, slips
 on some entries, and on counts of 10 or more often copies only the count's last digit and stops short, so its
 accuracy falls with the step count (bench/results/long_tail_lengths.json has the figures) and RL has both to teach:
 keep every entry right, and finish (longer responses). A share of bare answers (`shortcut_fraction`) can be mixed
@@ -32,10 +32,10 @@ class LongTailBuildConfig(ModelBuildConfig):
     # supervised warm-up: this share of the solutions are bare answers; stops once greedy accuracy on a probe set
     # reaches the target (or after max steps)
     shortcut_fraction: float = 0.0  # none by default: the base model already stops short on long sums
-    sft_target_accuracy: float = 0.3
+    sft_target_accuracy: float = 0.45
     sft_first_check: int = 100
     sft_check_every: int = 20
-    sft_max_steps: int = 200
+    sft_max_steps: int = 300
     sft_probe_size: int = 64
     sft_batch_size: int = 32  # half the demo's: a batch of the longest solutions is ~25k tokens
     probe_max_new_tokens: int = 160  # twelve steps: longer sums go mostly unsolved, a short budget keeps checks cheap
