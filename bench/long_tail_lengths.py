@@ -37,7 +37,7 @@ from areal_k8s.data.dataset import load_dataset
 from areal_k8s.demo import long_tail
 from areal_k8s.demo.build import MANIFEST
 from areal_k8s.demo.long_tail_build import build_long_tail_assets
-from areal_k8s.reward.running_sum_verifier import prompt_terms, score
+from areal_k8s.reward.running_sum_verifier import parse_prompt, score
 from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch, SamplingParams, Sequence, context_length
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,8 @@ def round_timing(steps: list[tuple[float, int, int]], rows: int) -> dict:
 
 def worked_length(prompt: str) -> int:
     """Tokens of the prompt's worked solution and <eos>."""
-    return len(long_tail.solution_text(long_tail.Problem(tuple(prompt_terms(prompt))))) + 1
+    parsed = parse_prompt(prompt)
+    return len(long_tail.solution_text(long_tail.Problem(parsed.start, parsed.term, parsed.count))) + 1
 
 
 def rate(rewards: list[float]) -> float | None:
@@ -151,7 +152,7 @@ def measure(assets: Path, prompts: int, seed: int) -> dict:
             item = chunk[index // group]
             response = tokenizer.decode(sequence.output_ids, skip_special_tokens=True)
             reward = score(item.prompt, response, item.reference)
-            steps = len(prompt_terms(item.prompt)) - 1
+            steps = parse_prompt(item.prompt).count
             lengths.append(len(sequence.output_ids))
             worked.append(worked_length(item.prompt))
             bare.append(response.startswith("|"))

@@ -15,10 +15,15 @@ from areal_k8s.common.config import load_job_file
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.demo import long_tail, task
 from areal_k8s.demo.long_tail_build import LongTailBuildConfig, longest_problem, warmup_examples
-from areal_k8s.reward.running_sum_verifier import ENTRY_SEPARATOR, prompt_terms, score
+from areal_k8s.reward.running_sum_verifier import ENTRY_SEPARATOR, parse_prompt, score, worked_entries
 
 ROOT = Path(__file__).resolve().parent.parent
-terms = st.lists(st.integers(min_value=1, max_value=long_tail.MAX_TERM), min_size=2, max_size=81).map(tuple)
+problems = st.builds(
+    long_tail.Problem,
+    start=st.integers(min_value=0, max_value=long_tail.MAX_START),
+    term=st.integers(min_value=1, max_value=long_tail.MAX_TERM),
+    count=st.integers(min_value=1, max_value=long_tail.MAX_STEPS),
+)
 
 
 def quantile(values: list[int], q: float) -> int:
@@ -26,50 +31,48 @@ def quantile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-@given(terms)
-def test_the_worked_solution_and_the_bare_answer_both_verify(problem_terms):
-    problem = long_tail.Problem(problem_terms)
+@given(problems)
+def test_the_worked_solution_and_the_bare_answer_both_verify(problem):
     prompt = long_tail.prompt_text(problem)
-    assert prompt_terms(prompt) == list(problem_terms)
+    assert parse_prompt(prompt) == long_tail.Prompt(problem.start, problem.term, problem.count)
+    assert len(prompt) == 9  # fixed width: the first entry finds start, term and count at fixed places
     assert score(prompt, long_tail.solution_text(problem), problem.answer) == 1.0
     assert score(prompt, long_tail.shortcut_text(problem), problem.answer) == 1.0
 
 
-@given(terms)
-def test_the_work_is_one_fixed_width_entry_per_term_after_the_first(problem_terms):
-    problem = long_tail.Problem(problem_terms)
+@given(problems)
+def test_the_work_is_one_fixed_width_entry_per_addition_counting_down(problem):
     work, answer = long_tail.solution_text(problem).split("|")
-    entries = work.split(ENTRY_SEPARATOR)
-    assert len(entries) == problem.steps and answer == problem.answer + "."
-    total = problem_terms[0]
-    for entry, term in zip(entries, problem_terms[1:]):
-        assert entry == f"{total:03d}+{term}={total + term:03d}"
-        total += term
-    assert str(total) == problem.answer
+    fields = work.split(ENTRY_SEPARATOR)  # each entry is two fields: the additions left, then the addition
+    assert len(fields) == 2 * problem.steps and answer == problem.answer + "."
+    total = problem.start
+    for index, (left, addition) in enumerate(zip(fields[0::2], fields[1::2])):
+        assert left == f"{problem.count - index:02d}"
+        assert addition == f"{total:03d}+{problem.term}={total + problem.term:03d}"
+        total += problem.term
+    assert str(total) == problem.answer and left == "01"
 
 
-@given(terms, st.integers(min_value=1, max_value=100))
-def test_a_wrong_answer_scores_zero_with_or_without_work(problem_terms, offset):
-    problem = long_tail.Problem(problem_terms)
+@given(problems, st.integers(min_value=1, max_value=100))
+def test_a_wrong_answer_scores_zero_with_or_without_work(problem, offset):
     prompt, wrong = long_tail.prompt_text(problem), str(int(problem.answer) + offset)
     assert score(prompt, long_tail.solution_text(problem), wrong) == 0.0
     assert score(prompt, long_tail.shortcut_text(problem), wrong) == 0.0
 
 
-@given(terms, st.data())
-def test_a_right_answer_reached_by_wrong_work_scores_zero(problem_terms, data):
-    problem = long_tail.Problem(problem_terms)
-    prompt, solution = long_tail.prompt_text(problem), long_tail.solution_text(problem)
-    work, answer = solution.split("|")
-    entries = work.split(ENTRY_SEPARATOR)
+@given(problems, st.data())
+def test_a_right_answer_reached_by_wrong_work_scores_zero(problem, data):
+    prompt = long_tail.prompt_text(problem)
+    entries = worked_entries(problem)
     index = data.draw(st.integers(min_value=0, max_value=len(entries) - 1))
     broken = {
         "a step skipped": entries[:index] + entries[index + 1 :] if len(entries) > 1 else ["garbage"],
         "a step repeated": entries[: index + 1] + entries[index:],
         "a total changed": [*entries[:index], entries[index][:-1] + str((int(entries[index][-1]) + 1) % 10)],
+        "a count changed": [*entries[:index], str((int(entries[index][0]) + 1) % 10) + entries[index][1:]],
     }
     for kind, changed in broken.items():
-        response = ENTRY_SEPARATOR.join(changed) + "|" + answer
+        response = ENTRY_SEPARATOR.join(changed) + long_tail.shortcut_text(problem)
         assert score(prompt, response, problem.answer) == 0.0, kind
 
 
@@ -78,23 +81,27 @@ def test_a_right_answer_reached_by_wrong_work_scores_zero(problem_terms, data):
     [
         "",
         "garbage",
-        "003+8=011,011+1=012",  # no answer
-        "003+8=011,011+1=012|12",  # truncated before the end marker
-        "003+8=011,011+1=012|.",  # empty answer
-        "|012.",  # zero-padded answer
-        "3+8=11,11+1=12|12.",  # unpadded totals
-        "003+8=011,011+1=012,|12.",  # a trailing separator
-        "003+8=011, 011+1=012|12.",  # a space
-        "|7.|12.x",  # text after the answer is ignored, but the work before the last answer is not work
+        "02,017+1=018,01,018+1=019",  # no answer
+        "02,017+1=018,01,018+1=019|19",  # truncated before the end marker
+        "02,017+1=018,01,018+1=019|.",  # empty answer
+        "|019.",  # zero-padded answer
+        "2,17+1=18,1,18+1=19|19.",  # unpadded count and totals
+        "017+1=018,018+1=019|19.",  # no counts
+        "02,017+1=018,01,018+1=019,|19.",  # a trailing separator
+        "02,017+1=018, 01,018+1=019|19.",  # a space
+        "|7.|19.x",  # text after the answer is ignored, but the work before the last answer is not work
     ],
 )
 def test_malformed_responses_score_zero(response):
-    assert score("3+8+1=", response, "12") == 0.0
+    assert score("017+1,02=", response, "19") == 0.0
 
 
-def test_work_against_a_prompt_that_is_not_a_running_sum_scores_zero():
-    assert score("38+1=", "038+1=039|39.", "39") == 0.0
-    assert score("38+1=", "|39.", "39") == 1.0  # a bare answer is scored on the answer alone
+def test_work_against_a_prompt_that_is_not_the_tasks_scores_zero():
+    not_the_tasks = ("3+8+1=", "17+1,02=", "017+1,2=", "017+0,02=", "017+1,00=", f"{long_tail.MAX_START + 1}+1,01=")
+    for prompt in not_the_tasks:
+        assert parse_prompt(prompt) is None
+        assert score(prompt, "01,017+1=018|18.", "18") == 0.0
+    assert score("17+1,2=", "|18.", "18") == 1.0  # a bare answer is scored on the answer alone
 
 
 @given(st.text(), st.text(), st.text())
@@ -102,9 +109,8 @@ def test_score_never_raises(prompt, response, reference):
     assert score(prompt, response, reference) in (0.0, 1.0)
 
 
-@given(terms)
-def test_prompts_and_solutions_stay_in_the_demo_tokenizers_alphabet(problem_terms):
-    problem = long_tail.Problem(problem_terms)
+@given(problems)
+def test_prompts_and_solutions_stay_in_the_demo_tokenizers_alphabet(problem):
     text = long_tail.prompt_text(problem) + long_tail.solution_text(problem) + long_tail.shortcut_text(problem)
     assert set(text) <= set(task.ALPHABET)
 
@@ -127,7 +133,7 @@ def test_the_step_distribution_validates_its_parameters():
     for bad in ({"max_steps": 0}, {"max_steps": long_tail.MAX_STEPS + 1}, {"median_steps": 0.5}, {"sigma": -1}):
         with pytest.raises(ValueError):
             long_tail.StepDistribution(**bad)
-    assert 9 * (long_tail.MAX_STEPS + 1) < 1000  # every total fits three digits
+    assert long_tail.MAX_START + long_tail.MAX_TERM * long_tail.MAX_STEPS < 1000  # every total fits three digits
     always_one = long_tail.StepDistribution(median_steps=1, sigma=0.0)
     assert {long_tail.make_problem(random.Random(seed), always_one).steps for seed in range(50)} == {1}
 
@@ -149,7 +155,10 @@ def test_write_dataset_is_deterministic_loadable_and_keeps_splits_disjoint(tmp_p
     items = load_dataset(tmp_path / "train.jsonl")
     assert len({item.prompt for item in items}) == 500 and {item.verifier for item in items} == {long_tail.VERIFIER}
     with pytest.raises(ValueError, match="distinct problems"):
-        long_tail.write_dataset(tmp_path / "x.jsonl", 82, seed=0, steps=long_tail.StepDistribution(1, 0.0))
+        one_step_sums = (long_tail.MAX_START + 1) * long_tail.MAX_TERM
+        long_tail.write_dataset(
+            tmp_path / "x.jsonl", one_step_sums + 1, seed=0, steps=long_tail.StepDistribution(1, 0.0)
+        )
 
 
 def test_the_warm_up_mixes_in_bare_answers_at_the_configured_share():

@@ -125,8 +125,8 @@ async def test_addition_uses_the_demo_task(stub):
 
 
 async def test_running_sum_checks_the_work_of_the_long_tail_task(stub):
-    prompt, reference = "3+8+1=", "12"
-    worked, shortcut, wrong_work = "003+8=011,011+1=012|12.", "|12.", "003+8=011,011+2=012|12."
+    prompt, reference = "417+1,02=", "419"
+    worked, shortcut, wrong_work = "02,417+1=418,01,418+1=419|419.", "|419.", "02,417+1=418,02,418+1=419|419."
     results = await score(
         stub,
         item("worked", "running_sum", worked, reference, prompt=prompt),

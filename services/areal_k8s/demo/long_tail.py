@@ -1,21 +1,32 @@
-"""The long-tail task: running sums of single-digit terms, worked one step per term, with log-normal step counts.
+"""The long-tail task: running sums that add one term a given number of times (counting, with today's term of 1),
+worked one step per addition, with log-normal step counts.
 
-A prompt is the bare sum, ``"3+8+1+9="``. The worked solution carries a running total from the first term, one
-fixed-width entry per further term (the total so far, the term, the new total, totals zero-padded to three digits),
-then states the answer between ``|`` and the end marker ``.``::
+A prompt is a start, a term and a count, fixed width: ``"417+1,03="`` (from 417, add 1, three times). The worked
+solution is one fixed-width entry per addition (the additions left, the total so far, the term, the new total;
+totals zero-padded to three digits), then the answer between ``|`` and the end marker ``.``::
 
-    3+8+1+9=  ->  003+8=011,011+1=012,012+9=021|21.
+    417+1,03=  ->  03,417+1=418,02,418+1=419,01,419+1=420|420.
 
-Each entry is local: the total comes from the entry before, the term from the prompt at a place that moves by
-one term per entry (as the demo's columns do). A bare answer (``|21.``) is also a valid response: the verifier
-(`running_sum`, services/areal_k8s/reward/running_sum_verifier.py) scores any response on its answer and, when it
-shows work, on every entry of that work.
+Every entry is local: the count, the total and the term come from the entry before (the first from the prompt, at
+a fixed place), the count goes down by one and the total up by the term, and the sum stops after the entry whose
+count is 01. A tiny model learns that format in a short warm-up; what it does not learn there is to keep every entry
+right over many steps, so its accuracy falls with the step count, and RL has that to improve.
+
+Why this form (measured on the 1M-parameter model, 150-300 warm-up steps): running sums of the prompt's terms,
+``3+8+1+9=`` worked as ``003+8=011,...``, were this task's first form, and entry k had to find term k in the prompt,
+at a distance that grows with k and among repeated digits: the model found it no better than chance. With every
+look-up local and terms of 1 to 9 from a start of 0 to 99, it wrote the format but added wrong in most entries
+(a table of 90 sums with carries); counting (term 1) leaves a table of ten. MAX_TERM is where a larger model or a
+longer warm-up would widen the task.
+
+A bare answer (``|41.``) is also a valid response: the verifier (`running_sum`,
+services/areal_k8s/reward/running_sum_verifier.py) scores any response on its answer and, when it shows work, on
+every entry of that work. The warm-up mixes in bare answers (`shortcut_text`), which the model cannot compute
+without the work: a policy that learns to work the sum out instead grows its responses.
 
 Response lengths are heavy-tailed the way reasoning traces are: the number of steps is log-normal, so the ratio
 of any two quantiles is set by `sigma` alone (p99/p50 = exp(2.326 sigma); the default 0.95 gives about 9), and
-a long problem is both rarer and harder (more entries to get right). The warm-up mixes in bare answers
-(`shortcut_text`), which a short sum can afford and a long one cannot: a policy that learns to show its work
-grows its responses, as reasoning traces do under RL (not yet seen: see long_tail_build.py).
+a long problem is both rarer and harder (more entries to get right).
 
 The alphabet is the demo's, so the demo's tokenizer serves both tasks.
 """
@@ -30,25 +41,32 @@ from pathlib import Path
 
 from areal_k8s.demo.task import distinct_problems
 from areal_k8s.reward.addition_verifier import ANSWER_START, END_MARK
-from areal_k8s.reward.running_sum_verifier import ENTRY_SEPARATOR, TOTAL_WIDTH, entry_text
+from areal_k8s.reward.running_sum_verifier import (
+    COUNT_WIDTH,
+    ENTRY_SEPARATOR,
+    MAX_START,
+    MAX_TERM,
+    Prompt,
+    prompt_text,
+    worked_entries,
+)
 
 VERIFIER = "running_sum"
-MAX_TERM = 9
-MAX_STEPS = 10**TOTAL_WIDTH // MAX_TERM - 1  # every running total fits the entries' fixed width
+MAX_STEPS = 10**COUNT_WIDTH - 1  # the count fits its fixed width (and every total its three digits)
 
 
 @dataclass(frozen=True)
 class StepDistribution:
-    """How many steps (terms after the first) a problem has: round(median_steps * exp(sigma * Z)) for a standard
-    normal Z, clipped to [1, max_steps]."""
+    """How many steps (additions) a problem has: round(median_steps * exp(sigma * Z)) for a standard normal Z,
+    clipped to [1, max_steps]."""
 
     median_steps: float = 5.0
     sigma: float = 0.95
-    max_steps: int = 80  # 0.2 % of draws are clipped; the longest worked solution is ~800 tokens
+    max_steps: int = 60  # 0.5 % of draws are clipped; the longest worked solution is 785 tokens
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_steps <= MAX_STEPS:
-            raise ValueError(f"max_steps must be in 1..{MAX_STEPS} (totals have {TOTAL_WIDTH} digits)")
+            raise ValueError(f"max_steps must be in 1..{MAX_STEPS} (the count has {COUNT_WIDTH} digits)")
         if self.median_steps < 1 or self.sigma < 0:
             raise ValueError(f"need median_steps >= 1 and sigma >= 0, got {self.median_steps} and {self.sigma}")
 
@@ -61,34 +79,26 @@ DEFAULT_STEPS = StepDistribution()
 
 
 @dataclass(frozen=True)
-class Problem:
-    terms: tuple[int, ...]
-
+class Problem(Prompt):
     @property
     def answer(self) -> str:
-        return str(sum(self.terms))
+        return str(self.start + self.term * self.count)
 
     @property
     def steps(self) -> int:
-        return len(self.terms) - 1
+        return self.count
 
 
 def make_problem(rng: random.Random, steps: StepDistribution = DEFAULT_STEPS) -> Problem:
-    """A step count from `steps`, then each term uniformly in 1..MAX_TERM (no zero: every step moves the total)."""
-    return Problem(tuple(rng.randint(1, MAX_TERM) for _ in range(steps.sample(rng) + 1)))
-
-
-def prompt_text(problem: Problem) -> str:
-    return "+".join(map(str, problem.terms)) + "="
+    """A step count from `steps`, a start uniformly in 0..MAX_START and a term in 1..MAX_TERM (no zero: every step
+    moves the total; every total fits three digits)."""
+    count = steps.sample(rng)
+    return Problem(start=rng.randint(0, MAX_START), term=rng.randint(1, MAX_TERM), count=count)
 
 
 def solution_text(problem: Problem) -> str:
-    """The worked solution: one entry per term after the first, then the answer and the end marker."""
-    entries, total = [], problem.terms[0]
-    for term in problem.terms[1:]:
-        entries.append(entry_text(total, term))
-        total += term
-    return ENTRY_SEPARATOR.join(entries) + ANSWER_START + problem.answer + END_MARK
+    """The worked solution: one entry per addition, then the answer and the end marker."""
+    return ENTRY_SEPARATOR.join(worked_entries(problem)) + ANSWER_START + problem.answer + END_MARK
 
 
 def shortcut_text(problem: Problem) -> str:
@@ -99,9 +109,7 @@ def shortcut_text(problem: Problem) -> str:
 def make_problems(
     n: int, seed: int, steps: StepDistribution = DEFAULT_STEPS, exclude: frozenset[str] = frozenset()
 ) -> list[Problem]:
-    """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed.
-
-    One-step sums are few (81), so a set of thousands holds fewer of them than the distribution itself."""
+    """`n` distinct problems (by prompt), none of whose prompt is in `exclude`; deterministic for a seed."""
     return distinct_problems(n, seed, lambda rng: make_problem(rng, steps), prompt_text, exclude, source=steps)
 
 

@@ -3,10 +3,11 @@
 `python -m areal_k8s.demo.long_tail_build --out .cache/long-tail` (what `make long-tail-assets` runs). The build is
 the demo's (services/areal_k8s/demo/build.py: pinned to AVX2 on one thread, stopped on a probe's greedy accuracy,
 the manifest written last) on the running-sum task of long_tail.py, with a context long enough for its longest
-worked solutions. A share of the warm-up's solutions are bare answers, meant to leave a base model that often
-answers without working (short responses, mostly wrong) for RL to teach to work the sum out (longer responses).
-Measured (bench/results/long_tail_lengths*.json): 400 steps do not get there; the model answers bare 62 % of the
-time and works no sum out right, and without bare answers it works but stops short on long sums.
+worked solutions. The warm-up stops once the model solves 45 % of a probe set greedily: it writes the format, slips
+on some entries, and on counts of 10 or more often copies only the count's last digit and stops short, so its
+accuracy falls with the step count (bench/results/long_tail_lengths.json has the figures) and RL has both to teach:
+keep every entry right, and finish (longer responses). A share of bare answers (`shortcut_fraction`) can be mixed
+into the warm-up: a base model that sometimes answers without working, for RL to teach to work the sum out.
 """
 
 from __future__ import annotations
@@ -30,21 +31,22 @@ class LongTailBuildConfig(ModelBuildConfig):
     max_positions: int = 1024
     # supervised warm-up: this share of the solutions are bare answers; stops once greedy accuracy on a probe set
     # reaches the target (or after max steps)
-    shortcut_fraction: float = 0.2
-    sft_target_accuracy: float = 0.2
-    sft_first_check: int = 120
+    shortcut_fraction: float = 0.0  # none by default: the base model already stops short on long sums
+    sft_target_accuracy: float = 0.45
+    sft_first_check: int = 100
     sft_check_every: int = 20
-    sft_max_steps: int = 400
+    sft_max_steps: int = 300
     sft_probe_size: int = 64
     sft_batch_size: int = 32  # half the demo's: a batch of the longest solutions is ~25k tokens
-    probe_max_new_tokens: int = 128  # the probe's long sums go unsolved: a short budget keeps checks cheap
+    probe_max_new_tokens: int = 160  # twelve steps: longer sums go mostly unsolved, a short budget keeps checks cheap
     # base-model evaluation
     eval_max_new_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.shortcut_fraction <= 1.0:
             raise ValueError(f"shortcut_fraction must be in [0, 1], got {self.shortcut_fraction}")
-        longest = 2 * (self.max_steps + 1) + 1 + len(long_tail.solution_text(longest_problem(self.max_steps))) + 1
+        longest_sum = longest_problem(self.max_steps)
+        longest = len(long_tail.prompt_text(longest_sum)) + 1 + len(long_tail.solution_text(longest_sum)) + 1
         if self.max_positions < longest:
             raise ValueError(
                 f"max_positions {self.max_positions} < {longest} tokens of the longest prompt and solution"
@@ -56,7 +58,7 @@ class LongTailBuildConfig(ModelBuildConfig):
 
 
 def longest_problem(steps: int) -> long_tail.Problem:
-    return long_tail.Problem((long_tail.MAX_TERM,) * (steps + 1))
+    return long_tail.Problem(start=long_tail.MAX_START, term=long_tail.MAX_TERM, count=steps)
 
 
 def warmup_examples(problems: list[long_tail.Problem], shortcut_fraction: float, seed: int) -> list[tuple[str, str]]:
