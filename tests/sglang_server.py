@@ -67,7 +67,7 @@ class Launcher:
     """The session's servers, each started on a thread of its own: launched together, a server's start-up (mostly
     processes importing SGLang) overlaps the others' instead of following them, and each test waits for its own.
     A server is stopped once the last selected test that uses it is over (the stops go on while the next tests run:
-    each waits seconds for SGLang's own drain); `join` waits for them."""
+    each waits seconds for SGLang's own drain); `close`, at the session's end, waits for them."""
 
     def __init__(self, model_path: Path, tmp_path_factory, items: list[pytest.Item]):
         self.model_path, self.tmp_path_factory = model_path, tmp_path_factory

@@ -293,7 +293,7 @@ TRAINER_WITH_DEFAULT_GROUP = textwrap.dedent(
     """
     import asyncio, sys, torch, torch.distributed as dist
     from areal_k8s.common.distributed import create_rendezvous_store
-    from areal_k8s.common.sglang import CpuEngineClient, EngineError
+    from areal_k8s.common.sglang import CpuEngineClient
     from areal_k8s.common.weights import weights_checksum
     from areal_k8s.trainer.weights.sender import WeightSender
 

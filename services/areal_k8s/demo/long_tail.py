@@ -19,10 +19,11 @@ look-up local and terms of 1 to 9 from a start of 0 to 99, it wrote the format b
 (a table of 90 sums with carries); counting (term 1) leaves a table of ten. MAX_TERM is where a larger model or a
 longer warm-up would widen the task.
 
-A bare answer (``|41.``) is also a valid response: the verifier (`running_sum`,
+A bare answer (``|420.``) is also a valid response: the verifier (`running_sum`,
 services/areal_k8s/reward/running_sum_verifier.py) scores any response on its answer and, when it shows work, on
-every entry of that work. The warm-up mixes in bare answers (`shortcut_text`), which the model cannot compute
-without the work: a policy that learns to work the sum out instead grows its responses.
+every entry of that work. The warm-up can mix in bare answers (`shortcut_text`; none by default, see
+long_tail_build.py), which the model cannot compute without the work: a policy that learns to work the sum out
+instead grows its responses.
 
 Response lengths are heavy-tailed the way reasoning traces are: the number of steps is log-normal, so the ratio
 of any two quantiles is set by `sigma` alone (p99/p50 = exp(2.326 sigma); the default 0.95 gives about 9), and

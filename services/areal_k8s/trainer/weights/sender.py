@@ -114,8 +114,8 @@ class WeightSender:
             *(t.destroy_weights_update_group(self.group_name) for t in targets), return_exceptions=True
         )
         world_size, offsets = group_layout(ranks)
-        try:  # in a thread: its server's start and own connection may take up to the timeout on a loaded node
-            rendezvous = await asyncio.to_thread(
+        try:  # off the loop: its server's start and own connection may take up to the timeout on a loaded node
+            rendezvous = await in_daemon_thread(
                 create_rendezvous_store, self.master_address, self.master_port, world_size, self.timeout
             )
         except RuntimeError as exc:  # torch's DistNetworkError among them: a failed push, not a dead trainer
