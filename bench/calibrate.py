@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from figures import spread, write_between
-from sync_vs_async import ROOT, configure, engine_load, run
+from real_runs import ROOT, configure, engine_load, run
 
 from areal_k8s.cli.report import read_steps
 from areal_k8s.common.config import JobConfig, load_job_file

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from figures import spread, write_between
-from sync_vs_async import ROOT, configure, median_or_none, run, smoothed, time_to_reach
+from real_runs import ROOT, configure, median_or_none, run, smoothed, time_to_reach
 
 from areal_k8s.cli.report import read_decisions, read_steps, started_at
 from areal_k8s.common.config import JobConfig, load_job_file
