@@ -13,7 +13,7 @@ import grpc
 import pytest
 import redis
 import torch
-from e2e_jobs import kill_after_step, make_job, read_steps
+from e2e_jobs import kill_after_step, make_job, read_steps, token_staleness_from_entries, written_entries
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -250,7 +250,8 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
     trained but not acknowledged): it resumes from the checkpoint. Each time, what it trained since its checkpoint
     is pending in the stream, and its next incarnation reclaims it and trains it again. Under `admission` (AReaL's
     rule: η bounds admission only), whose samples have no bound: each group is trained once in the final history,
-    and each trained token counted once by its staleness."""
+    and each trained token counted once by its staleness, as the stream's entries (from Redis's append-only file,
+    since the trainer trims what it acknowledged) give it."""
     job = make_job(
         assets,
         tmp_path / "run",
@@ -297,9 +298,13 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
         history = {s["version"]: s for s in records}
         groups = [g for s in history.values() for g in s["groups"]]
         assert len(groups) == len(set(groups)) == 8 * job.algorithm.batch_size
+        entries = written_entries(run.redis.data_dir, stream)
         for s in records:  # each trained token counted once by its own staleness, none staler than its sample
             assert sum(s["token_staleness_counts"]) == s["tokens"]
             assert len(s["token_staleness_counts"]) - 1 <= max(s["staleness"])
+            # and as the stream's entries say: their tokens' versions recounted at the step's version
+            assert s["token_staleness_counts"] == token_staleness_from_entries(s, entries), s["version"]
+        assert max(len(s["token_staleness_counts"]) for s in records) > 1  # some tokens were stale: it checks lags
 
         client.close()
     finally:

@@ -100,7 +100,7 @@ def policy_versions(trajectory: Trajectory) -> tuple[int, int]:
     return min(generated), max(generated)
 
 
-def _decode(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
+def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> StreamEntry:
     trajectory = trajectory_record(common_pb2.Trajectory.FromString(fields[b"payload"]))
     return StreamEntry(
         entry_id=entry_id.decode(),
@@ -242,7 +242,7 @@ class TrajectoryStore:
                 return out
             for entry_id, fields in entries:
                 if fields:  # an entry trimmed while pending comes back empty
-                    out.append(_decode(entry_id, fields))
+                    out.append(decode_entry(entry_id, fields))
                 last = entry_id
 
     async def pending_ids(self, consumer: str) -> list[str]:
@@ -262,14 +262,16 @@ class TrajectoryStore:
         """The entries with these ids, in that order; one trimmed from the stream is left out."""
         out: list[StreamEntry] = []
         for entry_id in entry_ids:
-            out += [_decode(i, fields) for i, fields in await self.client.xrange(self.keys.stream, entry_id, entry_id)]
+            out += [
+                decode_entry(i, fields) for i, fields in await self.client.xrange(self.keys.stream, entry_id, entry_id)
+            ]
         return out
 
     async def read_new(self, consumer: str, count: int, block_ms: int) -> list[StreamEntry]:
         reply = await self.client.xreadgroup(
             CONSUMER_GROUP, consumer, {self.keys.stream: ">"}, count=count, block=block_ms or None
         )
-        return [_decode(entry_id, fields) for entry_id, fields in (reply[0][1] if reply else [])]
+        return [decode_entry(entry_id, fields) for entry_id, fields in (reply[0][1] if reply else [])]
 
     async def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge trained entries and trim the stream below the oldest entry still needed. Acknowledging an
