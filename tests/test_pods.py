@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -217,19 +218,20 @@ async def example_cluster(tmp_path: Path, assets: Path, **claims: Path):
 
 
 async def run_to_the_end(
-    cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None, context: str = ""
+    cluster: Cluster, job: ValidJob, timeout: float, each=lambda status: None, context: str | Callable[[], str] = ""
 ) -> tuple[list[dict], str]:
     """Reconcile every second until the job is Complete and its pods are gone; the statuses seen, and the pods as
     described while it ran (for a failure's message, which `context` begins: CI's excerpt of a long failure keeps
     its first and last lines). `each` sees every status, and may return the job changed (a spec edit), which the
-    next reconciles then see."""
+    next reconciles then see. A callable `context` is read at the failure (what it describes may have moved on)."""
     selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))
     statuses, status, described = [], {}, ""
     deadline = asyncio.get_running_loop().time() + timeout
     while not (lifecycle.is_true(status, lifecycle.COMPLETE) and not cluster.pods_of(NAMESPACE, selector)):
         if lifecycle.is_true(status, lifecycle.FAILED) or asyncio.get_running_loop().time() > deadline:
             pytest.fail(
-                f"{context}the job did not complete at version {status.get('policyVersion')}: "
+                f"{context() if callable(context) else context}"
+                f"the job did not complete at version {status.get('policyVersion')}: "
                 f"{condition(status, 'Failed')} "
                 f"{status.get('conditions')}\n{cluster.describe()}"
             )
@@ -494,7 +496,7 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
             began = time.monotonic()
             try:
                 statuses, described = await run_to_the_end(
-                    cluster, job, timeout=540, each=chaos, context=f"cluster chaos seed {seed}, {chaos}: "
+                    cluster, job, timeout=540, each=chaos, context=lambda: f"cluster chaos seed {seed}, {chaos}: "
                 )
             finally:
                 await chaos.settle()
