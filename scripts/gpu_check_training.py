@@ -2,10 +2,11 @@
 
 The backend loads the model the models part saved and scores a batch of the synthetic groups (trainer/step/
 synthetic.py), compared with the Hugging Face model's float32 log-probabilities; trains one RL step on them with the
-trainer's own `Trainer.train_step`; its exported weights, loaded into the Hugging Face model, must score the batch as
-the backend does. Then its throughput: `Trainer.train_step` on random sequences of each length, one warm-up step and
-`timed_steps` timed ones; the model FLOPs per token are 6·N + 12·layers·hidden·length (N the parameters, a tied output
-layer counted once; PaLM's appendix B), utilisation their rate over the device's dense bf16 peak.
+trainer's own `Trainer.train_step`; its exported weights, in the dtype pushed to the engines, loaded into the Hugging
+Face model must score the batch as the backend does. Then its throughput: `Trainer.train_step` on random sequences of
+each length, one warm-up step and `timed_steps` timed ones; the model FLOPs per token are 6·N + 12·layers·hidden·length
+(N the parameters, a tied output layer counted once; PaLM's appendix B), utilisation their rate over the device's dense
+bf16 peak.
 """
 
 from __future__ import annotations
@@ -77,11 +78,20 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(engine.device).eval()
     parameters = sum(p.numel() for p in reference.parameters())
     initial_error = max_difference(before, reference, batch, engine.device)
+    initial = {name: tensor.float().cpu() for name, tensor in reference.state_dict().items()}
+    master = {name: tensor.float() for name, tensor in engine.named_weights_for_push(torch.float32)}
+    moved = max((master[name].cpu() - initial[name]).abs().max().item() for name in master)
+    # The engines receive the weights in their dtype: a bf16 forward sees the float32 master weights rounded to
+    # bfloat16, as the engines do. One step at a small learning rate moves most weights by less than half a bfloat16
+    # spacing, so compared with the master weights themselves the backend is off by most of the step's effect.
     reference.load_state_dict(
-        {name: tensor.float() for name, tensor in engine.named_weights_for_push(torch.float32)},
+        {name: tensor.float() for name, tensor in engine.named_weights_for_push(getattr(torch, sizes.engine_dtype))},
         strict=not reference.config.tie_word_embeddings,
     )
     trained_error = max_difference(after, reference, batch, engine.device)
+    reference.load_state_dict(master, strict=not reference.config.tie_word_embeddings)
+    master_error = max_difference(after, reference, batch, engine.device)
+    del master, initial
     config = reference.config
     del reference
     peak = peak_memory_mib(device)
@@ -98,6 +108,10 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
         "tolerance": tolerance,
         "max_logprob_error_initial": initial_error,
         "max_logprob_error_trained": trained_error,
+        "pushed_dtype": sizes.engine_dtype,
+        "max_logprob_error_vs_master_weights": master_error,
+        "max_logprob_change_of_step": (after - before)[batch["attention_mask"][:, 1:].bool()].abs().max().item(),
+        "max_master_weight_change": moved,
         "loss": record.loss,
         "grad_norm": record.grad_norm,
         "phase_seconds": seconds,
@@ -108,6 +122,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
             "logprobs_match_hugging_face": initial_error <= tolerance,
             "trained_weights_score_alike": trained_error <= tolerance,
             "step_is_finite": math.isfinite(record.loss) and math.isfinite(record.grad_norm),
+            "step_moved_the_weights": moved > 0,
         },
     }
 

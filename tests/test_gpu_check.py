@@ -4,7 +4,9 @@ cannot rot where none is. Its results are complete and sane; no timing is assert
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from areal_k8s.simulator.calibration import COSTS
 from areal_k8s.simulator.scenario import load_scenario
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the parts import each other as the script's folder's modules
 PARTS = ["models", "megatron", "torch", "logprobs", "engine", "run"]
 
 
@@ -59,6 +62,47 @@ def test_both_trainer_backends_score_as_hugging_face_and_report_their_speed(chec
             assert speed["mfu"] is None  # no dense bf16 peak is known for a CPU
         assert part["peak_memory_mib"] > 0
     assert report["parts"]["torch"]["activation_checkpointing"] is True
+
+
+def test_in_bf16_the_trained_weights_are_compared_as_the_engines_receive_them(tmp_path):
+    """bf16 over float32 master weights, from a model saved in bfloat16 (as on a GPU): one step at the check's
+    learning rate moves most weights by less than half a bfloat16 spacing, so the backend's bf16 forward sees little of
+    it. Its exported weights, rounded to the dtype pushed to the engines, score the batch as it does; the float32
+    master weights themselves would not (the first GPU run's failure). The torch backend: the megatron one's bf16
+    backward runs on CUDA only."""
+    import gpu_check
+    from gpu_check_training import trainer_part
+
+    from areal_k8s.common.random_qwen2 import Qwen2Shape
+
+    sizes = dataclasses.replace(
+        gpu_check.SIZES["cpu"],
+        model=Qwen2Shape(hidden=256, intermediate=512, layers=4, heads=4, kv_heads=2),
+        model_dtype="bfloat16",
+        precision="bf16",
+        engine_dtype="bfloat16",
+        train_lengths=(32,),
+    )
+    gpu_check.build_model(sizes, tmp_path / "model")
+    part = trainer_part("torch", "cpu", sizes, tmp_path / "model", tmp_path)
+    assert all(part["checks"].values()), part
+    assert part["pushed_dtype"] == "bfloat16" and part["max_master_weight_change"] > 0
+    assert part["max_logprob_error_trained"] <= part["tolerance"] < part["max_logprob_error_vs_master_weights"]
+
+
+def test_a_rerun_of_some_parts_keeps_the_others_from_the_results_file_it_replaces(checked, tmp_path):
+    report, _, results = checked
+    out = tmp_path / "out.json"
+    shutil.copy(results, out)
+    (tmp_path / "model").symlink_to(results.parent / "model")
+    result = gpu_check(tmp_path, "--parts", "torch")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rerun = json.loads(out.read_text())
+    assert list(rerun["parts"]) == PARTS and rerun["reran"] == ["torch"]
+    assert {name: rerun["parts"][name] for name in PARTS if name != "torch"} == {
+        name: report["parts"][name] for name in PARTS if name != "torch"
+    }
+    assert rerun["parts"]["torch"]["status"] == "ok" and rerun["parts"]["torch"] != report["parts"]["torch"]
 
 
 def test_the_logprob_part_compares_full_and_chunked_logits_with_and_without_the_backward(checked):
@@ -123,3 +167,12 @@ def test_a_scenario_naming_results_without_an_engine_fit_is_refused_in_one_line(
         JobFileError, match=r"engine\.measured: .*its engine part did not run \(no result within 90 s\)"
     ):
         load_scenario(scenario)
+
+
+def test_the_docs_and_readme_carry_the_committed_gpu_run_as_measured():
+    import gpu_check
+
+    report = json.loads(gpu_check.RESULTS.read_text())
+    assert report["cuda"] and report["device"] != "cpu"
+    assert gpu_check.doc_block(report) in gpu_check.DOC.read_text(), "run `python scripts/gpu_check.py --readme`"
+    assert gpu_check.readme_block(report) in gpu_check.README.read_text(), "run `python scripts/gpu_check.py --readme`"
