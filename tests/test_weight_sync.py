@@ -4,6 +4,7 @@ real HTTP on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import signal
@@ -447,12 +448,9 @@ def frozen_engine(model_path, tmp_path):
         process.wait()
 
 
-async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_group_works(
-    frozen_engine, trainer_model, redis_url
-):
-    """Trainer -> rollout worker (gRPC) -> engine (HTTP), as in a run. Every call has a deadline: an engine that stops
-    answering fails the push after `timeout` (it used to block the trainer for an hour), and once it answers again
-    the group is rebuilt and the full weights land."""
+@contextlib.asynccontextmanager
+async def rollout_server(engine: CpuEngineClient, redis_url: str, **trainer):
+    """A rollout worker's gRPC server in front of `engine`, as in a run, and the trainer's target for it."""
     from areal_k8s.api.v1 import rollout_pb2_grpc
     from areal_k8s.common.byte_tokenizer import build_tokenizer
     from areal_k8s.common.config import parse_job
@@ -462,9 +460,7 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
     from areal_k8s.rollout.worker import RolloutWorker
     from areal_k8s.trainer.weights.targets import RolloutTarget
 
-    process, url = frozen_engine
-    engine = CpuEngineClient(url, control_timeout=2)
-    job = parse_job({"name": "deadline", "model": "m", "dataset": {"train": "t.jsonl"}})
+    job = parse_job({"name": "push", "model": "m", "dataset": {"train": "t.jsonl"}, "trainer": trainer})
     worker = RolloutWorker(
         job=job,
         worker_id="w0",
@@ -480,34 +476,67 @@ async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_grou
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")], "127.0.0.1:0"
     )
     target = RolloutTarget("w0", f"127.0.0.1:{port}", timeout=3)
+    try:
+        yield servicer, target
+    finally:
+        await target.close()
+        await server.stop(None)
+        await servicer.lease.close()
+
+
+async def test_a_hung_engine_fails_the_push_at_its_deadline_and_the_rebuilt_group_works(
+    frozen_engine, trainer_model, redis_url
+):
+    """Trainer -> rollout worker (gRPC) -> engine (HTTP), as in a run. Every call has a deadline: an engine that stops
+    answering fails the push after `timeout` (it used to block the trainer for an hour), and once it answers again
+    the group is rebuilt and the full weights land."""
+    process, url = frozen_engine
+    engine = CpuEngineClient(url, control_timeout=2)
     weights = sender(timeout=3)
     try:
-        await engine.wait_until_healthy(60)
-        await weights.connect([target])
-        stats = await weights.push(trainer_model.named_parameters(), version=1)
-        assert stats.buckets > 10  # a push long enough to stop the engine in the middle of it
-        push = asyncio.create_task(weights.push(trainer_model.named_parameters(), version=2))
-        while servicer.paused_at is None:  # generation paused: the buckets are next
-            await asyncio.sleep(0.001)
-        process.send_signal(signal.SIGSTOP)
-        with pytest.raises(WeightSyncError) as failure:
-            await push
-        assert "update_weights_from_distributed failed" in str(failure.value)
-        process.send_signal(signal.SIGCONT)
-        await weights.close()
-        await weights.connect([target])
-        await weights.push(trainer_model.named_parameters(), version=3)
-        checksum = await engine.weights_checksum()
-        assert (
-            checksum["weight_version"] == "3"
-            and checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
-        )
+        async with rollout_server(engine, redis_url) as (servicer, target):
+            await engine.wait_until_healthy(60)
+            await weights.connect([target])
+            stats = await weights.push(trainer_model.named_parameters(), version=1)
+            assert stats.buckets > 10  # a push long enough to stop the engine in the middle of it
+            push = asyncio.create_task(weights.push(trainer_model.named_parameters(), version=2))
+            while servicer.paused_at is None:  # generation paused: the buckets are next
+                await asyncio.sleep(0.001)
+            process.send_signal(signal.SIGSTOP)
+            with pytest.raises(WeightSyncError) as failure:
+                await push
+            assert "update_weights_from_distributed failed" in str(failure.value)
+            process.send_signal(signal.SIGCONT)
+            await weights.close()
+            await weights.connect([target])
+            await weights.push(trainer_model.named_parameters(), version=3)
+            checksum = await engine.weights_checksum()
+            assert (
+                checksum["weight_version"] == "3"
+                and checksum["combined"] == weights_checksum(trainer_model.named_parameters())[1]
+            )
+            await weights.close()
     finally:
         process.send_signal(signal.SIGCONT)
         await weights.close()
-        await target.close()
-        await server.stop(None)
         await engine.close()
+
+
+async def test_a_pause_whose_continue_never_comes_ends_when_its_lease_lapses(client, redis_url):
+    """The trainer pauses generation for a push and its continue_generation is lost (it died, or a network cut
+    outlasted the push's deadline and the continue with it; issue 36's stalled cluster chaos). The worker resumes the
+    engine itself once the lease, twice the weight-sync deadline, lapses with no word from the trainer; without it
+    the engine stayed paused for good and the job stalled."""
+    async with rollout_server(client, redis_url, weight_sync_timeout_seconds=1) as (servicer, target):
+        await target.pause_generation("abort")
+        assert servicer.paused_at is not None and servicer.lease.held
+        # the trainer's continue never comes: a request waits in the paused engine until the lease lapses
+        answer = await asyncio.wait_for(client.generate([3, 4], {"temperature": 0.0, "max_new_tokens": 2}), 120)
+        assert answer["meta_info"]["completion_tokens"] == 2
+        metrics = servicer.worker.metrics
+        assert metrics.value("areal_rollout_pause_lapses_total") == 1
+        assert metrics.value("areal_rollout_paused_seconds_total") > 0 and servicer.lease.seconds == 2
+        assert servicer.paused_at is None and not servicer.lease.held
 
 
 def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):

@@ -230,6 +230,11 @@ class RolloutMetrics(ServiceMetrics):
         self.paused_seconds = self.counter(
             "areal_rollout_paused_seconds_total", "Time generation was paused for weight updates."
         )
+        self.pause_lapses = self.counter(
+            "areal_rollout_pause_lapses_total",
+            "Pauses for a weight push the worker ended itself: no word from the trainer within twice its weight-sync "
+            "deadline (its continue_generation lost).",
+        )
 
 
 class RewardMetrics(ServiceMetrics):

@@ -76,8 +76,9 @@ def main() -> None:
             worker.engine_dtype = served_dtype(info, job.model)
         except UnfitEngine as exc:
             exit_invalid(f"engine {args.engine_url}: {exc}")
+        servicer = RolloutServicer(worker)
         server, port, _health = await start_server(
-            [(rollout_pb2_grpc.add_RolloutServicer_to_server, RolloutServicer(worker), "areal.v1.Rollout")],
+            [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")],
             f"{args.host}:{args.port}",
         )
         worker.address = args.advertise or f"{args.host}:{port}"
@@ -87,6 +88,7 @@ def main() -> None:
             await wait_if_asked(args.when_done, stop)
         finally:
             await server.stop(grace=2)
+            await servicer.lease.close()
             await asyncio.gather(controller_channel.close(), reward_channel.close())
             await engine.close()
             await redis_client.aclose()

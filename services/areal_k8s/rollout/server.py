@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -10,6 +11,7 @@ from areal_k8s.api.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import FailedPrecondition, Unavailable, require, rpc
 from areal_k8s.common.sglang import CpuEngineClient, EngineError
 from areal_k8s.common.wire import group_record, trajectory_message
+from areal_k8s.rollout.pause_lease import PauseLease
 from areal_k8s.rollout.worker import RolloutWorker
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.worker = worker
         self.engine = worker.engine
         self.paused_at: float | None = None
+        # a pause lasts as long as the trainer pushes (pause_lease.py); pausing and resuming take turns
+        self.lease = PauseLease(2 * worker.job.trainer.weight_sync_timeout_seconds, self._resume_after_lapse)
+        self._pausing = asyncio.Lock()
 
     @rpc
     @engine_errors
@@ -77,15 +82,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
         require(request.backend in ("gloo", "nccl"), f"backend must be gloo or nccl, got {request.backend!r}")
         require(bool(request.group_name), "group_name is required")
-        await self.engine.init_weights_update_group(
-            master_address=request.master_address,
-            master_port=request.master_port,
-            rank_offset=request.rank_offset,
-            world_size=request.world_size,
-            group_name=request.group_name,
-            backend=request.backend,
-            timeout=context.time_remaining(),  # the engine call ends before the trainer gives up on this one
-        )
+        async with self.lease.call():
+            await self.engine.init_weights_update_group(
+                master_address=request.master_address,
+                master_port=request.master_port,
+                rank_offset=request.rank_offset,
+                world_size=request.world_size,
+                group_name=request.group_name,
+                backend=request.backend,
+                timeout=context.time_remaining(),  # the engine call ends before the trainer gives up on this one
+            )
         return _ok()
 
     @rpc
@@ -110,15 +116,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         )
         new_version = request.weight_version if request.HasField("weight_version") else None
         require(new_version is None or new_version >= 0, f"weight_version must be >= 0, got {new_version}")
-        await self.engine.update_weights_from_distributed(
-            names=list(request.names),
-            dtypes=list(request.dtypes),
-            shapes=[list(s.dims) for s in request.shapes],
-            group_name=request.group_name,
-            weight_version=None if new_version is None else str(new_version),
-            load_format=request.load_format or None,
-            timeout=context.time_remaining(),
-        )
+        async with self.lease.call():
+            await self.engine.update_weights_from_distributed(
+                names=list(request.names),
+                dtypes=list(request.dtypes),
+                shapes=[list(s.dims) for s in request.shapes],
+                group_name=request.group_name,
+                weight_version=None if new_version is None else str(new_version),
+                load_format=request.load_format or None,
+                timeout=context.time_remaining(),
+            )
         if new_version is not None:
             self.worker.engine_version = new_version
         return _ok()
@@ -129,20 +136,40 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         require(request.mode in PAUSE_MODES, f"mode must be abort or retract, got {request.mode!r}")
         mode = request.mode or "abort"
         log.info("pause generation (%s) for %s", mode, context.peer())
-        await self.engine.pause_generation(mode, context.time_remaining())
-        if self.paused_at is None:
-            self.paused_at = time.monotonic()
+        async with self._pausing:
+            self.lease.hold()  # before the engine's pause: one that fails half way is resumed all the same
+            async with self.lease.call():
+                await self.engine.pause_generation(mode, context.time_remaining())
+            if self.paused_at is None:
+                self.paused_at = time.monotonic()
         return _ok()
 
     @rpc
     @engine_errors
     async def ContinueGeneration(self, request, context):
         log.info("continue generation for %s", context.peer())
+        async with self._pausing:
+            await self._resume()
+        return _ok()
+
+    async def _resume(self) -> None:
         await self.engine.continue_generation()
+        self.lease.release()
         if self.paused_at is not None:
             self.worker.metrics.paused_seconds.inc(time.monotonic() - self.paused_at)
             self.paused_at = None
-        return _ok()
+
+    async def _resume_after_lapse(self) -> None:
+        async with self._pausing:
+            if not self.lease.lapsed:  # the trainer spoke meanwhile
+                return
+            log.warning(
+                "generation paused for a weight push with no word from the trainer for %gs: resuming it (the "
+                "trainer's continue_generation was lost)",
+                self.lease.seconds,
+            )
+            await self._resume()
+            self.worker.metrics.pause_lapses.inc()
 
     @rpc
     async def GetWeightVersion(self, request, context):

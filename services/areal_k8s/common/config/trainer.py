@@ -70,7 +70,8 @@ class TrainerConfig(Section):
         300.0,
         description="How long joining the weight-update group or one bucket's broadcast may take before the push "
         "fails, on the trainer's side and on the CPU engines' (a trainer gone in the middle of a push holds an "
-        "engine no longer than this).",
+        "engine no longer than this). A rollout worker resumes generation itself after a pause with no word from "
+        "the trainer for twice this.",
     )
     verify_weight_sync: bool = Field(
         False,
