@@ -5,7 +5,7 @@ Parts, in this order, each in a process of its own under a share of the time bud
 time is reported in one line, and the others still run.
 - models: a Qwen2-architecture model built from Qwen2.5-0.5B's config (random weights, the byte tokenizer, no hub),
   which the other parts load; a 2-layer one on the CPU.
-- megatron, torch: the trainer backend at tensor parallel 1 (bf16 autocast on CUDA; the torch backend with activation
+- megatron, torch: the trainer backend at tensor parallel 1 (bf16 autocast on CUDA; both with activation
   checkpointing): its log-probabilities against the Hugging Face model's in float32 within the precision's tolerance,
   before and after one RL step (decoupled PPO, GRPO advantages); training tokens/s and model FLOPs utilisation at
   two sequence lengths; peak memory (scripts/gpu_check_training.py).
@@ -449,14 +449,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def with_earlier_parts(report: dict, path: Path) -> dict:
     """A rerun of some parts (`--parts`) keeps the other parts of the results file it replaces, where that file was
-    written on the same kind of device with the same sizes; `reran` names the parts this run measured."""
+    written on the same kind of device with the same sizes; `reran` names the parts this run or an earlier rerun
+    measured."""
     if set(report["parts"]) == set(PARTS) or not path.exists():
         return report
     earlier = json.loads(path.read_text())
     if (earlier.get("device"), earlier.get("sizes")) != (report["device"], json.loads(json.dumps(report["sizes"]))):
         return report
     parts = earlier["parts"] | report["parts"]
-    return report | {"parts": {name: parts[name] for name in PARTS if name in parts}, "reran": list(report["parts"])}
+    reran = [name for name in PARTS if name in report["parts"] or name in earlier.get("reran", [])]
+    return report | {"parts": {name: parts[name] for name in PARTS if name in parts}, "reran": reran}
 
 
 def cuda_available() -> bool:

@@ -51,7 +51,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
                 "backend": backend,
                 "device": device,
                 "precision": sizes.precision,
-                "gradient_checkpointing": backend == "torch",
+                "gradient_checkpointing": True,
                 "micro_batch_tokens": sizes.micro_batch_tokens,
             },
         }

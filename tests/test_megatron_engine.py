@@ -134,7 +134,14 @@ def test_a_stage_names_its_parameters_as_the_whole_model_does():
 
 
 def job_for(
-    model_path: Path, run_dir: Path, backend: str, tensor: int = 1, replicas: int = 1, pipeline: int = 1, **algorithm
+    model_path: Path,
+    run_dir: Path,
+    backend: str,
+    tensor: int = 1,
+    replicas: int = 1,
+    pipeline: int = 1,
+    recompute: bool = False,
+    **algorithm,
 ):
     return parse_job(
         {
@@ -150,6 +157,7 @@ def job_for(
                 "replicas": replicas,
                 "parallelism": {"tensor": tensor, "pipeline": pipeline},
                 "micro_batch_tokens": 40,
+                "gradient_checkpointing": recompute,
             },
         }
     )
@@ -194,31 +202,50 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "family,tied,tensor,pipeline,replicas",
+    "family,tied,tensor,pipeline,replicas,recompute",
     [
-        ("qwen2", False, 1, 1, 1),
-        ("llama", False, 1, 1, 1),
-        ("qwen2", False, 1, 1, 2),
-        ("qwen2", False, 2, 1, 2),  # the vocabulary (259) padded to split over the ranks
-        ("qwen3", False, 2, 1, 2),  # the query/key norms applied per head: each rank's share of their gradient summed
-        ("llama", True, 1, 2, 2),  # one layer per stage, several micro-batches in flight (1F1B); the tied embedding
-        # held by both end stages, their gradients summed
-        ("qwen3", False, 2, 2, 4),  # tensor × pipeline: four ranks
+        ("qwen2", False, 1, 1, 1, False),
+        ("llama", False, 1, 1, 1, False),
+        ("qwen2", False, 1, 1, 2, False),
+        ("qwen2", False, 2, 1, 2, False),  # the vocabulary (259) padded to split over the ranks
+        ("qwen3", False, 2, 1, 2, False),  # the query/key norms applied per head: each rank's share of their gradient
+        # summed
+        ("llama", True, 1, 2, 2, False),  # one layer per stage, several micro-batches in flight (1F1B); the tied
+        # embedding held by both end stages, their gradients summed
+        ("qwen3", False, 2, 2, 4, False),  # tensor × pipeline: four ranks
+        ("qwen2", False, 2, 1, 2, True),  # gradient_checkpointing: every layer recomputed in the backward
     ],
-    ids=["qwen2-tp1", "llama-tp1", "qwen2-dp2", "qwen2-tp2", "qwen3-tp2", "llama-tied-pp2", "qwen3-tp2-pp2"],
+    ids=[
+        "qwen2-tp1",
+        "llama-tp1",
+        "qwen2-dp2",
+        "qwen2-tp2",
+        "qwen3-tp2",
+        "llama-tied-pp2",
+        "qwen3-tp2-pp2",
+        "qwen2-tp2-recomputed",
+    ],
 )
 def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
-    models, ranks, tmp_path, family, tied, tensor, pipeline, replicas
+    models, ranks, tmp_path, family, tied, tensor, pipeline, replicas, recompute
 ):
     """Split over tensor-, pipeline- or data-parallel ranks, the `megatron` backend's log-probabilities equal the
     Hugging Face model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO
     advantages, several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch`
-    backend on one rank."""
+    backend on one rank; with its layers' activations recomputed in the backward (`gradient_checkpointing`) too."""
     model_path = models(family, tied)
     groups = make_groups(model_path, 4)
     torch.set_num_threads(1)
     expected = step(job_for(model_path, tmp_path / "torch", "torch"), groups, World())
-    job = job_for(model_path, tmp_path / "megatron", "megatron", tensor=tensor, pipeline=pipeline, replicas=replicas)
+    job = job_for(
+        model_path,
+        tmp_path / "megatron",
+        "megatron",
+        tensor=tensor,
+        pipeline=pipeline,
+        replicas=replicas,
+        recompute=recompute,
+    )
     ranks.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]
 

@@ -118,7 +118,13 @@ class MegatronEngine(TrainEngine):
         self.layout.check(config, self.world_size)
         self.stage = Stage.of(config, self.layout, self.pipeline_rank)
         with cpu.on_cpu():  # a tied output layer on the last stage is moved to "cuda" for its first all-reduce
-            self.model = build_gpt(config, self.layout, self.stage, self.device).to(self.device)
+            self.model = build_gpt(
+                config,
+                self.layout,
+                self.stage,
+                self.device,
+                recompute=self.trainable and self.job.trainer.gradient_checkpointing,
+            ).to(self.device)
         self.sharding = Sharding(
             self.model,
             self.layout,

@@ -93,11 +93,17 @@ class Stage:
 LAYERS = "decoder.layers."
 
 
-def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool):
+def transformer_config(
+    config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool, recompute: bool = False
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = Shape.of(config)
+    # `trainer.gradient_checkpointing`: every layer's activations recomputed in the backward (megatron-core's full
+    # recomputation, one layer a checkpoint), as the torch backend's activation checkpointing does
+    recomputation = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
+        **(recomputation if recompute else {}),
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=config.intermediate_size,
@@ -133,15 +139,23 @@ def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtyp
     )
 
 
-def build_gpt(config, layout: Layout, stage: Stage, device: torch.device, dtype: torch.dtype = torch.float32):
+def build_gpt(
+    config,
+    layout: Layout,
+    stage: Stage,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    recompute: bool = False,
+):
     """The GPTModel for a Hugging Face config (its family checked), with this rank's shards of its stage's layers,
-    randomly initialised."""
+    randomly initialised; `recompute`: the layers' activations recomputed in the backward."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     family = family_of(config)
     return GPTModel(
-        config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu"),
+        config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu", recompute=recompute),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
         vocab_size=Shape.of(config).padded_vocab(layout.tensor),
         max_sequence_length=config.max_position_embeddings,
