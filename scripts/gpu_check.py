@@ -318,11 +318,14 @@ def doc_block(report: dict) -> str:
         f"{t['max_logprob_error_trained']:.2g}.\n"
         for t in trainers
     )
-    reran = (
-        f" The {', '.join(report['reran'])} parts are from a rerun (`--parts`) on a fresh machine of the same kind."
-        if "reran" in report
-        else ""
-    )
+    reran = ""
+    if "reran" in report:
+        *first, last = report["reran"]
+        names = f"{', '.join(first)} and {last}" if first else last
+        reran = (
+            f" The {names} parts are from reruns (`--parts`), each on a fresh machine of the same kind; the table's "
+            "first line gives the last rerun's time."
+        )
     return (
         f"{DOC_BEGIN}\n`make gpu-check` on one {report['device']} (Python {report['python']}, torch {report['torch']}, "
         f"CUDA {report['cuda']}, megatron-core {report['megatron_core']}, transformers {report['transformers']})."

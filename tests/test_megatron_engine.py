@@ -184,9 +184,28 @@ def step(job, groups, world: World) -> dict:
     trainer.engine.load(job.model)
     logprobs = trainer.engine.token_logprobs(padded_batch())
     trainer.engine.optimizer = torch.optim.SGD(trainer.engine.model.parameters(), lr=job.algorithm.lr)
+    # where a layer's MLP runs: in the backward too when its activations are recomputed there (counted in its
+    # forward: a recomputation does not call the module's forward hooks)
+    in_backward = []
+    model = trainer.engine.model
+    mlp = (model.decoder.layers if hasattr(model, "decoder") else model.model.layers)[0].mlp  # megatron-core's, HF's
+    forward = mlp.forward
+
+    def counted(*args, **kwargs):
+        in_backward.append(torch._C._current_autograd_node() is not None)
+        return forward(*args, **kwargs)
+
+    mlp.forward = counted
     record = trainer.train_step(groups)
+    del mlp.forward
     weights = dict(trainer.engine.named_weights_for_push(torch.float32)) if world.leads else None
-    return {"logprobs": logprobs, "weights": weights, "loss": record.loss, "grad_norm": record.grad_norm}
+    return {
+        "logprobs": logprobs,
+        "weights": weights,
+        "loss": record.loss,
+        "grad_norm": record.grad_norm,
+        "recomputed": any(in_backward),
+    }
 
 
 def leave() -> None:
@@ -265,6 +284,7 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
         torch.testing.assert_close(rank["logprobs"][real], exact[real], rtol=0, atol=1e-4)
         assert rank["loss"] == pytest.approx(expected["loss"], rel=1e-4, abs=1e-6)
         assert rank["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+        assert rank["recomputed"] is recompute
 
 
 def resume_on_rank(

@@ -8,6 +8,7 @@ engines sample without it), and every fusion that needs a CUDA kernel is off.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -93,17 +94,11 @@ class Stage:
 LAYERS = "decoder.layers."
 
 
-def transformer_config(
-    config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool, recompute: bool = False
-):
+def transformer_config(config, family: Family, layout: Layout, dtype: torch.dtype, on_cpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = Shape.of(config)
-    # `trainer.gradient_checkpointing`: every layer's activations recomputed in the backward (megatron-core's full
-    # recomputation, one layer a checkpoint), as the torch backend's activation checkpointing does
-    recomputation = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
-        **(recomputation if recompute else {}),
         num_layers=shape.layers,
         hidden_size=shape.hidden,
         ffn_hidden_size=config.intermediate_size,
@@ -154,8 +149,8 @@ def build_gpt(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     family = family_of(config)
-    return GPTModel(
-        config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu", recompute=recompute),
+    model = GPTModel(
+        config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu"),
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
         vocab_size=Shape.of(config).padded_vocab(layout.tensor),
         max_sequence_length=config.max_position_embeddings,
@@ -166,6 +161,20 @@ def build_gpt(
         pre_process=stage.first,
         post_process=stage.last,
     )
+    if recompute:
+        recompute_layers(model)
+    return model
+
+
+def recompute_layers(model) -> None:
+    """Each transformer layer's activations recomputed in the backward instead of kept (`gradient_checkpointing`).
+    PyTorch's non-reentrant checkpoint, not megatron-core's recomputation: that one recomputes outside the autocast
+    the forward ran under, so a bf16 step (autocast over float32 weights) would meet float32 activations beside
+    bfloat16 gradients. The layers have no dropout: the recomputation is the forward exactly."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.decoder.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def attention_mask(attention: torch.Tensor) -> torch.Tensor:
