@@ -20,6 +20,7 @@ ALERTS = {
     "ArealWeightPushSlow",
     "ArealItemsDeadLettered",
     "ArealContainersRestarting",
+    "ArealPauseLapsed",
 }
 
 
