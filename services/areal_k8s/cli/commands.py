@@ -63,15 +63,7 @@ def trainer_command(
 
 def engine_command(job: JobConfig, host: str, ends: Endpoints, i: int) -> list[str]:
     """The CPU engine beside rollout worker `i`."""
-    return [
-        "areal_k8s.rollout.cpu_engine",
-        *("--model-path", job.model),
-        *("--host", host),
-        *("--port", port_of(ends.engines[i])),
-        *("--max-batch-size", str(job.rollout.max_batch_size)),
-        *("--threads", str(job.rollout.threads)),
-        *("--weight-update-timeout", f"{job.trainer.weight_sync_timeout_seconds:g}"),
-    ]
+    return ["areal_k8s.rollout.cpu_engine", *job.cpu_engine_args(host, int(port_of(ends.engines[i])))]
 
 
 def rollout_command(job_file: Path, host: str, ends: Endpoints, i: int, redis_url: str) -> list[str]:

@@ -144,22 +144,7 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
     if rollout.engine == "cpu":
         image = engine_block.get("image") or image_of(job, "rollout")
         module = "areal_k8s.rollout.cpu_engine"
-        args = [
-            "--model-path",
-            config.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(names.ENGINE_PORT),
-            "--max-batch-size",
-            str(rollout.max_batch_size),
-            "--threads",
-            str(rollout.threads),
-            "--seed",
-            str(config.seed),
-            "--weight-update-timeout",
-            f"{config.trainer.weight_sync_timeout_seconds:g}",
-        ]
+        args = config.cpu_engine_args("127.0.0.1", names.ENGINE_PORT)
     else:
         image = engine_block.get("image") or names.default_image("sglang")
         module = "sglang.launch_server"

@@ -98,6 +98,18 @@ class JobConfig(Section):
             return self.trainer.push_dtype
         return "float32" if self.rollout.engine == "cpu" else "bfloat16"
 
+    def cpu_engine_args(self, host: str, port: int) -> list[str]:
+        """The CPU engine's flags for this job, as `arealctl run` and the operator's rollout pods start it."""
+        return [
+            *("--model-path", self.model),
+            *("--host", host),
+            *("--port", str(port)),
+            *("--max-batch-size", str(self.rollout.max_batch_size)),
+            *("--threads", str(self.rollout.threads)),
+            *("--seed", str(self.seed)),
+            *("--weight-update-timeout", f"{self.trainer.weight_sync_timeout_seconds:g}"),
+        ]
+
     def resolve_paths(self, base: Path) -> JobConfig:
         """Make relative paths absolute against `base` and fill in the default run directory."""
 
