@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,15 +90,25 @@ def test_in_bf16_the_trained_weights_are_compared_as_the_engines_receive_them(tm
 
 
 def test_a_rerun_of_some_parts_keeps_the_others_from_the_results_file_it_replaces(checked, tmp_path):
+    """What `--parts` writes: the parts it ran over those of the file it replaces, where that file was written on
+    the same kind of device at the same sizes; else the rerun's parts alone."""
+    import gpu_check
+
     report, _, results = checked
-    out = tmp_path / "out.json"
-    shutil.copy(results, out)
-    result = gpu_check(tmp_path, "--parts", "models")
-    assert result.returncode == 0, result.stderr[-3000:]
-    rerun = json.loads(out.read_text())
-    assert list(rerun["parts"]) == PARTS and rerun["reran"] == ["models"]
-    assert {name: rerun["parts"][name] for name in PARTS[1:]} == {name: report["parts"][name] for name in PARTS[1:]}
-    assert rerun["parts"]["models"]["status"] == "ok" and (tmp_path / "model" / "config.json").exists()
+    rerun = {**report, "parts": {"models": {"status": "ok", "parameters": 1, "dtype": "float32", "seconds": 1.0}}}
+    merged = gpu_check.with_earlier_parts(rerun, results)
+    assert list(merged["parts"]) == PARTS and merged["reran"] == ["models"]
+    assert merged["parts"] == {**report["parts"], "models": rerun["parts"]["models"]}
+    again = gpu_check.with_earlier_parts({**rerun, "parts": {"run": report["parts"]["run"]}}, write(tmp_path, merged))
+    assert again["reran"] == ["models", "run"]  # an earlier rerun's parts stay named
+    elsewhere = {**rerun, "device": "NVIDIA H100 80GB HBM3"}
+    assert gpu_check.with_earlier_parts(elsewhere, results) == elsewhere
+
+
+def write(folder: Path, report: dict) -> Path:
+    path = folder / "gpu_check.json"
+    path.write_text(json.dumps(report))
+    return path
 
 
 def test_the_logprob_part_compares_full_and_chunked_logits_with_and_without_the_backward(checked):
