@@ -98,9 +98,10 @@ def readme_block(report: dict) -> str:
         (
             "the trainer's pods cut off from the rollout pods for 15 s (a pod of either lost meanwhile comes back cut "
             "off), past the 4 s weight-sync deadline",
-            "a push into the cut fails at that deadline, twice, and the trainer goes on without it; the controller "
-            "gives the engine behind no work, so training waits once the groups in flight are trained; after the cut "
-            "the weight-update group is formed again and the engine gets the current version",
+            "a push into the cut fails at that deadline, twice, and the trainer goes on without it (a pause whose "
+            "continue the cut lost ends when the rollout worker's lease on it lapses, twice that deadline); the "
+            "controller gives the engine behind no work, so training waits once the groups in flight are trained; "
+            "after the cut the weight-update group is formed again and the engine gets the current version",
             f"steps trained meanwhile {spread_of('steps_during_push_cut')}, their pushes failed at the deadline "
             f"{spread_of('pushes_failed_in_push_cut')}",
         ),
