@@ -50,7 +50,7 @@ class PauseLease:
         return self._deadline is not None and not self._calls and self._clock() >= self._deadline
 
     def hold(self) -> None:
-        """A pause, or a weight-sync call: the lease runs `seconds` from now."""
+        """A pause (or a renewed one): the lease runs `seconds` from now."""
         self._deadline = self._clock() + self.seconds
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch())
