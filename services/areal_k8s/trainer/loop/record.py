@@ -43,6 +43,7 @@ class StepRecord:
     world_size: int = 1  # trainer ranks that trained it
     token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness (index s)
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
+    pushed_at: float = 0.0  # wall clock (epoch seconds) when its weight push ended (or failed)
 
     def report(self, checkpoint_error: str = "") -> StepReport:
         """What the controller keeps of the step for the job status (`checkpoint_error`: why the last checkpoint

@@ -126,6 +126,7 @@ class Trainer:
                 self.phase = "pushing_weights"
                 pushed = time.monotonic()
                 record.weight_push, record.weights_verified = await self.push_weights()
+                record.pushed_at = time.time()
                 await self.announce(restored=False)
                 self.metrics.phase_seconds.labels(phase="weight_push").inc(time.monotonic() - pushed)
                 if self.evaluation_due():
