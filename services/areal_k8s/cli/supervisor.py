@@ -7,6 +7,7 @@ RLJob's `failurePolicy.maxRestarts` counts container restarts over its pods.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -123,6 +124,19 @@ class Service:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._end_session()
+
+    def _end_session(self, timeout: float = 10.0) -> None:
+        """Whatever the service left in its session goes too, and is gone before the next one starts: a process
+        that outlived it could hold its port (a trainer world started again at a hand-off once failed to bind it)."""
+        deadline = time.monotonic() + timeout
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            while time.monotonic() < deadline:
+                os.killpg(self.process.pid, 0)
+                time.sleep(0.05)
+        except ProcessLookupError:  # none left
+            pass
 
 
 @dataclass
