@@ -7,7 +7,6 @@ RLJob's `failurePolicy.maxRestarts` counts container restarts over its pods.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from areal_k8s.common.processes import with_parent_death_signal
+from areal_k8s.common.processes import signal_group, with_parent_death_signal
 from areal_k8s.common.redis_server import EmbeddedRedis
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -130,13 +129,9 @@ class Service:
         """Whatever the service left in its session goes too, and is gone before the next one starts: a process
         that outlived it could hold its port (a trainer world started again at a hand-off once failed to bind it)."""
         deadline = time.monotonic() + timeout
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            while time.monotonic() < deadline:
-                os.killpg(self.process.pid, 0)
-                time.sleep(0.05)
-        except ProcessLookupError:  # none left
-            pass
+        signal_group(self.process.pid, signal.SIGKILL)
+        while signal_group(self.process.pid, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 
@@ -13,3 +14,12 @@ def with_parent_death_signal(argv: list[str], signal_name: str = "KILL") -> list
     start children from one that lives as long as they should. Without setpriv the command runs as it is."""
     setpriv = shutil.which("setpriv")
     return [setpriv, f"--pdeathsig={signal_name}", "--", *argv] if setpriv else list(argv)
+
+
+def signal_group(group: int, signum: int) -> bool:
+    """Send a signal to a process group (0: only ask whether it has one); False when no process of it is left."""
+    try:
+        os.killpg(group, signum)
+        return True
+    except ProcessLookupError:
+        return False

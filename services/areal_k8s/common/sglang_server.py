@@ -19,7 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from areal_k8s.common.processes import with_parent_death_signal
+from areal_k8s.common.processes import signal_group, with_parent_death_signal
 from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.sglang_args import check_sglang_args, sglang_flags
 
@@ -184,9 +184,9 @@ class SGLangServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=STOP_TIMEOUT_S)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while _signal_group(group, 0) and time.monotonic() < deadline:
+        while signal_group(group, 0) and time.monotonic() < deadline:
             time.sleep(0.2)
-        _signal_group(group, signal.SIGKILL)
+        signal_group(group, signal.SIGKILL)
         self.process.wait()
         self.process = None
 
@@ -217,12 +217,3 @@ class SGLangServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def _signal_group(group: int, signum: int) -> bool:
-    """Send a signal to a process group; False when no process of it is left."""
-    try:
-        os.killpg(group, signum)
-        return True
-    except ProcessLookupError:
-        return False
