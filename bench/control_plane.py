@@ -40,7 +40,8 @@ from control_plane_load import HOLD_SECONDS
 from control_plane_report import DOC as DOC  # the page its --readme writes (tests/test_docs.py reads it)
 from control_plane_report import RESULTS, config_key, summarise, summarise_floor, write_blocks
 
-from areal_k8s.common.redis_server import EmbeddedRedis, free_port
+from areal_k8s.common.ports import free_port
+from areal_k8s.common.redis_server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD = ROOT / "bench" / "control_plane_load.py"

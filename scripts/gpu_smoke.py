@@ -31,8 +31,8 @@ import torch
 import torch.multiprocessing as mp
 
 from areal_k8s.common.config import parse_job
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.random_qwen2 import Qwen2Shape, save_random_qwen2
-from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import parse_dtype, weights_checksum
 from areal_k8s.rollout.cpu_engine.launcher import cpu_engine

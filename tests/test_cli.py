@@ -16,7 +16,7 @@ from areal_k8s.cli.launcher import child_env, wait_serving
 from areal_k8s.cli.main import parser
 from areal_k8s.cli.run_files import write_endpoints
 from areal_k8s.cli.supervisor import Service
-from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.ports import free_port
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

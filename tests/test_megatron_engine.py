@@ -17,7 +17,7 @@ from trainer_batches import padded_batch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.ports import free_port
 from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.backends.megatron.convert import UnsupportedModel, family_of
 from areal_k8s.trainer.backends.megatron.convert.common import Shape, join_shards, shard_of, to_hf, to_megatron

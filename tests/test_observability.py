@@ -16,7 +16,7 @@ from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.cli.monitor import MetricsRecorder
 from areal_k8s.cli.report import write_report
 from areal_k8s.common.metrics import README_END, README_START, RolloutMetrics, catalogue, catalogue_markdown
-from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.ports import free_port
 from areal_k8s.controller.admission import blocking_bound
 from areal_k8s.observability.dashboards import DASHBOARD_DIR, queries, render
 from areal_k8s.rollout.worker import IdleClock

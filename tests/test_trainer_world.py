@@ -19,7 +19,7 @@ from tiny_models import build_tiny_qwen2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.redis_server import free_port
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.store import CONSUMER_GROUP, JobKeys, TrajectoryStore, connect
 from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.checkpoint import TrainerState, checkpoint_dir, save_checkpoint

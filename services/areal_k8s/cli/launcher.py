@@ -35,8 +35,9 @@ from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPo
 from areal_k8s.common import histograms
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import CHANNEL_OPTIONS
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.prompts import check_model_dir, check_tokenizer_dir
-from areal_k8s.common.redis_server import EmbeddedRedis, free_port
+from areal_k8s.common.redis_server import EmbeddedRedis
 from areal_k8s.common.sglang_args import sglang_flags
 
 

@@ -8,13 +8,13 @@ that went away would, losing its last writes (common/redis_aof.py).
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.processes import with_parent_death_signal
 from areal_k8s.common.redis_aof import Write, cut_back
 
@@ -36,12 +36,6 @@ def find_server_binary() -> str:
             "or set redis.url in the job file"
         ) from None
     return str(get_binary_path())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class EmbeddedRedis:

@@ -19,8 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.processes import signal_group, with_parent_death_signal
-from areal_k8s.common.redis_server import free_port
 from areal_k8s.common.sglang_args import check_sglang_args, sglang_flags
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: `make sglang-env` builds the env in it
