@@ -1,4 +1,6 @@
-"""The tiny job the end-to-end tests run: a 2-layer Qwen2, 40 prompts scored by a coin-flip verifier."""
+"""The jobs the end-to-end tests run: the tiny job (a 2-layer Qwen2, 40 prompts scored by a coin-flip verifier,
+12-token responses), and the tail job, whose responses are heavy-tailed as reasoning traces are (the long-tail task's
+prompts and a model warmed up on its worked solutions)."""
 
 import json
 import os
@@ -12,6 +14,7 @@ from tiny_models import build_tiny_qwen2
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.redis_aof import newest_increment, read_writes
 from areal_k8s.common.store import StreamEntry, decode_entry
+from areal_k8s.demo.long_tail_build import build_long_tail_assets
 
 TESTS = Path(__file__).parent
 
@@ -28,6 +31,46 @@ def assets(tmp_path_factory):
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
     return root
+
+
+@pytest.fixture(scope="session")
+def tail_assets(tmp_path_factory):
+    """The long-tail task's prompts (running sums of log-normally many steps) with a model warmed up on their worked
+    solutions only long enough to write them (40 steps, ~30 s on one core, where the task's own build takes 180):
+    sampled at temperature 1 its responses are heavy-tailed (measured: median ~40 tokens, the longest ~5x it),
+    where the tiny job's are all 12. The rows are scored by the coin flip, as the tiny job's: the warm-up solves none
+    of them, and groups that disagree make every step change the weights."""
+    root = tmp_path_factory.mktemp("tail-assets")
+    build_long_tail_assets(
+        root,
+        sft_max_steps=40,
+        sft_first_check=10**6,  # no probe: the warm-up's length, not its accuracy, is what the tests need
+        sft_batch_size=16,
+        train_size=400,
+        eval_size=8,
+        eval_max_new_tokens=16,
+    )
+    for split in ("train", "eval"):
+        path = root / f"{split}.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "verifier": "e2e_fixtures:coin_flip"}) + "\n" for r in rows))
+    return root
+
+
+def make_tail_job(tail_assets: Path, run_dir: Path, **overrides):
+    """The tail job: the tiny job's settings on the tail assets, with room for the longest responses (the warm-up's
+    longest were ~200-300 tokens) and a learning rate low enough that the coin flip's random updates keep the tail
+    through a run (at the tiny job's 1e-3 they had cut every response to under 30 tokens by step 8)."""
+    sampling = {"max_new_tokens": 400, **overrides.pop("sampling", {})}
+    algorithm = {"lr": 1e-4, **overrides.pop("algorithm", {})}
+    return make_job(tail_assets, run_dir, sampling=sampling, algorithm=algorithm, **overrides)
+
+
+def has_a_tail(records: list[dict], ratio: float = 3.0) -> bool:
+    """Whether the responses the steps in `records` trained are heavy-tailed: the longest at least `ratio` times the
+    median (a test on the tail job checks that its run had the shape it is there for)."""
+    lengths = sorted(n for r in records for n in r["response_tokens"])
+    return bool(lengths) and lengths[-1] >= ratio * lengths[len(lengths) // 2]
 
 
 @pytest.fixture

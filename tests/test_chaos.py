@@ -1,5 +1,6 @@
 """Chaos: during one run, each of the controller, the reward service, the trainer, a rollout worker, an engine and
-Redis is killed with SIGKILL once, at a step drawn from a seed. The launcher restarts each as a kubelet would; the
+Redis is killed with SIGKILL once, at a step drawn from a seed, in a run of the tail job (heavy-tailed responses, as
+reasoning traces have: the kills land while stragglers decode). The launcher restarts each as a kubelet would; the
 run must finish on its own, train every admitted group once in its final history (checked by id against the
 stream), keep every trained sample within η, and count what it did. Replay a failure with
 AREAL_CHAOS_SEED=<the seed in its message>. The figures of each run go to $AREAL_CHAOS_RESULTS, when set (one JSON
@@ -12,7 +13,7 @@ import time
 
 import pytest
 import redis
-from e2e_jobs import final_history, kill_after_step, make_job, read_steps
+from e2e_jobs import final_history, has_a_tail, kill_after_step, make_tail_job, read_steps
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
@@ -40,13 +41,13 @@ def test_a_kill_plan_kills_every_process_once_before_the_last_steps():
     assert kill_plan(7) == kill_plan(7) and kill_plan(7) != kill_plan(8)
 
 
-def test_a_run_survives_one_kill_of_every_process(assets, tmp_path, reward_importable):
+def test_a_run_survives_one_kill_of_every_process(tail_assets, tmp_path, reward_importable):
     seed = int(os.environ.get("AREAL_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
     plan = kill_plan(seed)
     replay = f"seed {seed} (AREAL_CHAOS_SEED={seed}), kills {plan}"
 
-    job = make_job(
-        assets,
+    job = make_tail_job(
+        tail_assets,
         tmp_path / "run",
         # the default policy (tests/test_e2e.py's kill tests run the others)
         algorithm={"total_steps": STEPS, "max_staleness": 1, "staleness_policy": "strict"},
@@ -89,6 +90,7 @@ def test_a_run_survives_one_kill_of_every_process(assets, tmp_path, reward_impor
         checkpoint_interval=job.trainer.checkpoint_interval,
         context=replay,
     )
+    assert has_a_tail(records), (replay, [r["response_tokens"] for r in records])
     groups = [g for r in history.values() for g in r["groups"]]
     # the controller's counts say the same: the history once, the steps trained again apart
     assert final.consumed == len(groups) and final.steps_redone == redone, replay
@@ -105,6 +107,7 @@ def test_a_run_survives_one_kill_of_every_process(assets, tmp_path, reward_impor
     assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in stream), replay
 
     if results := os.environ.get("AREAL_CHAOS_RESULTS"):
+        lengths = sorted(n for r in records for n in r["response_tokens"])
         with open(results, "a") as out:
             out.write(
                 json.dumps(
@@ -121,6 +124,8 @@ def test_a_run_survives_one_kill_of_every_process(assets, tmp_path, reward_impor
                         "groups_trained": final.consumed,
                         "dead_lettered": final.dead_lettered,
                         "max_staleness_seen": max(x for r in records for x in r["staleness"]),
+                        "response_tokens_median": lengths[len(lengths) // 2],
+                        "response_tokens_max": lengths[-1],
                         "eta": job.algorithm.max_staleness,
                     }
                 )

@@ -13,7 +13,15 @@ import grpc
 import pytest
 import redis
 import torch
-from e2e_jobs import kill_after_step, make_job, read_steps, token_staleness_from_entries, written_entries
+from e2e_jobs import (
+    has_a_tail,
+    kill_after_step,
+    make_job,
+    make_tail_job,
+    read_steps,
+    token_staleness_from_entries,
+    written_entries,
+)
 from transformers import AutoModelForCausalLM
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -243,7 +251,7 @@ def kill_once_reported(run: LocalRun, controller: str, step: int, service) -> No
     service.process.wait()
 
 
-def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_path, reward_importable):
+def test_killed_trainer_restarts_and_reclaims_its_pending_entries(tail_assets, tmp_path, reward_importable):
     """The trainer killed twice in one run (there was a run for each kill): first once it has trained a step before
     its first checkpoint (at 3): it starts again from the base model, and the controller, which had seen the step's
     report, follows it back to version 0; then once it has trained a step after the checkpoint at 3 (its entries
@@ -251,9 +259,10 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
     is pending in the stream, and its next incarnation reclaims it and trains it again. Under `admission` (AReaL's
     rule: η bounds admission only), whose samples have no bound: each group is trained once in the final history,
     and each trained token counted once by its staleness, as the stream's entries (from Redis's append-only file,
-    since the trainer trims what it acknowledged) give it."""
-    job = make_job(
-        assets,
+    since the trainer trims what it acknowledged) give it. On the tail job: its stragglers train late, at their real
+    staleness, and are reclaimed like the rest."""
+    job = make_tail_job(
+        tail_assets,
         tmp_path / "run",
         algorithm={"total_steps": 8, "staleness_policy": "admission"},
         trainer={"checkpoint_interval": 3},
@@ -305,6 +314,7 @@ def test_killed_trainer_restarts_and_reclaims_its_pending_entries(assets, tmp_pa
             # and as the stream's entries say: their tokens' versions recounted at the step's version
             assert s["token_staleness_counts"] == token_staleness_from_entries(s, entries), s["version"]
         assert max(len(s["token_staleness_counts"]) for s in records) > 1  # some tokens were stale: it checks lags
+        assert has_a_tail(records), [s["response_tokens"] for s in records]
 
         client.close()
     finally:
@@ -356,7 +366,7 @@ SERVICE_KILLS_AFTER = [2, 4, 6, 8]  # the steps after which each is killed, in t
 SERVICE_RUN_STEPS = 12
 
 
-def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(assets, tmp_path, reward_importable):
+def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(tail_assets, tmp_path, reward_importable):
     """The controller, the reward service, Redis and an engine (its rollout worker alive) are each SIGKILLed mid-run,
     one at a time: each is killed once the one before it has been restarted and the run has trained a step since.
     The launcher restarts it (same address, Redis on its append-only file); the others wait for it instead of dying
@@ -364,12 +374,13 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
     again), the controller restores its state from Redis, a worker whose engine came back with its initial weights
     writes nothing sampled with them and registers again for the current ones, and the run completes with no
     trajectory trained twice and every trained sample within the bound of its staleness policy: `capped` here (the
-    chaos test and the killed trainer's test run `strict` and `admission`), whose bound is 2η.
+    chaos test and the killed trainer's test run `strict` and `admission`), whose bound is 2η. On the tail job, whose
+    stragglers are what that bound is for.
 
     (One run for the four victims, where there was a run per victim: every kill still restarts only its victim, once,
     and the checks of the end of the run hold after all four.)"""
-    job = make_job(
-        assets,
+    job = make_tail_job(
+        tail_assets,
         tmp_path / "run",
         algorithm={"total_steps": SERVICE_RUN_STEPS, "staleness_policy": "capped"},
         trainer={"checkpoint_interval": 2},
@@ -396,6 +407,7 @@ def test_a_killed_service_is_restarted_and_the_run_completes_within_the_bound(as
         steps = read_steps(run.run_dir)
         assert [s["version"] for s in steps] == list(range(1, SERVICE_RUN_STEPS + 1))
         assert max(x for s in steps for x in s["staleness"]) <= bound == 2 * job.algorithm.max_staleness
+        assert has_a_tail(steps), [s["response_tokens"] for s in steps]
         entries = [e for s in steps for e in s["entries"]]
         assert len(entries) == len(set(entries))
         client = redis.Redis.from_url(f"redis://127.0.0.1:{run.redis.port}")

@@ -37,7 +37,8 @@ def job(tmp_path, **tracking):
 
 
 def records() -> list[tuple[StepRecord, float]]:
-    """Three steps as the trainer records them, with step wall times; the second evaluated, the third's push failed."""
+    """Three steps as the trainer records them, with step wall times; the second evaluated, the third's push failed
+    (and its record, as one written before records had them, has no response lengths)."""
     steps = []
     for version in (1, 2, 3):
         steps.append(
@@ -62,6 +63,7 @@ def records() -> list[tuple[StepRecord, float]]:
                     behaviour_weight_mean=1.0 - 0.01 * version,
                     capped_fraction=0.05 * version,
                     token_staleness_counts=[100, 50 * version, 0, 10],
+                    response_tokens=[40, 20, 400 * version, 30] if version != 3 else [],
                 ),
                 4.0 * version,
             )
@@ -90,6 +92,9 @@ def test_step_figures_are_the_records_own():
         2,
     )
     assert (figures["staleness/token_p50"], figures["staleness/token_p99"], figures["staleness/token_max"]) == (0, 3, 3)
+    # responses of 40, 20, 400 and 30 tokens: the tail as it is, not only its mean
+    assert [figures[f"rollout/response_tokens_{k}"] for k in ("p50", "p99", "max", "mean")] == [30, 400, 400, 122.5]
+    assert not any(name.startswith("rollout/") for name in step_figures(third, 1.0))
     assert figures["throughput/samples_per_second"] == 1.0 and figures["throughput/tokens_per_second"] == 25.0
     assert (
         figures["train/importance_weight_mean"] == 0.99 and figures["train/importance_weight_capped_fraction"] == 0.05

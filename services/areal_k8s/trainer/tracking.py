@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +30,9 @@ WANDB_STEP = "version"  # W&B's x axis for every figure  # MLflow's limit on par
 
 
 def step_figures(record: StepRecord, step_seconds: float) -> dict[str, float]:
-    """What the trackers plot for a step: reward, held-out accuracy (when evaluated), the staleness distribution per
-    sample and per token, throughput, the optimisation figures, the weight push and the phases' wall time."""
+    """What the trackers plot for a step: reward, held-out accuracy (when evaluated), the response lengths and the
+    staleness distribution per sample and per token, throughput, the optimisation figures, the weight push and the
+    phases' wall time."""
     sample_staleness = summary([record.staleness.count(s) for s in range(max(record.staleness, default=0) + 1)])
     token_staleness = summary(record.token_staleness_counts)
     figures = {
@@ -50,6 +52,11 @@ def step_figures(record: StepRecord, step_seconds: float) -> dict[str, float]:
         "time/step_seconds": step_seconds,
         **{f"time/{phase}_seconds": seconds for phase, seconds in {**record.seconds, **record.train_seconds}.items()},
     }
+    if lengths := sorted(record.response_tokens):  # the tail, as it grows while the policy learns
+        for name, q in (("p50", 0.5), ("p99", 0.99)):
+            figures[f"rollout/response_tokens_{name}"] = float(lengths[max(math.ceil(q * len(lengths)) - 1, 0)])
+        figures["rollout/response_tokens_max"] = float(lengths[-1])
+        figures["rollout/response_tokens_mean"] = sum(lengths) / len(lengths)
     if record.eval_accuracy >= 0:
         figures["eval/accuracy"] = record.eval_accuracy
     if "seconds" in record.weight_push:  # a push that failed has no figures

@@ -42,6 +42,7 @@ class StepRecord:
     groups_without_signal: int = 0  # groups whose rewards were all equal: zero advantage, nothing learned
     world_size: int = 1  # trainer ranks that trained it
     token_staleness_counts: list[int] = field(default_factory=list)  # trained tokens by staleness (index s)
+    response_tokens: list[int] = field(default_factory=list)  # per sample (entry order): tokens after its prompt
     finished_at: float = 0.0  # wall clock (epoch seconds) when the step, its push and evaluation were done
     pushed_at: float = 0.0  # wall clock (epoch seconds) when its weight push ended (or failed)
 

@@ -110,6 +110,7 @@ class TrainStep:
             groups_without_signal=sum(not is_informative(r) for r in rewards),
             world_size=self.world_size,
             token_staleness_counts=token_staleness_counts(batch, version),
+            response_tokens=generated.flatten().tolist(),
         )
 
     def rows_to_train(
