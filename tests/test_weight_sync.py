@@ -472,6 +472,7 @@ async def rollout_server(engine: CpuEngineClient, redis_url: str, **trainer):
         tokenizer=build_tokenizer(),
     )
     servicer = RolloutServicer(worker)
+    await servicer.take_over()  # as the worker's process does before it serves
     server, port, _ = await start_server(
         [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")], "127.0.0.1:0"
     )
@@ -537,6 +538,25 @@ async def test_a_pause_whose_continue_never_comes_ends_when_its_lease_lapses(cli
         assert metrics.value("areal_rollout_pause_lapses_total") == 1
         assert metrics.value("areal_rollout_paused_seconds_total") > 0 and servicer.lease.seconds == 2
         assert servicer.paused_at is None and not servicer.lease.held
+
+
+async def test_a_worker_started_in_front_of_a_paused_engine_resumes_it(client, redis_url):
+    """A rollout worker killed in the middle of a weight push leaves its engine paused, and the trainer's
+    continue_generation goes to the dead worker, or nowhere. Its successor (the kubelet restarts the container; the
+    engine's lives on) resumes the engine before it serves. Before, nothing did: the pause's lease died with the
+    worker that held it, and the trainer pushes again only after a step, which in a job with one rollout worker waits
+    on this engine's groups."""
+    await client.pause_generation("abort")
+    try:
+        held = asyncio.ensure_future(client.generate([3, 4], {"temperature": 0.0, "max_new_tokens": 2}))
+        await asyncio.sleep(1.0)
+        assert not held.done()  # the engine is paused: the request waits
+        async with rollout_server(client, redis_url, weight_sync_timeout_seconds=600) as (servicer, _):
+            answer = await asyncio.wait_for(held, 60)  # long before the lease of a pause (1,200 s) would lapse
+            assert answer["meta_info"]["completion_tokens"] == 2
+            assert not servicer.lease.held and servicer.worker.metrics.value("areal_rollout_pause_lapses_total") == 0
+    finally:
+        await client.continue_generation()
 
 
 def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):

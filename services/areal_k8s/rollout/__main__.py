@@ -77,6 +77,7 @@ def main() -> None:
         except UnfitEngine as exc:
             exit_invalid(f"engine {args.engine_url}: {exc}")
         servicer = RolloutServicer(worker)
+        await servicer.take_over()
         server, port, _health = await start_server(
             [(rollout_pb2_grpc.add_RolloutServicer_to_server, servicer, "areal.v1.Rollout")],
             f"{args.host}:{args.port}",

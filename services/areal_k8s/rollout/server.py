@@ -64,6 +64,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         self.lease = PauseLease(2 * worker.job.trainer.weight_sync_timeout_seconds, self._resume_after_lapse)
         self._pausing = asyncio.Lock()
 
+    async def take_over(self) -> None:
+        """Before serving: resume generation, which a predecessor killed in the middle of a weight push may have left
+        paused, the trainer's continue_generation lost with it. Nothing else would resume it: the trainer pushes
+        again only after a step, and with this engine paused that step may wait on it for good. A no-op on an engine
+        that is not paused; a push to come pauses it again through this worker."""
+        await self.engine.continue_generation()
+
     @rpc
     @engine_errors
     async def Generate(self, request, context):
