@@ -66,10 +66,15 @@ def make_tail_job(tail_assets: Path, run_dir: Path, **overrides):
     return make_job(tail_assets, run_dir, sampling=sampling, algorithm=algorithm, **overrides)
 
 
+def response_lengths(records: list[dict]) -> list[int]:
+    """The lengths of the responses the steps in `records` trained, shortest first."""
+    return sorted(n for r in records for n in r["response_tokens"])
+
+
 def has_a_tail(records: list[dict], ratio: float = 3.0) -> bool:
     """Whether the responses the steps in `records` trained are heavy-tailed: the longest at least `ratio` times the
     median (a test on the tail job checks that its run had the shape it is there for)."""
-    lengths = sorted(n for r in records for n in r["response_tokens"])
+    lengths = response_lengths(records)
     return bool(lengths) and lengths[-1] >= ratio * lengths[len(lengths) // 2]
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import redis
-from e2e_jobs import final_history, has_a_tail, kill_after_step, make_tail_job, read_steps
+from e2e_jobs import final_history, has_a_tail, kill_after_step, make_tail_job, read_steps, response_lengths
 
 from areal_k8s.api.v1 import controller_pb2
 from areal_k8s.cli.launcher import LocalRun
@@ -107,7 +107,7 @@ def test_a_run_survives_one_kill_of_every_process(tail_assets, tmp_path, reward_
     assert all(int(f[b"min_version"]) >= int(f[b"admitted_version"]) for _, f in stream), replay
 
     if results := os.environ.get("AREAL_CHAOS_RESULTS"):
-        lengths = sorted(n for r in records for n in r["response_tokens"])
+        lengths = response_lengths(records)
         with open(results, "a") as out:
             out.write(
                 json.dumps(
