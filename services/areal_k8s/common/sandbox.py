@@ -56,6 +56,23 @@ KILL_GRACE_SECONDS = 2.0  # for the killed sandbox's processes to close their pi
 _SIGNALS = {int(sig): sig.name for sig in signal.Signals}
 
 
+# bwrap blames the kernel for any refused namespace; in a pod the refusal is more often the runtime's seccomp profile
+SECCOMP_HINT = (
+    "; this process runs under a seccomp filter (the pod's seccompProfile), and containerd's and CRI-O's "
+    "RuntimeDefault refuse the clone, unshare, mount, pivot_root and umount2 calls bubblewrap makes (the chart's "
+    "README, 'The reward pods' code sandbox', says what to allow)"
+)
+
+
+def under_seccomp_filter() -> bool:
+    """Whether this process runs under a seccomp filter (a container's profile, say)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Seccomp:"):
+                return line.split()[1] == "2"
+    return False
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not run (bwrap missing, user namespaces refused): no fault of the program."""
 
@@ -263,6 +280,7 @@ class Sandbox:
             # the program. (A program that prints this itself gains nothing: an error scores 0 as well.)
             raise SandboxError(
                 f"bubblewrap cannot start the sandbox: {result.stderr.decode('utf-8', 'replace').strip()[:500]}"
+                + (SECCOMP_HINT if under_seccomp_filter() else "")
             )
         return result
 
