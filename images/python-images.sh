@@ -31,8 +31,10 @@ if [ -z "${WHEELHOUSE:-}" ] && ! curl -fsS -m 20 -o /dev/null "$index/torch/" 2>
   WHEELHOUSE=.cache/wheelhouse
   echo "python-images: $index does not answer; torch $torch+cpu for Python $version from pip into $WHEELHOUSE" >&2
   mkdir -p "$WHEELHOUSE"
-  "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" \
-    --platform manylinux_2_28_x86_64 --dest "$WHEELHOUSE" "torch==$torch+cpu"
+  if ! compgen -G "$WHEELHOUSE/torch-$torch+cpu-cp${version/./}-*.whl" >/dev/null; then
+    "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$version" \
+      --platform manylinux_2_28_x86_64 --dest "$WHEELHOUSE" "torch==$torch+cpu"
+  fi
 fi
 [ -z "${WHEELHOUSE:-}" ] || export WHEELHOUSE
 
