@@ -28,6 +28,7 @@ import yaml
 from redis.exceptions import RedisError
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.common.config import Staleness
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.store import REDIS_RETRY, TrajectoryStore
 from areal_k8s.common.trajectory import Trajectory
@@ -255,7 +256,7 @@ class Load:
             controller,
             batch_size=self.batch_size,
             group_size=self.group_size,
-            max_staleness=self.eta,
+            staleness=Staleness(self.eta),
         )
         version, stopping = 0, asyncio.ensure_future(self.stop.wait())
         await controller.announce_version(WeightVersion(version=0, published_at=time.time(), restored=True))
