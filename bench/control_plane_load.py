@@ -35,7 +35,7 @@ from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.trainer.controller import StepReport, WeightVersion
 from areal_k8s.trainer.controller_client import ControllerClient
-from areal_k8s.trainer.step.batching import BatchAssembler, staleness
+from areal_k8s.trainer.step.batching import BatchAssembler, staleness_of
 
 WORKER_DEFAULTS = inspect.signature(RolloutWorker).parameters
 HOLD_SECONDS = WORKER_DEFAULTS["hold_seconds"].default  # a long poll's hold, as the rollout worker asks for it
@@ -271,7 +271,7 @@ class Load:
             if assembler.dropped:
                 self.violation(f"{len(assembler.dropped)} groups past η at version {version}")
                 assembler.dropped.clear()
-            worst = max(staleness(version, g) for g in groups)
+            worst = max(staleness_of(version, g) for g in groups)
             if worst > self.eta:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)

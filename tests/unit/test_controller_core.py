@@ -18,7 +18,7 @@ from areal_k8s.controller.polls import HeldPolls, acquire_when_room
 from areal_k8s.controller.retry import RetryQueue
 from areal_k8s.controller.workers import UnknownWorker
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.step.batching import Group, past_the_bound, select_batch, staleness
+from areal_k8s.trainer.step.batching import Group, past_the_bound, select_batch, staleness_of
 
 
 class Clock:
@@ -322,7 +322,7 @@ def test_simulated_run_under_each_staleness_policy(policy, batch_size, eta, conc
             assert len(batch) == batch_size and all(g in finished for g in batch)
             bound = Staleness(eta, policy).wait_bound
             if bound is not None:
-                assert all(staleness(version, g) <= bound for g in batch)
+                assert all(staleness_of(version, g) <= bound for g in batch)
             trained += [g.group_id for g in batch]
             finished = [g for g in finished if g not in batch]
             version += 1

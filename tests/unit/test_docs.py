@@ -53,6 +53,8 @@ def links(page: Path) -> list[str]:
 def load_bench(path: str):
     """bench/<name>.py as a module, as tests/unit/test_bench_analysis.py loads it."""
     name = Path(path).stem
+    if str(folder := (ROOT / path).parent) not in sys.path:  # as when it runs: its folder's modules import by name
+        sys.path.insert(0, str(folder))
     spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses resolve the module of the classes they build

@@ -71,7 +71,10 @@ def test_chunked_logprobs_and_their_gradients_equal_the_full_logits_ones(model_p
     assert torch.allclose(chunked, expected, atol=1e-5)
     assert (chunked[~batch["loss_mask"]] == 0).all()  # padding is never scored
     for name, grad in gradients(model).items():
-        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
+        # within float32 summation noise of the gradient's scale: an embedding row's entry sums terms up to the
+        # largest entries' size, which cancel to a small one (a wrong path is off by the scale itself)
+        scale = expected_grads[name].abs().max()
+        assert (grad - expected_grads[name]).abs().max() <= 1e-5 + 1e-6 * scale, name
     with torch.no_grad():
         assert torch.equal(
             token_logprobs(model, batch["input_ids"], batch["attention_mask"], temperature, CHUNK), chunked.detach()
@@ -89,7 +92,10 @@ def test_chunked_logprobs_of_a_llama_equal_the_full_logits_ones():
     chunked.sum().backward()
     assert torch.allclose(chunked, expected, atol=1e-5)
     for name, grad in gradients(model).items():
-        assert torch.allclose(grad, expected_grads[name], atol=1e-5, rtol=1e-4), name
+        # within float32 summation noise of the gradient's scale: an embedding row's entry sums terms up to the
+        # largest entries' size, which cancel to a small one (a wrong path is off by the scale itself)
+        scale = expected_grads[name].abs().max()
+        assert (grad - expected_grads[name]).abs().max() <= 1e-5 + 1e-6 * scale, name
 
 
 def largest_vocab_tensor_saved_for_backward(compute, vocab: int) -> int:

@@ -125,10 +125,10 @@ def past_the_bound(
     bound = staleness.wait_bound
     if bound is None:
         return []
-    return [g for g in groups if staleness(version, g) > bound]
+    return [g for g in groups if staleness_of(version, g) > bound]
 
 
-def staleness(version: int, group: Group) -> int:
+def staleness_of(version: int, group: Group) -> int:
     """Versions between the oldest policy that produced the group's tokens and the one training on them."""
     return version - group.min_version
 

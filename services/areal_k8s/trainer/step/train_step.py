@@ -17,7 +17,7 @@ from areal_k8s.common.config import JobConfig
 from areal_k8s.common.rewards import is_informative
 from areal_k8s.trainer.algorithm import compute_advantages, learning_rate, loss_normaliser, merge_loss_stats
 from areal_k8s.trainer.backends.backend import MicroBatch, PhaseClock, TrainBackend
-from areal_k8s.trainer.step.batching import Group, staleness
+from areal_k8s.trainer.step.batching import Group, staleness_of
 from areal_k8s.trainer.step.collation import collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.step.loss import loss_fn
 from areal_k8s.trainer.step.packing import first_fit_decreasing, take_rows
@@ -96,7 +96,7 @@ class TrainStep:
             version=version + 1,
             groups=[g.group_id for g in groups],
             entries=[e.entry_id for g in groups for e in g.entries],
-            staleness=[staleness(version, g) for g in groups for _ in g.entries],
+            staleness=[staleness_of(version, g) for g in groups for _ in g.entries],
             reward_mean=float(rewards.mean()),
             loss=sum(result.loss for result in results),
             clip_fraction=stats.clip_fraction,
