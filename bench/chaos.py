@@ -1,4 +1,4 @@
-"""`make chaos`: the chaos test (tests/test_chaos.py) run several times, each with its own seed, and its figures.
+"""`make chaos`: the chaos test (tests/e2e/test_chaos.py) run several times, each with its own seed, and its figures.
 
 Each run is a 16-step job with two rollout workers and η = 1 on the tests' tail job (heavy-tailed responses), during
 which the controller, the reward service, the
@@ -25,7 +25,7 @@ from figures import spread, write_between
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "chaos.json"
-DOC = ROOT / "docs" / "fault-tolerance.md"  # where `--readme` writes (tests/test_bench_analysis.py checks it)
+DOC = ROOT / "docs" / "fault-tolerance.md"  # where `--readme` writes (tests/unit/test_bench_analysis.py checks it)
 FIGURES = (
     "wall_seconds",
     "steps_redone",
@@ -50,7 +50,7 @@ def passes(test: str, **env: str) -> bool:
 
 def run_once(seed: int, results: Path) -> bool:
     """One chaos run; True if the test passed (its figures are then the last line of `results`)."""
-    test = "tests/test_chaos.py::test_a_run_survives_one_kill_of_every_process"
+    test = "tests/e2e/test_chaos.py::test_a_run_survives_one_kill_of_every_process"
     return passes(test, AREAL_CHAOS_SEED=str(seed), AREAL_CHAOS_RESULTS=str(results))
 
 
@@ -64,7 +64,7 @@ def summarize(runs: list[dict], attempted: int) -> dict:
 
 
 def readme_block(report: dict) -> str:
-    """The docs page's lines for these results (tests/test_bench_analysis.py checks the page carries them)."""
+    """The docs page's lines for these results (tests/unit/test_bench_analysis.py checks the page carries them)."""
     s = report["summary"]
 
     def spread(key: str, unit: str = "") -> str:

@@ -1,13 +1,13 @@
-"""`make chaos`, its cluster half: tests/test_pods.py's seeded cluster chaos run several times, each with its own seed,
-and the "What survives what" table of docs/fault-tolerance.md written from the results.
+"""`make chaos`, its cluster half: tests/cluster/test_pods.py's seeded cluster chaos run several times, each with its
+own seed, and the "What survives what" table of docs/fault-tolerance.md written from the results.
 
-Each run is the CPU RLJob example as pods (tests/kubelet.py), 33 steps, one rollout worker, η as the example sets
-it: every container and the chart's Redis SIGKILLed once, the rollout, controller and trainer pods lost once (their
+Each run is the CPU RLJob example as pods (tests/support/kubelet.py), 33 steps, one rollout worker, η as the example
+sets it: every container and the chart's Redis SIGKILLed once, the rollout, controller and trainer pods lost once (their
 order drawn from the seed), and, from steps drawn from the seed, the rollout pod partitioned from the controller and
 the trainer for 20 s (its lease is 10 s there), the rollout pod throttled to a quarter of a CPU for 20 s, the
 controller's pod cut off from Redis's for 20 s, the trainer's checkpoint volume full for 4 steps, and the trainer's
-pod cut off from the rollout pod's for 15 s (its weight-sync deadline is 4 s there; tests/kubelet_faults.py). The
-test asserts what must hold; this script keeps what varies.
+pod cut off from the rollout pod's for 15 s (its weight-sync deadline is 4 s there; tests/support/kubelet_faults.py).
+The test asserts what must hold; this script keeps what varies.
 bench/results/cluster_chaos.json holds every run and each figure's median and range.
 """
 
@@ -21,8 +21,8 @@ from figures import spread, write_between
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "cluster_chaos.json"
-DOC = ROOT / "docs" / "fault-tolerance.md"  # where `--readme` writes (tests/test_bench_analysis.py checks it)
-TEST = "tests/test_pods.py::test_every_container_killed_and_pods_lost_once_the_job_completes"
+DOC = ROOT / "docs" / "fault-tolerance.md"  # where `--readme` writes (tests/unit/test_bench_analysis.py checks it)
+TEST = "tests/cluster/test_pods.py::test_every_container_killed_and_pods_lost_once_the_job_completes"
 FIGURES = (
     "wall_seconds",
     "steps_redone",
@@ -58,7 +58,7 @@ def summarize(runs: list[dict], attempted: int) -> dict:
 
 
 def readme_block(report: dict) -> str:
-    """The docs page's table for these results (tests/test_bench_analysis.py checks the page carries it)."""
+    """The docs page's table for these results (tests/unit/test_bench_analysis.py checks the page carries it)."""
     s = report["summary"]
 
     def spread_of(key: str, unit: str = "") -> str:
@@ -117,7 +117,8 @@ def readme_block(report: dict) -> str:
     )
     return (
         f"{README_BEGIN}\n"
-        f"In a cluster (the kubelet harness, tests/test_pods.py): measured by `make chaos` ({s['runs']} runs of the "
+        f"In a cluster (the kubelet harness, tests/cluster/test_pods.py): measured by `make chaos` ({s['runs']} runs "
+        f"of the "
         f"seeded cluster chaos, each a {s['total_steps']}-step RLJob as pods with one rollout worker and η = "
         f"{s['eta']}, all of the faults below in an order and at steps drawn from its seed): {s['passed']} of "
         f"{s['runs']} completed with every step trained once in the final history, no group or stream entry trained "

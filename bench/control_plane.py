@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 from control_plane_load import HOLD_SECONDS
-from control_plane_report import DOC as DOC  # the page its --readme writes (tests/test_docs.py reads it)
+from control_plane_report import DOC as DOC  # the page its --readme writes (tests/unit/test_docs.py reads it)
 from control_plane_report import RESULTS, config_key, summarise, summarise_floor, write_blocks
 
 from areal_k8s.common.ports import free_port

@@ -28,13 +28,14 @@ import yaml
 from redis.exceptions import RedisError
 
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
+from areal_k8s.common.config import Staleness
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.store import REDIS_RETRY, TrajectoryStore
 from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.trainer.controller import StepReport, WeightVersion
 from areal_k8s.trainer.controller_client import ControllerClient
-from areal_k8s.trainer.step.batching import BatchAssembler, staleness
+from areal_k8s.trainer.step.batching import BatchAssembler, staleness_of
 
 WORKER_DEFAULTS = inspect.signature(RolloutWorker).parameters
 HOLD_SECONDS = WORKER_DEFAULTS["hold_seconds"].default  # a long poll's hold, as the rollout worker asks for it
@@ -255,7 +256,7 @@ class Load:
             controller,
             batch_size=self.batch_size,
             group_size=self.group_size,
-            max_staleness=self.eta,
+            staleness=Staleness(self.eta),
         )
         version, stopping = 0, asyncio.ensure_future(self.stop.wait())
         await controller.announce_version(WeightVersion(version=0, published_at=time.time(), restored=True))
@@ -270,7 +271,7 @@ class Load:
             if assembler.dropped:
                 self.violation(f"{len(assembler.dropped)} groups past η at version {version}")
                 assembler.dropped.clear()
-            worst = max(staleness(version, g) for g in groups)
+            worst = max(staleness_of(version, g) for g in groups)
             if worst > self.eta:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)

@@ -170,7 +170,8 @@ def load_averages(values: list[float]) -> str:
 
 
 def readme_block(report: dict) -> str:
-    """The tables for these results in docs/control-plane.md (tests/test_bench_analysis.py checks it carries them)."""
+    """The tables for these results in docs/control-plane.md (tests/unit/test_bench_analysis.py checks it carries
+    them)."""
     rates = report["scenario"]["rates"]
     runs = f"{report['runs']} run{'s' if report['runs'] != 1 else ''}"
     lines = [

@@ -33,12 +33,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_k8s.common.config import load_job_file
+from areal_k8s.cpu_engine.decoding import DecodeBatch, SamplingParams, Sequence, context_length
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.demo import long_tail
 from areal_k8s.demo.build import MANIFEST
 from areal_k8s.demo.long_tail_build import build_long_tail_assets
 from areal_k8s.reward.running_sum_verifier import parse_prompt, score
-from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch, SamplingParams, Sequence, context_length
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "long-tail.yaml"

@@ -1,6 +1,6 @@
 """`make bench-policies`: the staleness policies against synchronous RL on the long-tail task, real runs side by
 side on this machine. Results go to bench/results/long_tail_policies.json; `--readme` writes docs/benchmarks.md's
-table and the README's line from it (tests/test_bench_analysis.py checks both).
+table and the README's line from it (tests/unit/test_bench_analysis.py checks both).
 
 Every mode runs examples/long-tail.yaml with the same model, data order (the seed), batch, group size and number of
 trained samples, on the same two single-threaded engines. `sync` is η = 0 (generation and training alternate, the

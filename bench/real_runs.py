@@ -17,7 +17,7 @@ from pathlib import Path
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.cli.report import read_steps, started_at
 from areal_k8s.common.config import JobConfig
-from areal_k8s.rollout.cpu_engine.decoding import DecodeBatch
+from areal_k8s.cpu_engine.decoding import DecodeBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 # (job, [(version, training seconds at its end)]) -> [(training seconds, held-out accuracy)], from version 0

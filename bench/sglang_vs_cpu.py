@@ -20,18 +20,18 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from areal_k8s_testing.sglang_server import SGLangServer, missing_env_reason
 from figures import spread, write_between
 
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.cli.report import read_steps, started_at
 from areal_k8s.common.config import JobConfig, load_job_file
 from areal_k8s.common.sglang import SGLANG_VERSION
-from areal_k8s.common.sglang_server import SGLangServer, missing_env_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = 2
 RESULTS = ROOT / "bench" / "results" / "sglang_vs_cpu.json"
-DOC = ROOT / "docs" / "benchmarks.md"  # where `--readme` writes (tests/test_bench_analysis.py checks it)
+DOC = ROOT / "docs" / "benchmarks.md"  # where `--readme` writes (tests/unit/test_bench_analysis.py checks it)
 
 
 def configure(base: JobConfig, run_root: Path, label: str, steps: int, engine_urls: list[str]) -> JobConfig:
@@ -74,7 +74,7 @@ README_BEGIN, README_END = (
 
 
 def readme_block(report: dict) -> str:
-    """The docs page's lines for these results (tests/test_bench_analysis.py checks the page carries them)."""
+    """The docs page's lines for these results (tests/unit/test_bench_analysis.py checks the page carries them)."""
     cpu, sglang = (report["summary"][mode]["samples_per_second"] for mode in ("cpu", "sglang"))
     return (
         f"{README_BEGIN}\n"

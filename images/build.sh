@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make images`: build every image of images/ (or those named in IMAGES) from the repository root, tagged
 # <IMAGE_REPOSITORY>/<name>:<IMAGE_TAG>. The tag defaults to the package version in pyproject.toml, which is the
-# chart's appVersion and the tag the operator gives its default images (tests/test_images.py keeps them in step).
+# chart's appVersion and the tag the operator gives its default images (tests/cluster/test_images.py keeps them in step).
 #   IMAGES="cpu operator" make images        # a subset
 #   DOCKER=podman make images                 # the builder: docker, podman or buildah (default: the first found)
 #   PYTHON_IMAGE=REF make images              # the Python images on another base (`make base-image` makes one)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make gpu-sglang`: the real-SGLang tests (tests/test_sglang_server.py, tests/test_sglang_rl.py) on NVIDIA GPUs,
+# `make gpu-sglang`: the real-SGLang tests (tests/service/test_sglang_server.py, tests/e2e/test_sglang_rl.py) on NVIDIA GPUs,
 # SGLang on CUDA and every weight push over NCCL, the production path that CPU CI runs with gloo.
 # Needs a Linux machine with a GPU (two or more for nothing extra: the TP test is CPU-only) and PyPI access:
 # it builds two environments under .cache/ (the project with CUDA torch, and SGLang as its own wheel pins it).
@@ -21,7 +21,7 @@ if [ ! -f .cache/gpu-venv/.installed ]; then
   .cache/gpu-venv/bin/pip install --quiet -e '.[test]'
   touch .cache/gpu-venv/.installed
 fi
-# SGLang as its own metadata pins it (CUDA kernels included), where services/areal_k8s/common/sglang_server.py
+# SGLang as its own metadata pins it (CUDA kernels included), where testing/areal_k8s_testing/sglang_server.py
 # looks for it
 if [ ! -f .cache/sglang-env/.built ] || ! grep -q cuda .cache/sglang-env/.built; then
   rm -rf .cache/sglang-env
@@ -30,4 +30,4 @@ if [ ! -f .cache/sglang-env/.built ] || ! grep -q cuda .cache/sglang-env/.built;
   echo "cuda sglang==$SGLANG_VERSION" > .cache/sglang-env/.built
 fi
 .cache/gpu-venv/bin/python proto/generate.py
-AREAL_GPU=1 AREAL_REQUIRE_SGLANG=1 .cache/gpu-venv/bin/pytest tests/test_sglang_server.py tests/test_sglang_rl.py tests/test_sglang_contract.py "$@"
+AREAL_GPU=1 AREAL_REQUIRE_SGLANG=1 .cache/gpu-venv/bin/pytest tests/service/test_sglang_server.py tests/e2e/test_sglang_rl.py tests/service/test_sglang_contract.py "$@"

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py's engine part: our engine (`python -m areal_k8s.rollout.cpu_engine --device ...`) serving the
+"""scripts/gpu_check.py's engine part: our engine (`python -m areal_k8s.cpu_engine --device ...`) serving the
 models part's model, timed by its own counters (`/areal/load`, as bench/calibrate.py times it on the CPU).
 
 Each experiment sends `batch` requests of `context` random prompt tokens, each to generate `engine_steps` tokens
@@ -13,14 +13,12 @@ import asyncio
 import json
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from areal_k8s_testing.cpu_engine_process import cpu_engine
+from gpu_check_sizes import Sizes
 
 from areal_k8s.common.sglang import CpuEngineClient
-from areal_k8s.rollout.cpu_engine.launcher import cpu_engine
 from areal_k8s.simulator.calibration import fit_engine_cost
-
-if TYPE_CHECKING:
-    from gpu_check import Sizes
 
 COUNTERS = (
     "decode_seconds",

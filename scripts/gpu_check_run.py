@@ -17,12 +17,9 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
-
-if TYPE_CHECKING:
-    from gpu_check import Sizes
+from gpu_check_sizes import Sizes
 
 VERIFIER = "gpu_check_run:character_parity"
 STOP_SECONDS = 60  # for arealctl to stop the services once asked

@@ -18,9 +18,10 @@ import resource
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from areal_k8s_testing.synthetic import GROUP_SIZE, make_groups
+from gpu_check_sizes import Sizes
 from gpu_smoke import TOLERANCE, scored_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -30,10 +31,6 @@ from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.step.batching import Group
-from areal_k8s.trainer.step.synthetic import GROUP_SIZE, make_groups
-
-if TYPE_CHECKING:
-    from gpu_check import Sizes
 
 PROMPT_TOKENS = 16  # of each throughput sequence (not trained on)
 
@@ -66,7 +63,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
         eval_items=[],
         consumer="trainer-0",
     )
-    engine = trainer.engine
+    engine = trainer.backend
     seconds = {}
     with timed(seconds, "load", device):
         engine.load(model)

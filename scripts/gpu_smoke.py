@@ -2,7 +2,7 @@
 
 1. A Qwen2-architecture model built from config (random weights, `--hidden`/`--layers`, a byte-level tokenizer) is
    saved with `save_pretrained`.
-2. A receiver: our engine (`python -m areal_k8s.rollout.cpu_engine --device cuda:T`) serves that model on the GPU
+2. A receiver: our engine (`python -m areal_k8s.cpu_engine --device cuda:T`) serves that model on the GPU
    after the trainer's, behind SGLang's weight-update routes.
 3. The trainer world: `--tensor` × `--pipeline` ranks of the megatron backend, one GPU and one NCCL rank each
    (`--precision bf16`: bf16 compute over fp32 master weights). Each rank loads the model, scores a batch (rank 0
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from areal_k8s_testing.cpu_engine_process import cpu_engine
+from areal_k8s_testing.random_qwen2 import Qwen2Shape, save_random_qwen2
+from areal_k8s_testing.synthetic import make_groups
 
 from areal_k8s.common.config import parse_job
 from areal_k8s.common.ports import free_port
-from areal_k8s.common.random_qwen2 import Qwen2Shape, save_random_qwen2
 from areal_k8s.common.sglang import CpuEngineClient
 from areal_k8s.common.weights import parse_dtype, weights_checksum
-from areal_k8s.rollout.cpu_engine.launcher import cpu_engine
-from areal_k8s.trainer.step.synthetic import make_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,7 +129,7 @@ def smoke_on_rank(world, job, receiver_url: str, push_dtype: str, bucket_bytes: 
         consumer="trainer-0",
         world=world,
     )
-    engine = trainer.engine
+    engine = trainer.backend
     timed("load", lambda: (engine.load(job.model), engine.gather_for_push()))
     before = timed("logprobs", lambda: engine.token_logprobs(batch))
     record = timed("train_step", lambda: trainer.train_step(groups))

@@ -7,14 +7,14 @@ from areal_k8s.common.redis_server import EmbeddedRedis
 
 # Fixture modules shared by several test files: one real SGLang server per session, the e2e jobs' assets, the
 # operator's kmock cluster and controller.
-pytest_plugins = ("sglang_server", "e2e_jobs", "operator_fixtures")
+pytest_plugins = ("support.sglang_server", "support.e2e_jobs", "support.operator_fixtures")
 
 # Tests and the processes they start share two cores: one torch thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The image environments tests/test_image_envs.py checks start building now, in the background."""
+    """The image environments tests/cluster/test_image_envs.py checks start building now, in the background."""
     if not session.config.option.collectonly and any(item.path.name == "test_image_envs.py" for item in session.items):
         from test_image_envs import Builds
 

@@ -8,8 +8,8 @@ which downloads from a host this machine cannot reach. So the env is put togethe
   2. sglang with --no-deps (its metadata would bring a CUDA torch and CUDA-only packages);
   3. torchvision's two unconditional fake-op registrations guarded, so its CUDA wheel imports beside CPU torch;
   4. check_env.py run inside the env.
-The server also needs pythonpath/ (a stand-in for the `sgl_kernel` CPU build) on its PYTHONPATH; tests/sglang_server.py
-puts it there.
+The server also needs pythonpath/ (a stand-in for the `sgl_kernel` CPU build) on its PYTHONPATH;
+testing/areal_k8s_testing/sglang_server.py puts it there.
 
 Cached: the stamp holds a digest of this folder's inputs, so a second run does nothing. A failed build removes the
 env, prints one line and leaves that line in .cache/sglang-env.failed (the tests show it when they skip); pip's full

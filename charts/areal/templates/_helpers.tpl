@@ -81,8 +81,8 @@ app.kubernetes.io/managed-by: areal-k8s-operator
 {{- end -}}
 
 {{/*
-The operator's RBAC rules: exactly operator/rbac.yaml, which tests/test_operator_rbac.py checks against every API
-call of a whole RLJob lifecycle (tests/test_chart.py checks these equal it). Cluster-scoped rules (CRD discovery)
+The operator's RBAC rules: exactly operator/rbac.yaml, which tests/cluster/test_operator_rbac.py checks against every API
+call of a whole RLJob lifecycle (tests/cluster/test_chart.py checks these equal it). Cluster-scoped rules (CRD discovery)
 always go into a ClusterRole; the namespaced ones into the same ClusterRole when the operator watches every
 namespace, otherwise into a Role in each watched namespace.
 */}}

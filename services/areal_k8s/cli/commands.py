@@ -63,7 +63,7 @@ def trainer_command(
 
 def engine_command(job: JobConfig, host: str, ends: Endpoints, i: int) -> list[str]:
     """The CPU engine beside rollout worker `i`."""
-    return ["areal_k8s.rollout.cpu_engine", *job.cpu_engine_args(host, int(port_of(ends.engines[i])))]
+    return ["areal_k8s.cpu_engine", *job.cpu_engine_args(host, int(port_of(ends.engines[i])))]
 
 
 def rollout_command(job_file: Path, host: str, ends: Endpoints, i: int, redis_url: str) -> list[str]:

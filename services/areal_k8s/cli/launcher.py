@@ -29,7 +29,7 @@ from areal_k8s.cli.commands import (
     trainer_command,
 )
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
-from areal_k8s.cli.rebalancer import LocalRebalancer, TrainerMoveRefused
+from areal_k8s.cli.rebalance import LocalRebalancer, TrainerMoveRefused
 from areal_k8s.cli.run_files import write_endpoints
 from areal_k8s.cli.supervisor import RedisService, RestartBudgetSpent, RestartPolicy, Service, Supervisor, how_it_ended
 from areal_k8s.common import histograms

@@ -1,11 +1,13 @@
 """SGLang's HTTP API as the pinned version defines it (images/sglang: v0.5.20), and the one client of it.
 
 The rollout agent drives its engine with `SGLangClient`; the trainer reaches the same operations through the agent
-(trainer/weights/targets.py), both typed by `WeightTarget`. Our CPU engine serves these routes with SGLang's request and
-response shapes; what only it has lives under `/areal/` and only `CpuEngineClient` calls it.
+(trainer/weights/targets.py), both implementing `WeightTarget` (common/weight_target.py). Our CPU engine serves
+these routes with SGLang's request and response shapes; what only it has lives under `/areal/` and only
+`CpuEngineClient` calls it.
 
 `ROUTES`, `SAMPLING_PARAMS` and `READS` spell out every route we call, field we send and field we read:
-tests/test_sglang_contract.py checks them against the pinned version's own source, and the CPU engine against them.
+tests/service/test_sglang_contract.py checks them against the pinned version's own source, and the CPU engine against
+them.
 
 Every failure raises `EngineError` carrying the HTTP status (None when the server could not be reached or did not
 answer in time) and the server's own message; an answer of `{"success": false, ...}` is a failure whatever its
@@ -20,12 +22,13 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import aiohttp
 
+from areal_k8s.common.weight_target import DEFAULT_GROUP, WeightTarget
+
 SGLANG_VERSION = "0.5.20"
-DEFAULT_GROUP = "weight_update_group"
 
 
 @dataclass(frozen=True)
@@ -99,44 +102,6 @@ class EngineError(RuntimeError):
         self.url = url
         self.status = status
         self.message = message
-
-
-@runtime_checkable
-class WeightTarget(Protocol):
-    """An inference engine that receives weights from the trainer's weight-update group (methods raise on failure).
-
-    `timeout` bounds each call; a target that does not answer in time fails the call.
-    """
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-        *,
-        timeout: float,
-    ) -> Any: ...
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        *,
-        timeout: float,
-        weight_version: str | None = None,
-        load_format: str | None = None,
-    ) -> Any: ...
-
-    async def pause_generation(self, mode: str = "abort") -> Any: ...
-
-    async def continue_generation(self) -> Any: ...
-
-    async def destroy_weights_update_group(self, group_name: str) -> Any: ...
 
 
 def sampling_params(
@@ -226,7 +191,7 @@ def weight_group_ranks(server_info: dict[str, Any], interrupt: str) -> int:
     return int(server_info["tp_size"])
 
 
-class SGLangClient:
+class SGLangClient(WeightTarget):
     """One engine's HTTP API. Create and use it inside one event loop."""
 
     def __init__(self, base_url: str, *, control_timeout: float = 60.0):
@@ -257,7 +222,7 @@ class SGLangClient:
         route = ROUTES["generate"]
         return await self.request(route.method, route.path, body, timeout=None, session="generation")
 
-    async def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> None:
+    async def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
         """Pause for a weight update. abort: queued and running requests come back with their tokens so far, and the
         call returns once the engine is idle and its prefix cache flushed (`flush_cache_when_idle`: a resubmitted
         prefix would otherwise reuse KV of the old weights); retract: running requests go back to the queue and are

@@ -33,9 +33,9 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from areal_k8s.cpu_engine.decoding import generate_batch
 from areal_k8s.demo import task
 from areal_k8s.reward.addition_verifier import addition_reward
-from areal_k8s.rollout.cpu_engine.decoding import generate_batch
 
 BOS, EOS, PAD, UNK = "<bos>", "<eos>", "<pad>", "<unk>"
 MANIFEST = "manifest.json"

@@ -17,7 +17,8 @@ from areal_k8s.k8s_operator.kube import KubeApi
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The operator's flags (the Helm chart's operator Deployment passes them; tests/test_chart.py parses those)."""
+    """The operator's flags (the Helm chart's operator Deployment passes them; tests/cluster/test_chart.py parses
+    those)."""
     parser = argparse.ArgumentParser(prog="python -m areal_k8s.k8s_operator", description="The RLJob operator.")
     parser.add_argument(
         "--namespace", action="append", default=[], help="watch only this namespace (repeatable); default: all"

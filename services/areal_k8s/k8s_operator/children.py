@@ -12,7 +12,7 @@ import yaml
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_templates import metadata
-from areal_k8s.k8s_operator.validation import ValidJob
+from areal_k8s.k8s_operator.valid_job import ValidJob
 from areal_k8s.k8s_operator.workloads import (
     controller_deployment,
     reward_deployment,

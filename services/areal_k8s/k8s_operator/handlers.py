@@ -28,8 +28,9 @@ from areal_k8s.k8s_operator import kueue, lifecycle, names
 from areal_k8s.k8s_operator.apply import apply
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
-from areal_k8s.k8s_operator.rebalancing import rebalance, restart_note
-from areal_k8s.k8s_operator.validation import InvalidSpec, ValidJob, validate
+from areal_k8s.k8s_operator.rebalance import rebalance, restart_note
+from areal_k8s.k8s_operator.valid_job import ValidJob
+from areal_k8s.k8s_operator.validation import InvalidSpec, validate
 
 log = logging.getLogger("areal.operator")
 

@@ -19,7 +19,7 @@ from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.apply import apply
 from areal_k8s.k8s_operator.kube import KubeApi, object_path
 from areal_k8s.k8s_operator.pod_templates import metadata
-from areal_k8s.k8s_operator.validation import ValidJob
+from areal_k8s.k8s_operator.valid_job import ValidJob
 
 PENDING, ADMITTED, EVICTED = "Pending", "Admitted", "Evicted"
 

@@ -67,7 +67,7 @@ CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 
 # Images: `<repository>/<component>:<tag>`, built from images/<component>/Dockerfile (`make images`). The tag is
-# the package version, which is also the chart's appVersion (tests/test_images.py keeps the three in step).
+# the package version, which is also the chart's appVersion (tests/cluster/test_images.py keeps the three in step).
 IMAGE_REPOSITORY = "ghcr.io/areal-k8s"
 IMAGE_COMPONENTS = ("operator", "controller", "reward", "rollout", "sglang", "trainer", "cpu")
 # The chart sets these on the operator (values `jobImages.repository`/`jobImages.tag`), e.g. for a registry mirror.

@@ -10,7 +10,7 @@ gives `env` precedence over it.
 
 from __future__ import annotations
 
-from areal_k8s.k8s_operator.validation import InvalidSpec
+from areal_k8s.k8s_operator.valid_job import InvalidSpec
 
 POD_SPEC_FIELDS = ("affinity", "priorityClassName", "serviceAccountName", "imagePullSecrets")
 

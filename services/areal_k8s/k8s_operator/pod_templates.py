@@ -11,7 +11,7 @@ import yaml
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_settings import add_pod_settings
-from areal_k8s.k8s_operator.validation import ValidJob
+from areal_k8s.k8s_operator.valid_job import ValidJob
 
 # -- metadata ----------------------------------------------------------------------------------------------
 

@@ -8,35 +8,16 @@ comes back as one readable line naming the field.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from functools import cache
 
 import jsonschema
 
 from areal_k8s.common.config import JobConfig, JobFileError, parse_job
 from areal_k8s.k8s_operator import names
+from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.rules import broken_rules
 from areal_k8s.k8s_operator.schema import build_crd
-
-ENGINE_URL = f"http://127.0.0.1:{names.ENGINE_PORT}"  # each rollout agent's engine runs in its own pod
-
-
-class InvalidSpec(ValueError):
-    """An RLJob the operator cannot run; `problems` are readable lines, each naming its field."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("; ".join(problems))
-        self.problems = problems
-
-
-@dataclass(frozen=True)
-class ValidJob:
-    name: str
-    namespace: str
-    uid: str | None  # absent when rendering manifests for an RLJob not yet created
-    generation: int | None
-    spec: dict  # with the CRD's defaults applied
-    config: JobConfig  # what the services read from the ConfigMap
+from areal_k8s.k8s_operator.valid_job import ENGINE_URL, InvalidSpec, ValidJob
 
 
 @cache
@@ -173,8 +154,6 @@ def validate(rljob: dict) -> ValidJob:
         config=config,
     )
     # A role's pod settings are checked against the pods they join: building the children raises InvalidSpec for
-    # one that would replace a part of the operator's (pod_settings.py). Imported here: children build on ValidJob.
-    from areal_k8s.k8s_operator.children import desired_children
-
+    # one that would replace a part of the operator's (pod_settings.py).
     desired_children(job, running=True)
     return job

@@ -22,7 +22,7 @@ from areal_k8s.k8s_operator.pod_templates import (
     tracking_env,
     user_mounts,
 )
-from areal_k8s.k8s_operator.validation import ENGINE_URL, ValidJob
+from areal_k8s.k8s_operator.valid_job import ENGINE_URL, ValidJob
 
 
 def address(job: ValidJob, role: str, port: int) -> str:
@@ -143,7 +143,7 @@ def engine_container(job: ValidJob, block: dict, mounts: list[dict]) -> dict:
     engine_block, gpus = block["engine"], block["gpusPerPod"]
     if rollout.engine == "cpu":
         image = engine_block.get("image") or image_of(job, "rollout")
-        module = "areal_k8s.rollout.cpu_engine"
+        module = "areal_k8s.cpu_engine"
         args = config.cpu_engine_args("127.0.0.1", names.ENGINE_PORT)
     else:
         image = engine_block.get("image") or names.default_image("sglang")

@@ -146,7 +146,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
         async with self._pausing:
             self.lease.hold()  # before the engine's pause: one that fails half way is resumed all the same
             async with self.lease.call():
-                await self.engine.pause_generation(mode, context.time_remaining())
+                await self.engine.pause_generation(mode, timeout=context.time_remaining())
             if self.paused_at is None:
                 self.paused_at = time.monotonic()
         return _ok()

@@ -8,6 +8,7 @@ import heapq
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from areal_k8s.common.config import Staleness
 from areal_k8s.common.store import StreamEntry
 from areal_k8s.controller.core import Admitted
 from areal_k8s.simulator.engine import Sequence
@@ -72,8 +73,7 @@ class Training:
             list(sim.core.outstanding().values()) if strict else [],
             version=sim.core.version,
             batch_size=job.batch_size,
-            max_staleness=job.max_staleness,
-            policy=job.staleness_policy,
+            staleness=Staleness(job.max_staleness, job.staleness_policy),
         )
         if batch is None:
             if self.waiting_since is None:

@@ -24,6 +24,7 @@ from areal_k8s.data.dataset import load_items
 from areal_k8s.trainer.controller_client import ControllerClient
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.server import TrainerServicer
+from areal_k8s.trainer.weights.targets import RolloutTarget
 from areal_k8s.trainer.world import World, WorldSpec
 
 log = logging.getLogger("areal.trainer")
@@ -64,6 +65,7 @@ def main() -> None:
             master_address=args.master_address,
             metrics=TrainerMetrics(job.name),
             world=world,
+            connect_worker=RolloutTarget if world.leads else None,  # rank 0 alone pushes and evaluates
         )
         # the ranks torchrun starts in one pod listen on the ports after the pod's (probes and scrapes see rank 0's)
         trainer.metrics.serve(args.host, spec.port_for(args.metrics_port))

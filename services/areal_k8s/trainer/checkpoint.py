@@ -1,4 +1,4 @@
-"""Checkpoints: the engine's (model in Hugging Face format, optimizer, RNG) and the trainer state, written
+"""Checkpoints: the training backend's (model in Hugging Face format, optimizer, RNG) and the trainer state, written
 atomically, newest kept."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from areal_k8s.common.final_model import STATE_FILE
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
-from areal_k8s.trainer.backends.engine import TrainEngine
+from areal_k8s.trainer.backends.backend import TrainBackend
 
 
 @dataclass
@@ -35,7 +35,7 @@ class CheckpointWriteError(RuntimeError):
     latest."""
 
 
-def save_checkpoint(root: Path, engine: TrainEngine, state: TrainerState, keep: int) -> Path:
+def save_checkpoint(root: Path, backend: TrainBackend, state: TrainerState, keep: int) -> Path:
     """Write into a temporary folder and rename it, so a crash never leaves a half checkpoint that looks whole. A write
     that fails (ENOSPC, say) removes what it wrote and raises CheckpointWriteError; the older checkpoints stay."""
     root.mkdir(parents=True, exist_ok=True)
@@ -44,9 +44,9 @@ def save_checkpoint(root: Path, engine: TrainEngine, state: TrainerState, keep: 
     shutil.rmtree(partial, ignore_errors=True)
     try:
         partial.mkdir()
-        engine.save_checkpoint(partial)
+        backend.save_checkpoint(partial)
         (partial / STATE_FILE).write_text(json.dumps(asdict(state), indent=2))
-    except Exception as exc:  # the engine's writers wrap OSError in their own errors (torch: RuntimeError)
+    except Exception as exc:  # the backend's writers wrap OSError in their own errors (torch: RuntimeError)
         shutil.rmtree(partial, ignore_errors=True)  # freeing its space too
         failed = f"writing the checkpoint of version {state.version} to {root} failed: {exc}"
         raise CheckpointWriteError(failed) from exc

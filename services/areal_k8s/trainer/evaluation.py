@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams, Trajectory
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.weights.targets import RolloutTarget
+from areal_k8s.trainer.weights.worker_target import WorkerTarget
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Evaluator:
         self,
         job: JobConfig,
         items: list[DatasetItem],
-        targets: Callable[[], list[RolloutTarget]],
+        targets: Callable[[], list[WorkerTarget]],
         catch_up: Callable[[], Awaitable[None]],
         *,
         wait_seconds: float = 300.0,
@@ -116,7 +116,7 @@ class Evaluator:
                 await asyncio.sleep(POLL_SECONDS)
         return sum(rewards.values()) / len(rewards)
 
-    async def score(self, target: RolloutTarget, index: int, version: int) -> float:
+    async def score(self, target: WorkerTarget, index: int, version: int) -> float:
         (trajectory,) = await target.generate(evaluation_group(self.job, self.items[index], version), self.timeout)
         if not generated_by(trajectory, version):
             raise NotThisVersion(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.histograms import summary
-from areal_k8s.trainer.loop.record import StepRecord
+from areal_k8s.trainer.step.record import StepRecord
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ One module per section of the job file; `JobConfig` (job.py) holds them all, job
 Import from here: this package's names are the schema.
 """
 
-from areal_k8s.common.config.algorithm import AlgorithmConfig, StalenessBand, StalenessPolicy, wait_bound
+from areal_k8s.common.config.algorithm import AlgorithmConfig, Staleness, StalenessBand, StalenessPolicy
 from areal_k8s.common.config.dataset import CodeDatasetConfig, DatasetConfig
 from areal_k8s.common.config.job import JobConfig, RedisConfig
 from areal_k8s.common.config.job_file import (
@@ -47,6 +47,7 @@ __all__ = [
     "RolloutConfig",
     "SamplingConfig",
     "SecretKeyRef",
+    "Staleness",
     "StalenessBand",
     "StalenessPolicy",
     "TensorBoardConfig",
@@ -60,5 +61,4 @@ __all__ = [
     "read_yaml_file",
     "reference_markdown",
     "reward_verifier_args",
-    "wait_bound",
 ]

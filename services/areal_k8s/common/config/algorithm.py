@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -11,14 +12,24 @@ from areal_k8s.common.config.section import Section
 StalenessPolicy = Literal["strict", "admission", "capped"]
 
 
-def wait_bound(policy: StalenessPolicy, max_staleness: int, staleness_cap: int | None = None) -> int | None:
-    """The staleness no trained sample may pass, for which the trainer waits for a straggler rather than train
-    without it: η under `strict`, the cap (default 2η) under `capped`, none under `admission`."""
-    if policy == "admission":
-        return None
-    if policy == "capped":
-        return 2 * max_staleness if staleness_cap is None else staleness_cap
-    return max_staleness
+@dataclass(frozen=True)
+class Staleness:
+    """How stale a trained sample may be, as one value: the bound η (`max_staleness`), the policy that applies it
+    (trainer/step/batching.py says what each does) and the cap of `capped` (None: 2η)."""
+
+    max_staleness: int
+    policy: StalenessPolicy = "strict"
+    cap: int | None = None
+
+    @property
+    def wait_bound(self) -> int | None:
+        """The staleness no trained sample may pass, for which the trainer waits for a straggler rather than train
+        without it: η under `strict`, the cap (default 2η) under `capped`, none under `admission`."""
+        if self.policy == "admission":
+            return None
+        if self.policy == "capped":
+            return 2 * self.max_staleness if self.cap is None else self.cap
+        return self.max_staleness
 
 
 class StalenessBand(Section):
@@ -162,8 +173,8 @@ class AlgorithmConfig(Section):
         return self
 
     @property
-    def wait_bound(self) -> int | None:
-        return wait_bound(self.staleness_policy, self.max_staleness, self.staleness_cap)
+    def staleness(self) -> Staleness:
+        return Staleness(self.max_staleness, self.staleness_policy, self.staleness_cap)
 
     @model_validator(mode="after")
     def _rloo_needs_a_group(self) -> AlgorithmConfig:

@@ -1,1 +1,1 @@
-"""The training backends behind the `TrainEngine` seam (engine.py), one per `trainer.backend`: `torch`, `megatron`."""
+"""The training backends behind the `TrainBackend` seam (backend.py), one per `trainer.backend`: `torch`, `megatron`."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.trainer.backends.engine import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainEngine
+from areal_k8s.trainer.backends.backend import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainBackend
 from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.world import gather_from_ranks
 
@@ -38,15 +38,15 @@ RNG_FILE = "rng.pt"
 class _Scorer(torch.nn.Module):
     """The module DDP wraps: its forward is the token log-probabilities of the model it holds."""
 
-    def __init__(self, model, engine: TorchEngine):
+    def __init__(self, model, backend: TorchBackend):
         super().__init__()
-        self.model, self.engine = model, engine
+        self.model, self.backend = model, backend
 
     def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return self.engine._logprobs(micro_batch, self.model)
+        return self.backend._logprobs(micro_batch, self.model)
 
 
-class TorchEngine(TrainEngine):
+class TorchBackend(TrainBackend):
     def __init__(self, job, *, trainable: bool = True):
         super().__init__(job, trainable=trainable)
         self.model = None  # the Hugging Face model (its parameters are the replica DDP keeps in step)

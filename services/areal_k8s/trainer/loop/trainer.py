@@ -1,8 +1,8 @@
 """The trainer: consume trajectories, step the policy, checkpoint, push weights, announce the version.
 
-`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested (its
-start and recovery in loop/resume.py, the batches it takes in loop/intake.py). The loop knows no training backend:
-the policy is a `TrainEngine` (backends/engine.py) chosen by `trainer.backend`, which the step (step/train_step.py)
+`Trainer.run` is the whole loop in one readable method; the pieces it calls are small and separately tested (the
+policy it starts from in loop/resume.py, the batches it takes in loop/intake.py). The loop knows no training backend:
+the policy is a `TrainBackend` (backends/backend.py) chosen by `trainer.backend`, which the step (step/train_step.py)
 hands packed micro-batches and a backend-free loss function. Rank 0 of the trainer world (world.py) reads the
 stream, picks each batch, talks to the controller, pushes the weights and checkpoints; it sends each batch to the
 other ranks, which `follow`: every rank trains its share of every minibatch, and the gradients add up over the
@@ -21,22 +21,24 @@ from areal_k8s.common.final_model import FINAL_DIR, export_model
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.store import TrajectoryStore
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.backends.engine import TrainEngine, make_engine
+from areal_k8s.trainer.backends.backend import TrainBackend, make_backend
 from areal_k8s.trainer.checkpoint import (
     CheckpointWriteError,
     TrainerState,
+    entries_to_train_again,
     latest_checkpoint,
     save_checkpoint,
 )
 from areal_k8s.trainer.controller import Controller, StepReport, WeightVersion
 from areal_k8s.trainer.evaluation import Evaluator
-from areal_k8s.trainer.loop.intake import drop_past_the_bound, next_batch
-from areal_k8s.trainer.loop.record import StepLog, StepRecord
-from areal_k8s.trainer.loop.resume import resume
+from areal_k8s.trainer.loop.intake import next_batch, settle_dropped
+from areal_k8s.trainer.loop.resume import load_policy
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
+from areal_k8s.trainer.step.record import StepLog, StepRecord
 from areal_k8s.trainer.step.train_step import TrainStep
 from areal_k8s.trainer.tracking import Trackers, step_figures
 from areal_k8s.trainer.weights.publisher import WeightPublisher
+from areal_k8s.trainer.weights.worker_target import ConnectWorker
 from areal_k8s.trainer.world import COMMIT, STOP, TRAIN, World
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,10 @@ class Trainer:
         master_address: str = "127.0.0.1",
         metrics: TrainerMetrics | None = None,
         world: World | None = None,
+        connect_worker: ConnectWorker | None = None,
     ):
+        """`connect_worker` reaches a rollout worker for weight pushes and evaluation (the entry point passes the
+        gRPC client, weights/targets.py); None for a trainer that pushes no weights (a rank other than 0)."""
         self.job = job
         self.store = store
         self.controller = controller
@@ -69,19 +74,17 @@ class Trainer:
         self.checkpoints = self.run_dir / "checkpoints"
         self.steps_log = StepLog(self.run_dir / "trainer" / "steps.jsonl")
         self.checkpoint_error = ""  # why the last checkpoint could not be written ("" once one is)
-        self.engine: TrainEngine = make_engine(job)
+        self.backend: TrainBackend = make_backend(job)
         # The KL penalty's reference is the initial model, frozen.
-        self.reference: TrainEngine | None = make_engine(job, trainable=False) if job.algorithm.kl_coef > 0 else None
-        self.step = TrainStep(job, self.engine, self.reference, tokenizer, self.world.size)
+        self.reference: TrainBackend | None = make_backend(job, trainable=False) if job.algorithm.kl_coef > 0 else None
+        self.step = TrainStep(job, self.backend, self.reference, tokenizer, self.world.size)
         self.assembler = BatchAssembler(
             store,
             consumer,
             controller,
             batch_size=job.algorithm.batch_size,
             group_size=job.algorithm.group_size,
-            max_staleness=job.algorithm.max_staleness,
-            policy=job.algorithm.staleness_policy,
-            staleness_cap=job.algorithm.staleness_cap,
+            staleness=job.algorithm.staleness,
         )
         self.unacked: list = []  # stream entries trained on but not yet covered by a checkpoint
         self.phase = "starting"
@@ -90,7 +93,7 @@ class Trainer:
         self.last: StepRecord | None = None
         self.metrics = metrics or TrainerMetrics(job.name)
         self.metrics.policy_version.set_function(lambda: self.version)
-        self.publisher = WeightPublisher(job, controller, master_address, self.metrics)
+        self.publisher = WeightPublisher(job, controller, master_address, self.metrics, connect_worker)
         self.evaluator = Evaluator(
             job, eval_items, targets=lambda: list(self.publisher.targets.values()), catch_up=self.bring_engines_in
         )
@@ -103,7 +106,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        await resume(self)
+        await self.resume()
         if not self.world.leads:
             return await self.follow()
         total = self.job.algorithm.total_steps
@@ -111,14 +114,18 @@ class Trainer:
         while self.version < total:
             self.phase = "waiting_for_data"
             waited = time.monotonic()
-            groups = await next_batch(self)
+            groups = await next_batch(self.assembler, self.version, self.publisher, self.push_weights)
             # Held to the step's checkpoint: an on-demand one (loop/handoff.py) falls between steps, never on an
             # unreported one.
             async with self.lock:
                 self.phase = "training"
                 await asyncio.to_thread(self.world.send, TRAIN, groups)
                 record = await asyncio.to_thread(self.train_step, groups)
-                record.dropped_groups = await drop_past_the_bound(self)
+                dropped = await settle_dropped(
+                    self.assembler, self.controller, self.version, self.job.algorithm.staleness.wait_bound
+                )
+                self.unacked += [e for g in dropped for e in g.entries]
+                record.dropped_groups = [g.group_id for g in dropped]
                 record.seconds["wait"] = time.monotonic() - waited - record.seconds["train"]
                 record.seconds["checkpoint"], checkpointed = checkpointed, 0.0
                 self.state.version += 1
@@ -155,6 +162,38 @@ class Trainer:
         await self.controller.report_step(StepReport(version=self.version, eval_accuracy=-1.0, finished=True))
         self.phase = "finished"
 
+    async def resume(self) -> None:
+        """Start, or recover after a restart: the policy from the newest checkpoint on every rank (loop/resume.py);
+        then rank 0 takes over the stream entries the previous trainer read and did not checkpoint, brings the engines
+        to its version and announces it. A first start evaluates the base model."""
+        async with self.lock:  # an on-demand checkpoint (its collectives included) waits for the model
+            checkpoint, self.state = await load_policy(
+                world=self.world,
+                backend=self.backend,
+                reference=self.reference,
+                model=self.job.model,
+                checkpoints=self.checkpoints,
+                state=self.state,
+            )
+        if not self.world.leads:
+            return
+        await self.store.ensure_consumer_group()
+        pending = await entries_to_train_again(self.store, self.consumer, self.state)
+        self.assembler.add(pending)
+        if pending:
+            log.info("reclaimed %d pending stream entries", len(pending))
+        self.phase = "pushing_weights"
+        await self.push_weights()
+        # (restored either way: a trainer killed before its first checkpoint restarts at 0, behind steps it reported)
+        await self.announce(restored=True)
+        if checkpoint is None:
+            self.phase = "evaluating"
+            self.state.base_accuracy = await self.evaluate()
+            await self.controller.report_step(
+                StepReport(version=0, eval_accuracy=self.state.base_accuracy, base_evaluation=True)
+            )
+            log.info("base model held-out accuracy %.3f", self.state.base_accuracy)
+
     def write_final_model(self) -> Path:
         """The model to take home: the last checkpoint as a Hugging Face model directory in RUN_DIR/final (written
         again, the same, by a trainer restarted after the last step)."""
@@ -176,8 +215,8 @@ class Trainer:
                 self.last = await asyncio.to_thread(self.train_step, *payload)
                 self.state.version += 1
                 log.info("rank %d trained its share of version %d", self.world.rank, self.version)
-            elif command == COMMIT:  # rank 0 writes the checkpoint; the engine's shards of it go there
-                await asyncio.to_thread(self.engine.save_checkpoint, None)
+            elif command == COMMIT:  # rank 0 writes the checkpoint; the backend's shards of it go there
+                await asyncio.to_thread(self.backend.save_checkpoint, None)
                 await asyncio.to_thread(self.world.barrier)
         self.phase = "finished"
 
@@ -199,7 +238,7 @@ class Trainer:
         await asyncio.to_thread(self.world.send, COMMIT)
         try:
             await asyncio.to_thread(
-                save_checkpoint, self.checkpoints, self.engine, self.state, self.job.trainer.keep_checkpoints
+                save_checkpoint, self.checkpoints, self.backend, self.state, self.job.trainer.keep_checkpoints
             )
             failure = ""
         except CheckpointWriteError as exc:  # training goes on from the previous checkpoint's point of view
@@ -233,7 +272,7 @@ class Trainer:
 
     async def push_weights(self) -> tuple[dict, dict[str, bool]]:
         """The current weights to every rollout engine (weights/publisher.py)."""
-        return await self.publisher.push(self.engine.named_weights_for_push, self.version)
+        return await self.publisher.push(self.backend.named_weights_for_push, self.version)
 
     async def announce(self, restored: bool) -> None:
         await self.controller.announce_version(

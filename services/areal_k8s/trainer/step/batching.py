@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from areal_k8s.common.config import StalenessPolicy, wait_bound
+from areal_k8s.common.config import Staleness
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 from areal_k8s.common.trajectory import backup_group_id
 from areal_k8s.trainer.controller import Controller
@@ -61,9 +61,7 @@ def select_batch(
     *,
     version: int,
     batch_size: int,
-    max_staleness: int,
-    policy: StalenessPolicy = "strict",
-    staleness_cap: int | None = None,
+    staleness: Staleness,
 ) -> list[Group] | None:
     """The batch to train at `version`, or None to wait for more groups.
 
@@ -76,7 +74,7 @@ def select_batch(
         return None
     ordered = sorted(complete, key=lambda g: (g.admitted_version, g.ticket))
     batch = ordered[:batch_size]
-    bound = wait_bound(policy, max_staleness, staleness_cap)
+    bound = staleness.wait_bound
     if bound is None:
         return batch
     running_deadlines = [admitted + bound for admitted in running]
@@ -101,15 +99,13 @@ def waited_on(
     running: dict[str, int],
     *,
     batch_size: int,
-    max_staleness: int,
-    policy: StalenessPolicy = "strict",
-    staleness_cap: int | None = None,
+    staleness: Staleness,
 ) -> list[str]:
     """The running groups (group id -> admitted version) a trainer waits on when `select_batch` answered None with
     B groups complete: those an earliest-deadline batch over every group takes (complete ones first among equal
     deadlines, as `select_batch` orders them). The controller backs them up (controller/backups.py). None are named
     while fewer than B groups are complete, or under a policy that never waits for a straggler."""
-    bound = wait_bound(policy, max_staleness, staleness_cap)
+    bound = staleness.wait_bound
     if bound is None or len(complete) < batch_size:
         return []
     everything = sorted(
@@ -122,19 +118,17 @@ def past_the_bound(
     groups: Iterable[Group],
     *,
     version: int,
-    max_staleness: int,
-    policy: StalenessPolicy = "strict",
-    staleness_cap: int | None = None,
+    staleness: Staleness,
 ) -> list[Group]:
     """Groups that training at `version` or later would take past the policy's bound (η, or the cap), which can
     only be dropped (`admission` drops nothing: a late group trains at its real staleness)."""
-    bound = wait_bound(policy, max_staleness, staleness_cap)
+    bound = staleness.wait_bound
     if bound is None:
         return []
-    return [g for g in groups if staleness(version, g) > bound]
+    return [g for g in groups if staleness_of(version, g) > bound]
 
 
-def staleness(version: int, group: Group) -> int:
+def staleness_of(version: int, group: Group) -> int:
     """Versions between the oldest policy that produced the group's tokens and the one training on them."""
     return version - group.min_version
 
@@ -148,9 +142,7 @@ class BatchAssembler:
         *,
         batch_size: int,
         group_size: int,
-        max_staleness: int,
-        policy: StalenessPolicy = "strict",
-        staleness_cap: int | None = None,
+        staleness: Staleness,
         poll_ms: int = 200,
     ):
         self.store = store
@@ -158,9 +150,7 @@ class BatchAssembler:
         self.controller = controller
         self.batch_size = batch_size
         self.group_size = group_size
-        self.max_staleness = max_staleness
-        self.policy = policy
-        self.staleness_cap = staleness_cap
+        self.staleness = staleness
         self.poll_ms = poll_ms
         self.buffer: dict[str, list[StreamEntry]] = {}
         self.dropped: list[Group] = []  # complete groups past the bound, for the trainer to settle
@@ -243,9 +233,7 @@ class BatchAssembler:
             late = past_the_bound(
                 self.complete_groups(),
                 version=version,
-                max_staleness=self.max_staleness,
-                policy=self.policy,
-                staleness_cap=self.staleness_cap,
+                staleness=self.staleness,
             )
             for group in late:
                 del self.buffer[group.group_id]
@@ -257,9 +245,7 @@ class BatchAssembler:
                 list(running.values()),
                 version=version,
                 batch_size=self.batch_size,
-                max_staleness=self.max_staleness,
-                policy=self.policy,
-                staleness_cap=self.staleness_cap,
+                staleness=self.staleness,
             )
             if batch is not None:
                 for group in batch:
@@ -271,9 +257,7 @@ class BatchAssembler:
                 complete,
                 running,
                 batch_size=self.batch_size,
-                max_staleness=self.max_staleness,
-                policy=self.policy,
-                staleness_cap=self.staleness_cap,
+                staleness=self.staleness,
             )
             if time.monotonic() - self.looked_for_lost_at >= LOOK_FOR_LOST_SECONDS:
                 await self.recover_lost_deliveries()

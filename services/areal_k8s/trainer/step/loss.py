@@ -7,7 +7,7 @@ import torch
 
 from areal_k8s.common.config import AlgorithmConfig
 from areal_k8s.trainer.algorithm import LossStats, decoupled_ppo_loss, kl_penalty, loglinear_proximal_logprobs
-from areal_k8s.trainer.backends.engine import LossFn, MicroBatch
+from areal_k8s.trainer.backends.backend import LossFn, MicroBatch
 
 
 def loss_fn(algorithm: AlgorithmConfig, normaliser: float, version: int) -> LossFn:

@@ -2,7 +2,7 @@
 
 Advantages per group, the batch collated and split into `algorithm.minibatches` minibatches of whole groups, each
 rank's share of every minibatch packed into token-budgeted micro-batches, the proximal and reference log-probabilities
-where the objective needs them, then one update of the engine per minibatch under the loss of loss.py. Every rank of
+where the objective needs them, then one update of the backend per minibatch under the loss of loss.py. Every rank of
 the trainer world runs the same step on the same batch: each trains its share, and the gradients add up over the
 ranks.
 """
@@ -16,12 +16,12 @@ import torch
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.rewards import is_informative
 from areal_k8s.trainer.algorithm import compute_advantages, learning_rate, loss_normaliser, merge_loss_stats
-from areal_k8s.trainer.backends.engine import MicroBatch, PhaseClock, TrainEngine
-from areal_k8s.trainer.loop.record import StepRecord
-from areal_k8s.trainer.step.batching import Group, staleness
+from areal_k8s.trainer.backends.backend import MicroBatch, PhaseClock, TrainBackend
+from areal_k8s.trainer.step.batching import Group, staleness_of
 from areal_k8s.trainer.step.collation import collate, share_of_rank, split_minibatches
 from areal_k8s.trainer.step.loss import loss_fn
 from areal_k8s.trainer.step.packing import first_fit_decreasing, take_rows
+from areal_k8s.trainer.step.record import StepRecord
 
 
 def token_staleness_counts(batch: dict[str, torch.Tensor], version: int) -> list[int]:
@@ -32,10 +32,12 @@ def token_staleness_counts(batch: dict[str, torch.Tensor], version: int) -> list
 
 
 class TrainStep:
-    def __init__(self, job: JobConfig, engine: TrainEngine, reference: TrainEngine | None, tokenizer, world_size: int):
+    def __init__(
+        self, job: JobConfig, backend: TrainBackend, reference: TrainBackend | None, tokenizer, world_size: int
+    ):
         """`reference`: the frozen initial policy of the KL penalty (None without one)."""
         self.job = job
-        self.engine = engine
+        self.backend = backend
         self.reference = reference
         self.tokenizer = tokenizer
         self.world_size = world_size
@@ -68,7 +70,7 @@ class TrainStep:
         # The proximal policy is the one before this step's first update: with one update it is the current policy.
         if len(minibatches) > 1 and algorithm.decoupled and algorithm.proximal == "recompute":
             with clock("recompute"):
-                batch["proximal_logprobs"] = self.batch_logprobs(self.engine, batch, lengths, mine)
+                batch["proximal_logprobs"] = self.batch_logprobs(self.backend, batch, lengths, mine)
         if self.reference:
             with clock("recompute"):
                 batch["reference_logprobs"] = self.batch_logprobs(self.reference, batch, lengths, mine)
@@ -86,15 +88,15 @@ class TrainStep:
             # the whole minibatch's, on every rank (each holds the whole batch): the ranks' losses add up to its loss
             normaliser = loss_normaliser(algorithm.normaliser, batch["loss_mask"][rows], sampling.max_new_tokens)
             micro_batches = self.micro_batches(batch, share, lengths, masked)
-            results.append(self.engine.train_minibatch(micro_batches, loss_fn(algorithm, normaliser, version), lr=lr))
+            results.append(self.backend.train_minibatch(micro_batches, loss_fn(algorithm, normaliser, version), lr=lr))
             clock.add(results[-1].seconds)
-        self.engine.gather_for_push()  # (every rank) the weights rank 0 pushes next
+        self.backend.gather_for_push()  # (every rank) the weights rank 0 pushes next
         stats = merge_loss_stats([stats for result in results for stats in result.stats])
         return StepRecord(
             version=version + 1,
             groups=[g.group_id for g in groups],
             entries=[e.entry_id for g in groups for e in g.entries],
-            staleness=[staleness(version, g) for g in groups for _ in g.entries],
+            staleness=[staleness_of(version, g) for g in groups for _ in g.entries],
             reward_mean=float(rewards.mean()),
             loss=sum(result.loss for result in results),
             clip_fraction=stats.clip_fraction,
@@ -125,7 +127,7 @@ class TrainStep:
             return [], False
         # every rank of a data-parallel replica (a model split over ranks) trains the same rows
         share = share_of_rank(
-            rows, lengths, self.job.algorithm.group_size, self.engine.data_rank, self.engine.data_size
+            rows, lengths, self.job.algorithm.group_size, self.backend.data_rank, self.backend.data_size
         )
         if share:
             return share, False
@@ -143,13 +145,13 @@ class TrainStep:
         return micro_batches
 
     def batch_logprobs(
-        self, engine: TrainEngine, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]
+        self, backend: TrainBackend, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]
     ) -> torch.Tensor:
-        """Token logprobs of `rows` under `engine`'s policy (no gradient), computed in micro-batches:
+        """Token logprobs of `rows` under `backend`'s policy (no gradient), computed in micro-batches:
         [batch rows, L − 1], zero on the other rows."""
         result = torch.zeros_like(batch["behaviour_logprobs"])
         for micro in first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens):
             selected = [rows[i] for i in micro]
-            logprobs = engine.token_logprobs(take_rows(batch, selected, lengths))
+            logprobs = backend.token_logprobs(take_rows(batch, selected, lengths))
             result[selected, : logprobs.shape[1]] = logprobs
         return result

@@ -21,7 +21,7 @@ from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.weights import parse_dtype, weights_checksum
 from areal_k8s.trainer.controller import Controller, WorkerInfo
 from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
-from areal_k8s.trainer.weights.targets import RolloutTarget
+from areal_k8s.trainer.weights.worker_target import ConnectWorker, WorkerTarget
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +49,21 @@ def membership(worker: WorkerInfo) -> tuple[str, int, float]:
 
 
 class WeightPublisher:
-    def __init__(self, job: JobConfig, controller: Controller, master_address: str, metrics: TrainerMetrics):
+    def __init__(
+        self,
+        job: JobConfig,
+        controller: Controller,
+        master_address: str,
+        metrics: TrainerMetrics,
+        connect_worker: ConnectWorker | None,
+    ):
+        """`connect_worker` makes the target of a registered rollout worker; None for a trainer that pushes to no
+        engine (a rank other than 0 of its world): it then refuses to form a group."""
         self.job, self.controller, self.master_address, self.metrics = job, controller, master_address, metrics
+        self.connect_worker = connect_worker
         self.push_dtype = parse_dtype(job.push_dtype)
         self.sender: WeightSender | None = None
-        self.targets: dict[str, RolloutTarget] = {}
+        self.targets: dict[str, WorkerTarget] = {}
         self.members: dict[str, tuple] = {}  # the workers the group was formed with, as registered
         self.backoff = 0.0  # seconds to wait before pushing again after failed pushes (0: no failure)
         self.retry_at = 0.0
@@ -83,8 +93,12 @@ class WeightPublisher:
         await self.close()
         if not wanted:
             return
+        if self.connect_worker is None:
+            raise RuntimeError("this trainer was made without a way to reach rollout workers: it pushes no weights")
         timeout = self.job.trainer.weight_sync_timeout_seconds
-        self.targets = {wid: RolloutTarget(wid, address, timeout) for wid, (address, _, _) in sorted(wanted.items())}
+        self.targets = {
+            wid: self.connect_worker(wid, address, timeout) for wid, (address, _, _) in sorted(wanted.items())
+        }
         self.sender = WeightSender(
             backend=self.job.trainer.weight_sync_backend,
             master_address=self.master_address,

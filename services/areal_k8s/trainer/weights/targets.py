@@ -1,5 +1,5 @@
-"""The trainer's view of a rollout worker as a weight-sync target (`common.sglang.WeightTarget`), over the Rollout
-gRPC service, and as the evaluator's engine (`generate`).
+"""A rollout worker as the trainer reaches it (`weights/worker_target.WorkerTarget`: a weight-sync target and the
+evaluator's engine), over the Rollout gRPC service.
 
 The worker passes each call to its engine (SGLang or ours), so the trainer never needs to know which engine
 runs behind it; the tensors themselves travel engine-side over the torch.distributed group. Every call has a
@@ -11,7 +11,9 @@ from __future__ import annotations
 from areal_k8s.api.v1 import rollout_pb2, rollout_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.trajectory import PromptGroup, Trajectory
+from areal_k8s.common.weight_target import DEFAULT_GROUP
 from areal_k8s.common.wire import group_message, trajectory_record
+from areal_k8s.trainer.weights.worker_target import WorkerTarget
 
 GRPC_MARGIN = 5.0  # on top of a weight operation's own deadline, so the worker's engine call times out first
 
@@ -20,7 +22,7 @@ class WeightTargetError(RuntimeError):
     pass
 
 
-class RolloutTarget:
+class RolloutTarget(WorkerTarget):
     """`timeout` bounds the control calls (pause, continue, destroy, checksum); weight operations bring their own."""
 
     def __init__(self, worker_id: str, address: str, timeout: float = 60.0):
@@ -40,8 +42,16 @@ class RolloutTarget:
         return reply
 
     async def init_weights_update_group(
-        self, master_address, master_port, rank_offset, world_size, group_name, backend, *, timeout
-    ):
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP,
+        backend: str = "nccl",
+        *,
+        timeout: float | None = None,
+    ) -> None:
         await self._call(
             self.stub.InitWeightsUpdateGroup,
             rollout_pb2.InitWeightsUpdateGroupRequest(
@@ -52,12 +62,20 @@ class RolloutTarget:
                 group_name=group_name,
                 backend=backend,
             ),
-            timeout=timeout + GRPC_MARGIN,
+            timeout=(timeout or self.timeout) + GRPC_MARGIN,
         )
 
     async def update_weights_from_distributed(
-        self, names, dtypes, shapes, group_name, *, timeout, weight_version=None, load_format=None
-    ):
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = DEFAULT_GROUP,
+        *,
+        timeout: float | None = None,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> None:
         request = rollout_pb2.UpdateWeightsFromDistributedRequest(
             names=names,
             dtypes=dtypes,
@@ -67,15 +85,17 @@ class RolloutTarget:
         )
         if weight_version is not None:
             request.weight_version = int(weight_version)
-        await self._call(self.stub.UpdateWeightsFromDistributed, request, timeout=timeout + GRPC_MARGIN)
+        await self._call(
+            self.stub.UpdateWeightsFromDistributed, request, timeout=(timeout or self.timeout) + GRPC_MARGIN
+        )
 
-    async def pause_generation(self, mode: str = "abort"):
-        await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode))
+    async def pause_generation(self, mode: str = "abort", *, timeout: float | None = None) -> None:
+        await self._call(self.stub.PauseGeneration, rollout_pb2.PauseGenerationRequest(mode=mode), timeout=timeout)
 
-    async def continue_generation(self):
+    async def continue_generation(self) -> None:
         await self._call(self.stub.ContinueGeneration, rollout_pb2.ContinueGenerationRequest())
 
-    async def destroy_weights_update_group(self, group_name: str):
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> None:
         await self._call(
             self.stub.DestroyWeightsUpdateGroup, rollout_pb2.DestroyWeightsUpdateGroupRequest(group_name=group_name)
         )
