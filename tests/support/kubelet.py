@@ -1,16 +1,16 @@
-"""A kubelet for tests: the pods of Deployments and StatefulSets run as processes, as a node would run them.
+"""A kubelet for tests: the pods of Deployments and StatefulSets run as a node would run them.
 
-No kube-apiserver or container runtime runs here, but Linux namespaces do (root). `Cluster` keeps the objects
-applied to it (ConfigMaps, Secrets, Services, Deployments, StatefulSets), makes the pods their workloads ask for
-and runs each as a kubelet would:
+No kube-apiserver runs here, but Linux namespaces do (root). `Cluster` keeps the objects applied to it (ConfigMaps,
+Secrets, Services, Deployments, StatefulSets), makes the pods their workloads ask for and runs each as a kubelet
+would (kubelet_lifecycle.py):
 - a network namespace per pod with its own address on a bridge that lives in the test's own node namespace
-  (nothing is added to the host's network); the pod's hostname (a UTS namespace), its /etc/hosts and an
-  /etc/resolv.conf with the cluster's search domains;
-- each container a process in a private mount namespace whose root is an overlay of the host's filesystem (the
-  "image"; see IMAGE_ENV), with the pod's volumes at their mountPaths (ConfigMap and Secret files, claims as host
-  directories, fresh emptyDirs), read-only when readOnlyRootFilesystem says so, under the securityContext's
-  user, groups, fsGroup, no_new_privs and no capabilities;
-- env with `$(VAR)` expansion, ConfigMap/Secret key references and fieldRefs; command/args expanded likewise;
+  (nothing is added to the host's network); the pod's hostname, its /etc/hosts and an /etc/resolv.conf with the
+  cluster's search domains;
+- each container resolved from its spec (kubelet_spec.py: env with `$(VAR)` expansion, ConfigMap/Secret key
+  references and fieldRefs, command/args expanded likewise, volumes as host directories: ConfigMap and Secret files,
+  claims, fresh emptyDirs; the securityContext) and started by the cluster's runtime (kubelet_runtime.py): by default
+  as a process in an overlay of the host's filesystem (the "image"); with `containers=True`, a container whose spec
+  names an image as a real container of that image, run by podman with runc (kubelet_podman.py);
 - startup, readiness and liveness probes (httpGet, grpc, tcpSocket from the node to the pod's IP, exec inside the
   container) with Kubernetes' defaults and thresholds; failed liveness or startup probes restart the container,
   and restarts back off as the kubelet's do (0 s, 10 s, 20 s, ... 300 s);
@@ -18,7 +18,8 @@ and runs each as a kubelet would:
   so no virtual IP: clients get the endpoints' addresses), a headless Service with publishNotReadyAddresses to
   all of them, and `POD.SERVICE` to a StatefulSet pod whose subdomain is that Service.
 A node that goes away is `lose_pod`: the pod comes back under a new address, as if rescheduled to another node.
-Not emulated: resource limits, seccomp, scheduling, rolling updates (a changed pod template replaces every pod).
+Not emulated: scheduling, rolling updates (a changed pod template replaces every pod); in the overlay runtime,
+seccomp and resource limits.
 """
 
 from __future__ import annotations
@@ -32,53 +33,25 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from areal_k8s.api.v1 import controller_pb2
+from support.kubelet_lifecycle import PodWorkers
 from support.kubelet_node import NodeAgent
+from support.kubelet_podman import PodmanRuntime, sweep_containers
+from support.kubelet_podman import missing as podman_missing
+from support.kubelet_runtime import OverlayRuntime, Runtime
+from support.kubelet_spec import NODE_IP, SpecResolver
 
-NETNS_PREFIX = "akt"  # + the test process's pid: namespaces of a run that died are found and removed
-SUBNET = "10.244.0"  # private to the test's namespaces, so it clashes with nothing on the host
-NODE_IP = f"{SUBNET}.1"
+NETNS_PREFIX = "akt"  # + the test process's pid: namespaces (and containers) of a run that died are found and removed
+SUBNET = NODE_IP.rsplit(".", 1)[0]  # private to the test's namespaces, so it clashes with nothing on the host
 CLUSTER_DOMAIN = "cluster.local"
-PROBE_DEFAULTS = {
-    "initialDelaySeconds": 0,
-    "periodSeconds": 10,
-    "timeoutSeconds": 1,
-    "successThreshold": 1,
-    "failureThreshold": 3,
-}
-BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 10, 300
-# The image every container runs: this machine's filesystem with the ENV, USER and WORKDIR of images/cpu/Dockerfile,
-# and the repository's virtual environment in place of the image's /opt/areal.
-IMAGE_ENV = {
-    "PATH": f"{sys.prefix}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "HOME": "/tmp/home",
-    "HF_HUB_OFFLINE": "1",
-    "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "services"),  # this checkout's code, whichever installed
-}
-IMAGE_USER, IMAGE_WORKDIR = 10001, "/tmp"
-REPOSITORY = Path(__file__).resolve().parents[2]  # the editable install's source: part of the "image"
-ENV_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
-
-
-class PodConfigError(RuntimeError):
-    """What keeps a container from being created (a missing Secret key, an unbound claim): the kubelet retries."""
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' `$(VAR)` expansion: known names are replaced, unknown references stay as written, `$$` is `$`."""
-    return ENV_REFERENCE.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -103,6 +76,7 @@ def sweep_namespaces(*, own: bool = False) -> None:
         if match and (not Path(f"/proc/{match.group(1)}").exists() or (own and int(match.group(1)) == os.getpid())):
             leftover.append(match.group(0))
     remove_namespaces(leftover)
+    sweep_containers(rf"{NETNS_PREFIX}(\d+)-", own)
 
 
 def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -117,10 +91,14 @@ class Container:
     ready: bool = False
     state: dict = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
     last_state: dict = field(default_factory=dict)
-    process: asyncio.subprocess.Process | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    security: list[str] = field(default_factory=list)  # setpriv's arguments, for exec probes too
+    runtime: Runtime = field(default_factory=OverlayRuntime)  # what runs it (kubelet_runtime.py)
+    process: asyncio.subprocess.Process | None = None  # the runtime's process for it: what the kubelet waits on
     events: list[str] = field(default_factory=list)  # probe failures and kills, for a failing test's message
+    # the runtime's own: the overlay's environment and setpriv arguments (for exec), podman's name and pid 1
+    env: dict[str, str] = field(default_factory=dict)
+    security: list[str] = field(default_factory=list)
+    name: str = ""
+    pid: int | None = None
 
 
 @dataclass
@@ -181,9 +159,19 @@ class Pod:
 
 
 class Cluster:
-    """One node's worth of Kubernetes for a test: `apply` objects, read `pods_of`; use as `async with`."""
+    """One node's worth of Kubernetes for a test: `apply` objects, read `pods_of`; use as `async with`. With
+    `containers`, containers that name an image run as real containers of it (podman with runc; skipped with the
+    reason where podman cannot run, failed instead under AREAL_REQUIRE_CONTAINERS=1); Localhost seccomp profiles
+    are looked up under `seccomp_root`."""
 
-    def __init__(self, root: Path, *, claims: dict[str, Path] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        claims: dict[str, Path] | None = None,
+        containers: bool = False,
+        seccomp_root: Path | None = None,
+    ):
         self.root = root
         self.claims = dict(claims or {})  # PersistentVolumeClaim name -> host directory (its bound volume)
         self.prefix = f"{NETNS_PREFIX}{os.getpid()}"
@@ -193,6 +181,16 @@ class Cluster:
         self.indices = itertools.count(10)  # a pod's address, namespace and veth
         self.node: NodeAgent | None = None
         self.published: dict | None = None
+        self.overlay = OverlayRuntime()
+        self.podman = PodmanRuntime(seccomp_root or root / "seccomp") if containers else None
+        self.workers = PodWorkers(
+            SpecResolver(self.objects, self.claims),
+            f"{self.prefix}-node",
+            NODE_IP,
+            root / "logs",
+            self.node_call,
+            self.publish,
+        )
 
     # -- the node ---------------------------------------------------------------------------------------------
 
@@ -202,6 +200,10 @@ class Cluster:
             raise RuntimeError(
                 f"the kubelet harness needs {', '.join(missing)} (Debian: iproute2, util-linux, coreutils)"
             )
+        if self.podman and (why := podman_missing()):
+            if os.environ.get("AREAL_REQUIRE_CONTAINERS") == "1":
+                pytest.fail(f"containers are required (AREAL_REQUIRE_CONTAINERS=1) and cannot run: {why}")
+            pytest.skip(f"no container runtime: {why}")
         sweep_namespaces()
         node = f"{self.prefix}-node"
         added = run("ip", "netns", "add", node, check=False)
@@ -231,7 +233,7 @@ class Cluster:
         try:
             for pod in list(self.pods.values()):
                 self.delete_pod(pod, grace=5)
-            await asyncio.wait_for(asyncio.gather(*(p.deleted for p in self.pods.values()), return_exceptions=True), 30)
+            await asyncio.wait_for(asyncio.gather(*(p.deleted for p in self.pods.values()), return_exceptions=True), 60)
         finally:
             for pod in self.pods.values():
                 for task in (pod.running, pod.deleted):
@@ -241,6 +243,9 @@ class Cluster:
                 await self.node.stop()
             remove_namespaces(self.namespaces)
             self.namespaces.clear()
+
+    async def node_call(self, op: str, **request) -> dict:
+        return await self.node.call(op, **request)
 
     # -- objects ----------------------------------------------------------------------------------------------
 
@@ -316,37 +321,15 @@ class Cluster:
             netns=f"{self.prefix}-{index}",
             directory=self.root / "pods" / f"{name}-{index}",  # a StatefulSet's pod made again gets a fresh one
         )
-        pod.containers = [Container(c) for c in spec["containers"]]
+        pod.containers = [Container(c, runtime=self.runtime_for(c)) for c in spec["containers"]]
         self.namespaces.append(pod.netns)
         self.pods[(pod.namespace, name)] = pod
-        pod.running = asyncio.create_task(self.run_pod(pod, index))
+        pod.running = asyncio.create_task(self.workers.run_pod(pod, index, CLUSTER_DOMAIN))
         self.publish()
 
-    async def run_pod(self, pod: Pod, index: int) -> None:
-        node = f"{self.prefix}-node"
-        for command in (
-            f"netns add {pod.netns}",
-            f"-n {node} link add veth{index} type veth peer name eth0 netns {pod.netns}",
-            f"-n {node} link set veth{index} master br0 up",
-            f"-n {pod.netns} addr add {pod.ip}/24 dev eth0",
-            f"-n {pod.netns} link set eth0 up",
-            f"-n {pod.netns} link set lo up",
-            f"-n {pod.netns} route add default via {NODE_IP}",
-        ):
-            await asyncio.to_thread(run, "ip", *command.split())
-        pod.directory.mkdir(parents=True)
-        subdomain = pod.spec.get("subdomain")
-        fqdn = f"{pod.hostname}.{subdomain}.{pod.namespace}.svc.{CLUSTER_DOMAIN}\t" if subdomain else ""
-        (pod.directory / "hosts").write_text(
-            "# Kubernetes-managed hosts file.\n127.0.0.1\tlocalhost\n"
-            f"::1\tlocalhost ip6-localhost ip6-loopback\n{pod.ip}\t{fqdn}{pod.hostname}\n"
-        )
-        (pod.directory / "resolv.conf").write_text(
-            f"search {pod.namespace}.svc.{CLUSTER_DOMAIN} svc.{CLUSTER_DOMAIN} "
-            f"{CLUSTER_DOMAIN}\nnameserver {NODE_IP}\noptions ndots:5\n"
-        )
-        (pod.directory / "hostname").write_text(pod.hostname + "\n")
-        await asyncio.gather(*(self.run_container(pod, c) for c in pod.containers))
+    def runtime_for(self, spec: dict) -> Runtime:
+        """podman for a container that names an image, when the cluster runs containers; else the overlay."""
+        return self.podman if self.podman and spec.get("image") else self.overlay
 
     def delete_pod(self, pod: Pod, grace: float | None = None) -> None:
         """Take the pod out of its Services at once, then stop its containers (SIGTERM, the grace period, SIGKILL)
@@ -365,371 +348,22 @@ class Cluster:
         dying processes reaches a peer, whose connections to it fall silent."""
         run("ip", "-n", pod.netns, "link", "set", "eth0", "down", check=False)
         for container in pod.containers:
-            self.kill_group(container)
+            container.runtime.kill(container)
         self.delete_pod(pod, grace=0)
 
     async def terminate(self, pod: Pod, grace: float) -> None:
-        await asyncio.gather(*(self.stop_container(c, grace) for c in pod.containers))
+        await asyncio.gather(*(self.workers.stop_container(c, grace) for c in pod.containers))
         pod.running.cancel()
         await asyncio.gather(pod.running, return_exceptions=True)
-        for container in pod.containers:
-            self.kill_group(container)
+        await asyncio.gather(*(c.runtime.reap(c) for c in pod.containers))
         await asyncio.to_thread(remove_namespaces, [pod.netns])
         self.namespaces.remove(pod.netns)
         del self.pods[(pod.namespace, pod.name)]
 
-    # -- containers ---------------------------------------------------------------------------------------------
-
-    def volume_dir(self, pod: Pod, volume: dict) -> Path:
-        """The host directory behind one of the pod's volumes, made on first use as the kubelet would."""
-        if volume["name"] in pod.volumes:
-            return pod.volumes[volume["name"]]
-        path = pod.directory / "volumes" / volume["name"]
-        if "emptyDir" in volume:
-            path.mkdir(parents=True)
-            path.chmod(0o777)
-        elif "configMap" in volume or "secret" in volume:
-            kind, name = (
-                ("ConfigMap", volume["configMap"]["name"])
-                if "configMap" in volume
-                else ("Secret", volume["secret"]["secretName"])
-            )
-            if (kind, pod.namespace, name) not in self.objects:
-                raise PodConfigError(f"{kind} {name} not found (volume {volume['name']})")
-            path.mkdir(parents=True)
-            for key, value in self.data_of(self.objects[kind, pod.namespace, name]).items():
-                (path / key).write_text(value)
-        elif "persistentVolumeClaim" in volume:
-            claim = volume["persistentVolumeClaim"]["claimName"]
-            if claim not in self.claims:
-                raise PodConfigError(f"PersistentVolumeClaim {claim} is not bound (volume {volume['name']})")
-            path = self.claims[claim]
-        else:
-            raise ValueError(
-                f"volume {volume['name']}: only emptyDir, configMap, secret and persistentVolumeClaim are emulated"
-            )
-        fs_group = pod.spec.get("securityContext", {}).get("fsGroup")
-        read_only = any(
-            m["name"] == volume["name"] and m.get("readOnly")
-            for c in pod.spec["containers"]
-            for m in c.get("volumeMounts", [])
-        )
-        if (
-            fs_group is not None
-            and not read_only
-            and ("emptyDir" in volume or "persistentVolumeClaim" in volume)
-            and path.stat().st_gid != fs_group
-        ):
-            os.chown(path, -1, fs_group)  # fsGroupChangePolicy OnRootMismatch; setgid: new files get the group
-            path.chmod(path.stat().st_mode | 0o2070)
-        pod.volumes[volume["name"]] = path
-        return path
-
-    @staticmethod
-    def data_of(obj: dict) -> dict[str, str]:
-        if obj["kind"] == "Secret":
-            return {
-                **{k: base64.b64decode(v).decode() for k, v in (obj.get("data") or {}).items()},
-                **(obj.get("stringData") or {}),
-            }
-        return dict(obj.get("data") or {})
-
-    def env_value(self, pod: Pod, source: dict) -> str | None:
-        """The value of an env var's valueFrom (None: an optional key that is missing)."""
-        if "fieldRef" in source:
-            path = source["fieldRef"]["fieldPath"]
-            fields = {
-                "metadata.name": pod.name,
-                "metadata.namespace": pod.namespace,
-                "metadata.uid": pod.uid,
-                "status.podIP": pod.ip,
-                "status.hostIP": NODE_IP,
-                "spec.nodeName": "node-0",
-            }
-            label = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
-            if path not in fields and not label:
-                raise ValueError(f"fieldRef {path} is not emulated")
-            return pod.labels.get(label.group(1), "") if label else fields[path]
-        kind, ref = (
-            ("Secret", source["secretKeyRef"]) if "secretKeyRef" in source else ("ConfigMap", source["configMapKeyRef"])
-        )
-        found = self.objects.get((kind, pod.namespace, ref["name"]))
-        value = None if found is None else self.data_of(found).get(ref["key"])
-        if value is None and not ref.get("optional"):
-            raise PodConfigError(
-                f"{kind} {ref['name']} has no key {ref['key']!r}" if found else f"{kind} {ref['name']} not found"
-            )
-        return value
-
-    def container_env(self, pod: Pod, spec: dict) -> dict[str, str]:
-        """The container's own variables in order, each expanding `$(NAME)` of those before it."""
-        env: dict[str, str] = {}
-        for var in spec.get("env", []):
-            value = (
-                expand(var.get("value", ""), env) if "valueFrom" not in var else self.env_value(pod, var["valueFrom"])
-            )
-            if value is not None:
-                env[var["name"]] = value
-        return env
-
-    @staticmethod
-    def security(pod: Pod, spec: dict) -> list[str]:
-        """setpriv's arguments for the pod's and the container's securityContext."""
-        pod_context, context = pod.spec.get("securityContext", {}), spec.get("securityContext", {})
-        uid = context.get("runAsUser", pod_context.get("runAsUser", IMAGE_USER))
-        gid = context.get("runAsGroup", pod_context.get("runAsGroup", uid))
-        if context.get("runAsNonRoot", pod_context.get("runAsNonRoot")) and uid == 0:
-            raise PodConfigError("container has runAsNonRoot and would run as root")
-        groups = [g for g in [pod_context.get("fsGroup"), *pod_context.get("supplementalGroups", [])] if g is not None]
-        args = [
-            "setpriv",
-            f"--reuid={uid}",
-            f"--regid={gid}",
-            f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
-        ]
-        if context.get("allowPrivilegeEscalation") is False:
-            args.append("--no-new-privs")
-        if "ALL" in context.get("capabilities", {}).get("drop", []):
-            args += ["--inh-caps=-all", "--bounding-set=-all"]
-        return args
-
-    def mount_script(self, pod: Pod, spec: dict, base: Path) -> list[str]:
-        """Shell lines run in the container's new mount namespace: its root filesystem (an overlay of the host's,
-        changes in a tmpfs) and volumes, then its hostname."""
-        q = shlex.quote
-        root, layer = q(str(base / "root")), q(str(base / "layer"))
-        lines = [
-            f"mount -t tmpfs tmpfs {layer}",
-            f"mkdir {layer}/upper {layer}/work",
-            f"mount -t overlay overlay -o lowerdir=/,upperdir={layer}/upper,workdir={layer}/work {root}",
-        ]
-        lines += [f"mount --rbind /{d} {root}/{d}" for d in ("proc", "sys", "dev")]
-        # the image's interpreter is usable by the image's user (the host's Python may live under a private /root)
-        for path in {Path(os.path.realpath(sys.executable)), Path(sys.prefix), Path(__file__).resolve()}:
-            lines += [f"chmod o+x {root}{q(str(d))}" for d in path.parents if not d.stat().st_mode & 0o001]
-        for name in ("hosts", "resolv.conf", "hostname"):  # the kubelet's files (replacing any symlink of the host's)
-            lines.append(f"rm -f {root}/etc/{name} && cp {q(str(pod.directory / name))} {root}/etc/{name}")
-        volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
-        for mount in sorted(spec.get("volumeMounts", []), key=lambda m: m["mountPath"]):
-            source, target = (
-                self.volume_dir(pod, volumes[mount["name"]]) / mount.get("subPath", ""),
-                root + q(mount["mountPath"]),
-            )
-            lines += [f"mkdir -p {target}", f"mount --bind {q(str(source))} {target}"]
-            if mount.get("readOnly"):
-                lines.append(f"mount -o remount,bind,ro {target}")
-        # The image's own files stay visible whatever the volumes cover: in an image they live in /opt/areal, here a
-        # checkout under /tmp (CI's, say) would be hidden by the /tmp emptyDir.
-        for path in sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPOSITORY)}):
-            lines += [
-                f"mkdir -p {root}{q(path)}",
-                f"mount --bind {q(path)} {root}{q(path)}",
-                f"mount -o remount,bind,ro {root}{q(path)}",
-            ]
-        if spec.get("securityContext", {}).get("readOnlyRootFilesystem"):
-            lines.append(f"mount -o remount,bind,ro {root}")
-        return [*lines, f"hostname {q(pod.hostname)}"]
-
-    async def start_container(self, pod: Pod, container: Container) -> asyncio.subprocess.Process:
-        spec = container.spec
-        env = self.container_env(pod, spec)
-        argv = [expand(part, env) for part in [*spec.get("command", []), *spec.get("args", [])]]
-        if not argv:
-            raise ValueError(f"container {spec['name']}: the image has no entrypoint here; give a command")
-        container.env = {**IMAGE_ENV, "HOSTNAME": pod.hostname, **env}
-        container.security = self.security(pod, spec)
-        base = pod.directory / f"{spec['name']}.rootfs"
-        for directory in ("root", "layer"):
-            (base / directory).mkdir(parents=True, exist_ok=True)
-        launch = [
-            *container.security,
-            "env",
-            "-i",
-            "-C",
-            spec.get("workingDir", IMAGE_WORKDIR),
-            *(f"{k}={v}" for k, v in container.env.items()),
-            *argv,
-        ]
-        script = "\n".join(
-            [
-                "set -e",
-                *self.mount_script(pod, spec, base),
-                f"exec chroot {shlex.quote(str(base / 'root'))} {shlex.join(launch)}",
-            ]
-        )
-        with (self.root / "logs" / f"{pod.name}_{spec['name']}.log").open("ab") as log:
-            log.write(f"--- start {container.restarts}\n".encode())
-            log.flush()
-            process = await asyncio.create_subprocess_exec(
-                "ip",
-                "netns",
-                "exec",
-                pod.netns,
-                "unshare",
-                "--mount",
-                "--uts",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                script,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        # The runtime reports the container running once its process is in the container's root, mounts done.
-        while process.returncode is None:
-            with contextlib.suppress(OSError):
-                if os.readlink(f"/proc/{process.pid}/root") != "/":
-                    break
-            await asyncio.sleep(0.05)
-        return process
-
-    async def run_container(self, pod: Pod, container: Container) -> None:
-        """Start, probe and restart one container as its pod's restartPolicy says, until the pod is deleted."""
-        policy = pod.spec.get("restartPolicy", "Always")
-        while not pod.deleted:
-            try:
-                container.process = await self.start_container(pod, container)
-            except PodConfigError as exc:
-                container.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(exc)}}
-                await asyncio.sleep(1)
-                continue
-            container.state = {"running": {}}
-            prober = asyncio.create_task(self.probe(pod, container, asyncio.get_running_loop().time()))
-            code = await container.process.wait()
-            prober.cancel()
-            await asyncio.gather(prober, return_exceptions=True)
-            self.kill_group(container)
-            container.started = container.ready = False
-            container.last_state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}
-            self.publish()
-            if pod.deleted or policy == "Never" or (policy == "OnFailure" and code == 0):
-                container.state = container.last_state
-                return
-            container.restarts += 1
-            delay = (
-                0
-                if container.restarts == 1
-                else min(BACKOFF_SECONDS * 2 ** (container.restarts - 2), MAX_BACKOFF_SECONDS)
-            )
-            container.state = {"waiting": {"reason": "CrashLoopBackOff" if delay else "Restarting"}}
-            await asyncio.sleep(delay)
-
     @staticmethod
     def kill_group(container: Container) -> None:
-        """The container's other processes end with it (a runtime's pid namespace would see to that)."""
-        if container.process:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(container.process.pid, signal.SIGKILL)
-
-    async def stop_container(self, container: Container, grace: float) -> None:
-        process = container.process
-        if process is None or process.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.shield(process.wait()), grace)
-        except TimeoutError:
-            self.kill_group(container)
-
-    # -- probes -------------------------------------------------------------------------------------------------
-
-    async def probe(self, pod: Pod, container: Container, started_at: float) -> None:
-        """The kubelet's probe workers for one running container. Readiness and liveness wait for the startup probe
-        to succeed; the pod sync its result triggers runs the readiness probe at once (prober_manager.go)."""
-        spec = container.spec
-        try:
-            if "startupProbe" in spec and not await self.probe_loop(pod, container, "startup", started_at):
-                return
-            container.started = True
-            if "readinessProbe" not in spec:
-                container.ready = True
-                self.publish()
-            await asyncio.gather(
-                *(
-                    self.probe_loop(pod, container, kind, started_at)
-                    for kind in ("readiness", "liveness")
-                    if f"{kind}Probe" in spec
-                )
-            )
-        except Exception as exc:  # a fault of the harness: say so where a failing test looks
-            container.events.append(f"prober failed: {exc!r}")
-            raise
-
-    async def probe_loop(self, pod: Pod, container: Container, kind: str, started_at: float) -> bool:
-        """Probe every period (initialDelaySeconds counted from the container's start); a result counts once it
-        repeats successThreshold or failureThreshold times. Startup returns True on success; failed startup and
-        liveness probes kill the container (returning False); readiness runs for the container's life."""
-        probe = {**PROBE_DEFAULTS, **container.spec[f"{kind}Probe"]}
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(max(0.0, started_at + probe["initialDelaySeconds"] - loop.time()))
-        last, run = None, 0
-        while True:
-            tick = loop.time()
-            ok, message = await self.probe_once(pod, container, probe)
-            last, run = ok, run + 1 if ok == last else 1
-            if not ok:
-                container.events.append(f"{kind} probe failed: {message}")
-            if run >= probe["successThreshold" if ok else "failureThreshold"]:
-                if kind == "readiness" and container.ready != ok:
-                    container.ready = ok
-                    self.publish()
-                elif kind == "startup" and ok:
-                    return True
-                elif kind != "readiness" and not ok:
-                    container.events.append(f"killed: {kind} probe failed {run} times")
-                    await self.stop_container(container, pod.spec.get("terminationGracePeriodSeconds", 30))
-                    return False
-            await asyncio.sleep(max(0.0, tick + probe["periodSeconds"] - loop.time()))
-
-    async def probe_once(self, pod: Pod, container: Container, probe: dict) -> tuple[bool, str]:
-        if "exec" in probe:
-            return await self.exec_probe(container, probe)
-        network = {k: dict(v) for k, v in probe.items() if k in ("httpGet", "grpc", "tcpSocket")}
-        for action in network.values():  # a named port is the container's port of that name
-            if isinstance(action.get("port"), str):
-                action["port"] = next(
-                    p["containerPort"] for p in container.spec.get("ports", []) if p.get("name") == action["port"]
-                )
-        reply = await self.node.call("probe", probe={**network, "timeoutSeconds": probe["timeoutSeconds"]}, ip=pod.ip)
-        if "error" in reply:
-            raise RuntimeError(f"node agent: {reply['error']}")
-        return reply["ok"], reply["message"]
-
-    async def exec_probe(self, container: Container, probe: dict) -> tuple[bool, str]:
-        """The command inside the container: its namespaces, root, working directory, user and environment.
-        Like the kubelet, `$(VAR)` in it expands only the container's literal env values."""
-        literal = {var["name"]: var["value"] for var in container.spec.get("env", []) if "value" in var}
-        command = [expand(part, literal) for part in probe["exec"]["command"]]
-        process = await asyncio.create_subprocess_exec(
-            "nsenter",
-            f"--target={container.process.pid}",
-            "--mount",
-            "--uts",
-            "--net",
-            "--root",
-            "--wd",
-            *container.security,
-            "env",
-            "-i",
-            *(f"{k}={v}" for k, v in container.env.items()),
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            output, _ = await asyncio.wait_for(process.communicate(), probe["timeoutSeconds"])
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await process.wait()
-            return False, f"timed out after {probe['timeoutSeconds']} s"
-        return process.returncode == 0, f"exit {process.returncode}: {output.decode(errors='replace').strip()[-200:]}"
+        """SIGKILL the container: every process of it (a test's kill; its restart policy brings it back)."""
+        container.runtime.kill(container)
 
     # -- services and the node's view --------------------------------------------------------------------------
 
@@ -771,6 +405,22 @@ class Cluster:
         if "error" in reply:
             raise ConnectionError(reply["error"])
         return controller_pb2.JobStatus.FromString(base64.b64decode(reply["status"]))
+
+    async def grpc_call(self, address: str, method: str, request, reply_type, timeout: float = 60.0):
+        """One gRPC call from the node, as a client in the cluster makes it (the reply, parsed as `reply_type`);
+        raises ConnectionError with the status code and details."""
+        reply = await self.node.call(
+            "unary",
+            address=address,
+            method=method,
+            request=base64.b64encode(request.SerializeToString()).decode(),
+            timeout=timeout,
+        )
+        if "reply" not in reply:
+            raise ConnectionError(
+                f"{method} at {address}: {reply.get('code')}: {reply.get('details', reply.get('error'))}"
+            )
+        return reply_type.FromString(base64.b64decode(reply["reply"]))
 
     async def resolve(self, name: str) -> list[str]:
         """The addresses `name` has from the node, through the cluster DNS (none for an unknown name)."""

@@ -11,6 +11,9 @@ It reads one JSON request per line on stdin and answers one JSON line on stdout,
                                                                   from the node, through the cluster DNS
   {"op": "hand_off", "address": "host:port"}      -> {"version": N} or {"error": "..."}   the operator's own
                                                                   Trainer.SaveCheckpoint(hand_off) call (handlers.py)
+  {"op": "unary", "address": "host:port", "method": "/pkg.Service/Method", "request": base64, "timeout": s}
+                                                  -> {"reply": base64} or {"code", "details"}   one gRPC call, as a
+                                                                  client in the cluster makes it (a test's request)
 NodeAgent starts it (`ip netns exec NODE python kubelet_node.py DNS_IP`) and sends the requests; they run concurrently.
 """
 
@@ -110,6 +113,16 @@ async def hand_off(address: str) -> dict:
         return {"error": f"trainer {address}: {exc.code().name}: {exc.details()}"}
 
 
+async def unary(address: str, method: str, request: str, timeout: float) -> dict:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(method)  # bytes in, bytes out: the caller (de)serializes
+        try:
+            reply = await call(base64.b64decode(request), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            return {"code": exc.code().name, "details": exc.details()}
+    return {"reply": base64.b64encode(reply).decode()}
+
+
 async def answer(request: dict, out: asyncio.Lock) -> None:
     op = request["op"]
     try:
@@ -125,6 +138,8 @@ async def answer(request: dict, out: asyncio.Lock) -> None:
             reply = {"addresses": sorted({address[4][0] for address in found})}
         elif op == "hand_off":
             reply = await hand_off(request["address"])
+        elif op == "unary":
+            reply = await unary(request["address"], request["method"], request["request"], request["timeout"])
         else:
             reply = await job_status(request["address"])
     except Exception as exc:  # a request the agent cannot serve: the harness raises it
