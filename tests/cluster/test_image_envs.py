@@ -118,7 +118,9 @@ def pip_install_arguments(image: Dockerfile, arguments: list[str], plan: Plan) -
     """The Dockerfile's `pip install` arguments with what cannot be had here substituted (each noted)."""
     out, rest = [], iter(arguments)
     for argument in rest:
-        if argument in ("--index-url", "-i", "--extra-index-url"):
+        if argument == "--find-links" and next(rest) == "/wheelhouse":
+            plan.differences.append("torch's wheelhouse (images/wheelhouse) -> the local wheel (pip's constraint)")
+        elif argument in ("--index-url", "-i", "--extra-index-url"):
             url = next(rest)
             if url != image.args.get("TORCH_INDEX_URL"):
                 raise ValueError(f"images/{plan.image}/Dockerfile: an index this test cannot stand in for: {url}")
@@ -193,7 +195,8 @@ def plan_of(name: str) -> Plan | None:
             elif keyword == "COPY" and "--from=" not in arguments:
                 copy_destinations(plan, arguments, workdir)
             elif keyword == "RUN":
-                for segment in re.split(r"\s+&&\s+", arguments.strip()):
+                arguments = re.sub(r"^(--mount=\S+\s+)+", "", arguments.strip())  # a context folder bound: its files
+                for segment in re.split(r"\s+&&\s+", arguments):
                     build_step(image, segment, shell, plan)
         plan.workdir = workdir
     for line in image.final["lines"]:

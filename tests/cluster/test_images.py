@@ -1,6 +1,6 @@
 """images/: one Dockerfile per image the chart, the operator and the examples reference, all on one tag scheme,
 multi-stage, pinned, non-root, with nothing that builds in the final stage, and the slim images install what their
-code imports. No Docker engine here: the Dockerfiles are checked as text (`make images` builds them elsewhere).
+code imports, checked as text (the container tests, tests/cluster/test_containers.py, run the images themselves).
 """
 
 from __future__ import annotations
@@ -82,11 +82,16 @@ class Dockerfile:
                 self.stages[-1]["lines"].append(line)
 
     def expand(self, text: str) -> str:
+        # ${NAME:+word}: the word where the build argument is set and not empty, else nothing
+        text = re.sub(r"\$\{(\w+):\+([^}]*)\}", lambda m: m[2] if self.args.get(m[1]) else "", text)
         return re.sub(r"\$\{?(\w+)\}?", lambda m: self.args.get(m[1], m[0]), text)
 
     @property
     def final(self) -> dict:
         return self.stages[-1]
+
+    def stage(self, name: str) -> dict:
+        return next(stage for stage in self.stages if stage["name"] == name)
 
     def copy_sources(self) -> list[str]:
         out = []
@@ -94,6 +99,8 @@ class Dockerfile:
             for line in stage["lines"]:
                 if line.startswith("COPY ") and "--from=" not in line:
                     out.extend(line.split()[1:-1])
+                # a context folder bound at build time (RUN --mount=type=bind,source=...)
+                out.extend(re.findall(r"^RUN --mount=type=bind,source=([^,\s]+)", line))
         return out
 
 
@@ -201,9 +208,24 @@ def test_dockerfiles_are_multi_stage_pinned_and_non_root(name):
         if "apt-get install" in line:
             assert not BUILD_TOOLS.search(line), f"{name}: build tools in the final stage: {line}"
     assert any(line.startswith("COPY --from=build /opt/areal /opt/areal") for line in final["lines"])
-    assert any("pip uninstall --yes pip" in line for line in image.stages[0]["lines"]), (
-        f"{name}: pip stays in the environment"
-    )
+    assert "pip uninstall --yes pip" in image.stage("build")["lines"][-1], f"{name}: pip stays in the environment"
+
+
+PACKAGE_IMAGES = ("operator", "controller", "reward", "rollout", "cpu")  # those that install the package
+
+
+def test_the_images_share_their_first_stages_layers():
+    """What the builders' layer cache reuses across the images: the package wheel's stage is the same text in
+    every image that installs the package (one `make images` builds the wheel once), and the cpu and rollout images
+    install torch in the same first step of their build stage, before the package (a code change keeps it)."""
+    wheels = {name: dockerfile(name).stages[0] for name in PACKAGE_IMAGES}
+    assert {stage["name"] for stage in wheels.values()} == {"wheel"}
+    assert len({json.dumps(stage["lines"]) for stage in wheels.values()}) == 1, wheels
+    assert any("pip wheel --no-deps --wheel-dir /wheels ." in line for line in wheels["cpu"]["lines"])
+    cpu, rollout = (dockerfile(name).stage("build")["lines"] for name in ("cpu", "rollout"))
+    torch_step = next(i for i, line in enumerate(cpu) if "torch==" in line)
+    assert cpu[: torch_step + 3] == rollout[: torch_step + 3], "their build stages part after the package"
+    assert cpu[torch_step + 1] == "COPY --from=wheel /wheels /wheels"
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
@@ -256,7 +278,7 @@ def test_the_build_context_holds_what_the_dockerfiles_copy(name):
         probe = (
             source
             if (ROOT / source).is_file()
-            else next(str(p.relative_to(ROOT)) for p in (ROOT / source).rglob("*") if p.is_file())
+            else next(str(p.relative_to(ROOT)) for p in sorted((ROOT / source).rglob("*")) if p.is_file())
         )
         assert dockerignore_admits(probe), f"{name}: .dockerignore leaves {source} out of the context"
     assert not dockerignore_admits(".venv/bin/python") and not dockerignore_admits("runs/demo/summary.json")
@@ -284,7 +306,7 @@ def test_slim_image_requirements_carry_the_pyproject_specifiers(name):
         assert requirement.specifier == declared[key].specifier, (
             f"{requirement} differs from pyproject's {declared[key]}"
         )
-    assert "--no-deps /wheels/areal_k8s-*.whl" in " ".join(dockerfile(name).stages[0]["lines"])
+    assert "--no-deps /wheels/areal_k8s-*.whl" in " ".join(dockerfile(name).stage("build")["lines"])
 
 
 def closure(requirements: list[Requirement]) -> set[str]:
@@ -350,10 +372,13 @@ def test_slim_images_install_everything_their_code_imports():
 def test_make_targets_and_scripts():
     makefile = (ROOT / "Makefile").read_text()
     phony = re.search(r"^\.PHONY: (.*)$", makefile, re.M)[1].split()
-    assert {"images", "e2e-kind"} <= set(phony)
+    assert {"images", "python-images", "base-image", "e2e-kind"} <= set(phony)
     assert re.search(r"^images:\n\tbash images/build\.sh$", makefile, re.M)
+    assert re.search(r"^python-images:\n\tbash images/python-images\.sh$", makefile, re.M)
+    assert re.search(r"^base-image:\n\tbash images/base/build\.sh$", makefile, re.M)
     assert re.search(r"^e2e-kind:\n\tbash scripts/e2e-kind\.sh$", makefile, re.M)
-    for script in (IMAGES / "build.sh", ROOT / "scripts" / "e2e-kind.sh"):
+    scripts = [IMAGES / "build.sh", IMAGES / "python-images.sh", IMAGES / "base" / "build.sh", IMAGES / "builder.sh"]
+    for script in (*scripts, ROOT / "scripts" / "e2e-kind.sh"):
         done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     e2e = (ROOT / "scripts" / "e2e-kind.sh").read_text()

@@ -192,11 +192,15 @@ def condition(status: dict, kind: str) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory) -> Path:
-    """The demo's assets, built once for the module's jobs: every pod mounts them read-only."""
-    assets = tmp_path_factory.mktemp("demo") / "assets"
-    build_demo_assets(assets, seed=0, **TINY_ASSETS)
-    for path in [assets, *assets.rglob("*")]:  # as the e2e script's build Job leaves the claim: readable by the pods
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    """The demo's assets, built once for the session's jobs (test_containers.py's too): every pod mounts them
+    read-only."""
+    assets = tmp_path_factory.getbasetemp() / "demo-assets"
+    if not assets.is_dir():
+        building = tmp_path_factory.mktemp("demo") / "assets"
+        build_demo_assets(building, seed=0, **TINY_ASSETS)
+        for path in [building, *building.rglob("*")]:  # as the e2e script's build Job leaves the claim: readable
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        building.rename(assets)
     return assets
 
 
