@@ -35,10 +35,9 @@ from support.kubelet_runtime import REPOSITORY
 from support.seccomp_profiles import allowing, stricter_default
 from test_images import dockerfile
 from test_pods import (  # the example as test_pods.py runs it in the overlay runtime
-    NAMESPACE,
-    chart_redis,
     condition,
     demo_assets,  # noqa: F401 (a fixture)
+    example_cluster,
     no_leftover_namespaces,  # noqa: F401 (an autouse fixture)
     reconcile,
     run_to_the_end,
@@ -102,19 +101,6 @@ def images() -> None:
         pytest.skip(why)
 
 
-async def redis_ready(cluster: Cluster) -> None:
-    for obj in chart_redis():
-        cluster.apply(obj)
-    await cluster.wait_for(
-        lambda: all(
-            p["status"]["conditions"][0]["status"] == "True"
-            for p in cluster.pods_of(NAMESPACE, {"app.kubernetes.io/component": "redis"})
-        ),
-        "the chart's Redis to be ready",
-        timeout=30,
-    )
-
-
 def ready_pods(cluster: Cluster, ready: bool = True) -> dict:
     """The live pods by role (with `ready`, only those ready)."""
     return {
@@ -149,8 +135,7 @@ async def test_the_cpu_example_runs_as_containers_to_completion(tmp_path, demo_a
     job = validate(rljob)
     algorithm = job.config.algorithm
     killed: dict = {}
-    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": demo_assets}, containers=True) as cluster:
-        await redis_ready(cluster)
+    async with example_cluster(tmp_path, demo_assets, containers=True) as cluster:
 
         async def the_pods_run_the_image() -> str:
             """Once they are ready: the reward pod's sandbox starts, the trainer runs the image's package."""
@@ -223,8 +208,7 @@ def role_images_job(reward_seccomp: dict | None = None) -> dict:
 @pytest.mark.timeout(420)
 async def test_each_image_runs_its_role_as_the_operator_runs_it(tmp_path, demo_assets, images):  # noqa: F811
     job = validate(role_images_job())
-    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": demo_assets}, containers=True) as cluster:
-        await redis_ready(cluster)
+    async with example_cluster(tmp_path, demo_assets, containers=True) as cluster:
         status: dict = {}
         deadline = asyncio.get_running_loop().time() + STARTUP_SECONDS
         while condition(status, "Ready") != ("True", "AllReplicasReady"):

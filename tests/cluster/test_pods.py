@@ -205,9 +205,11 @@ def demo_assets(tmp_path_factory) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def example_cluster(tmp_path: Path, assets: Path, **claims: Path):
-    """A node with the demo's assets on their claim (and `claims`, bound already) and the chart's Redis ready."""
-    async with Cluster(tmp_path / "cluster", claims={"areal-demo-assets": assets, **claims}) as cluster:
+async def example_cluster(tmp_path: Path, assets: Path, *, containers: bool = False, **claims: Path):
+    """A node with the demo's assets on their claim (and `claims`, bound already) and the chart's Redis ready; with
+    `containers`, the job's pods run as containers of their images (test_containers.py)."""
+    claims = {"areal-demo-assets": assets, **claims}
+    async with Cluster(tmp_path / "cluster", claims=claims, containers=containers) as cluster:
         for obj in chart_redis():
             cluster.apply(obj)
         await cluster.wait_for(

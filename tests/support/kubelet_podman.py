@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 from typing import BinaryIO
 
-from support.kubelet_runtime import REPOSITORY, communicate
+from support.kubelet_runtime import REPOSITORY, output_of
 from support.kubelet_spec import ContainerConfig, PodConfigError
 
 CONTAINERS_CONF = REPOSITORY / "images" / "containers.conf"  # runc, the host's rlimits (the file says why)
@@ -153,15 +153,7 @@ class PodmanRuntime:
 
     async def exec(self, container, command: list[str], timeout: float) -> tuple[int | None, str]:
         """`podman exec`: the command in the container's namespaces, under its user, env, seccomp and capabilities."""
-        process = await asyncio.create_subprocess_exec(
-            *("podman", "exec", container.name, *command),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=podman_env(),
-        )
-        return await communicate(process, timeout)
+        return await output_of(["podman", "exec", container.name, *command], timeout, podman_env())
 
 
 def sweep_containers(pattern: str, own: bool) -> None:

@@ -173,21 +173,28 @@ class OverlayRuntime:
 
     async def exec(self, container, command: list[str], timeout: float) -> tuple[int | None, str]:
         """The command in the container's namespaces, root, working directory, user and environment."""
-        process = await asyncio.create_subprocess_exec(
-            *("nsenter", f"--target={container.process.pid}", "--mount", "--uts", "--net", "--root", "--wd"),
-            *container.security,
-            *("env", "-i", *(f"{k}={v}" for k, v in container.env.items())),
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        return await output_of(
+            [
+                *("nsenter", f"--target={container.process.pid}", "--mount", "--uts", "--net", "--root", "--wd"),
+                *container.security,
+                *("env", "-i", *(f"{k}={v}" for k, v in container.env.items())),
+                *command,
+            ],
+            timeout,
         )
-        return await communicate(process, timeout)
 
 
-async def communicate(process: asyncio.subprocess.Process, timeout: float) -> tuple[int | None, str]:
-    """The process's exit code and output; after `timeout` s its group is killed and the code is None."""
+async def output_of(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """Run `argv` in a session of its own: its exit code and output; after `timeout` s its group is killed and the
+    code is None."""
+    process = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+    )
     try:
         output, _ = await asyncio.wait_for(process.communicate(), timeout)
     except TimeoutError:
