@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_chart import documents, of_kind, render_files
+from support.chart import documents, of_kind, render_files
 
 pytestmark = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="needs promtool from Debian's prometheus (.ci/run installs it)"

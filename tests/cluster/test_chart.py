@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import functools
 import json
 import re
 import shutil
@@ -20,213 +19,33 @@ import jsonschema
 import kubernetes_validate as kv
 import pytest
 import yaml
-from support.operator_fixtures import CRD_FILE, EXAMPLES, ROOT, rljob
+from support.chart import (
+    CHART,
+    DUMMY_KUBECONFIG,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    REQUIRED_VALUE_SETS,
+    VALUE_SETS,
+    chart,
+    documents,
+    is_hook,
+    kube_validate,
+    notes,
+    of_kind,
+    one,
+    operator_deployment,
+    pod_specs,
+    render_files,
+    rendered,
+    selects,
+)
+from support.operator_fixtures import CRD_FILE, EXAMPLES, ROOT
 
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.__main__ import parse_args as operator_args
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.validation import validate
-
-CHART = ROOT / "charts" / "areal"
-RELEASE, NAMESPACE = "areal", "areal"
-# The chart's kubeVersion floor and the newest schemas kubernetes-validate 1.37 ships.
-KUBE_VERSIONS = ("1.30", "1.37")
-VALUE_SETS = {"default": {}} | {
-    path.name.removesuffix("-values.yaml"): yaml.safe_load(path.read_text())
-    for path in sorted((CHART / "ci").glob("*-values.yaml"))
-}
-REQUIRED_VALUE_SETS = {"default", "external-redis", "monitoring", "multi-namespace"}
-DUMMY_KUBECONFIG = """apiVersion: v1
-kind: Config
-clusters: [{name: none, cluster: {server: "https://127.0.0.1:1"}}]
-users: [{name: none, user: {token: none}}]
-contexts: [{name: none, context: {cluster: none, user: none, namespace: areal}}]
-current-context: none
-"""
-
-# prometheus-operator's PodMonitor is not a built-in kind: this is the part of monitoring.coreos.com/v1 the chart
-# uses, field names and types as in prometheus-operator's CRD, unknown fields rejected (so a typo fails here).
-DURATION = {
-    "type": "string",
-    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
-}
-LABEL_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
-        "matchExpressions": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["key", "operator"],
-                "additionalProperties": False,
-                "properties": {
-                    "key": {"type": "string"},
-                    "operator": {"type": "string"},
-                    "values": {"type": "array", "items": {"type": "string"}},
-                },
-            },
-        },
-    },
-}
-POD_MONITOR_SCHEMA = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PodMonitor"},
-        "metadata": {
-            "type": "object",
-            "required": ["name", "namespace"],
-            "properties": {
-                "name": {"type": "string"},
-                "namespace": {"type": "string"},
-                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-            },
-        },
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": LABEL_SELECTOR,
-                "namespaceSelector": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}},
-                    },
-                },
-                "podMetricsEndpoints": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "properties": {
-                            "port": {"type": "string"},
-                            "path": {"type": "string"},
-                            "scheme": {"type": "string", "enum": ["http", "https", "HTTP", "HTTPS"]},
-                            "interval": DURATION,
-                            "scrapeTimeout": DURATION,
-                            "honorLabels": {"type": "boolean"},
-                        },
-                    },
-                },
-            },
-        },
-    },
-}
-PROMETHEUS_RULE_SCHEMA = {  # the part of prometheus-operator's PrometheusRule CRD the chart writes
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {
-        "apiVersion": {"const": "monitoring.coreos.com/v1"},
-        "kind": {"const": "PrometheusRule"},
-        "metadata": POD_MONITOR_SCHEMA["properties"]["metadata"],
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "groups": {
-                    "type": "array",
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["name", "rules"],
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "rules": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "additionalProperties": False,
-                                    "required": ["expr"],
-                                    "properties": {
-                                        "record": {"type": "string"},
-                                        "alert": {"type": "string"},
-                                        "expr": {"type": "string"},
-                                        "for": DURATION,
-                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
-                                    },
-                                },
-                            },
-                        },
-                    },
-                }
-            },
-        },
-    },
-}
-CUSTOM_SCHEMAS = {
-    ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_SCHEMA,
-    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE_SCHEMA,
-}
-
-
-# -- rendering ---------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def chart() -> helm.Chart:
-    return helm.Chart.load(str(CHART))
-
-
-def render_files(values: dict, *, chart_obj: helm.Chart | None = None, namespace: str = NAMESPACE) -> dict[str, str]:
-    return (chart_obj or chart()).render(copy.deepcopy(values), name=RELEASE, namespace=namespace)
-
-
-def documents(files: dict[str, str]) -> list[dict]:
-    """Every manifest of a render (NOTES.txt is not YAML; a disabled template renders as blank)."""
-    return [
-        doc for path, text in sorted(files.items()) if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc
-    ]
-
-
-@functools.cache
-def _rendered(value_set: str) -> tuple[str, str]:
-    files = render_files(VALUE_SETS[value_set])
-    return json.dumps(documents(files)), files[f"{CHART.name}/templates/NOTES.txt"]
-
-
-def rendered(value_set: str) -> list[dict]:
-    return json.loads(_rendered(value_set)[0])
-
-
-def notes(value_set: str) -> str:
-    return _rendered(value_set)[1]
-
-
-def of_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
-
-
-def one(docs: list[dict], kind: str, name: str, namespace: str | None = None) -> dict:
-    (found,) = [
-        d
-        for d in docs
-        if d["kind"] == kind
-        and d["metadata"]["name"] == name
-        and (namespace is None or d["metadata"].get("namespace") == namespace)
-    ]
-    return found
-
-
-def is_hook(doc: dict) -> bool:
-    return "helm.sh/hook" in doc["metadata"].get("annotations", {})
-
-
-def operator_rbac() -> dict:
-    return yaml.safe_load((ROOT / "operator" / "rbac.yaml").read_text())
-
-
-def permissions(rules: list[dict]) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
 
 
 def test_the_required_value_sets_exist():
@@ -248,18 +67,6 @@ def test_helm_lint_strict_is_clean(value_set):
     assert result["errors"] == []
     # severity 1 is INFO ("icon is recommended"); warnings and errors fail strict lint
     assert [m for m in result["messages"] if m["severity"] > 1] == []
-
-
-@functools.cache
-def kube_validate(doc_json: str, version: str) -> None:
-    """One manifest against the Kubernetes schemas (strict: unknown fields fail); identical documents of several
-    value sets are validated once."""
-    doc = json.loads(doc_json)
-    custom = CUSTOM_SCHEMAS.get((doc["apiVersion"], doc["kind"]))
-    if custom is not None:
-        jsonschema.Draft7Validator(custom).validate(doc)
-    else:
-        kv.validate(doc, version, strict=True)
 
 
 def test_the_validation_is_strict():
@@ -425,10 +232,6 @@ def test_cross_field_mistakes_fail_the_render_with_a_reason(values, message):
 # -- the operator --------------------------------------------------------------------------------------------
 
 
-def operator_deployment(docs: list[dict]) -> dict:
-    return one(docs, "Deployment", f"{RELEASE}-operator")
-
-
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
 def test_the_operator_runs_one_replica_with_flags_it_accepts(value_set):
     values, docs = VALUE_SETS[value_set], rendered(value_set)
@@ -498,320 +301,6 @@ def test_hardened_values_pin_the_image_by_digest_and_pull_with_the_secret():
         == f"{values['tests']['image']['repository']}:{values['tests']['image']['tag']}"
     )
     assert operator_deployment(docs)["spec"]["template"]["spec"]["priorityClassName"] == "system-cluster-critical"
-
-
-def test_cluster_wide_rbac_is_exactly_operator_rbac_yaml():
-    docs = rendered("default")
-    (role,) = [r for r in of_kind(docs, "ClusterRole") if not is_hook(r)]
-    assert role["rules"] == operator_rbac()["rules"]  # the same rules, in the same order
-    assert of_kind(docs, "Role") == [r for r in of_kind(docs, "Role") if is_hook(r)]
-    (binding,) = [b for b in of_kind(docs, "ClusterRoleBinding") if not is_hook(b)]
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-operator", "namespace": NAMESPACE}]
-
-
-def test_watched_namespaces_get_roles_whose_union_with_the_cluster_part_is_operator_rbac_yaml():
-    docs, watched = rendered("multi-namespace"), VALUE_SETS["multi-namespace"]["operator"]["watchNamespaces"]
-    (cluster_role,) = [r for r in of_kind(docs, "ClusterRole") if not is_hook(r)]
-    assert permissions(cluster_role["rules"]) == {
-        ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
-    } | {("kueue.x-k8s.io", "resourceflavors", "get")}
-    roles = {r["metadata"]["namespace"]: r for r in of_kind(docs, "Role") if not is_hook(r)}
-    assert sorted(roles) == sorted(watched)
-    expected = permissions(operator_rbac()["rules"])
-    for namespace, role in roles.items():
-        assert permissions(cluster_role["rules"]) | permissions(role["rules"]) == expected, namespace
-        binding = one(docs, "RoleBinding", role["metadata"]["name"], namespace)
-        assert binding["roleRef"] == {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "Role",
-            "name": role["metadata"]["name"],
-        }
-        assert binding["subjects"][0]["namespace"] == NAMESPACE
-
-
-@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_rbac_has_no_wildcards_and_no_escalation_verbs(value_set):
-    for doc in of_kind(rendered(value_set), "ClusterRole") + of_kind(rendered(value_set), "Role"):
-        for rule in doc["rules"]:
-            for field in ("apiGroups", "resources", "verbs", "resourceNames", "nonResourceURLs"):
-                assert "*" not in rule.get(field, []) and not any("*" in item for item in rule.get(field, [])), (
-                    doc["metadata"]["name"],
-                    rule,
-                )
-            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
-        assert "aggregationRule" not in doc
-
-
-def test_rbac_off_means_no_rbac_objects_of_the_operator():
-    docs = documents(
-        render_files({"rbac": {"create": False}, "operator": {"serviceAccount": {"create": False, "name": "mine"}}})
-    )
-    assert [
-        d for d in docs if d["kind"] in ("ClusterRole", "Role", "ClusterRoleBinding", "RoleBinding") and not is_hook(d)
-    ] == []
-    assert operator_deployment(docs)["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
-    assert [d for d in of_kind(docs, "ServiceAccount") if not is_hook(d)] == []
-
-
-# -- security defaults ---------------------------------------------------------------------------------------
-
-
-def pod_specs(docs: list[dict]) -> list[tuple[str, dict]]:
-    out = []
-    for doc in docs:
-        if doc["kind"] == "Pod":
-            out.append((doc["metadata"]["name"], doc["spec"]))
-        elif doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
-            out.append((doc["metadata"]["name"], doc["spec"]["template"]["spec"]))
-    return out
-
-
-def assert_unprivileged(where: str, pod: dict) -> None:
-    context = pod.get("securityContext", {})
-    assert context.get("runAsNonRoot") is True, f"{where}: runAsNonRoot"
-    assert context.get("runAsUser", 1) != 0, f"{where}: runAsUser 0"
-    assert context.get("seccompProfile") == {"type": "RuntimeDefault"}, f"{where}: seccomp"
-    assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC"), where
-    assert not any("hostPath" in v for v in pod.get("volumes", [])), f"{where}: hostPath"
-    for c in pod.get("initContainers", []) + pod["containers"]:
-        sc = c.get("securityContext", {})
-        assert sc.get("runAsUser", 1) != 0, f"{where}/{c['name']}: runAsUser 0"
-        assert sc.get("allowPrivilegeEscalation") is False, f"{where}/{c['name']}: allowPrivilegeEscalation"
-        assert sc.get("readOnlyRootFilesystem") is True, f"{where}/{c['name']}: readOnlyRootFilesystem"
-        assert sc.get("privileged", False) is False, f"{where}/{c['name']}: privileged"
-        assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{where}/{c['name']}: capabilities"
-        assert not sc.get("capabilities", {}).get("add"), f"{where}/{c['name']}: added capabilities"
-        assert "resources" in c and c["resources"].get("limits", {}).get("memory"), f"{where}/{c['name']}: memory limit"
-
-
-@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
-def test_every_pod_of_the_chart_runs_unprivileged(value_set):
-    pods = pod_specs(rendered(value_set))
-    assert pods
-    for name, pod in pods:
-        assert_unprivileged(f"{value_set}: {name}", pod)
-        assert pod.get("enableServiceLinks") is False, name
-
-
-@pytest.mark.parametrize("example", [p.name for p in EXAMPLES])
-def test_every_pod_the_operator_creates_runs_unprivileged_too(example):
-    made = desired_children(validate(yaml.safe_load((ROOT / "examples" / example).read_text())), running=True)
-    for name, pod in pod_specs(made):
-        context = pod["securityContext"]
-        assert (
-            context["runAsNonRoot"] is True
-            and context["runAsUser"] != 0
-            and context["seccompProfile"]["type"] == "RuntimeDefault"
-        )
-        for c in pod["containers"]:
-            assert (
-                c["securityContext"]["readOnlyRootFilesystem"] is True
-                and c["securityContext"]["allowPrivilegeEscalation"] is False
-            )
-            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}, (name, c["name"])
-    # and they are valid Kubernetes (image volumes, in the GPU example, arrived in 1.31)
-    for doc in made:
-        kube_validate(json.dumps(doc, sort_keys=True), KUBE_VERSIONS[-1])
-
-
-# -- NetworkPolicies, evaluated -------------------------------------------------------------------------------
-
-
-def selects(selector: dict | None, labels: dict) -> bool:
-    if selector is None:
-        return False
-    if not all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()):
-        return False
-    for expression in selector.get("matchExpressions", []):
-        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
-        ok = {
-            "In": labels.get(key) in values,
-            "NotIn": labels.get(key) not in values,
-            "Exists": key in labels,
-            "DoesNotExist": key not in labels,
-        }[operator]
-        if not ok:
-            return False
-    return True
-
-
-def peer_admits(peer: dict, policy_namespace: str, source_namespace: str, source_labels: dict) -> bool:
-    namespace_labels = {"kubernetes.io/metadata.name": source_namespace}
-    if "ipBlock" in peer:
-        return False
-    in_namespace = (
-        selects(peer["namespaceSelector"], namespace_labels)
-        if "namespaceSelector" in peer
-        else source_namespace == policy_namespace
-    )
-    return in_namespace and ("podSelector" not in peer or selects(peer["podSelector"], source_labels))
-
-
-def admitted(docs: list[dict], target: tuple[str, dict], port: tuple[str, int], source: tuple[str, dict]) -> bool:
-    """Does the cluster let `source` (namespace, pod labels) open `port` (name, number) on `target`?"""
-    (target_ns, target_labels), (source_ns, source_labels) = target, source
-    policies = [
-        p
-        for p in of_kind(docs, "NetworkPolicy")
-        if p["metadata"]["namespace"] == target_ns
-        and selects(p["spec"]["podSelector"], target_labels)
-        and "Ingress" in p["spec"]["policyTypes"]
-    ]
-    if not policies:
-        return True  # not isolated
-    for policy in policies:
-        for rule in policy["spec"].get("ingress", []):
-            ports_ok = "ports" not in rule or any(p.get("port") in port for p in rule["ports"])
-            peers_ok = "from" not in rule or any(
-                peer_admits(peer, target_ns, source_ns, source_labels) for peer in rule["from"]
-            )
-            if ports_ok and peers_ok:
-                return True
-    return False
-
-
-def chart_pod(component: str) -> dict:
-    return {
-        "app.kubernetes.io/name": "areal",
-        "app.kubernetes.io/instance": RELEASE,
-        "app.kubernetes.io/component": component,
-    }
-
-
-def job_pod(role: str, job: str = "demo") -> dict:
-    return names.labels(job, role)  # exactly what pod_templates.py puts on the pods
-
-
-REDIS = ("redis", 6379)
-CONTROLLER_GRPC = ("grpc", names.CONTROLLER_PORT)
-METRICS = (names.METRICS_PORT_NAME, names.METRICS_PORT)
-PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
-STRANGER = {"app": "curious"}
-
-
-def test_redis_admits_only_the_job_pods_and_the_operator():
-    docs = rendered("default")
-    redis = (NAMESPACE, chart_pod("redis"))
-    assert admitted(docs, redis, REDIS, (NAMESPACE, job_pod("trainer")))
-    assert admitted(docs, redis, REDIS, (NAMESPACE, job_pod("rollout")))
-    assert admitted(docs, redis, REDIS, (NAMESPACE, chart_pod("operator")))  # the finalizer deletes a job's keys
-    assert admitted(docs, redis, REDIS, ("elsewhere", job_pod("trainer")))  # cluster-wide: jobs anywhere
-    assert not admitted(docs, redis, REDIS, (NAMESPACE, STRANGER))
-    assert not admitted(
-        docs, redis, REDIS, (NAMESPACE, {"app.kubernetes.io/name": "areal-k8s"})
-    )  # not the operator's pod
-    multi = rendered("multi-namespace")
-    assert admitted(multi, redis, REDIS, ("team-b", job_pod("reward")))
-    assert not admitted(multi, redis, REDIS, ("elsewhere", job_pod("reward")))
-
-
-@pytest.mark.parametrize("value_set", ["default", "multi-namespace", "monitoring", "external-redis"])
-def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
-    docs = rendered(value_set)
-    namespaces = (
-        VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
-        or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces")
-        or [NAMESPACE]
-    )
-    policies = {
-        p["metadata"]["namespace"] for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] == f"{RELEASE}-jobs"
-    }
-    assert policies == set(namespaces)
-    for ns in namespaces:
-        controller = (ns, job_pod("controller"))
-        assert admitted(docs, controller, CONTROLLER_GRPC, (ns, job_pod("rollout")))
-        assert admitted(docs, (ns, job_pod("rollout")), ("grpc", names.ROLLOUT_PORT), (ns, job_pod("trainer")))
-        assert admitted(
-            docs, (ns, job_pod("trainer")), ("rendezvous", names.TORCH_RENDEZVOUS_PORT), (ns, job_pod("trainer"))
-        )
-        assert admitted(docs, controller, CONTROLLER_GRPC, (NAMESPACE, chart_pod("operator")))  # the job's status
-        assert not admitted(
-            docs, (ns, job_pod("trainer")), ("grpc", names.TRAINER_PORT), (NAMESPACE, chart_pod("operator"))
-        )
-        assert not admitted(docs, controller, CONTROLLER_GRPC, (ns, STRANGER))
-        assert not admitted(docs, controller, CONTROLLER_GRPC, ("elsewhere", job_pod("rollout")))
-        assert admitted(docs, (ns, job_pod("trainer")), METRICS, PROMETHEUS)
-        assert not admitted(docs, (ns, job_pod("trainer")), CONTROLLER_GRPC, PROMETHEUS)
-
-
-def reward_policies_of_the_operator(namespace: str, *jobs: str) -> list[dict]:
-    """The NetworkPolicy children the operator creates for `jobs` in `namespace` when the chart's are on."""
-    policies = []
-    for job in jobs:
-        body = rljob(job)
-        body["metadata"]["namespace"] = namespace
-        policies += [c for c in desired_children(validate(body), running=True) if c["kind"] == "NetworkPolicy"]
-    return policies
-
-
-@pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
-def test_reward_pods_admit_only_their_own_jobs_pods_on_the_scoring_port_and_reach_nothing(value_set, monkeypatch):
-    docs = rendered(value_set)
-    env = {
-        e["name"]: e.get("value") for e in operator_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]
-    }
-    monkeypatch.setenv(
-        names.NETWORK_POLICIES_ENV, env[names.NETWORK_POLICIES_ENV]
-    )  # the chart switches the operator's on
-    namespaces = (
-        VALUE_SETS[value_set].get("jobs", {}).get("namespaces")
-        or VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces")
-        or [NAMESPACE]
-    )
-    scoring = ("grpc", names.REWARD_PORT)
-    for ns in namespaces:
-        cluster = docs + reward_policies_of_the_operator(ns, "demo", "other")
-        reward = (ns, job_pod("reward", "demo"))
-        for role in ("controller", "rollout", "trainer"):
-            assert admitted(cluster, reward, scoring, (ns, job_pod(role, "demo")))
-            assert not admitted(cluster, reward, scoring, (ns, job_pod(role, "other")))  # another job's pods
-        assert admitted(cluster, (ns, job_pod("reward", "other")), scoring, (ns, job_pod("rollout", "other")))
-        assert not admitted(
-            cluster, reward, ("grpc", names.CONTROLLER_PORT), (ns, job_pod("rollout", "demo"))
-        )  # its only port
-        assert not admitted(cluster, reward, scoring, (ns, STRANGER))
-        assert not admitted(
-            cluster, reward, scoring, (NAMESPACE if ns != NAMESPACE else "elsewhere", job_pod("rollout"))
-        )
-        assert not admitted(cluster, reward, scoring, (NAMESPACE, chart_pod("operator")))
-        assert admitted(cluster, reward, METRICS, PROMETHEUS)
-        # the other job pods keep their policy
-        assert admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, (ns, job_pod("reward")))
-        egress = [
-            p
-            for p in of_kind(cluster, "NetworkPolicy")
-            if p["metadata"]["namespace"] == ns
-            and selects(p["spec"]["podSelector"], job_pod("reward"))
-            and "Egress" in p["spec"]["policyTypes"]
-        ]
-        assert [p["spec"]["egress"] for p in egress] == [[]]  # isolated for egress, and no rule lets anything out
-        assert not any(
-            "Egress" in p["spec"]["policyTypes"]
-            for p in of_kind(cluster, "NetworkPolicy")
-            if selects(p["spec"]["podSelector"], job_pod("trainer"))
-        )
-
-
-def test_without_the_charts_network_policies_the_operator_creates_none(monkeypatch):
-    env = operator_deployment(documents(render_files({"networkPolicy": {"enabled": False}})))["spec"]["template"][
-        "spec"
-    ]["containers"][0]["env"]
-    assert names.NETWORK_POLICIES_ENV not in {e["name"] for e in env}
-    monkeypatch.delenv(names.NETWORK_POLICIES_ENV, raising=False)
-    assert reward_policies_of_the_operator(NAMESPACE, "demo") == []
-
-
-def test_the_operator_admits_only_helm_test():
-    docs = rendered("default")
-    operator = (NAMESPACE, chart_pod("operator"))
-    assert admitted(docs, operator, ("health", 8080), (NAMESPACE, chart_pod("test")))
-    assert not admitted(docs, operator, ("health", 8080), (NAMESPACE, STRANGER))
-
-
-def test_network_policies_can_be_turned_off():
-    assert of_kind(documents(render_files({"networkPolicy": {"enabled": False}})), "NetworkPolicy") == []
-    assert of_kind(rendered("default"), "NetworkPolicy")
 
 
 # -- Redis ---------------------------------------------------------------------------------------------------
