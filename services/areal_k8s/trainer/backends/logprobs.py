@@ -50,7 +50,8 @@ Reduction = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (logi
 
 
 def _chunk_logprobs(head, reduce: Reduction, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    return reduce(head(hidden), targets, temperature)
+    with torch.profiler.record_function("logprobs"):  # (named for the step's profile, its recomputation too)
+        return reduce(head(hidden), targets, temperature)
 
 
 def chunked_target_logprobs(
