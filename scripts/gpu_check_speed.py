@@ -166,14 +166,7 @@ def measure(
             },
         }
     )
-    trainer = Trainer(
-        job=job,
-        store=None,
-        controller=None,
-        tokenizer=AutoTokenizer.from_pretrained(model),
-        eval_items=[],
-        consumer="trainer-0",
-    )
+    trainer = offline_trainer(job, model)
     loading = time.monotonic()
     trainer.backend.load(model)
     trainer.backend.gather_for_push()
@@ -186,6 +179,12 @@ def measure(
     if measurement.profile:
         figures["profile"] = profile_step(trainer, groups, device)
     return figures
+
+
+def offline_trainer(job, model: Path) -> Trainer:
+    """The job's trainer with no stream, controller or engines: its steps are given their groups."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return Trainer(job=job, store=None, controller=None, tokenizer=tokenizer, eval_items=[], consumer="trainer-0")
 
 
 def speed_figures(

@@ -23,6 +23,7 @@ from areal_k8s_testing.synthetic import GROUP_SIZE, make_groups
 from gpu_check_sizes import Sizes
 from gpu_check_speed import (
     memory_kind,
+    offline_trainer,
     peak_memory_mib,
     random_groups,
     release,
@@ -32,7 +33,7 @@ from gpu_check_speed import (
     variants,
 )
 from gpu_smoke import TOLERANCE, scored_batch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.config import parse_job
 from areal_k8s.trainer.backends.backend import make_backend
@@ -64,14 +65,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     )
     groups = make_groups(model, 4)
     batch = scored_batch(groups)
-    trainer = Trainer(
-        job=job,
-        store=None,
-        controller=None,
-        tokenizer=AutoTokenizer.from_pretrained(model),
-        eval_items=[],
-        consumer="trainer-0",
-    )
+    trainer = offline_trainer(job, model)
     engine = trainer.backend
     seconds = {}
     with timed(seconds, "load", device):

@@ -88,3 +88,26 @@ def test_packing_on_megatron_needs_its_fused_attention():
     with pytest.raises(ValueError, match="packing: packed needs megatron_attention: sdpa"):
         TrainerConfig(backend="megatron", packing="packed", megatron_attention="local")
     assert TrainerConfig(backend="megatron", packing="packed").megatron_attention == "sdpa"
+
+
+def test_compiled_layers_score_and_train_as_the_eager_ones(model_path, monkeypatch):
+    """`trainer.compile`: every layer compiled (dynamic shapes: one graph serves rows of any length), the same step.
+    Compiled here through AOTAutograd without Inductor's code generation (`aot_eager`: Inductor takes minutes on
+    these cores); the GPU check measures the compiled layers with Inductor."""
+    compiled = []
+    compile_module = torch.nn.Module.compile
+
+    def with_aot_eager(module, **options):
+        compiled.append(type(module).__name__)
+        return compile_module(module, **options, backend="aot_eager")
+
+    groups = step_groups(model_path, silent_last=False)
+    options = {"micro_batch_tokens": 30, "logprob_chunk_tokens": 7}
+    eager, eager_record = trained_parameters(model_path, groups, **options)
+    monkeypatch.setattr(torch.nn.Module, "compile", with_aot_eager)
+    torch._dynamo.reset()
+    fast, record = trained_parameters(model_path, groups, compile=True, packing="packed", **options)
+    assert compiled == ["Qwen2DecoderLayer"] * 2  # each layer of the tiny model
+    for name, weight in eager.items():
+        torch.testing.assert_close(fast[name], weight, rtol=1e-4, atol=1e-5, msg=name)
+    assert record.loss == pytest.approx(eager_record.loss, rel=1e-5, abs=1e-7)
