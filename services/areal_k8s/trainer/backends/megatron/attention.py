@@ -49,7 +49,10 @@ class SdpaAttention(MegatronModule):
         length, rows = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         allowed = None if attention_mask is None else ~attention_mask
+        groups = q.shape[1] // k.shape[1]
+        if allowed is not None and groups > 1:  # the kernel that takes a mask takes no grouped heads: repeat them
+            k, v, groups = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), 1
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale, enable_gqa=True
+            q, k, v, attn_mask=allowed, is_causal=allowed is None, scale=self.softmax_scale, enable_gqa=groups > 1
         )
         return out.permute(2, 0, 1, 3).reshape(length, rows, -1)
