@@ -37,7 +37,8 @@ from importlib import metadata
 from pathlib import Path
 
 from areal_k8s_testing.random_qwen2 import save_random_qwen2
-from gpu_check_sizes import SIZES, Sizes
+from gpu_check_profile import shares
+from gpu_check_sizes import PART_SIZES, SIZES, Sizes, model_dirs
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
@@ -61,11 +62,11 @@ def part_figures(name: str, device: str, work: Path, seconds: float) -> dict:
     if name != "models" and not (model / "config.json").exists():
         raise RuntimeError("no model: the models part did not build one")
     if name == "models":
-        return build_model(sizes, model)
+        return build_model(sizes, model, device)
     if name in ("megatron", "torch"):
         from gpu_check_training import trainer_part
 
-        return trainer_part(name, device, sizes, model, work)
+        return trainer_part(name, device, sizes, model, work, seconds)
     if name == "logprobs":
         return logprob_part(device, sizes, work)
     if name == "engine":
@@ -77,9 +78,18 @@ def part_figures(name: str, device: str, work: Path, seconds: float) -> dict:
     return arealctl_part(device, sizes, model, work, seconds)
 
 
-def build_model(sizes: Sizes, path: Path) -> dict:
-    model = save_random_qwen2(path, sizes.model, dtype=sizes.model_dtype)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "dtype": sizes.model_dtype}
+def build_model(sizes: Sizes, path: Path, device: str = "cpu") -> dict:
+    """The check's model at `path`, and the speed matrix's other models beside it (gpu_check_sizes.model_dirs), their
+    random weights drawn on `device`."""
+    model = save_random_qwen2(path, sizes.model, dtype=sizes.model_dtype, device=device)
+    figures = {"parameters": sum(p.numel() for p in model.parameters()), "dtype": sizes.model_dtype}
+    del model
+    others = {}
+    for (name, shape), folder in zip(sizes.speed_models[1:], list(model_dirs(sizes, path.parent).values())[1:]):
+        other = save_random_qwen2(folder, shape, dtype=sizes.model_dtype, device=device)
+        others[name] = sum(p.numel() for p in other.parameters())
+        del other
+    return figures | ({"speed_models": others} if others else {})
 
 
 def logprob_part(device: str, sizes: Sizes, work: Path) -> dict:
@@ -256,12 +266,36 @@ def doc_block(report: dict) -> str:
             f" The {names} parts are from reruns (`--parts`), each on a fresh machine of the same kind; the table's "
             "first line gives the last rerun's time."
         )
+    speed = "".join(speed_block(t) for t in trainers if t.get("speed"))
     return (
         f"{DOC_BEGIN}\n`make gpu-check` on one {report['device']} (Python {report['python']}, torch {report['torch']}, "
         f"CUDA {report['cuda']}, megatron-core {report['megatron_core']}, transformers {report['transformers']})."
         f"{reran}"
-        f"\n\n```\n{table(report)}\n```\n\n{hidden}{DOC_END}"
+        f"\n\n```\n{table(report)}\n```\n\n{hidden}{speed}{DOC_END}"
     )
+
+
+def speed_block(part: dict) -> str:
+    """A trainer part's speed matrix (scripts/gpu_check_speed.py) as a table, and its profiles in a line each."""
+    lines = [
+        f"{'model':<6} {'rows':<14} {'configuration':<21} {'tokens/s':>9} {'MFU':>6} {'peak MiB':>9}  status",
+    ]
+    for m in part["speed"]:
+        rows = f"{m['length']:,} {m['rows']}"
+        if m["status"] == "ok":
+            mfu = f"{m['mfu']:.1%}" if m["mfu"] is not None else "-"
+            figures = f"{m['tokens_per_second']:>9,.0f} {mfu:>6} {m['peak_memory_mib']:>9,.0f}  ok"
+        else:
+            figures = f"{'':>9} {'':>6} {'':>9}  {m['status']}" + (f" ({m['reason']})" if "reason" in m else "")
+        lines.append(f"{m['model']:<6} {rows:<14} {m['variant']:<21} {figures}")
+    profiles = "".join(
+        f"- {part['backend']}, {m['variant']} ({m['model']}, rows of {m['length']:,}): one step "
+        f"{m['profile']['step_seconds']:.3g} s; {shares(m['profile'])}\n"
+        for m in part["speed"]
+        if "profile" in m
+    )
+    table_text = "\n".join(lines)
+    return f"\n{part['backend']}, the speed matrix:\n\n```\n{table_text}\n```\n\n{profiles}"
 
 
 def readme_block(report: dict) -> str:
@@ -290,11 +324,16 @@ def trainer_figures(part: dict) -> str:
         + (f" MFU {t['mfu']:.1%}" if t["mfu"] is not None else "")
         for t in part["throughput"]
     )
+    measured = [m for m in part.get("speed", []) if m["status"] == "ok" and m["mfu"] is not None]
+    best = max(measured, key=lambda m: m["mfu"], default=None)
+    fastest = (
+        f"; best MFU {best['mfu']:.1%} ({best['variant']}, {best['model']}, rows of {best['length']:,})" if best else ""
+    )
     return (
         f"{part['precision']}: log-probabilities within {part['max_logprob_error_initial']:.2g} of Hugging Face's "
         f"(after the RL step {part['max_logprob_error_trained']:.2g} with the pushed weights, "
         f"{part['max_logprob_error_vs_master_weights']:.2g} with the master weights; bound {part['tolerance']:g}); "
-        f"RL step {part['phase_seconds']['rl_step']:.2f} s; {speeds}; peak {part['peak_memory_mib']:,.0f} MiB"
+        f"RL step {part['phase_seconds']['rl_step']:.2f} s; {speeds}; peak {part['peak_memory_mib']:,.0f} MiB{fastest}"
     )
 
 
@@ -382,15 +421,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def with_earlier_parts(report: dict, path: Path) -> dict:
     """A rerun of some parts (`--parts`) keeps the other parts of the results file it replaces, where that file was
-    written on the same kind of device with the same sizes; `reran` names the parts this run or an earlier rerun
-    measured."""
+    written on the same kind of device and each kept part's own sizes (gpu_check_sizes.PART_SIZES) are unchanged;
+    `reran` names the parts this run or an earlier rerun measured."""
     if set(report["parts"]) == set(PARTS) or not path.exists():
         return report
     earlier = json.loads(path.read_text())
-    if (earlier.get("device"), earlier.get("sizes")) != (report["device"], json.loads(json.dumps(report["sizes"]))):
+    if earlier.get("device") != report["device"]:
         return report
-    parts = earlier["parts"] | report["parts"]
-    reran = [name for name in PARTS if name in report["parts"] or name in earlier.get("reran", [])]
+    sizes, earlier_sizes = json.loads(json.dumps(report["sizes"])), earlier.get("sizes", {})
+
+    def unchanged(name: str) -> bool:
+        return all(earlier_sizes.get(field) == sizes.get(field) for field in PART_SIZES[name])
+
+    kept = {name: part for name, part in earlier["parts"].items() if name not in report["parts"] and unchanged(name)}
+    parts = kept | report["parts"]
+    reran = [name for name in PARTS if name in report["parts"] or (name in kept and name in earlier.get("reran", []))]
     return report | {"parts": {name: parts[name] for name in PARTS if name in parts}, "reran": reran}
 
 

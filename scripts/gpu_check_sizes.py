@@ -5,8 +5,9 @@ one place without importing each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from areal_k8s_testing.random_qwen2 import QWEN2_5_0_5B, Qwen2Shape
+from areal_k8s_testing.random_qwen2 import QWEN2_5_0_5B, QWEN2_5_1_5B, Qwen2Shape
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,50 @@ class Sizes:
     run_steps: int
     run_new_tokens: int
     budget_seconds: float  # the whole check's
+    # the trainer parts' speed matrix (scripts/gpu_check_speed.py): the models (the first is `model`), their row
+    # lengths, the tokens of one step and of one micro-batch, and how many rows each profile's step takes
+    speed_models: tuple[tuple[str, Qwen2Shape], ...] = ()
+    speed_lengths: tuple[int, ...] = ()
+    speed_tokens: int = 0
+    speed_micro_batch_tokens: int = 0
+    speed_chunk_tokens: int = 0  # the log-probability chunk of the fast configuration
+    speed_compile: bool = False  # measure the compiled layers too (inductor takes minutes on the CPU)
+
+
+# What each part reads of the sizes: a rerun of some parts (`--parts`) keeps another part of the results file it
+# replaces where that part's sizes are unchanged (scripts/gpu_check.py's with_earlier_parts).
+MODEL_SIZES = ("model", "model_dtype")
+TRAINER_SIZES = (
+    *MODEL_SIZES,
+    "precision",
+    "train_lengths",
+    "train_tokens",
+    "micro_batch_tokens",
+    "timed_steps",
+    "engine_dtype",
+    "speed_models",
+    "speed_lengths",
+    "speed_tokens",
+    "speed_micro_batch_tokens",
+    "speed_chunk_tokens",
+    "speed_compile",
+)
+PART_SIZES = {
+    "models": (*MODEL_SIZES, "speed_models"),
+    "megatron": TRAINER_SIZES,
+    "torch": TRAINER_SIZES,
+    "logprobs": ("logprob_tokens", "logprob_hidden", "logprob_vocab", "logprob_chunk"),
+    "engine": (
+        *MODEL_SIZES,
+        "engine_dtype",
+        "engine_batches",
+        "engine_context",
+        "engine_contexts",
+        "engine_context_batch",
+        "engine_steps",
+    ),
+    "run": (*MODEL_SIZES, "precision", "run_steps", "run_new_tokens"),
+}
 
 
 SIZES = {
@@ -55,6 +100,12 @@ SIZES = {
         run_steps=10,
         run_new_tokens=64,
         budget_seconds=420,
+        speed_models=(("0.5B", QWEN2_5_0_5B), ("1.5B", QWEN2_5_1_5B)),
+        speed_lengths=(4096, 16384),
+        speed_tokens=32768,
+        speed_micro_batch_tokens=16384,
+        speed_chunk_tokens=4096,
+        speed_compile=True,
     ),
     "cpu": Sizes(
         model=Qwen2Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
@@ -77,5 +128,19 @@ SIZES = {
         run_steps=10,
         run_new_tokens=8,
         budget_seconds=240,
+        speed_models=(
+            ("tiny", Qwen2Shape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)),
+            ("tiny-wide", Qwen2Shape(hidden=96, intermediate=192, layers=2, heads=6, kv_heads=2)),
+        ),
+        speed_lengths=(32,),
+        speed_tokens=128,
+        speed_micro_batch_tokens=64,
+        speed_chunk_tokens=32,
     ),
 }
+
+
+def model_dirs(sizes: Sizes, work: Path) -> dict[str, Path]:
+    """Where the models part saves each speed model (by name): the first is the check's own model."""
+    names = [name for name, _ in sizes.speed_models]
+    return {name: work / ("model" if index == 0 else f"model-{name}") for index, name in enumerate(names)}

@@ -3,39 +3,49 @@
 The backend loads the model the models part saved and scores a batch of the synthetic groups (trainer/step/
 synthetic.py), compared with the Hugging Face model's float32 log-probabilities; trains one RL step on them with the
 trainer's own `Trainer.train_step`; its exported weights, in the dtype pushed to the engines, loaded into the Hugging
-Face model must score the batch as the backend does. Then its throughput: `Trainer.train_step` on random sequences of
-each length, one warm-up step and `timed_steps` timed ones; the model FLOPs per token are 6·N + 12·layers·hidden·length
-(N the parameters, a tied output layer counted once; PaLM's appendix B), utilisation their rate over the device's dense
-bf16 peak.
+Face model must score the batch as the backend does. The fast configuration (packed rows through the variable-length
+kernel, no activation checkpointing: gpu_check_speed.variants) must score the batch as Hugging Face's model does too.
+Then its throughput in the job's default configuration: `Trainer.train_step` on random sequences of each length, one
+warm-up step and `timed_steps` timed ones; the model FLOPs per token are 6·N + 12·layers·hidden·length (N the
+parameters, a tied output layer counted once; PaLM's appendix B), utilisation their rate over the device's dense bf16
+peak. Last, within the part's time, the speed matrix (scripts/gpu_check_speed.py): both models, both row lengths,
+each technique on and off, and a profile of a step of the first run's path and of the fast one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import random
-import resource
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from areal_k8s_testing.synthetic import GROUP_SIZE, make_groups
 from gpu_check_sizes import Sizes
+from gpu_check_speed import (
+    memory_kind,
+    offline_trainer,
+    peak_memory_mib,
+    random_groups,
+    release,
+    speed_figures,
+    speed_matrix,
+    timed,
+    variants,
+)
 from gpu_smoke import TOLERANCE, scored_batch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from areal_k8s.common.config import parse_job
-from areal_k8s.common.store import StreamEntry
-from areal_k8s.common.trajectory import Trajectory
+from areal_k8s.trainer.backends.backend import make_backend
 from areal_k8s.trainer.backends.logprobs import token_logprobs
 from areal_k8s.trainer.loop.trainer import Trainer
-from areal_k8s.trainer.step.batching import Group
 
-PROMPT_TOKENS = 16  # of each throughput sequence (not trained on)
+RESERVE_SECONDS = 15  # of the part's share, kept for writing its results
 
 
-def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Path) -> dict:
+def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Path, share: float = 0.0) -> dict:
+    """The part's figures; `share`: its share of the check's time in seconds (0: no speed matrix)."""
+    deadline = time.monotonic() + share - RESERVE_SECONDS
     job = parse_job(
         {
             "name": f"gpu-check-{backend}",
@@ -55,14 +65,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     )
     groups = make_groups(model, 4)
     batch = scored_batch(groups)
-    trainer = Trainer(
-        job=job,
-        store=None,
-        controller=None,
-        tokenizer=AutoTokenizer.from_pretrained(model),
-        eval_items=[],
-        consumer="trainer-0",
-    )
+    trainer = offline_trainer(job, model)
     engine = trainer.backend
     seconds = {}
     with timed(seconds, "load", device):
@@ -74,7 +77,8 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     after = engine.token_logprobs(batch)
     reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(engine.device).eval()
     parameters = sum(p.numel() for p in reference.parameters())
-    initial_error = max_difference(before, reference, batch, engine.device)
+    expected = reference_logprobs(reference, batch, engine.device)
+    initial_error = max_difference(before, expected, batch)
     initial = {name: tensor.float().cpu() for name, tensor in reference.state_dict().items()}
     master = {name: tensor.float() for name, tensor in engine.named_weights_for_push(torch.float32)}
     moved = max((master[name].cpu() - initial[name]).abs().max().item() for name in master)
@@ -85,9 +89,9 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
         {name: tensor.float() for name, tensor in engine.named_weights_for_push(getattr(torch, sizes.engine_dtype))},
         strict=not reference.config.tie_word_embeddings,
     )
-    trained_error = max_difference(after, reference, batch, engine.device)
+    trained_error = max_difference(after, reference_logprobs(reference, batch, engine.device), batch)
     reference.load_state_dict(master, strict=not reference.config.tie_word_embeddings)
-    master_error = max_difference(after, reference, batch, engine.device)
+    master_error = max_difference(after, reference_logprobs(reference, batch, engine.device), batch)
     del master, initial
     config = reference.config
     del reference
@@ -95,6 +99,10 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     throughput = [
         measure_throughput(trainer, device, sizes, length, parameters, config) for length in sizes.train_lengths
     ]
+    del trainer, engine
+    release(device)
+    fast_error = fast_logprobs_error(job, sizes, model, batch, expected)
+    speed = speed_matrix(backend, device, sizes, work, deadline) if share else []
     tolerance = TOLERANCE[sizes.precision]
     return {
         "backend": backend,
@@ -104,6 +112,7 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
         "parameters": parameters,
         "tolerance": tolerance,
         "max_logprob_error_initial": initial_error,
+        "max_logprob_error_fast": fast_error,
         "max_logprob_error_trained": trained_error,
         "pushed_dtype": sizes.engine_dtype,
         "max_logprob_error_vs_master_weights": master_error,
@@ -115,8 +124,11 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
         "throughput": throughput,
         "peak_memory_mib": max(peak, *(t["peak_memory_mib"] for t in throughput)),
         "memory": memory_kind(device),
+        "speed": speed,
         "checks": {
             "logprobs_match_hugging_face": initial_error <= tolerance,
+            "fast_logprobs_match_hugging_face": fast_error <= tolerance,
+            "speed_ran": all(m["status"] in ("ok", "out of memory", "skipped") for m in speed),
             "trained_weights_score_alike": trained_error <= tolerance,
             "step_is_finite": math.isfinite(record.loss) and math.isfinite(record.grad_norm),
             "step_moved_the_weights": moved > 0,
@@ -124,105 +136,36 @@ def trainer_part(backend: str, device: str, sizes: Sizes, model: Path, work: Pat
     }
 
 
-def max_difference(logprobs: torch.Tensor, reference, batch: dict[str, torch.Tensor], device: torch.device) -> float:
-    """The largest |backend − Hugging Face| log-probability over the batch's real tokens."""
+def reference_logprobs(reference, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The Hugging Face model's log-probabilities of the batch (on the CPU)."""
     with torch.no_grad():
-        expected = token_logprobs(
-            reference, batch["input_ids"].to(device), batch["attention_mask"].to(device), 1.0, 1024
-        ).cpu()
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        return token_logprobs(reference, ids, mask, 1.0, 1024).cpu()
+
+
+def max_difference(logprobs: torch.Tensor, expected: torch.Tensor, batch: dict[str, torch.Tensor]) -> float:
+    """The largest |backend − Hugging Face| log-probability over the batch's real tokens."""
     real = batch["attention_mask"][:, 1:].bool()
     return (logprobs - expected)[real].abs().max().item()
 
 
+def fast_logprobs_error(job, sizes: Sizes, model: Path, batch: dict, expected: torch.Tensor) -> float:
+    """The fast configuration's log-probabilities of the batch against Hugging Face's: on a GPU, the variable-length
+    FlashAttention kernel's numbers (a frozen backend, as the KL reference is)."""
+    fast = job.model_copy(update={"trainer": job.trainer.model_copy(update=variants(sizes)["fast"])})
+    scorer = make_backend(fast, trainable=False)
+    scorer.load(model)
+    error = max_difference(scorer.token_logprobs(batch), expected, batch)
+    del scorer
+    release(job.trainer.device)
+    return error
+
+
 def measure_throughput(trainer: Trainer, device: str, sizes: Sizes, length: int, parameters: int, config) -> dict:
+    """The job's own configuration at one sequence length: the first run's figures."""
     rows = max(GROUP_SIZE, sizes.train_tokens // length // GROUP_SIZE * GROUP_SIZE)
-    groups = random_groups(rows // GROUP_SIZE, length, config.vocab_size)
-    reset_peak_memory(device)
-    trainer.train_step(groups)  # warm-up: kernels chosen, allocator grown
-    seconds: dict[str, float] = {}
-    for index in range(sizes.timed_steps):
-        with timed(seconds, str(index), device):
-            trainer.train_step(groups)
-    steps = list(seconds.values())
-    tokens, step = rows * length, statistics.median(steps)
-    flops = tokens * (6 * parameters + 12 * config.num_hidden_layers * config.hidden_size * length)
-    peak = peak_flops(device)
-    return {
-        "length": length,
-        "rows": rows,
-        "step_seconds": steps,
-        "tokens_per_second": round(tokens / step, 1),
-        "model_tflops_per_second": round(flops / step / 1e12, 2),
-        "mfu": round(flops / step / peak, 4) if peak else None,
-        "peak_memory_mib": peak_memory_mib(device),
-    }
-
-
-def random_groups(count: int, length: int, vocab: int, seed: int = 0) -> list[Group]:
-    """`count` groups of GROUP_SIZE random sequences of `length` tokens whose rewards differ within each group, so
-    that every row trains. Their behaviour log-probabilities are the uniform policy's: a random model's are close to
-    it, and only the step's time is measured on them."""
-    rng = random.Random(seed)
-    uniform = -math.log(vocab)
-    groups = []
-    for g in range(count):
-        entries = []
-        for i in range(GROUP_SIZE):
-            tokens = [rng.randrange(1, vocab) for _ in range(length)]
-            trajectory = Trajectory(
-                trajectory_id=f"r{g}-{i}",
-                group_id=f"r{g}",
-                token_ids=tokens,
-                prompt_length=PROMPT_TOKENS,
-                logprobs=[0.0] * PROMPT_TOKENS + [uniform] * (length - PROMPT_TOKENS),
-                versions=[-1] * PROMPT_TOKENS + [0] * (length - PROMPT_TOKENS),
-                loss_mask=[False] * PROMPT_TOKENS + [True] * (length - PROMPT_TOKENS),
-                reward=float(i % 2),
-            )
-            entries.append(StreamEntry(f"r{g}-{i}", f"r{g}", 0, 0, 0, g, trajectory))
-        groups.append(Group(f"r{g}", 0, g, tuple(entries)))
-    return groups
-
-
-@contextlib.contextmanager
-def timed(seconds: dict, name: str, device: str):
-    """Adds the wall time of its block to `seconds[name]`, the device's queued work included."""
-    synchronize(device)
-    started = time.perf_counter()
-    yield
-    synchronize(device)
-    seconds[name] = round(time.perf_counter() - started, 3)
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def peak_flops(device: str) -> float | None:
-    """The device's dense bf16 peak by the vendor's datasheets (SXM parts; an H100's PCIe and NVL forms run lower),
-    None where unknown."""
-    if device != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    if "H100" in name and ("PCIe" in name or "NVL" in name):
-        return 756e12 if "PCIe" in name else 835e12
-    if any(chip in name for chip in ("H100", "H200", "H800")):
-        return 989.4e12
-    return None
-
-
-def reset_peak_memory(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_memory_mib(device: str) -> float:
-    """Since the last reset: the GPU memory PyTorch allocated; on the CPU the process's maximum resident set."""
-    if device == "cuda":
-        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
-def memory_kind(device: str) -> str:
-    return "GPU memory allocated by PyTorch" if device == "cuda" else "the process's maximum resident set"
+    lengths = [length] * rows
+    groups = random_groups(lengths, GROUP_SIZE, config.vocab_size)
+    figures = speed_figures(trainer, groups, device, sizes.timed_steps, lengths, parameters, config)
+    kept = ("step_seconds", "tokens_per_second", "model_tflops_per_second", "mfu", "peak_memory_mib")
+    return {"length": length, "rows": rows} | {key: figures[key] for key in kept}

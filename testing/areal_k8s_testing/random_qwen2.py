@@ -38,9 +38,24 @@ QWEN2_5_0_5B = Qwen2Shape(
 )
 
 
-def save_random_qwen2(path: Path, shape: Qwen2Shape, *, dtype: str = "float32", seed: int = 0):
-    """A Qwen2ForCausalLM of `shape` (random weights drawn with `seed`) and the byte tokenizer, saved under `path`
-    with its weights in `dtype` (a torch dtype's name); returns the model."""
+# Qwen2.5-1.5B's config.json: 1.54B parameters
+QWEN2_5_1_5B = Qwen2Shape(
+    hidden=1536,
+    intermediate=8960,
+    layers=28,
+    heads=12,
+    kv_heads=2,
+    vocab=151936,
+    tied=True,
+    max_positions=32768,
+    rope_theta=1_000_000.0,
+)
+
+
+def save_random_qwen2(path: Path, shape: Qwen2Shape, *, dtype: str = "float32", seed: int = 0, device: str = "cpu"):
+    """A Qwen2ForCausalLM of `shape` (random weights drawn with `seed` on `device`: a GPU draws a 1.5B model's in
+    a moment, the CPU in a minute) and the byte tokenizer, saved under `path` with its weights in `dtype` (a torch
+    dtype's name); returns the model, on the CPU."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -62,7 +77,9 @@ def save_random_qwen2(path: Path, shape: Qwen2Shape, *, dtype: str = "float32", 
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config)
+    model = model.to("cpu", getattr(torch, dtype)).eval()
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model

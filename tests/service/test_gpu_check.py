@@ -19,6 +19,8 @@ from areal_k8s.simulator.scenario import load_scenario
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))  # the parts import each other as the script's folder's modules
+import gpu_check_profile  # noqa: E402
+
 PARTS = ["models", "megatron", "torch", "logprobs", "engine", "run"]
 
 
@@ -60,7 +62,40 @@ def test_both_trainer_backends_score_as_hugging_face_and_report_their_speed(chec
             assert speed["tokens_per_second"] > 0 and speed["rows"] * speed["length"] <= sizes["train_tokens"]
             assert speed["mfu"] is None  # no dense bf16 peak is known for a CPU
         assert part["peak_memory_mib"] > 0
+        assert part["max_logprob_error_fast"] <= 1e-4  # packed rows, no checkpointing: the same log-probabilities
     assert all(report["parts"][backend]["activation_checkpointing"] for backend in ("megatron", "torch"))
+
+
+def test_both_trainer_backends_measure_their_speed_matrix_and_profile_a_step(checked):
+    """The speed matrix (scripts/gpu_check_speed.py): the planned configurations in order, each measured (or skipped
+    for the time left, never the first two), on both models; the first run's path and the fast one profiled, their
+    time split by what the model computes (scripts/gpu_check_profile.py)."""
+    import gpu_check
+    import gpu_check_speed
+
+    report, _, _ = checked
+    sizes = gpu_check.SIZES["cpu"]
+    planned = gpu_check_speed.plan(sizes)
+    for backend in ("megatron", "torch"):
+        speed = report["parts"][backend]["speed"]
+        assert [(m["model"], m["length"], m["rows"], m["variant"]) for m in speed] == [
+            (p.model, p.length, p.rows, p.variant) for p in planned
+        ]
+        assert all(m["status"] in ("ok", "skipped") for m in speed) and speed[0]["status"] == speed[1]["status"] == "ok"
+        for m in speed:
+            if m["status"] == "ok":
+                assert m["tokens"] == sum(gpu_check_speed.row_lengths(m["length"], m["rows"], sizes.speed_tokens))
+                assert m["tokens_per_second"] > 0 and m["mfu"] is None and m["peak_memory_mib"] > 0
+        assert {m["model"] for m in speed} == {name for name, _ in sizes.speed_models}
+        for measured in speed[:2]:
+            profile = measured["profile"]
+            assert set(profile["seconds"]) == set(gpu_check_profile.CATEGORIES)
+            # the model's own work is found where it is: the layers, the log-probabilities, the optimizer
+            assert min(profile["seconds"][name] for name in ("attention", "mlp", "logprobs", "optimizer")) > 0
+            assert profile["busy_seconds"] <= profile["step_seconds"] + 1e-3
+        # activation checkpointing recomputes in the backward: the first run's path does, the fast one not
+        baseline, fast = (m["profile"]["seconds"]["recompute"] for m in speed[:2])
+        assert baseline > 0 and fast == 0, (baseline, fast)
 
 
 def test_in_bf16_the_trained_weights_are_compared_as_the_engines_receive_them(tmp_path):
@@ -102,6 +137,9 @@ def test_a_rerun_of_some_parts_keeps_the_others_from_the_results_file_it_replace
     assert again["reran"] == ["models", "run"]  # an earlier rerun's parts stay named
     elsewhere = {**rerun, "device": "NVIDIA H100 80GB HBM3"}
     assert gpu_check.with_earlier_parts(elsewhere, results) == elsewhere
+    # a part whose own sizes changed is not kept; the others are
+    resized = {**rerun, "sizes": {**report["sizes"], "engine_batches": [1, 2]}}
+    assert list(gpu_check.with_earlier_parts(resized, results)["parts"]) == [n for n in PARTS if n != "engine"]
 
 
 def write(folder: Path, report: dict) -> Path:

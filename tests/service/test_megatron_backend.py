@@ -142,6 +142,7 @@ def job_for(
     replicas: int = 1,
     pipeline: int = 1,
     recompute: bool = False,
+    trainer: dict | None = None,
     **algorithm,
 ):
     return job_config(
@@ -157,6 +158,7 @@ def job_for(
             "parallelism": {"tensor": tensor, "pipeline": pipeline},
             "micro_batch_tokens": 40,
             "gradient_checkpointing": recompute,
+            **(trainer or {}),
         },
     )
 
@@ -219,21 +221,43 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    "family,tied,tensor,pipeline,replicas,recompute",
+    "family,tied,tensor,pipeline,replicas,recompute,trainer",
     [
-        ("qwen2", False, 1, 1, 1, False),
-        ("llama", False, 1, 1, 1, False),
-        ("qwen2", False, 1, 1, 2, False),
-        ("qwen2", False, 2, 1, 2, True),  # the vocabulary (259) padded to split over the ranks; gradient_checkpointing:
+        ("qwen2", False, 1, 1, 1, False, None),
+        ("qwen2", False, 1, 1, 1, False, {"megatron_attention": "local"}),  # megatron-core's unfused attention
+        ("qwen3", False, 2, 1, 2, True, {"packing": "packed"}),  # packed rows (thd) through the fused attention
+        ("llama", True, 1, 2, 2, False, {"packing": "packed"}),  # packed rows passed between pipeline stages
+        ("llama", False, 1, 1, 1, False, None),
+        ("qwen2", False, 1, 1, 2, False, None),
+        (
+            "qwen2",
+            False,
+            2,
+            1,
+            2,
+            True,
+            None,
+        ),  # the vocabulary (259) padded to split over the ranks; gradient_checkpointing:
         # every layer recomputed in the backward
-        ("qwen3", False, 2, 1, 2, False),  # the query/key norms applied per head: each rank's share of their gradient
+        (
+            "qwen3",
+            False,
+            2,
+            1,
+            2,
+            False,
+            None,
+        ),  # the query/key norms applied per head: each rank's share of their gradient
         # summed
-        ("llama", True, 1, 2, 2, False),  # one layer per stage, several micro-batches in flight (1F1B); the tied
+        ("llama", True, 1, 2, 2, False, None),  # one layer per stage, several micro-batches in flight (1F1B); the tied
         # embedding held by both end stages, their gradients summed
-        ("qwen3", False, 2, 2, 4, False),  # tensor × pipeline: four ranks
+        ("qwen3", False, 2, 2, 4, False, None),  # tensor × pipeline: four ranks
     ],
     ids=[
         "qwen2-tp1",
+        "qwen2-tp1-local-attention",
+        "qwen3-tp2-packed-recomputed",
+        "llama-tied-pp2-packed",
         "llama-tp1",
         "qwen2-dp2",
         "qwen2-tp2-recomputed",
@@ -243,12 +267,13 @@ def step_on_rank(rank: int, size: int, port: int, job, groups, out: Path) -> Non
     ],
 )
 def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
-    models, ranks, tmp_path, family, tied, tensor, pipeline, replicas, recompute
+    models, ranks, tmp_path, family, tied, tensor, pipeline, replicas, recompute, trainer
 ):
     """Split over tensor-, pipeline- or data-parallel ranks, the `megatron` backend's log-probabilities equal the
     Hugging Face model's (1e-4), and one step of the same objective on the same batch (decoupled PPO with GRPO
     advantages, several micro-batches per rank) gives the loss, gradient norm and updated weights of the `torch`
-    backend on one rank; with its layers' activations recomputed in the backward (`gradient_checkpointing`) too."""
+    backend on one rank; with its layers' activations recomputed in the backward (`gradient_checkpointing`) too,
+    with megatron-core's own attention in the place of the fused one, and on packed rows (`packing: packed`)."""
     model_path = models(family, tied)
     groups = make_groups(model_path, 4)
     torch.set_num_threads(1)
@@ -261,6 +286,7 @@ def test_it_scores_as_the_hugging_face_model_and_steps_as_the_torch_backend(
         pipeline=pipeline,
         replicas=replicas,
         recompute=recompute,
+        trainer=trainer,
     )
     ranks.spawn(step_on_rank, args=(replicas, free_port("127.0.0.1"), job, groups, tmp_path), nprocs=replicas)
     ranks = [torch.load(tmp_path / f"step{rank}.pt", weights_only=False) for rank in range(replicas)]

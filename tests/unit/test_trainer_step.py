@@ -15,7 +15,14 @@ from areal_k8s.trainer.step.batching import Group
 from areal_k8s.trainer.step.collation import collate, split_minibatches
 
 GROUPS, SAMPLES = 3, GROUP_SIZE
-TRAINER_OPTIONS = ("micro_batch_tokens", "logprob_chunk_tokens", "precision", "gradient_checkpointing")
+TRAINER_OPTIONS = (
+    "micro_batch_tokens",
+    "logprob_chunk_tokens",
+    "precision",
+    "gradient_checkpointing",
+    "packing",
+    "compile",
+)
 
 
 model_path = tiny_qwen2_fixture("trainer-step", seed=3)

@@ -129,6 +129,21 @@ class LossStats:
     tokens: int = 0
 
 
+@dataclass(frozen=True)
+class PendingLossStats:
+    """LossStats not yet read from the device: the sums they are means of (tokens first), [7] float32."""
+
+    sums: torch.Tensor
+
+    @staticmethod
+    def read(sums: Sequence[float]) -> LossStats:
+        """The LossStats of sums read back (`sums.tolist()`)."""
+        tokens, *totals = sums
+        count = max(tokens, 1)
+        names = [f.name for f in fields(LossStats) if f.name != "tokens"]
+        return LossStats(**{name: total / count for name, total in zip(names, totals)}, tokens=int(tokens))
+
+
 def merge_loss_stats(parts: Sequence[LossStats]) -> LossStats:
     """Micro-batch stats combined into the batch's: token-weighted means, tokens summed."""
     total = sum(p.tokens for p in parts)
@@ -161,7 +176,8 @@ def decoupled_ppo_loss(
     decoupled: bool = True,
     ratio_level: str = "token",
     weight_ceiling: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
+    defer_stats: bool = False,
+) -> tuple[torch.Tensor, LossStats | PendingLossStats]:
     """Decoupled PPO (AReaL Eq. 5): Σ_mask w·max(−Â·u, −Â·clip(u, 1−ε, 1+ε_high)) / normaliser.
 
     u = π_θ/π_prox is the trust-region ratio and w = π_prox/π_behav the behaviour importance weight, both per token;
@@ -178,7 +194,8 @@ def decoupled_ppo_loss(
       log π_θ − log π_anchor), with Â averaged over the sequence, clipped once per sequence and applied to each token.
 
     `normaliser` is chosen by the caller for the whole batch (see `loss_normaliser`), so micro-batch losses add up to
-    the full-batch loss.
+    the full-batch loss. `defer_stats`: the stats stay on the loss's device (`PendingLossStats`), for the caller to
+    read once its step's work is queued; else they are read here.
     """
     if cap_mode not in CAP_MODES:
         raise ValueError(f"unknown cap_mode {cap_mode!r}; expected one of {CAP_MODES}")
@@ -236,18 +253,19 @@ def decoupled_ppo_loss(
     # 5. Weighted, masked, and divided by the caller's batch-wide normaliser.
     loss = torch.where(keep, per_token * weight, 0.0).sum() / normaliser
 
-    with torch.no_grad():
-        tokens = int(mask.sum())
-        count = max(tokens, 1)
-        stats = LossStats(
-            clip_fraction=float(((clipped > unclipped) & keep).sum()) / count,
-            approx_kl=float(torch.where(mask, -token_log_ratio, 0.0).sum()) / count,
-            importance_weight_mean=float(torch.where(mask, ratio, 0.0).sum()) / count,
-            behaviour_weight_mean=float(torch.where(mask, raw_weight, 0.0).sum()) / count,
-            capped_fraction=float(over_cap.sum()) / count,
-            dual_clip_fraction=float((dual_clipped & keep).sum()) / count,
-            tokens=tokens,
-        )
+    with torch.no_grad():  # one tensor: read with the step's other figures, not one host wait per figure
+        sums = torch.stack(
+            [
+                mask.sum(),
+                ((clipped > unclipped) & keep).sum(),
+                torch.where(mask, -token_log_ratio, 0.0).sum(),
+                torch.where(mask, ratio, 0.0).sum(),
+                torch.where(mask, raw_weight, 0.0).sum(),
+                over_cap.sum(),
+                (dual_clipped & keep).sum(),
+            ]
+        ).float()
+    stats = PendingLossStats(sums) if defer_stats else PendingLossStats(sums).read(sums.tolist())
     return loss, stats
 
 

@@ -55,6 +55,24 @@ class TrainerConfig(Section):
         description="Tokens whose logits are computed at once when scoring tokens: peak memory is "
         "O(chunk × vocab) instead of O(tokens × vocab), in training (recomputed in backward) and recomputation alike.",
     )
+    packing: Literal["padded", "packed"] = Field(
+        "padded",
+        description="How a micro-batch's sequences reach the model: `padded`, rows of its longest sequence's length "
+        "(the padding computed, then masked), or `packed`, laid end to end in one row with variable-length attention "
+        "(FlashAttention's kernel in torch on a GPU in bf16, a block-diagonal mask elsewhere), `micro_batch_tokens` "
+        "then counting real tokens. The log-probabilities and the update are the same either way.",
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer layer (one compilation serves every layer; it runs in the first "
+        "steps). Pays where the compiler fuses kernels (a GPU), costs its compile time everywhere.",
+    )
+    megatron_attention: Literal["sdpa", "local"] = Field(
+        "sdpa",
+        description="`megatron`: the layers' core attention. `sdpa`: PyTorch's fused scaled_dot_product_attention "
+        "(FlashAttention or cuDNN on a GPU; packed rows through the variable-length kernel); `local`: megatron-core's "
+        "own unfused DotProductAttention, which holds [rows × heads × L × L] scores (it cannot take packed rows).",
+    )
     push_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="dtype of the weights pushed to the rollout engines; `auto`: the one the engines serve (their "
@@ -80,7 +98,8 @@ class TrainerConfig(Section):
     )
     micro_batch_tokens: Annotated[int, Field(ge=1)] = Field(
         16384,
-        description="Padded tokens per forward/backward micro-batch; gradients accumulate to the full-batch loss.",
+        description="Tokens per forward/backward micro-batch (padding counted, unless `packing: packed`); gradients "
+        "accumulate to the full-batch loss.",
     )
     checkpoint_interval: Annotated[int, Field(ge=1)] = Field(
         1, description="Checkpoint every k steps; stream entries are acknowledged only once their step is checkpointed."
@@ -109,6 +128,10 @@ class TrainerConfig(Section):
         if split > 1 and self.backend != "megatron":
             raise ValueError(
                 "parallelism.tensor/pipeline > 1 needs backend: megatron (the torch backend is data parallel)"
+            )
+        if self.packing == "packed" and self.backend == "megatron" and self.megatron_attention == "local":
+            raise ValueError(
+                "packing: packed needs megatron_attention: sdpa (megatron-core's own attention is unfused)"
             )
         if self.replicas % split:
             raise ValueError(

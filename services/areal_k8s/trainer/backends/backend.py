@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -24,12 +25,14 @@ from pathlib import Path
 import torch
 
 from areal_k8s.common.config import JobConfig
-from areal_k8s.trainer.algorithm import LossStats
+from areal_k8s.trainer.algorithm import LossStats, PendingLossStats
+from areal_k8s.trainer.backends.rows import to_device
 from areal_k8s.trainer.world import world_rank_and_size
 
 MicroBatch = dict[str, torch.Tensor]
-# (log-probabilities [rows, L − 1] with gradient, the micro-batch on the backend's device) -> (loss, its stats)
-LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, LossStats]]
+# (log-probabilities [rows, L − 1] with gradient, the micro-batch on the backend's device) -> (loss, its stats, read
+# or still on the device)
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, LossStats | PendingLossStats]]
 
 BACKENDS = {  # trainer.backend -> its TrainBackend
     "torch": "areal_k8s.trainer.backends.torch:TorchBackend",
@@ -48,6 +51,24 @@ class MinibatchResult:
     seconds: dict[str, float]
 
 
+def read_figures(
+    losses: Sequence[torch.Tensor], stats: Sequence[LossStats | PendingLossStats], grad_norm: torch.Tensor
+) -> tuple[list[float], list[LossStats], float]:
+    """A minibatch's losses, stats and gradient norm read from the device in one transfer, once its optimizer step is
+    queued: the step's only wait for the device (an `.item()` per figure in the micro-batch loop was a wait each, the
+    device idle while the host queued the next kernels)."""
+    tensors = [loss.detach().float().reshape(1) for loss in losses]
+    tensors += [s.sums for s in stats if isinstance(s, PendingLossStats)]
+    tensors.append(grad_norm.detach().float().reshape(1))
+    values = iter(torch.cat([t.to(grad_norm.device) for t in tensors]).tolist())
+    read_losses = list(itertools.islice(values, len(losses)))
+    read_stats = [
+        PendingLossStats.read(list(itertools.islice(values, len(s.sums)))) if isinstance(s, PendingLossStats) else s
+        for s in stats
+    ]
+    return read_losses, read_stats, next(values)
+
+
 class PhaseClock:
     """Adds up wall time per phase: `with clock("optimizer"): ...`."""
 
@@ -58,7 +79,8 @@ class PhaseClock:
     def __call__(self, phase: str):
         started = time.monotonic()
         try:
-            yield
+            with torch.profiler.record_function(f"phase:{phase}"):  # (for the step's profile)
+                yield
         finally:
             self.add({phase: time.monotonic() - started})
 
@@ -98,7 +120,7 @@ class TrainBackend(ABC):
         return contextlib.nullcontext()
 
     def _on_device(self, micro_batch: MicroBatch) -> MicroBatch:
-        return {name: tensor.to(self.device) for name, tensor in micro_batch.items()}
+        return {name: to_device(tensor, self.device) for name, tensor in micro_batch.items()}
 
     def _new_optimizer(self, parameters) -> torch.optim.Optimizer:
         algorithm = self.job.algorithm

@@ -11,8 +11,12 @@ that wrap it (FSDP's gathering of sharded weights) run for every chunk and its r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from areal_k8s.trainer.backends.rows import PackedRows, PaddedRows
 
 
 class _TargetLogprobs(torch.autograd.Function):
@@ -37,25 +41,76 @@ class _TargetLogprobs(torch.autograd.Function):
         return grad_logits, None, None
 
 
-def _chunk_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    # float32 for the reduction, whatever the compute dtype
-    return _TargetLogprobs.apply(head(hidden).float(), targets, temperature)
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[target] per row, in float32 whatever the compute dtype."""
+    return _TargetLogprobs.apply(logits.float(), targets, temperature)
+
+
+Reduction = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (logits, targets, T) -> log-probabilities
+
+
+def _chunk_logprobs(head, reduce: Reduction, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    with torch.profiler.record_function("logprobs"):  # (named for the step's profile, its recomputation too)
+        return reduce(head(hidden), targets, temperature)
 
 
 def chunked_target_logprobs(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float, chunk_tokens: int
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    reduce: Reduction = target_logprobs,
 ) -> torch.Tensor:
-    """log softmax(head(hidden) / T)[target] for flat hidden states [N, H] and targets [N]: [N], float32."""
+    """`reduce(head(hidden), targets, T)` for flat hidden states [N, H] and targets [N], `chunk_tokens` rows at a time:
+    [N], float32. A lone chunk is not recomputed: its logits are as large as the forward's anyway. `reduce`: the
+    softmax over the vocabulary (megatron's vocab-parallel one over a sharded output layer)."""
     chunks = []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
-            chunks.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
-        else:
-            chunks.append(_chunk_logprobs(head, h, t, temperature))
+    with torch.profiler.record_function("logprobs"):  # (a name for the step's profile: scripts/gpu_check_profile.py)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+            if torch.is_grad_enabled() and hidden.shape[0] > chunk_tokens:
+                chunks.append(checkpoint(_chunk_logprobs, head, reduce, h, t, temperature, use_reentrant=False))
+            else:
+                chunks.append(_chunk_logprobs(head, reduce, h, t, temperature))
     return torch.cat(chunks) if chunks else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def rows_logprobs(
+    head: torch.nn.Module,
+    rows: PaddedRows | PackedRows,
+    hidden: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_tokens: int,
+    reduce: Reduction = target_logprobs,
+) -> torch.Tensor:
+    """The log-probabilities [rows, L − 1] of the scored tokens of `rows`, from the model's final hidden states for
+    them (batch first: [rows, L, H] padded, [1, T, H] packed); 0 where nothing is scored."""
+    scored, targets = rows.scored_hidden(hidden)
+    values = chunked_target_logprobs(
+        head, scored, targets, temperature=temperature, chunk_tokens=chunk_tokens, reduce=reduce
+    )
+    return rows.scatter(values)
+
+
+def hf_logprobs(model, rows: PaddedRows | PackedRows, temperature: float, chunk_tokens: int) -> torch.Tensor:
+    """`rows_logprobs` of a Hugging Face causal LM (loaded with attention.HF_PACKED for packed rows)."""
+    backbone, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
+    # no KV cache: scoring never decodes on, and a cache would keep every layer's keys and values alive
+    if isinstance(rows, PackedRows):
+        inputs = {
+            "input_ids": rows.input_ids,
+            "position_ids": rows.position_ids,
+            # FlashAttention's keyword arguments, which the model passes on to its attention implementation
+            **{f"cu_seq_lens_{side}": rows.cu_seqlens for side in "qk"},
+            **{f"max_length_{side}": rows.max_length for side in "qk"},
+        }
+    else:
+        inputs = {"input_ids": rows.input_ids, "attention_mask": rows.attention_mask}
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state
+    return rows_logprobs(head, rows, hidden, temperature=temperature, chunk_tokens=chunk_tokens)
 
 
 def token_logprobs(
@@ -63,11 +118,4 @@ def token_logprobs(
 ) -> torch.Tensor:
     """log π(token_t | tokens_<t) for t = 1..L−1 of a right-padded Hugging Face causal LM batch, under the engine's
     convention softmax(logits / T): [rows, L − 1], 0 where token t is padding (never scored)."""
-    backbone, head = getattr(model, model.base_model_prefix), model.get_output_embeddings()
-    # no KV cache: scoring never decodes on, and a cache would keep every layer's keys and values alive
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state[:, :-1]
-    scored = attention_mask[:, 1:].bool()
-    values = chunked_target_logprobs(
-        head, hidden[scored], input_ids[:, 1:][scored], temperature=temperature, chunk_tokens=chunk_tokens
-    )
-    return torch.zeros(scored.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
+    return hf_logprobs(model, PaddedRows.of(input_ids, attention_mask), temperature, chunk_tokens)

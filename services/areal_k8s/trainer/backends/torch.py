@@ -27,8 +27,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from areal_k8s.trainer.backends.backend import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainBackend
-from areal_k8s.trainer.backends.logprobs import token_logprobs
+from areal_k8s.trainer.backends.attention import register_hf_packed_attention
+from areal_k8s.trainer.backends.backend import (
+    LossFn,
+    MicroBatch,
+    MinibatchResult,
+    PhaseClock,
+    TrainBackend,
+    read_figures,
+)
+from areal_k8s.trainer.backends.logprobs import hf_logprobs
+from areal_k8s.trainer.backends.rows import PackedRows, PaddedRows, rows_of
 from areal_k8s.trainer.world import gather_from_ranks
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -42,8 +51,8 @@ class _Scorer(torch.nn.Module):
         super().__init__()
         self.model, self.backend = model, backend
 
-    def forward(self, micro_batch: MicroBatch) -> torch.Tensor:
-        return self.backend._logprobs(micro_batch, self.model)
+    def forward(self, rows: PaddedRows | PackedRows) -> torch.Tensor:
+        return self.backend._logprobs(rows, self.model)
 
 
 class TorchBackend(TrainBackend):
@@ -55,7 +64,14 @@ class TorchBackend(TrainBackend):
 
     def load(self, model_path: str | Path) -> None:
         torch.manual_seed(self.job.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
+        # packed rows attend through the variable-length kernel (attention.py); padded ones through PyTorch's SDPA
+        attention = register_hf_packed_attention() if self.job.trainer.packing == "packed" else "sdpa"
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=attention
+        ).to(self.device)
+        if self.job.trainer.compile:  # each layer a graph of its own: one compilation serves them all
+            for layer in getattr(self.model, self.model.base_model_prefix).layers:
+                layer.compile(dynamic=True)
         if not self.trainable:
             self.model.eval().requires_grad_(False)
             return
@@ -75,20 +91,21 @@ class TorchBackend(TrainBackend):
             )
         self.optimizer = self._new_optimizer(self.model.parameters())
 
-    def _logprobs(self, micro_batch: MicroBatch, model=None) -> torch.Tensor:
+    def _rows(self, micro_batch: MicroBatch) -> PaddedRows | PackedRows:
+        """The rows the model reads of a micro-batch (on the host), packed or padded as `trainer.packing` says, on the
+        device: where their scored tokens are is worked out before anything waits on the device."""
+        rows = rows_of(micro_batch["input_ids"], micro_batch["attention_mask"], self.job.trainer.packing)
+        return rows.to(self.device)
+
+    def _logprobs(self, rows: PaddedRows | PackedRows, model=None) -> torch.Tensor:
         with self._compute():
-            return token_logprobs(
-                self.model if model is None else model,
-                micro_batch["input_ids"],
-                micro_batch["attention_mask"],
-                self.job.sampling.temperature,
-                self.job.trainer.logprob_chunk_tokens,
-            )
+            model = self.model if model is None else model
+            return hf_logprobs(model, rows, self.job.sampling.temperature, self.job.trainer.logprob_chunk_tokens)
 
     @torch.no_grad()
     def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         self.model.eval()
-        return self._logprobs(self._on_device(micro_batch)).cpu()
+        return self._logprobs(self._rows(micro_batch)).cpu()
 
     def train_minibatch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, lr: float) -> MinibatchResult:
         self.model.train()
@@ -98,22 +115,24 @@ class TorchBackend(TrainBackend):
         losses, stats = [], []
         for index, micro_batch in enumerate(micro_batches):
             with clock("forward_backward"), self._accumulating(last=index == len(micro_batches) - 1):
-                micro_batch = self._on_device(micro_batch)
-                scored = self.replicated(micro_batch) if self.replicated else self._logprobs(micro_batch)
-                loss, loss_stats = loss_fn(scored, micro_batch)
+                rows, micro_batch = self._rows(micro_batch), self._on_device(micro_batch)
+                scored = self.replicated(rows) if self.replicated else self._logprobs(rows)
+                with torch.profiler.record_function("loss"):
+                    loss, loss_stats = loss_fn(scored, micro_batch)
                 # DDP averages the ranks' gradients; the losses are already divided by the whole minibatch's
                 # normaliser, so the gradients must add up instead.
                 (loss * self.world_size).backward()
-            losses.append(loss.item())
+            losses.append(loss)
             stats.append(loss_stats)
+        with clock("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.algorithm.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses, stats, grad_norm = read_figures(losses, stats, grad_norm)
         if self.world_size > 1:
             with clock("forward_backward"):  # the result is the whole minibatch's
                 ranks = gather_from_ranks((sum(losses), stats))
             losses, stats = [loss for loss, _ in ranks], [s for _, rank_stats in ranks for s in rank_stats]
-        with clock("optimizer"):
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.algorithm.max_grad_norm))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         return MinibatchResult(loss=sum(losses), stats=stats, grad_norm=grad_norm, seconds=clock.seconds)
 
     def _accumulating(self, last: bool):

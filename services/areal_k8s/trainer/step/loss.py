@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from areal_k8s.common.config import AlgorithmConfig
-from areal_k8s.trainer.algorithm import LossStats, decoupled_ppo_loss, kl_penalty, loglinear_proximal_logprobs
+from areal_k8s.trainer.algorithm import (
+    LossStats,
+    PendingLossStats,
+    decoupled_ppo_loss,
+    kl_penalty,
+    loglinear_proximal_logprobs,
+)
 from areal_k8s.trainer.backends.backend import LossFn, MicroBatch
 
 
@@ -14,7 +20,7 @@ def loss_fn(algorithm: AlgorithmConfig, normaliser: float, version: int) -> Loss
     """The objective of one micro-batch of the step that trains `version`, divided by its minibatch's `normaliser` so
     the micro-batch losses add up to the minibatch's."""
 
-    def loss(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossStats]:
+    def loss(logprobs: torch.Tensor, micro_batch: MicroBatch) -> tuple[torch.Tensor, LossStats | PendingLossStats]:
         value, stats = decoupled_ppo_loss(
             logprobs,
             proximal_logprobs(algorithm, micro_batch, logprobs, version),
@@ -30,6 +36,7 @@ def loss_fn(algorithm: AlgorithmConfig, normaliser: float, version: int) -> Loss
             decoupled=algorithm.decoupled,
             ratio_level="sequence" if algorithm.name == "gspo" else "token",
             weight_ceiling=stale_weight_ceiling(algorithm, micro_batch["versions"], version),
+            defer_stats=True,  # read with the minibatch's other figures (backend.read_figures)
         )
         if algorithm.kl_coef > 0:
             value = value + kl_penalty(

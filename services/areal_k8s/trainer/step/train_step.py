@@ -138,11 +138,17 @@ class TrainStep:
         self, batch: dict[str, torch.Tensor], rows: list[int], lengths: list[int], masked: bool = False
     ) -> list[MicroBatch]:
         """`rows` packed first-fit-decreasing into token-budgeted micro-batches (`masked`: with no loss token)."""
-        packed = first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens)
+        packed = self.budgeted([lengths[i] for i in rows])
         micro_batches = [take_rows(batch, [rows[i] for i in micro], lengths) for micro in packed]
         for micro_batch in micro_batches if masked else []:
             micro_batch["loss_mask"] = torch.zeros_like(micro_batch["loss_mask"])
         return micro_batches
+
+    def budgeted(self, lengths: list[int]) -> list[list[int]]:
+        """Micro-batches of sequences with these lengths within `micro_batch_tokens`: counted with their padding, or
+        (`packing: packed`, where a backend computes none) without."""
+        trainer = self.job.trainer
+        return first_fit_decreasing(lengths, trainer.micro_batch_tokens, padded=trainer.packing == "padded")
 
     def batch_logprobs(
         self, backend: TrainBackend, batch: dict[str, torch.Tensor], lengths: list[int], rows: list[int]
@@ -150,7 +156,7 @@ class TrainStep:
         """Token logprobs of `rows` under `backend`'s policy (no gradient), computed in micro-batches:
         [batch rows, L − 1], zero on the other rows."""
         result = torch.zeros_like(batch["behaviour_logprobs"])
-        for micro in first_fit_decreasing([lengths[i] for i in rows], self.job.trainer.micro_batch_tokens):
+        for micro in self.budgeted([lengths[i] for i in rows]):
             selected = [rows[i] for i in micro]
             logprobs = backend.token_logprobs(take_rows(batch, selected, lengths))
             result[selected, : logprobs.shape[1]] = logprobs

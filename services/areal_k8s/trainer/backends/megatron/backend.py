@@ -36,7 +36,15 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import AutoConfig
 
-from areal_k8s.trainer.backends.backend import LossFn, MicroBatch, MinibatchResult, PhaseClock, TrainBackend
+from areal_k8s.trainer.backends.backend import (
+    LossFn,
+    MicroBatch,
+    MinibatchResult,
+    PhaseClock,
+    TrainBackend,
+    read_figures,
+)
+from areal_k8s.trainer.backends.logprobs import rows_logprobs
 from areal_k8s.trainer.backends.megatron import cpu
 from areal_k8s.trainer.backends.megatron.checkpoint import (
     OPTIMIZER_FILE,
@@ -56,7 +64,14 @@ from areal_k8s.trainer.backends.megatron.gradients import (
 )
 from areal_k8s.trainer.backends.megatron.model import Layout, Stage, attention_mask, build_gpt
 from areal_k8s.trainer.backends.megatron.sharding import Sharding
+from areal_k8s.trainer.backends.rows import PackedRows, PaddedRows, rows_of
 from areal_k8s.trainer.world import COLLECTIVE_TIMEOUT
+
+
+def _output_logits(output_layer, tied_weight, hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer's logits (this rank's slice of the vocabulary) of hidden states [N, H]."""
+    logits, _ = output_layer(hidden, weight=tied_weight)
+    return logits
 
 
 def initialise_parallel_state(layout: Layout, seed: int, device: torch.device) -> None:
@@ -124,6 +139,8 @@ class MegatronBackend(TrainBackend):
                 self.stage,
                 self.device,
                 recompute=self.trainable and self.job.trainer.gradient_checkpointing,
+                attention=self.job.trainer.megatron_attention,
+                compile_layers=self.job.trainer.compile,
             ).to(self.device)
         self.sharding = Sharding(
             self.model,
@@ -158,23 +175,65 @@ class MegatronBackend(TrainBackend):
 
     # -- scoring and training --------------------------------------------------------------------------------------
 
-    def _forward(self, micro_batch: MicroBatch) -> torch.Tensor:
-        """This stage's output: the next stage's input, or on the last stage the logits (this rank's vocabulary
-        slice). A later stage takes its input from the schedule, not from `input_ids`."""
-        input_ids, attention = micro_batch["input_ids"], micro_batch["attention_mask"]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        with self._compute():
-            return self.model(input_ids, positions, attention_mask(attention))
+    def _inputs(self, micro_batch: MicroBatch) -> tuple[MicroBatch, PaddedRows | PackedRows, dict]:
+        """A micro-batch (on the host) on the device, its rows as the model reads them (`trainer.packing`), and the
+        model's keyword arguments for them: all worked out before anything waits on the device."""
+        rows = rows_of(micro_batch["input_ids"], micro_batch["attention_mask"], self.job.trainer.packing)
+        if isinstance(rows, PackedRows):
+            from megatron.core.packed_seq_params import PackedSeqParams
 
-    def _logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """log π(token_t | tokens_<t) at the sampling temperature, [rows, L − 1], computed vocab-parallel."""
+            device_rows = rows.to(self.device)
+            # megatron-core's rotary embedding of packed rows splits them by the host copy of their bounds (given
+            # as the "padded" bounds, which it prefers): from device ones it would wait for the device in every layer
+            packing = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=device_rows.cu_seqlens,
+                cu_seqlens_kv=device_rows.cu_seqlens,
+                cu_seqlens_q_padded=rows.cu_seqlens,
+                cu_seqlens_kv_padded=rows.cu_seqlens,
+                max_seqlen_q=rows.max_length,
+                max_seqlen_kv=rows.max_length,
+            )
+            arguments = {"position_ids": device_rows.position_ids, "attention_mask": None, "packed_seq_params": packing}
+            return self._on_device(micro_batch), device_rows, arguments
+        rows = rows.to(self.device)
+        length = rows.input_ids.shape[1]
+        # the fused attention needs no mask where no row is padded (causal only); megatron-core's own always does
+        causal_only = rows.full and self.job.trainer.megatron_attention == "sdpa"
+        arguments = {
+            "position_ids": torch.arange(length, device=self.device).expand_as(rows.input_ids),
+            "attention_mask": None if causal_only else attention_mask(rows.attention_mask),
+        }
+        return self._on_device(micro_batch), rows, arguments
+
+    def _forward(self, rows: PaddedRows | PackedRows, arguments: dict) -> torch.Tensor:
+        """This stage's output: the next stage's input, or on the last stage the final hidden states. A later stage
+        takes its input from the schedule, not from `input_ids`."""
+        with self._compute():
+            return self.model(rows.input_ids, **arguments)
+
+    def _logprobs(self, hidden: torch.Tensor, rows: PaddedRows | PackedRows) -> torch.Tensor:
+        """log π(token_t | tokens_<t) at the sampling temperature, [rows, L − 1], from the last stage's hidden states
+        [L, rows, H]: the output layer a chunk of tokens at a time, each chunk's softmax vocab-parallel."""
+        tied = self.model.shared_embedding_or_output_weight() if self.shape.tied else None
+        with self._compute():
+            return rows_logprobs(
+                functools.partial(_output_logits, self.model.output_layer, tied),
+                rows,
+                hidden.transpose(0, 1),
+                temperature=self.job.sampling.temperature,
+                chunk_tokens=self.job.trainer.logprob_chunk_tokens,
+                reduce=self._vocab_parallel_logprobs,
+            )
+
+    def _vocab_parallel_logprobs(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float):
         from megatron.core import tensor_parallel
 
-        logits = logits[:, :-1].float() / self.job.sampling.temperature
+        logits = logits.float() / temperature  # (a copy: the padding below is written into it)
         padding = self._vocab_padding(logits.shape[-1])
         if padding:  # the padded rows are no tokens: no probability
             logits[..., -padding:] = float("-inf")
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits, input_ids[:, 1:])
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
 
     def _vocab_padding(self, rows_here: int) -> int:
         """How many of this rank's output rows pad the vocabulary (they all sit at the end of the last rank's)."""
@@ -183,17 +242,19 @@ class MegatronBackend(TrainBackend):
 
     def _schedule(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn | None) -> list:
         """megatron-core's forward-backward schedule over the micro-batches; without `loss_fn`, forward only. On the
-        last stage each micro-batch's logits become log-probabilities and, when training, the loop's loss, whose
-        backward the schedule runs back through the stages. Returns, on every rank of the pipeline, what the last
-        stage reported per micro-batch: (loss, stats) when training, else the log-probabilities on the CPU."""
+        last stage each micro-batch's hidden states become log-probabilities and, when training, the loop's loss,
+        whose backward the schedule runs back through the stages. Returns what the last stage reported per
+        micro-batch (the others: nothing): (loss, stats) on the device when training, else the log-probabilities on
+        the CPU."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        batches = [self._on_device(micro_batch) for micro_batch in micro_batches]
+        batches = [self._inputs(micro_batch) for micro_batch in micro_batches]
 
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
-            return self._forward(micro_batch), functools.partial(self._report, micro_batch, loss_fn)
+            micro_batch, rows, arguments = next(data_iterator)
+            return self._forward(rows, arguments), functools.partial(self._report, micro_batch, rows, loss_fn)
 
+        first = batches[0][1].input_ids
         with cpu.on_cpu():
             reports = get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -202,29 +263,34 @@ class MegatronBackend(TrainBackend):
                 num_microbatches=len(batches),
                 forward_only=loss_fn is None,
                 # the shapes of each micro-batch's activations go along with them (variable_seq_lengths)
-                seq_length=batches[0]["input_ids"].shape[1],
-                micro_batch_size=batches[0]["input_ids"].shape[0],
+                seq_length=first.shape[1],
+                micro_batch_size=first.shape[0],
             )
-        if self.layout.pipeline > 1:
-            shared = [reports if self.stage.last else None]
-            dist.broadcast_object_list(shared, group_src=self.layout.pipeline - 1, group=self.pipeline_group)
-            reports = shared[0]
-        return reports
+        return reports if self.stage.last else []
 
-    def _report(self, micro_batch: MicroBatch, loss_fn: LossFn | None, logits: torch.Tensor):
+    def _from_last_stage(self, reported):
+        """What the last pipeline stage holds, on every stage."""
+        if self.layout.pipeline == 1:
+            return reported
+        shared = [reported if self.stage.last else None]
+        dist.broadcast_object_list(shared, group_src=self.layout.pipeline - 1, group=self.pipeline_group)
+        return shared[0]
+
+    def _report(self, micro_batch: MicroBatch, rows, loss_fn: LossFn | None, hidden: torch.Tensor):
         """The schedule's loss function: (loss, a token count the schedule only adds up, what it keeps for us).
         The loss is not divided by the schedule (calculate_per_token_loss): the loop's is batch-wide already."""
-        logprobs = self._logprobs(logits, micro_batch["input_ids"])
+        logprobs = self._logprobs(hidden, rows)
         count = torch.tensor(1, dtype=torch.int)
         if loss_fn is None:
             return logprobs.new_zeros(()), count, logprobs.cpu()
-        loss, stats = loss_fn(logprobs, micro_batch)
-        return loss, count, (loss.item(), stats)
+        with torch.profiler.record_function("loss"):
+            loss, stats = loss_fn(logprobs, micro_batch)
+        return loss, count, (loss.detach(), stats)
 
     @torch.no_grad()
     def token_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
         self.model.eval()
-        (logprobs,) = self._schedule([micro_batch], None)
+        (logprobs,) = self._from_last_stage(self._schedule([micro_batch], None))
         return logprobs
 
     def train_minibatch(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *, lr: float) -> MinibatchResult:
@@ -234,18 +300,22 @@ class MegatronBackend(TrainBackend):
         clock = PhaseClock()
         with clock("forward_backward"):
             reports = self._schedule(micro_batches, loss_fn) if micro_batches else []
-            losses, stats = [loss for loss, _ in reports], [loss_stats for _, loss_stats in reports]
             complete_replicated_gradients(self.model, self.layout, self.tensor_group)
             sum_tied_embedding_gradients(self.model, self.layout, self.stage)
             sum_gradients_over_replicas(self.model, self.data_size, self.data_group)
-            if self.data_size > 1:  # the result is the whole minibatch's (every rank of a replica has the same)
-                replicas: list = [None] * self.data_size
-                dist.all_gather_object(replicas, (sum(losses), stats), group=self.data_group)
-                losses, stats = [loss for loss, _ in replicas], [s for _, replica in replicas for s in replica]
         with clock("optimizer"):
             grad_norm = clip_gradients(self.model, self.layout, self.job.algorithm.max_grad_norm, self.device)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            losses, stats, grad_norm = read_figures(
+                [loss for loss, _ in reports], [loss_stats for _, loss_stats in reports], grad_norm
+            )
+        with clock("forward_backward"):  # the result is the whole minibatch's, on every rank
+            losses, stats = self._from_last_stage((losses, stats))
+            if self.data_size > 1:
+                replicas: list = [None] * self.data_size
+                dist.all_gather_object(replicas, (sum(losses), stats), group=self.data_group)
+                losses, stats = [loss for loss, _ in replicas], [s for _, replica in replicas for s in replica]
         return MinibatchResult(loss=sum(losses), stats=stats, grad_norm=grad_norm, seconds=clock.seconds)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------

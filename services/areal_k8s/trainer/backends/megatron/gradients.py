@@ -50,21 +50,19 @@ def sum_gradients_over_replicas(model, data_size: int, data_group) -> None:
         gradient.copy_(summed)
 
 
-def clip_gradients(model, layout: Layout, max_norm: float, device: torch.device) -> float:
+def clip_gradients(model, layout: Layout, max_norm: float, device: torch.device) -> torch.Tensor:
     """Clip to `max_norm` by the norm of the whole model's gradient (every stage's, each tensor once: a tied output
-    layer's copy not counted); returns the norm before clipping."""
+    layer's copy not counted); returns the norm before clipping, on the device (nothing here waits for it)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     parameters = [p for p in model.parameters() if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for p in parameters:
-        if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False):
-            squares += p.grad.float().pow(2).sum()
+    counted = [
+        p.grad for p in parameters if param_is_not_tensor_parallel_duplicate(p) and not getattr(p, "shared", False)
+    ]
+    squares = torch.nn.utils.get_total_norm(counted).square() if counted else torch.zeros((), device=device)
     if layout.tensor * layout.pipeline > 1:
         dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
-    norm = float(squares.sqrt())
-    if norm > max_norm:
-        for p in parameters:
-            p.grad.mul_(max_norm / (norm + 1e-6))
+    norm = squares.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm

@@ -2,8 +2,10 @@
 layout.
 
 The local (Megatron-core only) layer spec everywhere: it runs on CPU and GPU alike without Transformer Engine, and its
-parameter names are the ones convert/ maps. Dropout is off (RL fine-tuning trains without it, and the rollout
-engines sample without it), and every fusion that needs a CUDA kernel is off.
+parameter names are the ones convert/ maps; its core attention is PyTorch's fused SDPA unless `local` is asked for
+(attention.py). Dropout is off (RL fine-tuning trains without it, and the rollout engines sample without it), and
+every fusion that needs a CUDA kernel of Transformer Engine or Apex is off. The last stage returns its final hidden
+states, not the logits: the backend applies the output layer a chunk of tokens at a time (backends/logprobs.py).
 """
 
 from __future__ import annotations
@@ -142,16 +144,23 @@ def build_gpt(
     dtype: torch.dtype = torch.float32,
     *,
     recompute: bool = False,
+    attention: str = "sdpa",
+    compile_layers: bool = False,
 ):
     """The GPTModel for a Hugging Face config (its family checked), with this rank's shards of its stage's layers,
-    randomly initialised; `recompute`: the layers' activations recomputed in the backward."""
-    from megatron.core.models.gpt import GPTModel
+    randomly initialised; `recompute`: the layers' activations recomputed in the backward; `attention`: `sdpa` or
+    megatron-core's `local` core attention; `compile_layers`: each layer torch.compile'd."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     family = family_of(config)
-    model = GPTModel(
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm)
+    if attention == "sdpa":
+        from areal_k8s.trainer.backends.megatron.attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    model = _gpt_returning_hidden()(
         config=transformer_config(config, family, layout, dtype, on_cpu=device.type == "cpu"),
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=family.qk_norm),
+        transformer_layer_spec=spec,
         vocab_size=Shape.of(config).padded_vocab(layout.tensor),
         max_sequence_length=config.max_position_embeddings,
         position_embedding_type="rope",
@@ -161,9 +170,26 @@ def build_gpt(
         pre_process=stage.first,
         post_process=stage.last,
     )
+    if compile_layers:  # one compilation serves every layer (the same code, their weights its inputs)
+        for layer in model.decoder.layers:
+            layer.compile(dynamic=True)
     if recompute:
         recompute_layers(model)
     return model
+
+
+@functools.cache
+def _gpt_returning_hidden():
+    from megatron.core.models.gpt import GPTModel
+
+    class GPTReturningHidden(GPTModel):
+        """A GPTModel whose last stage returns the decoder's final (normalised) hidden states [L, rows, H] instead of
+        applying the output layer to all of them."""
+
+        def _postprocess(self, hidden_states, **_):
+            return hidden_states
+
+    return GPTReturningHidden
 
 
 def recompute_layers(model) -> None:
