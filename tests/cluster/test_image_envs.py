@@ -198,7 +198,8 @@ def plan_of(name: str) -> Plan | None:
                 arguments = re.sub(r"^(--mount=\S+\s+)+", "", arguments.strip())  # a context folder bound: its files
                 for segment in re.split(r"\s+&&\s+", arguments):
                     build_step(image, segment, shell, plan)
-        plan.workdir = workdir
+                    if plan.steps and plan.steps[-1][0] == "wheel":
+                        plan.workdir = workdir  # the wheel stage's, not a later stage's
     for line in image.final["lines"]:
         keyword, _, arguments = line.partition(" ")
         if keyword == "ENV":
