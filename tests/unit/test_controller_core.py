@@ -627,7 +627,7 @@ def test_the_snapshot_of_an_older_controller_restores_with_what_it_lacked_defaul
 
 def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits():
     core = dead_letter_core(max_group_failures=3)
-    core.waiting_for = "waiting for the reward service"
+    core.wait_for("waiting for the reward service")
     assert core.refusal("w", 1, engine_version=0) == "starting"
     assert core.acquire("w", 5, engine_version=0) == []
     assert (
@@ -639,7 +639,7 @@ def test_nothing_is_admitted_or_counted_as_blocked_while_a_start_up_check_waits(
     )
     status = core.status()
     assert (status["ready"], status["message"]) == (False, "waiting for the reward service")
-    core.waiting_for = None
+    core.ready()
     assert len(core.acquire("w", 5, engine_version=0)) == 5 and core.status()["ready"] is True
 
 

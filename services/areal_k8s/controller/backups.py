@@ -16,12 +16,8 @@ while its twin runs just leaves: the twin carries the group.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from areal_k8s.controller.leases import Lease
-
-if TYPE_CHECKING:
-    from areal_k8s.controller.core import ControllerCore
 
 
 def backup_candidates(waited_on: Iterable[str], leases: Mapping[str, Lease], worker_id: str | None = None) -> list[str]:
@@ -34,18 +30,20 @@ def backup_candidates(waited_on: Iterable[str], leases: Mapping[str, Lease], wor
     ]
 
 
-def wait_on(core: ControllerCore, group_ids: Iterable[str]) -> bool:
-    """The trainer waits on these running groups (all it waits on: the previous list is replaced). True when one may
-    get a backup, which the shell offers to the held polls."""
-    core.waited_on = list(group_ids) if core.job.rollout.backup_stragglers else []
-    return bool(backup_candidates(core.waited_on, core.leases))
+class Backups:
+    """The core's backups of the groups the trainer waits on (a mixin of ControllerCore)."""
 
+    def wait_on(self, group_ids: Iterable[str]) -> bool:
+        """The trainer waits on these running groups (all it waits on: the previous list is replaced). True when one may
+        get a backup, which the shell offers to the held polls."""
+        self.waited_on = list(group_ids) if self.job.rollout.backup_stragglers else []
+        return bool(backup_candidates(self.waited_on, self.leases))
 
-def start(core: ControllerCore, worker_id: str, max_groups: int) -> list[Lease]:
-    """Start up to `max_groups` of the backups due on `worker_id`; returns their leases."""
-    started = []
-    for group_id in backup_candidates(core.waited_on, core.leases, worker_id)[:max_groups]:
-        started.append(core.leases.grant_backup(group_id, worker_id, core.clock()))
-        core.backups_started += 1
-        core.metrics.backups.labels(event="started").inc()
-    return started
+    def start_backups(self, worker_id: str, max_groups: int) -> list[Lease]:
+        """Start up to `max_groups` of the backups due on `worker_id`; returns their leases."""
+        started = []
+        for group_id in backup_candidates(self.waited_on, self.leases, worker_id)[:max_groups]:
+            started.append(self.leases.grant_backup(group_id, worker_id, self.clock()))
+            self.backups_started += 1
+            self.metrics.backups.labels(event="started").inc()
+        return started

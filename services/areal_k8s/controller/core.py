@@ -2,7 +2,9 @@
 
 It owns the dataset cursor (cursor.py), the admission counters, the leases of prompt groups handed to rollout
 workers (leases.py), the prompts to admit again (retry.py, dead_letters.py), the worker registry (workers.py), the
-requests waiting on a bound (holds.py) and the job's progress figures (progress.py; the status it reports, figures.py).
+requests waiting on a bound (holds.py) and the job's progress figures (progress.py). Its methods on the backups,
+the dead letters, its durable state and its status are written in backups.py, dead_letters.py, persistence.py and
+figures.py, as mixins of the one class: the state has one owner, and nothing outside it sets its fields.
 Its durable part is durable.py's `DurableState` (persistence.py): the gRPC shell (server.py) writes `take_changes()` to
 Redis (state_store.py) before it answers a call that changed anything, and restores the state on start, so a
 restarted controller carries on from what it acknowledged.
@@ -26,14 +28,15 @@ from typing import Any
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
-from areal_k8s.controller import backups, figures, persistence
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
-from areal_k8s.controller.backups import backup_candidates
+from areal_k8s.controller.backups import Backups, backup_candidates
 from areal_k8s.controller.cursor import DataCursor
-from areal_k8s.controller.dead_letters import requeue_or_dead_letter
-from areal_k8s.controller.durable import Changes, DeadLetter, DurableState
+from areal_k8s.controller.dead_letters import DeadLetters
+from areal_k8s.controller.durable import DeadLetter
+from areal_k8s.controller.figures import StatusFigures
 from areal_k8s.controller.holds import Holds
 from areal_k8s.controller.leases import Lease, Leases
+from areal_k8s.controller.persistence import Persistence
 from areal_k8s.controller.progress import Progress
 from areal_k8s.controller.retry import RetryQueue
 from areal_k8s.controller.workers import WorkerRegistry
@@ -60,7 +63,7 @@ class Admitted:
 RESTORED_HOLDER_GRACE = 20.0
 
 
-class ControllerCore:
+class ControllerCore(Backups, DeadLetters, Persistence, StatusFigures):
     def __init__(
         self,
         job: JobConfig,
@@ -105,7 +108,7 @@ class ControllerCore:
         self.progress_since = self.started_at  # this process's start: a restarted controller's deadline starts anew
         self.metrics = metrics or ControllerMetrics(job.name)
         self.holds = Holds(clock, self.metrics)
-        figures.export_gauges(self)
+        self.export_gauges()
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -209,7 +212,7 @@ class ControllerCore:
             return []
         if self.over:
             return []
-        started = backups.start(self, worker_id, max_groups)  # backups first: they take no admission room
+        started = self.start_backups(worker_id, max_groups)  # backups first: they take no admission room
         admitted = [Admitted(lease, self.items[lease.item_index]) for lease in started]
         for _ in range(min(max_groups - len(admitted), self.capacity())):
             if (next_item := self.next_item()) is None:
@@ -218,9 +221,6 @@ class ControllerCore:
             lease = self.leases.grant(item_index, self.version, worker_id, self.clock(), failures)
             admitted.append(Admitted(lease, self.items[item_index]))
         return admitted
-
-    def wait_on(self, group_ids: Iterable[str]) -> bool:
-        return backups.wait_on(self, group_ids)
 
     def next_item(self) -> tuple[int, int] | None:
         """(item index, its failures in a row) to admit next: a failed prompt first, else the cursor's next one
@@ -260,7 +260,7 @@ class ControllerCore:
             self.filtered += 1
         elif result == "failed":
             self.failed += 1
-            requeue_or_dead_letter(self, lease, reason)
+            self.requeue_or_dead_letter(lease, reason)
         elif result == "requeued":
             self.requeued += 1
             if lease.item_index not in self.dead_items:
@@ -355,27 +355,15 @@ class ControllerCore:
         self.waited_on = []  # a new step: the trainer says what its next batch waits on
         self.progress_changed = True
 
+    def wait_for(self, check: str) -> None:
+        """Admit nothing until `ready()`: a start-up check (`check` says which) must pass first."""
+        self.waiting_for = check
+
+    def ready(self) -> None:
+        self.waiting_for = None
+
     def record_step(self, **report: Any) -> bool:
         """Record a step report (the arguments of Progress.record); False for a step already recorded."""
         recorded = self.progress.record(self.clock(), **report)
         self.progress_changed |= recorded
         return recorded
-
-    # -- status (figures.py) -------------------------------------------------------------------------------
-
-    def stalled(self) -> str:
-        return figures.stalled(self)
-
-    def status(self) -> dict:
-        return figures.status(self)
-
-    # -- persistence (persistence.py) ----------------------------------------------------------------------
-
-    def take_changes(self) -> Changes:
-        return persistence.take_changes(self)
-
-    def durable_state(self) -> DurableState:
-        return persistence.durable_state(self)
-
-    def restore(self, state: DurableState) -> None:
-        persistence.restore(self, state)

@@ -425,7 +425,7 @@ async def check_verifiers(
     core: ControllerCore, polls: HeldPolls, reward: reward_pb2_grpc.RewardStub, verifiers: list[str]
 ) -> None:
     """Hold admission until the reward service can load every verifier in `verifiers`; fail the job if it cannot."""
-    core.waiting_for = f"waiting for the reward service to check the job's verifiers ({', '.join(verifiers)})"
+    core.wait_for(f"waiting for the reward service to check the job's verifiers ({', '.join(verifiers)})")
     request = reward_pb2.CheckVerifiersRequest(verifiers=verifiers)
     for attempt in itertools.count():
         try:
@@ -445,7 +445,7 @@ async def check_verifiers(
                     "the reward service cannot check the verifiers yet (%s); retrying until it can", exc.code().name
                 )
         await asyncio.sleep(CHECK_RETRY_SECONDS)
-    core.waiting_for = None
+    core.ready()
     polls.open_all()
 
 
@@ -463,7 +463,7 @@ async def serve(
     the reaper)."""
     servicer = ControllerServicer(core, store)
     if reward is not None:
-        core.waiting_for = "waiting for the reward service to check the job's verifiers"  # from the first status on
+        core.wait_for("waiting for the reward service to check the job's verifiers")  # from the first status on
     await servicer.restore()
     await store.ensure_consumer_group()
     writer = asyncio.create_task(servicer.writer.run())
