@@ -33,8 +33,8 @@ from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.store import REDIS_RETRY, TrajectoryStore
 from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.rollout.worker import RolloutWorker
-from areal_k8s.trainer.controller import StepReport, WeightVersion
-from areal_k8s.trainer.controller_client import ControllerClient
+from areal_k8s.trainer.clients import ControllerClient
+from areal_k8s.trainer.controller_link import StepReport, WeightVersion
 from areal_k8s.trainer.step.batching import BatchAssembler, staleness_of
 
 WORKER_DEFAULTS = inspect.signature(RolloutWorker).parameters

@@ -39,7 +39,7 @@ from areal_k8s.common.trajectory import Trajectory
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.server import serve
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.controller_client import ControllerClient
+from areal_k8s.trainer.clients import ControllerClient
 from areal_k8s.trainer.step.batching import BatchAssembler
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.durable import decode_lease, encode_lease
 from areal_k8s.controller.leases import Leases
 from areal_k8s.data.dataset import DatasetItem
-from areal_k8s.trainer.controller_client import ControllerClient
+from areal_k8s.trainer.clients import ControllerClient
 from areal_k8s.trainer.step.batching import BatchAssembler, Group, select_batch, waited_on
 
 

@@ -560,7 +560,7 @@ async def test_a_worker_started_in_front_of_a_paused_engine_resumes_it(client, r
 
 def test_weights_go_out_in_the_dtype_the_engines_serve(tmp_path):
     from areal_k8s.common.sglang import served_dtype
-    from areal_k8s.trainer.controller import WorkerInfo
+    from areal_k8s.trainer.controller_link import WorkerInfo
     from areal_k8s.trainer.weights.publisher import push_dtype_for
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "float32"}))

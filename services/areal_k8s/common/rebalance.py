@@ -40,6 +40,7 @@ After a change, `cooldown_seconds` of measurements are discarded while the pools
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from areal_k8s.api.v1 import controller_pb2
@@ -156,17 +157,20 @@ class Window:
         )
 
 
-def totals_of(report: controller_pb2.JobStatus) -> Totals:
+def totals_of(report: controller_pb2.JobStatus | Mapping) -> Totals:
+    """The totals of a JobStatus read from the controller, or of the controller core's own status (the same fields
+    as a dict: the simulator drives a core without its gRPC shell)."""
+    value = report.__getitem__ if isinstance(report, Mapping) else report.__getattribute__
     return Totals(
-        at=report.updated_at,
-        trained_samples=report.trained_samples,
-        trained_tokens=report.trained_tokens,
-        staleness_sum=report.staleness_sum,
-        staleness_counts=tuple(report.staleness_counts),
-        trainer_wait_seconds=report.trainer_wait_seconds,
-        held_by_staleness_seconds=report.held_by_staleness_seconds,
-        accepted_groups=report.accepted,
-        workers=report.workers,
+        at=value("updated_at"),
+        trained_samples=value("trained_samples"),
+        trained_tokens=value("trained_tokens"),
+        staleness_sum=value("staleness_sum"),
+        staleness_counts=tuple(value("staleness_counts")),
+        trainer_wait_seconds=value("trainer_wait_seconds"),
+        held_by_staleness_seconds=value("held_by_staleness_seconds"),
+        accepted_groups=value("accepted"),
+        workers=value("workers"),
     )
 
 

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 from areal_k8s.common.rebalance import Split, State, advance, settings_for, totals_of
 from areal_k8s.controller.core import Admitted, ControllerCore
-from areal_k8s.controller.server import job_status
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.engine import Engine, Sequence
 from areal_k8s.simulator.lengths import group_lengths, mean_length
@@ -290,9 +289,7 @@ class Simulation:
     # -- the rebalancer ------------------------------------------------------------------------------------
 
     def tick(self) -> None:
-        waiting = len(self.training.stream) * self.s.job.group_size  # generated, not yet trained: the stream's backlog
-        report = job_status(self.core, {"pending": 0, "lag": waiting, "length": waiting})
-        self.policy, decision = advance(self.policy, totals_of(report), self.limits, self.settings)
+        self.policy, decision = advance(self.policy, totals_of(self.core.status()), self.limits, self.settings)
         if decision is not None and decision.code != "CollectingData":
             self.decisions.append((self.now, decision))
             if decision.split is not None:

@@ -6,21 +6,40 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from areal_k8s.common.config import Staleness
+from areal_k8s.common.rebalance import Limits
 from areal_k8s.common.store import StreamEntry
-from areal_k8s.controller.core import Admitted
+from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.simulator.engine import Sequence
 from areal_k8s.simulator.results import add_counts
+from areal_k8s.simulator.scenario import Scenario
 from areal_k8s.trainer.step.batching import Group, select_batch
 
-if TYPE_CHECKING:
-    from areal_k8s.simulator.model import Simulation
+
+class Simulated(Protocol):
+    """What the trainer's side takes of the simulation it runs in (model.py's Simulation): its clock and events,
+    the controller core, the trainer's share of the GPUs, and the engines' side of a step."""
+
+    now: float
+    s: Scenario
+    core: ControllerCore
+    trainer_units: int
+    limits: Limits
+
+    def at(self, when: float, action: Callable[[], None]) -> None: ...
+
+    def contention(self) -> float: ...
+
+    def push_weights(self) -> None: ...
+
+    def version_live(self, version: int) -> None: ...
 
 
 class Training:
-    def __init__(self, sim: Simulation):
+    def __init__(self, sim: Simulated):
         self.sim = sim
         self.stream: list[Group] = []
         self.generated: dict[str, tuple[int, int, list[Sequence], float]] = {}  # group -> tokens, Σ S², sequences, t0

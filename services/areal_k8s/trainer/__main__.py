@@ -21,7 +21,7 @@ from areal_k8s.common.service import (
 )
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.data.dataset import load_items
-from areal_k8s.trainer.controller_client import ControllerClient
+from areal_k8s.trainer.clients import ControllerClient
 from areal_k8s.trainer.loop.trainer import Trainer
 from areal_k8s.trainer.server import TrainerServicer
 from areal_k8s.trainer.weights.targets import RolloutTarget

@@ -1,5 +1,5 @@
-"""The trainer's `Controller` (controller.py) over the controller's gRPC service: the one place in the trainer where
-its messages are built and read (common/wire.py converts the records)."""
+"""The trainer's `Controller` (controller_link.py) over the controller's gRPC service: the one place in the trainer
+where its messages are built and read (common/wire.py converts the records)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import grpc
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.common.wire import from_message, to_message
-from areal_k8s.trainer.controller import DroppedGroup, StepReport, WeightVersion, WorkerInfo
+from areal_k8s.trainer.controller_link import DroppedGroup, StepReport, WeightVersion, WorkerInfo
 
 
 class ControllerClient:

@@ -1,5 +1,5 @@
 """The controller as the trainer sees it: what the loop, the step and the publisher ask of it and tell it, in plain
-records (the fields of the messages they stand for, under the same names). controller_client.py is the one
+records (the fields of the messages they stand for, under the same names). clients.py is the one
 implementation, over the controller's gRPC service; a test may pass any object with these methods.
 """
 

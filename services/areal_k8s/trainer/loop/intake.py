@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from areal_k8s.trainer.controller import Controller, DroppedGroup
+from areal_k8s.trainer.controller_link import Controller, DroppedGroup
 from areal_k8s.trainer.step.batching import BatchAssembler, Group
 from areal_k8s.trainer.weights.publisher import WeightPublisher
 

@@ -29,7 +29,7 @@ from areal_k8s.trainer.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from areal_k8s.trainer.controller import Controller, StepReport, WeightVersion
+from areal_k8s.trainer.controller_link import Controller, StepReport, WeightVersion
 from areal_k8s.trainer.evaluation import Evaluator
 from areal_k8s.trainer.loop.intake import next_batch, settle_dropped
 from areal_k8s.trainer.loop.resume import load_policy

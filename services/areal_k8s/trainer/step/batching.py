@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from areal_k8s.common.config import Staleness
 from areal_k8s.common.store import StreamEntry, TrajectoryStore
 from areal_k8s.common.trajectory import backup_group_id
-from areal_k8s.trainer.controller import Controller
+from areal_k8s.trainer.controller_link import Controller
 
 log = logging.getLogger(__name__)
 LOOK_FOR_LOST_SECONDS = 5.0  # waiting for a batch this long, the trainer checks its pending list for lost deliveries

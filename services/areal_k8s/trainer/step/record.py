@@ -8,7 +8,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from areal_k8s.trainer.controller import StepReport
+from areal_k8s.trainer.controller_link import StepReport
 
 log = logging.getLogger(__name__)
 

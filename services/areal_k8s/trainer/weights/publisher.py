@@ -19,7 +19,7 @@ import torch
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import TrainerMetrics
 from areal_k8s.common.weights import parse_dtype, weights_checksum
-from areal_k8s.trainer.controller import Controller, WorkerInfo
+from areal_k8s.trainer.controller_link import Controller, WorkerInfo
 from areal_k8s.trainer.weights.sender import WeightSender, WeightSyncError
 from areal_k8s.trainer.weights.worker_target import ConnectWorker, WorkerTarget
 
