@@ -282,7 +282,7 @@ class Load:
                 group_ids=[g.group_id for g in groups],
                 samples=len(groups) * self.group_size,
                 tokens=len(groups) * self.group_size * 2,
-                max_staleness=worst,
+                max_observed_staleness=worst,
             )
             await controller.report_step(report)
             entries = [e.entry_id for g in groups for e in g.entries]

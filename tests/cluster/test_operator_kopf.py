@@ -263,7 +263,7 @@ async def test_status_follows_the_controller_until_the_job_completes(
     await stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
     await stub.ReportTrainStep(
         controller_pb2.TrainStepReport(
-            version=1, group_ids=["g0", "g1"], samples=8, tokens=400, max_staleness=1, mean_staleness=0.5
+            version=1, group_ids=["g0", "g1"], samples=8, tokens=400, max_observed_staleness=1, mean_staleness=0.5
         )
     )
 

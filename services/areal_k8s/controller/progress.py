@@ -57,7 +57,7 @@ class Progress:
         groups: int,
         samples: int,
         tokens: int,
-        max_staleness: int,
+        max_observed_staleness: int,
         mean_staleness: float,
         reward_mean: float,
         eval_accuracy: float,
@@ -86,8 +86,8 @@ class Progress:
             self.highest_step = max(self.highest_step, version)
             self.trained_samples += samples
             self.trained_tokens += tokens
-            self.last_max_staleness = max_staleness
-            self.max_staleness_seen = max(self.max_staleness_seen, max_staleness)
+            self.last_max_staleness = max_observed_staleness
+            self.max_staleness_seen = max(self.max_staleness_seen, max_observed_staleness)
             self.staleness_sum += mean_staleness * samples
             self.staleness_samples += samples
             self.staleness_counts += [0] * (len(staleness_counts) - len(self.staleness_counts))

@@ -346,7 +346,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     async def ReportTrainStep(self, request, context):
         require(request.version >= 0, f"version must be >= 0, got {request.version}")
         require(request.samples >= 0 and request.tokens >= 0, "samples and tokens must be >= 0")
-        require(request.max_staleness >= 0, f"max_staleness must be >= 0, got {request.max_staleness}")
+        require(
+            request.max_observed_staleness >= 0,
+            f"max_observed_staleness must be >= 0, got {request.max_observed_staleness}",
+        )
         self.core.trained(list(request.group_ids))
         recorded = record_step_report(self.core, request)
         if not recorded:
@@ -408,7 +411,7 @@ def record_step_report(core: ControllerCore, request: controller_pb2.ReportTrain
         groups=len(request.group_ids),
         samples=request.samples,
         tokens=request.tokens,
-        max_staleness=request.max_staleness,
+        max_observed_staleness=request.max_observed_staleness,
         mean_staleness=request.mean_staleness,
         reward_mean=request.reward_mean,
         eval_accuracy=request.eval_accuracy,

@@ -148,7 +148,7 @@ class Training:
             groups=groups,
             samples=len(staleness),
             tokens=tokens,
-            max_staleness=max(staleness),
+            max_observed_staleness=max(staleness),
             mean_staleness=sum(staleness) / len(staleness),
             reward_mean=0.0,
             eval_accuracy=-1.0,

@@ -36,7 +36,7 @@ class StepReport:
     group_ids: list[str] = field(default_factory=list)
     samples: int = 0
     tokens: int = 0  # trained (loss-mask) tokens
-    max_staleness: int = 0
+    max_observed_staleness: int = 0  # the largest staleness among the samples (the bound is max_staleness)
     mean_staleness: float = 0.0
     staleness_counts: list[int] = field(default_factory=list)  # index s: samples s versions old
     token_staleness_counts: list[int] = field(default_factory=list)  # index s: trained tokens s versions old

@@ -54,7 +54,7 @@ class StepRecord:
             group_ids=self.groups,
             samples=self.samples,
             tokens=self.tokens,
-            max_staleness=max(self.staleness),
+            max_observed_staleness=max(self.staleness),
             mean_staleness=sum(self.staleness) / len(self.staleness),
             staleness_counts=[self.staleness.count(s) for s in range(max(self.staleness) + 1)],
             token_staleness_counts=self.token_staleness_counts,
