@@ -96,7 +96,7 @@ async def test_a_written_group_stays_written_until_settled_even_once_trained(sto
     revocation that follows must still find it written (the trainer's ack used to forget it, and the prompt was
     generated and trained a second time, breaking the staleness accounting), and so must a revocation asked again by
     a controller that died before it wrote what the first one settled. The controller's write that settles the lease
-    takes it out (tests/service/test_controller_service.py)."""
+    takes it out (tests/service/test_controller_restarts.py)."""
     await store.ensure_consumer_group()
     await store.write_group([trajectory("orphan", 0, [0])])
     await store.ack([e.entry_id for e in await store.read_new("t", count=1, block_ms=100)])

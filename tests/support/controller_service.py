@@ -65,3 +65,12 @@ async def acquire(stub, n, version=0, worker="w0"):
     return await stub.AcquireGroups(
         controller_pb2.AcquireGroupsRequest(worker_id=worker, max_groups=n, engine_version=version)
     )
+
+
+def outcome(group, result: str) -> controller_pb2.GroupOutcome:
+    """A group's outcome by its result's name (ACCEPTED, FILTERED, FAILED, ...)."""
+    return controller_pb2.GroupOutcome(group_id=group.group_id, result=getattr(controller_pb2.GroupOutcome, result))
+
+
+def register(worker: str) -> controller_pb2.RegisterWorkerRequest:
+    return controller_pb2.RegisterWorkerRequest(worker_id=worker, address="127.0.0.1:9")
