@@ -7,6 +7,7 @@ generous timeout; nothing asserts how long anything took.
 import pytest
 import redis
 import yaml
+from support.clock import Clock
 from support.operator_fixtures import NAMESPACE, ON_API_SERVER, Cluster, eventually, rljob
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -322,14 +323,6 @@ async def test_too_many_container_restarts_fail_the_job(cluster: Cluster, operat
     assert failed["reason"] == "RestartLimitExceeded"
     assert "restarted 3 times" in failed["message"]
     await eventually(lambda: set(replicas(cluster).values()) == {0}, "a failed job to hold no pods")
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

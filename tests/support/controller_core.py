@@ -1,16 +1,9 @@
-"""The controller core as the unit tests build it: a settable clock, a job and a core with one worker."""
+"""The controller core as the unit tests build it: a job and a core with one worker, on a clock the test moves."""
 
 from areal_k8s.controller.core import ControllerCore
 from areal_k8s.data.dataset import DatasetItem
+from support.clock import Clock
 from support.jobs import job_config
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def make_job(**algorithm):

@@ -5,7 +5,8 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.controller_core import Clock, make_core
+from support.clock import Clock
+from support.controller_core import make_core
 
 from areal_k8s.common.config import Staleness
 from areal_k8s.controller.admission import admission_capacity

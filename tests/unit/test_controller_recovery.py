@@ -6,7 +6,8 @@ from collections import deque
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.controller_core import Clock, make_core, make_job
+from support.clock import Clock
+from support.controller_core import make_core, make_job
 from support.jobs import job_config
 
 from areal_k8s.common import histograms

@@ -7,16 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from support.clock import Clock
 
 from areal_k8s.rollout.pause_lease import PauseLease
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Resumer:
