@@ -6,6 +6,7 @@ import typing
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from support.jobs import job_config
 from support.tiny_models import build_tiny_qwen2, tiny_llama
 from support.trainer_batches import padded_batch
@@ -200,6 +201,21 @@ def test_weights_are_pushed_under_hugging_face_names_in_the_push_dtype(model_pat
     assert [name for name, _ in pushed] == [name for name, _ in reference.named_parameters()]
     for (name, tensor), (_, original) in zip(pushed, reference.named_parameters()):
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, original.detach().to(torch.bfloat16)), name
+
+
+def test_a_tied_config_over_an_output_layer_of_its_own_is_refused(tmp_path):
+    """transformers keeps a checkpoint's own lm_head apart from the embedding its tied config names; the engines
+    would tie them and ignore the pushed lm_head, so the trainer refuses such a model instead of training it."""
+    path = build_tiny_qwen2(tmp_path / "model", seed=5, tie_word_embeddings=True)
+    weights = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in weights  # a tied model's checkpoint holds the embedding only
+    backend = make_backend(job_for(path))
+    backend.load(path)
+    assert backend.model.get_output_embeddings().weight is backend.model.get_input_embeddings().weight
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] + 1.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="tie_word_embeddings to false"):
+        make_backend(job_for(path)).load(path)
 
 
 def test_every_backend_the_schema_accepts_can_be_made():

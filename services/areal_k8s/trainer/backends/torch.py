@@ -44,6 +44,20 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 
 
+def check_tied_as_configured(model, model_path: str | Path) -> None:
+    """The engines tie the output layer to the input embedding when the config says so, and then ignore a pushed
+    `lm_head.weight`: a trainer holding the two apart would train an output layer nobody serves. transformers leaves
+    them apart when a tied config's checkpoint holds an output layer of its own."""
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise ValueError(
+            f"{model_path}: its config ties the output layer to the input embedding (tie_word_embeddings), but the "
+            "model loaded with an output layer of its own (its checkpoint holds a different lm_head): set "
+            "tie_word_embeddings to false or drop lm_head from the checkpoint"
+        )
+
+
 class _Scorer(torch.nn.Module):
     """The module DDP wraps: its forward is the token log-probabilities of the model it holds."""
 
@@ -69,6 +83,7 @@ class TorchBackend(TrainBackend):
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32, attn_implementation=attention
         ).to(self.device)
+        check_tied_as_configured(self.model, model_path)
         if self.job.trainer.compile:  # each layer a graph of its own: one compilation serves them all
             for layer in getattr(self.model, self.model.base_model_prefix).layers:
                 layer.compile(dynamic=True)
