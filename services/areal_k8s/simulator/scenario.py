@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from areal_k8s.common.config import (
     JobConfig,
@@ -181,6 +181,8 @@ class Scenario(_Part):
     # the results file of the check this scenario's costs were validated by (relative to the file; its
     # `expected_error`), which `arealctl plan` prints; none: the error is unknown
     validation: str | None = None
+    _measured: str | None = PrivateAttr(default=None)  # the GPU check's results the engine's costs were read from
+    _validation_path: Path | None = PrivateAttr(default=None)  # `validation`, resolved against the file
 
     @model_validator(mode="after")
     def _costs_and_their_sources(self) -> Scenario:
@@ -235,6 +237,23 @@ class Scenario(_Part):
         if push.storage_bytes_per_second is not None and "seconds" not in push.model_fields_set:
             seconds = push.base_seconds + gpu.model.weight_bytes / push.storage_bytes_per_second
             self.push = push.model_copy(update={"seconds": seconds})
+
+    def calibration(self) -> str:
+        """What the costs rest on, in words every simulated figure carries."""
+        if self._measured is not None:
+            basis = f"engine costs measured by a GPU check ({self._measured})"
+        elif self.gpu is not None:
+            basis = (
+                f"costs derived from published figures ({self.gpu.model.name} on {self.gpu.hardware.name}, engines "
+                f"of {self.resources.rollout_unit_gpus} GPUs; cited in the scenario's sources)"
+            )
+        else:
+            basis = "costs as the scenario states them, not calibrated"
+        return basis + (f"; validated by {self.validation}" if self.validation else "; not validated")
+
+    @property
+    def validation_path(self) -> Path | None:
+        return self._validation_path
 
     def job_config(self) -> JobConfig:
         """The job the simulated controller and rebalancer run: the scenario's shape and rebalance settings."""
@@ -301,6 +320,11 @@ def load_scenario(path: Path, row: str | None = None) -> Scenario:
             "what is assumed and why)"
         )
     try:
-        return Scenario.model_validate(data)
+        scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise JobFileError(describe_validation_error(exc, str(path), Scenario)) from None
+    if measured:
+        scenario._measured = str(engine["measured"])
+    if scenario.validation is not None:
+        scenario._validation_path = Path(path).parent / scenario.validation
+    return scenario
