@@ -9,7 +9,7 @@ import pytest
 
 from areal_k8s.common.config import JobFileError
 from areal_k8s.simulator.costs import GpuCosts, Measurement, engine_costs, engine_tp, measured_mfu, trainer_costs
-from areal_k8s.simulator.parallel import all_reduce_seconds, pipeline_bubble, smallest_tp
+from areal_k8s.simulator.parallel import all_reduce_bytes_per_token, pipeline_bubble, smallest_tp
 from areal_k8s.simulator.rows import RowError, expand_row
 from areal_k8s.simulator.scenario import Reward, load_scenario
 
@@ -38,9 +38,9 @@ def gpu(model=QWEN_32B, **parallelism) -> GpuCosts:
     )
 
 
-def test_a_ring_all_reduce_moves_2_tp_minus_1_over_tp_of_the_message_and_pays_its_latency_once():
-    assert all_reduce_seconds(1e9, 1, 400e9, 1e-5) == 0.0
-    assert math.isclose(all_reduce_seconds(1e9, 8, 400e9, 1e-5), 2 * 7 / 8 * 1e9 / 400e9 + 1e-5)
+def test_a_ring_all_reduce_moves_2_tp_minus_1_over_tp_of_the_hidden_state_twice_a_layer():
+    assert all_reduce_bytes_per_token(5120, 2, 1) == 0.0
+    assert math.isclose(all_reduce_bytes_per_token(5120, 2, 8), 2 * 2 * 7 / 8 * 5120 * 2)
 
 
 def test_the_pipeline_bubble_is_stages_minus_one_over_microbatches_plus_stages_minus_one():

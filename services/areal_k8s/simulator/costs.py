@@ -6,7 +6,8 @@ An engine spans `tp` GPUs of a node (the smallest that holds its weights and KV 
 parallel.py): each GPU reads its shard of the weights and KV cache a step, and every token pays the per-layer
 all-reduces over the node's interconnect. The trainer's efficiency is read from measurements at the model size they
 were made at (`train_measurements`, interpolated in log parameters) unless the file states it, and its pipeline's
-bubble is charged on top (the measurements are of a stage's compute).
+bubble is charged on top (the measurements are of a stage's compute; its tensor-parallel all-reduces are inside
+them, as Megatron-LM's were measured at TP 8 over NVLink).
 
 Decode is bound by memory bandwidth: a step reads the weights once and every running sequence's KV cache, at the
 share of the HBM bandwidth that decode reaches, plus the serving framework's own time per step; the per-sequence

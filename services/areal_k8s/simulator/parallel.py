@@ -14,13 +14,6 @@ import math
 ALL_REDUCES_PER_LAYER = 2  # after attention and after the MLP, each forward pass
 
 
-def all_reduce_seconds(message_bytes: float, tp: int, link_bytes_per_second: float, latency_seconds: float) -> float:
-    """One ring all-reduce of `message_bytes` over `tp` GPUs (nothing to reduce on one GPU)."""
-    if tp <= 1:
-        return 0.0
-    return 2 * (tp - 1) / tp * message_bytes / link_bytes_per_second + latency_seconds
-
-
 def all_reduce_bytes_per_token(hidden: int, bytes_per_value: int, tp: int) -> float:
     """Bytes one GPU's link carries per token per layer of a forward pass (both all-reduces' ring traffic)."""
     if tp <= 1:
