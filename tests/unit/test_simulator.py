@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from areal_k8s.common.config import JobFileError
 from areal_k8s.simulator.model import simulate
 from areal_k8s.simulator.plan import plan, recommend, static_splits
 from areal_k8s.simulator.scenario import Scenario, load_scenario
@@ -107,8 +108,6 @@ def test_arealctl_simulate_labels_its_figures_and_rejects_a_bad_scenario_in_one_
 
 
 def test_without_a_budget_plan_needs_both_maxima_and_tries_every_pair():
-    from areal_k8s.common.config import JobFileError
-
     assert len(static_splits(scenario(resources={"max_rollout": 4, "max_trainer": 2}))) == 4 * 2
     with pytest.raises(JobFileError, match=re.escape("plan needs resources.budget_gpus")):
         static_splits(scenario(resources={"max_rollout": 4}))
@@ -164,8 +163,25 @@ def test_arealctl_plan_ranks_the_splits_and_recommends_a_split_batch_and_eta(tmp
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("simulated:") and len(lines) >= 2 + len(static_splits(budget))
-    assert re.search(r"^recommended: \d+ rollout and \d+ trainer units, B = \d+, η = \d+$", lines[-1]), lines[-1]
-    assert re.search(r"^limit: the (split|staleness bound) ", lines[-2])
+    assert re.search(r"^recommended: \d+ rollout and \d+ trainer units, B = \d+, η = \d+$", lines[-3]), lines[-3]
+    assert re.search(r"^limit: the (split|staleness bound) ", lines[-4])
+    # what the figures rest on, and how far off they may be: this scenario's costs are stated and not validated
+    assert lines[-2] == "calibration: costs as the scenario states them, not calibrated; not validated"
+    assert lines[-1].startswith("expected error: unknown")
+
+
+def test_a_validated_scenario_says_what_its_costs_rest_on_and_plan_reads_its_expected_error(tmp_path):
+    from areal_k8s.simulator.plan import expected_error
+
+    row = load_scenario(Path(__file__).resolve().parents[2] / "bench" / "scenarios" / "areal-table1.yaml", "32b")
+    assert "DeepSeek-R1-Distill-Qwen-32B on H800 SXM, engines of 2 GPUs" in row.calibration()
+    assert "validated by ../results/simulated_table1.json" in row.calibration()
+    report = json.loads(row.validation_path.read_text())["expected_error"]
+    assert expected_error(row).startswith(f"expected error: hours ±{report['hours_median']:.0%} (median)")
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(json.dumps(scenario(sources={"toy": "assumed"}, validation="missing.json").model_dump()))
+    with pytest.raises(JobFileError, match="cannot read the validation's expected error"):
+        expected_error(load_scenario(moved))
 
 
 @pytest.mark.parametrize("placement", [{"order": "token_load"}, {"split_groups": True}])

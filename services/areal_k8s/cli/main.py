@@ -217,7 +217,7 @@ def cmd_simulate(args) -> int:
     from areal_k8s.simulator.model import simulate
     from areal_k8s.simulator.scenario import load_scenario
 
-    result = simulate(load_scenario(Path(args.scenario)))
+    result = simulate(load_scenario(Path(args.scenario), args.row))
     print(
         json.dumps(
             {
@@ -234,10 +234,10 @@ def cmd_simulate(args) -> int:
 def cmd_plan(args) -> int:
     from pathlib import Path
 
-    from areal_k8s.simulator.plan import plan, recommend
+    from areal_k8s.simulator.plan import expected_error, plan, recommend
     from areal_k8s.simulator.scenario import load_scenario
 
-    scenario = load_scenario(Path(args.scenario))
+    scenario = load_scenario(Path(args.scenario), args.row)
     runs = plan(scenario, args.steps)
     print(
         f"simulated: each static split of the scenario's budget ({min(args.steps, scenario.job.total_steps)} steps), "
@@ -256,6 +256,8 @@ def cmd_plan(args) -> int:
         )
     print()
     print("\n".join(recommend(scenario, runs, args.steps).lines))
+    print(f"calibration: {scenario.calibration()}")
+    print(expected_error(scenario))
     return 0
 
 
@@ -447,6 +449,7 @@ def parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer"
     )
+    simulate.add_argument("--row", help="in a file of rows (one parameter set, several setups): the row to simulate")
     simulate.set_defaults(func=cmd_simulate)
 
     plan = command(
@@ -457,12 +460,17 @@ def parser() -> argparse.ArgumentParser:
         [
             ("arealctl plan bench/scenarios/areal-1.5b.yaml --steps 12", "AReaL's 1.5B setup, a short simulation"),
             ("arealctl plan examples/scenario-long-tail.yaml", "a table, one split a line, and the recommendation"),
+            (
+                "arealctl plan bench/scenarios/areal-table1.yaml --row 32b --steps 8",
+                "AReaL's 32B row, its expected error",
+            ),
         ],
     )
     plan.add_argument("scenario", help="scenario file (YAML)")
     plan.add_argument(
         "--steps", type=int, default=40, help="steps to simulate each candidate for (default 40, at most the job's)"
     )
+    plan.add_argument("--row", help="in a file of rows (one parameter set, several setups): the row to plan")
     plan.set_defaults(func=cmd_plan)
 
     manifests = command(

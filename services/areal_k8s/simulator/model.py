@@ -109,6 +109,7 @@ class Simulation:
             self.decisions,
             self.splits,
             self.settings.band if self.settings else None,
+            self.s.calibration(),
         )
 
     def account(self, until: float) -> None:

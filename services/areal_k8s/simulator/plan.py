@@ -8,6 +8,7 @@ for stragglers (under `strict`); raising η, or B with the cluster, then pays mo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from areal_k8s.common.config import JobFileError
@@ -106,3 +107,19 @@ def recommend(scenario: Scenario, ranked: list[tuple[Split, Result]], steps: int
         f"recommended: {split.rollout} rollout and {split.trainer} trainer units, B = {batch}, η = {eta}",
     ]
     return Recommendation(split, batch, eta, limit, lines)
+
+
+def expected_error(scenario: Scenario) -> str:
+    """How far off the simulated hours are expected to be: the leave-one-out error of the check the scenario's costs
+    were validated by (its `validation` results file), or a plain statement that it is unknown."""
+    path = scenario.validation_path
+    if path is None:
+        return "expected error: unknown (the scenario names no validation; its figures are uncalibrated estimates)"
+    try:
+        x = json.loads(path.read_text())["expected_error"]
+        return (
+            f"expected error: hours ±{x['hours_median']:.0%} (median), ±{x['hours_worst']:.0%} (worst); sync/async "
+            f"ratio ±{x['ratio_worst']:.0%} (worst), from the {x['from']}, {path.name}"
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise JobFileError(f"{path}: cannot read the validation's expected error ({exc})") from None

@@ -40,6 +40,7 @@ class Result:
     decisions: list[tuple[float, Decision]] = field(default_factory=list)
     splits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, rollout units, trainer units)
     band: tuple[float, float] | None = None
+    calibration: str = ""  # what the scenario's costs rest on (Scenario.calibration)
 
     @property
     def engine_busy(self) -> float:
@@ -66,6 +67,7 @@ class Result:
         return {
             "simulated": True,
             "scenario": self.scenario,
+            "calibration": self.calibration,
             "hours": round(self.seconds / 3600, 3),
             "steps": self.steps,
             "samples_per_second": round(self.samples / self.seconds, 3),

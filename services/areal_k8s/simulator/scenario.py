@@ -9,10 +9,11 @@ scenario is simulated, and says so.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from areal_k8s.common.config import (
     JobConfig,
@@ -26,7 +27,8 @@ from areal_k8s.common.config import (
 )
 from areal_k8s.common.rebalance import Limits
 from areal_k8s.simulator.calibration import MeasuredCostError, measured_engine_cost
-from areal_k8s.simulator.costs import GpuCosts, engine_costs, trainer_costs
+from areal_k8s.simulator.costs import GpuCosts, engine_costs, engine_tp, trainer_costs
+from areal_k8s.simulator.rows import RowError, expand_row
 
 
 class _Part(BaseModel):
@@ -65,6 +67,10 @@ class TrainerCost(_Part):
 
 class PushCost(_Part):
     seconds: Annotated[float, Field(ge=0)] = 5.0  # a weight push, during which generation is paused
+    # with `gpu` and no `seconds`: the push costs base_seconds + the model's weights over storage_bytes_per_second
+    # (written by the trainer, read by the engines: AReaL's update from disk)
+    base_seconds: Annotated[float, Field(ge=0)] = 0.0
+    storage_bytes_per_second: Annotated[float, Field(gt=0)] | None = None
     # `rollout.interrupt: retract` (AReaL's interruptible generation): the push aborts what the engines run, and
     # each sequence's cache is computed again (its prefill, under the new weights) before it continues
     retract: bool = False
@@ -91,12 +97,29 @@ class Lengths(_Part):
         return self
 
 
+class Reward(_Part):
+    """The reward's verification of a group: each sample takes `seconds_per_sample` (math: parsing and comparing the
+    answer; code: running the tests in a sandbox, `tests_per_sample` × `seconds_per_test`), on `workers_per_gpu` of
+    the engine's processes per GPU at once; the group is scored when its last sample is."""
+
+    seconds_per_sample: Annotated[float, Field(ge=0)] = 0.0
+    tests_per_sample: Annotated[int, Field(ge=1)] = 1
+    seconds_per_test: Annotated[float, Field(ge=0)] = 0.0
+    workers_per_gpu: Annotated[int, Field(ge=1)] = 1
+    sources: list[str] = Field(default_factory=list)  # ids in the scenario's `sources`
+
+    def group_seconds(self, group_size: int, engine_gpus: int) -> float:
+        each = self.seconds_per_sample + self.tests_per_sample * self.seconds_per_test
+        return math.ceil(group_size / (self.workers_per_gpu * engine_gpus)) * each
+
+
 class Workload(_Part):
     prompt_tokens: Annotated[int, Field(ge=1)] = 128
     # from a group's last token to its entry in the stream (the worker's reward call and write): its slot on the
-    # engine stays taken meanwhile
+    # engine stays taken meanwhile; with `reward`, its verification time unless stated
     completion_seconds: Annotated[float, Field(ge=0)] = 0.0
     response: Lengths = Field(default_factory=Lengths)
+    reward: Reward | None = None
 
 
 class JobShape(_Part):
@@ -155,6 +178,11 @@ class Scenario(_Part):
     # outnumber the cores, each runs cores/threads as fast. None: every side has its own hardware (a cluster).
     cores: Annotated[float, Field(gt=0)] | None = None
     background_threads: Annotated[float, Field(ge=0)] = 0.0  # with `cores`: the other processes' mean busy threads
+    # the results file of the check this scenario's costs were validated by (relative to the file; its
+    # `expected_error`), which `arealctl plan` prints; none: the error is unknown
+    validation: str | None = None
+    _measured: str | None = PrivateAttr(default=None)  # the GPU check's results the engine's costs were read from
+    _validation_path: Path | None = PrivateAttr(default=None)  # `validation`, resolved against the file
 
     @model_validator(mode="after")
     def _costs_and_their_sources(self) -> Scenario:
@@ -162,20 +190,70 @@ class Scenario(_Part):
             "gpu": self.gpu.sources if self.gpu else [],
             "push": self.push.sources,
             "workload.response": self.workload.response.sources,
+            "workload.reward": self.workload.reward.sources if self.workload.reward else [],
         }
+        if self.gpu is not None:
+            cited["gpu.efficiency.train_measurements"] = [m.source for m in self.gpu.efficiency.train_measurements]
         if self.placement.split_groups and self.rebalance.enabled:
             raise ValueError("placement.split_groups is not modelled with the rebalancer (it removes engines)")
         for block, ids in cited.items():
             if unknown := [i for i in ids if i not in self.sources]:
                 raise ValueError(f"{block}.sources names {', '.join(unknown)}, which `sources` does not list")
         if self.gpu is not None:  # what the file states itself stays
-            self.engine = self.engine.model_copy(
-                update={k: v for k, v in engine_costs(self.gpu).items() if k not in self.engine.model_fields_set}
-            )
-            self.trainer = self.trainer.model_copy(
-                update={k: v for k, v in trainer_costs(self.gpu).items() if k not in self.trainer.model_fields_set}
-            )
+            self._derive_gpu_costs(self.gpu)
+        reward = self.workload.reward
+        if reward is not None and "completion_seconds" not in self.workload.model_fields_set:
+            seconds = reward.group_seconds(self.job.group_size, self.resources.rollout_unit_gpus)
+            self.workload = self.workload.model_copy(update={"completion_seconds": seconds})
         return self
+
+    def _derive_gpu_costs(self, gpu: GpuCosts) -> None:
+        try:
+            tp = engine_tp(gpu)
+            engine = engine_costs(gpu)
+        except ValueError as exc:
+            raise ValueError(f"gpu: {exc}") from None
+        if "rollout_unit_gpus" not in self.resources.model_fields_set:
+            self.resources = self.resources.model_copy(update={"rollout_unit_gpus": tp})
+        elif self.resources.rollout_unit_gpus != tp:
+            raise ValueError(
+                f"resources.rollout_unit_gpus is {self.resources.rollout_unit_gpus}, but an engine of "
+                f"{gpu.model.name} spans {tp} GPUs (gpu.parallelism.engine_tp)"
+            )
+        self.engine = self.engine.model_copy(
+            update={k: v for k, v in engine.items() if k not in self.engine.model_fields_set}
+        )
+        r, p = self.workload.response, gpu.parallelism
+        tokens = self.job.batch_size * self.job.group_size * (self.workload.prompt_tokens + min(r.mean, r.max))
+        ranks = max(1, self.split.trainer * self.resources.trainer_unit_gpus // (p.trainer_tp * p.trainer_pp))
+        try:
+            trainer = trainer_costs(gpu, tokens, ranks)
+        except ValueError as exc:
+            raise ValueError(f"gpu: {exc}") from None
+        self.trainer = self.trainer.model_copy(
+            update={k: v for k, v in trainer.items() if k not in self.trainer.model_fields_set}
+        )
+        push = self.push
+        if push.storage_bytes_per_second is not None and "seconds" not in push.model_fields_set:
+            seconds = push.base_seconds + gpu.model.weight_bytes / push.storage_bytes_per_second
+            self.push = push.model_copy(update={"seconds": seconds})
+
+    def calibration(self) -> str:
+        """What the costs rest on, in words every simulated figure carries."""
+        if self._measured is not None:
+            basis = f"engine costs measured by a GPU check ({self._measured})"
+        elif self.gpu is not None:
+            basis = (
+                f"costs derived from published figures ({self.gpu.model.name} on {self.gpu.hardware.name}, engines "
+                f"of {self.resources.rollout_unit_gpus} GPUs; cited in the scenario's sources)"
+            )
+        else:
+            basis = "costs as the scenario states them, not calibrated"
+        return basis + (f"; validated by {self.validation}" if self.validation else "; not validated")
+
+    @property
+    def validation_path(self) -> Path | None:
+        return self._validation_path
 
     def job_config(self) -> JobConfig:
         """The job the simulated controller and rebalancer run: the scenario's shape and rebalance settings."""
@@ -219,10 +297,15 @@ class Scenario(_Part):
         )
 
 
-def load_scenario(path: Path) -> Scenario:
+def load_scenario(path: Path, row: str | None = None) -> Scenario:
     """A scenario file, or JobFileError with one readable line naming the field. A file must say where its figures
-    come from: `sources`, or an engine measured by a GPU check (its results file is the source)."""
+    come from: `sources`, or an engine measured by a GPU check (its results file is the source). A file of `rows`
+    (one parameter set, several setups: simulator/rows.py) gives the scenario of the row named."""
     data = read_yaml_file(path, "scenario file")
+    try:
+        data = expand_row(data, row)
+    except RowError as exc:
+        raise JobFileError(f"{path}: {exc}") from None
     engine = data.get("engine") if isinstance(data, dict) else None
     measured = isinstance(engine, dict) and "measured" in engine
     if measured:
@@ -237,6 +320,11 @@ def load_scenario(path: Path) -> Scenario:
             "what is assumed and why)"
         )
     try:
-        return Scenario.model_validate(data)
+        scenario = Scenario.model_validate(data)
     except ValidationError as exc:
         raise JobFileError(describe_validation_error(exc, str(path), Scenario)) from None
+    if measured:
+        scenario._measured = str(engine["measured"])
+    if scenario.validation is not None:
+        scenario._validation_path = Path(path).parent / scenario.validation
+    return scenario
