@@ -12,7 +12,7 @@ CHATML_TOOLS = (
     "{% for m in messages %}"
     "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
     "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

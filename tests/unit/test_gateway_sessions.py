@@ -41,7 +41,7 @@ class ScriptedEngine:
         for _ in prompts:
             text = self.texts[min(self.answered, len(self.texts) - 1)]
             self.answered += 1
-            ids = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
             samples.append(Sample(ids, [-0.5] * len(ids), [self.version] * len(ids), "stop"))
         return samples
 
@@ -100,7 +100,7 @@ async def test_a_tool_using_session_is_one_trajectory_its_prompts_extending_the_
     assert second["choices"][0]["message"] == {"role": "assistant", "content": "It is 42.", "tool_calls": None}
 
     (first_prompt,), (second_prompt,) = engine.requests[0][0], engine.requests[1][0]
-    first_reply = tokenizer.encode(f"Let me compute. {CALL}", add_special_tokens=False) + [tokenizer.eos_token_id]
+    first_reply = [*tokenizer.encode(f"Let me compute. {CALL}", add_special_tokens=False), tokenizer.eos_token_id]
     environment = ConversationFormat(tokenizer, "chat").after_answer([{"role": "tool", "content": "42"}], first_reply)
     # the second prompt is the first one and the model's own tokens, exactly, then the tool turn's tokens
     assert second_prompt == first_prompt + first_reply + environment
@@ -115,7 +115,7 @@ async def test_a_tool_using_session_is_one_trajectory_its_prompts_extending_the_
     ended = sessions.end(key, reward=0.5)
     outcome = await play
     episode_ = outcome.episode
-    last_reply = tokenizer.encode("It is 42.", add_special_tokens=False) + [tokenizer.eos_token_id]
+    last_reply = [*tokenizer.encode("It is 42.", add_special_tokens=False), tokenizer.eos_token_id]
     assert episode_.token_ids == second_prompt + last_reply and ended["tokens"] == len(episode_.token_ids)
     assert episode_.prompt_length == len(first_prompt)
     masks = [False] * len(first_prompt) + [True] * len(first_reply) + [False] * len(environment)
@@ -223,7 +223,7 @@ async def test_n_choices_are_offered_and_the_conversation_goes_on_with_the_one_t
     taken = first["choices"][1]["message"]
     await sessions.complete(key, request([*messages, taken, {"role": "user", "content": "more"}]))
     second_prompt = engine.requests[1][0][0]
-    beta = tokenizer.encode("beta", add_special_tokens=False) + [tokenizer.eos_token_id]
+    beta = [*tokenizer.encode("beta", add_special_tokens=False), tokenizer.eos_token_id]
     assert second_prompt[len(prompts[0]) : len(prompts[0]) + len(beta)] == beta
     sessions.end(key)
     assert (await play).final_text == "gamma"
