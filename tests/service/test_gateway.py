@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 
 import httpx
 import openai
@@ -17,12 +18,16 @@ from support.jobs import job_config
 from support.tiny_models import build_scripted_qwen2
 from transformers import AutoTokenizer
 
-from areal_k8s.api.v1 import reward_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.prompts import ConversationFormat
+from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams
+from areal_k8s.controller import server as controller_server
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.reward.server import serve
-from areal_k8s.rollout.clients import RewardScorer
+from areal_k8s.rollout.clients import ControllerClient, RewardScorer
 from areal_k8s.rollout.gateway.server import start_gateway, stop_gateway
 from areal_k8s.rollout.gateway.workflow import AgentWorkflow
 from areal_k8s.rollout.worker import RolloutWorker
@@ -169,3 +174,60 @@ async def test_agents_with_the_openai_sdk_play_a_group_whose_trajectories_are_th
     given, scored = by_id[agents[0]["episode"]["episode_id"]], by_id[agents[1]["episode"]["episode_id"]]
     assert (given.reward, given.reward_status) == (1.0, "ok")
     assert (scored.reward, scored.reward_status) == (0.0, "ok")  # the verifier's: the tool call is not "42"
+
+
+async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_group(engine_url, model_path, redis_url):
+    """The whole way: the controller admits the prompt over gRPC, the worker's pull loop runs the agent workflow, two
+    SDK agents play its episodes, and the group is written to the Redis stream as the trainer reads it."""
+    job = job_config(
+        f"gw-{uuid.uuid4().hex[:8]}", model_path, rollout={"workflow": "agent", "prompt_template": "chat",
+        "groups_per_worker": 1}, algorithm={"group_size": 2}, sampling={"temperature": 0.0, "max_new_tokens": 8},
+    )  # fmt: skip
+    workflow = AgentWorkflow.for_job(job)
+    core = ControllerCore(job, [DatasetItem(id="p0", prompt=PROMPT, reference="42", verifier="exact")])
+    redis_client = connect(redis_url)
+    store = TrajectoryStore(redis_client, job.name)
+    await store.ensure_consumer_group()
+    controller, controller_port, _, background = await controller_server.serve(core, store, "127.0.0.1:0")
+    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
+    server, task, port = await start_gateway(workflow.book, "127.0.0.1", 0)
+    stop = asyncio.Event()
+    try:
+        async with (
+            engine_client(engine_url) as engine,
+            channel(f"127.0.0.1:{reward_service.port}") as reward,
+            channel(f"127.0.0.1:{controller_port}") as to_controller,
+        ):
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="127.0.0.1:0",
+                controller=ControllerClient(controller_pb2_grpc.ControllerStub(to_controller)),
+                scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward)), engine=engine, store=store,
+                tokenizer=AutoTokenizer.from_pretrained(model_path), workflow=workflow,
+            )  # fmt: skip
+            worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
+            running = asyncio.create_task(worker.run(stop))
+            base = f"http://127.0.0.1:{port}"
+            agents = await asyncio.gather(*(asyncio.to_thread(play, base, r, False) for r in (1.0, None)))
+            entries = []
+            while len(entries) < 2:
+                entries += await store.read_new("trainer", 10, 1000)
+            stop.set()
+            await running
+    finally:
+        stop.set()
+        await stop_gateway(server, task)
+        await reward_service.stop(grace=1)
+        background.cancel()
+        await controller.stop(None)
+        await redis_client.aclose()
+
+    assert len(entries) == 2 and len({e.group_id for e in entries}) == 1
+    by_id = {e.trajectory.trajectory_id: e for e in entries}
+    assert set(by_id) == {a["episode"]["episode_id"] for a in agents}
+    for agent in agents:
+        entry = by_id[agent["episode"]["episode_id"]]
+        t = entry.trajectory
+        assert agent["ended"]["tokens"] == len(t.token_ids) and t.admitted_version == entry.admitted_version == 0
+        assert sum(t.loss_mask) == 4 and not any(t.loss_mask[: t.prompt_length])  # two model turns of two tokens
+        assert entry.min_version == entry.max_version == 0
+    assert sorted(e.trajectory.reward for e in entries) == [0.0, 1.0]
