@@ -248,3 +248,19 @@ def test_a_completion_streams_as_chunks_of_each_choice_and_the_usage():
     assert deltas[2]["tool_calls"][0]["index"] == 0 and deltas[2]["tool_calls"][0]["function"]["name"] == "calculator"
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"] == {"total_tokens": 3}
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+
+
+async def test_an_episode_handed_to_an_agent_that_went_away_goes_to_the_next_claim(tokenizer):
+    ctx, sessions = context(tokenizer, ScriptedEngine(tokenizer, ["ok"])), book()
+    gone = asyncio.create_task(sessions.claim(30.0))
+    await asyncio.sleep(0)  # it waits for an episode
+    play = asyncio.create_task(sessions.play(ctx, 0))
+    await asyncio.sleep(0)  # the episode is offered: handed to the waiting claim, which has not woken yet
+    gone.cancel()  # its agent disconnected
+    await asyncio.gather(gone, return_exceptions=True)
+    assert gone.cancelled()
+    episode = await sessions.claim(0.0)
+    assert episode["episode_id"] == "g1-0" and episode["attempt"] == 1
+    await sessions.complete(episode["api_key"], request(episode["messages"]))
+    sessions.end(episode["api_key"])
+    assert (await play).final_text == "ok"

@@ -214,7 +214,7 @@ class SessionBook:
         if session.closed:
             return
         session.closed = True
-        if session.state == "offered":
+        if session in self.offered:
             self.offered.remove(session)
         if session.key:
             self.by_key.pop(session.key, None)
@@ -229,16 +229,9 @@ class SessionBook:
 
     async def claim(self, wait_seconds: float) -> dict[str, Any] | None:
         """The next episode on offer, with its session key; None if none came within `wait_seconds`."""
-        if self.offered:
-            session = self.offered.popleft()
-        else:
-            claimant = asyncio.get_running_loop().create_future()
-            self.claimants.append(claimant)
-            await asyncio.wait({claimant}, timeout=wait_seconds)
-            if not claimant.done():
-                claimant.cancel()
-                return None
-            session = claimant.result()
+        session = await self.next_offered(wait_seconds)
+        if session is None:
+            return None
         session.key = f"sk-areal-{secrets.token_urlsafe(24)}"
         session.state, session.claimed_at = "open", self.clock()
         self.by_key[session.key] = session
@@ -252,6 +245,28 @@ class SessionBook:
             "model": self.served_model,
             "seconds": self.config.session_seconds,
         }
+
+    async def next_offered(self, wait_seconds: float) -> Session | None:
+        deadline = self.clock() + wait_seconds
+        while True:
+            while self.offered:
+                session = self.offered.popleft()
+                if not session.closed:
+                    return session
+            claimant = asyncio.get_running_loop().create_future()
+            self.claimants.append(claimant)
+            try:
+                await asyncio.wait({claimant}, timeout=max(0.0, deadline - self.clock()))
+            except asyncio.CancelledError:  # the agent went away while it waited: what it was handed goes back
+                if claimant.done():
+                    self.offered.appendleft(claimant.result())
+                claimant.cancel()
+                raise
+            if not claimant.done():
+                claimant.cancel()
+                return None
+            if not claimant.result().closed:  # withdrawn between the offer and this claim: wait on for another
+                return claimant.result()
 
     def session_of(self, key: str) -> Session:
         session = self.by_key.get(key)
