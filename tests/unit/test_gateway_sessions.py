@@ -15,6 +15,7 @@ from support.jobs import job_config
 from areal_k8s.common.config import AgentConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import ConversationFormat
+from areal_k8s.common.sglang import EngineError
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams
 from areal_k8s.rollout.gateway.chat import ChatRequest, GatewayError, read_reply, stream_chunks
 from areal_k8s.rollout.gateway.sessions import EpisodeNotPlayed, SessionBook
@@ -264,3 +265,17 @@ async def test_an_episode_handed_to_an_agent_that_went_away_goes_to_the_next_cla
     await sessions.complete(episode["api_key"], request(episode["messages"]))
     sessions.end(episode["api_key"])
     assert (await play).final_text == "ok"
+
+
+async def test_an_engine_gone_away_fails_the_call_and_hands_the_episode_back_to_the_worker(tokenizer):
+    async def unreachable(prompts, sampling, rids):
+        raise EngineError("http://127.0.0.1:9", None, "connection refused")
+
+    engine = ScriptedEngine(tokenizer, ["never"])
+    engine.generate = unreachable
+    ctx, sessions = context(tokenizer, engine), book()
+    play, episode = await claimed(sessions, ctx)
+    await expect_error(sessions.complete(episode["api_key"], request(episode["messages"])), "engine_unavailable", 503)
+    with pytest.raises(EngineError):  # the worker's engine_went_away: the group is requeued, the engine awaited
+        await play
+    await expect_error(sessions.complete(episode["api_key"], request(episode["messages"])), "session_closed", 409)

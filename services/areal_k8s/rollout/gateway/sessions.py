@@ -15,7 +15,8 @@ and a history the model did not see cannot be trained on. A refused call records
 The episode ends when the agent ends it (an optional reward; otherwise the verifier scores the last reply). A session
 not ended within `rollout.agent.session_seconds` of its claim is closed (its key answers 409) and the episode is
 offered again under a new key, at most `max_issues` times: only an ended session becomes a trajectory, so nothing is
-trained twice.
+trained twice. An engine that cannot be reached fails the episode's group with its error, so the worker hands the
+group back and waits for its engine, as under any workflow.
 """
 
 from __future__ import annotations
@@ -194,6 +195,9 @@ class SessionBook:
             except asyncio.CancelledError:
                 why = "the episode was withdrawn (its group was settled elsewhere, or the worker stopped)"
                 raise
+            except EngineError:
+                why = "the engine went away; the episode's group is handed back"
+                raise
             finally:
                 self.close(session, why)
         raise EpisodeNotPlayed(
@@ -309,6 +313,8 @@ class SessionBook:
             try:
                 samples = await session.ctx.generate([plan.prompt] * request.n, rids, sampling)
             except EngineError as exc:
+                if exc.status is None and not session.ended.done():  # unreachable: the worker hands the group back
+                    session.ended.set_exception(exc)
                 message = f"the engine failed: {exc}"
                 raise GatewayError(503, message, "engine_unavailable", kind="server_error") from None
             if session.state != "open":  # its time ran out while the engine generated
