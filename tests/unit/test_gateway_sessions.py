@@ -279,3 +279,19 @@ async def test_an_engine_gone_away_fails_the_call_and_hands_the_episode_back_to_
     with pytest.raises(EngineError):  # the worker's engine_went_away: the group is requeued, the engine awaited
         await play
     await expect_error(sessions.complete(episode["api_key"], request(episode["messages"])), "session_closed", 409)
+
+
+async def test_messages_the_chat_template_refuses_are_a_400_naming_the_templates_reason(tokenizer):
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role here') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    engine = ScriptedEngine(tokenizer, ["ok"])
+    ctx, sessions = context(tokenizer, engine), book()
+    play, episode = await claimed(sessions, ctx)
+    system = [{"role": "system", "content": "Be brief."}, *episode["messages"]]
+    error = await expect_error(sessions.complete(episode["api_key"], request(system)), "invalid_messages")
+    assert "no system role here" in error.message and engine.requests == []
+    await sessions.complete(episode["api_key"], request(episode["messages"]))  # the session goes on
+    sessions.end(episode["api_key"])
+    assert (await play).final_text == "ok"

@@ -67,6 +67,12 @@ def gateway_app(book: SessionBook) -> FastAPI:
         code = "not_found" if exc.status_code == 404 else "invalid_request"
         return JSONResponse(GatewayError(exc.status_code, str(exc.detail), code).body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request, exc: Exception):
+        log.exception("agent gateway: a request failed")
+        body = GatewayError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error", kind="server_error")
+        return JSONResponse(body.body(), status_code=500)
+
     @app.get("/v1/models")
     async def models():
         model = {"id": book.served_model, "object": "model", "created": 0, "owned_by": "areal-k8s"}

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
+
 from areal_k8s.common.config import AgentConfig
 from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.prompts import ConversationFormat
@@ -306,7 +308,11 @@ class SessionBook:
             )  # fmt: skip
         session.busy = True
         try:
-            plan = session.plan(request)
+            try:
+                plan = session.plan(request)
+            except (TemplateError, ValueError) as exc:  # the template refused the messages (raise_exception)
+                message = f"the chat template cannot render the messages: {exc}"
+                raise GatewayError(400, message, "invalid_messages", "messages") from None
             sampling = self.sampling(session.ctx, request, len(plan.prompt))
             rid = f"{session.episode_id}.s{session.attempt}.c{session.calls}"
             rids = [rid] if request.n == 1 else [f"{rid}.{k}" for k in range(request.n)]
