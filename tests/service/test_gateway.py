@@ -28,7 +28,7 @@ from areal_k8s.controller.core import ControllerCore
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.reward.server import serve
 from areal_k8s.rollout.clients import ControllerClient, RewardScorer
-from areal_k8s.rollout.gateway.server import start_gateway, stop_gateway
+from areal_k8s.rollout.gateway.server import start_gateway
 from areal_k8s.rollout.gateway.workflow import AgentWorkflow
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows.tools import calculate
@@ -122,8 +122,8 @@ async def test_agents_with_the_openai_sdk_play_a_group_whose_trajectories_are_th
     workflow = AgentWorkflow.for_job(job)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
-    server, task, port = await start_gateway(workflow.book, "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{port}"
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{gateway.port}"
     try:
         async with engine_client(engine_url) as engine, channel(f"127.0.0.1:{reward_service.port}") as reward:
             scorer = RewardScorer(reward_pb2_grpc.RewardStub(reward))
@@ -140,7 +140,7 @@ async def test_agents_with_the_openai_sdk_play_a_group_whose_trajectories_are_th
             )
             trajectories = await generating
     finally:
-        await stop_gateway(server, task)
+        await gateway.stop()
         await reward_service.stop(grace=1)
 
     assert agents[0]["refused"] == [
@@ -190,7 +190,7 @@ async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_gro
     await store.ensure_consumer_group()
     controller, controller_port, _, background = await controller_server.serve(core, store, "127.0.0.1:0")
     reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
-    server, task, port = await start_gateway(workflow.book, "127.0.0.1", 0)
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
     stop = asyncio.Event()
     try:
         async with (
@@ -206,7 +206,7 @@ async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_gro
             )  # fmt: skip
             worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
             running = asyncio.create_task(worker.run(stop))
-            base = f"http://127.0.0.1:{port}"
+            base = f"http://127.0.0.1:{gateway.port}"
             agents = await asyncio.gather(*(asyncio.to_thread(play, base, r, False) for r in (1.0, None)))
             entries = []
             while len(entries) < 2:
@@ -215,7 +215,7 @@ async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_gro
             await running
     finally:
         stop.set()
-        await stop_gateway(server, task)
+        await gateway.stop()
         await reward_service.stop(grace=1)
         background.cancel()
         await controller.stop(None)

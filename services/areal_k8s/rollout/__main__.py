@@ -21,7 +21,7 @@ from areal_k8s.common.service import (
 from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.rollout.clients import ControllerClient, RewardScorer
-from areal_k8s.rollout.gateway.server import start_gateway, stop_gateway
+from areal_k8s.rollout.gateway.server import start_gateway
 from areal_k8s.rollout.gateway.workflow import AgentWorkflow
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
@@ -96,13 +96,13 @@ def main() -> None:
         gateway = None
         if isinstance(workflow, AgentWorkflow):
             gateway = await start_gateway(workflow.book, args.host, args.gateway_port)
-            log.info("agent gateway on http://%s:%d/v1", args.host, gateway[2])
+            log.info("agent gateway on http://%s:%d/v1", args.host, gateway.port)
         try:
             await worker.run(stop)
             await wait_if_asked(args.when_done, stop)
         finally:
             if gateway is not None:
-                await stop_gateway(*gateway[:2])
+                await gateway.stop()
             await server.stop(grace=2)
             await servicer.lease.close()
             await asyncio.gather(controller_channel.close(), reward_channel.close())

@@ -108,8 +108,20 @@ class EmbeddedServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
-async def start_gateway(book: SessionBook, host: str, port: int) -> tuple[EmbeddedServer, asyncio.Task, int]:
-    """Serve the gateway on host:port (0: a free port); the server, its task and the port, once it listens."""
+class Gateway:
+    """The gateway served on a port of its own, in the running event loop."""
+
+    def __init__(self, server: EmbeddedServer, task: asyncio.Task):
+        self.server, self.task = server, task
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_gateway(book: SessionBook, host: str, port: int) -> Gateway:
+    """Serve the gateway on host:port (0: a free port), once it listens."""
     server = EmbeddedServer(uvicorn.Config(gateway_app(book), host=host, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -117,9 +129,4 @@ async def start_gateway(book: SessionBook, host: str, port: int) -> tuple[Embedd
             task.result()  # raises why it did not start
             raise RuntimeError(f"the agent gateway on {host}:{port} stopped before it listened")
         await asyncio.sleep(0.02)
-    return server, task, server.servers[0].sockets[0].getsockname()[1]
-
-
-async def stop_gateway(server: EmbeddedServer, task: asyncio.Task) -> None:
-    server.should_exit = True
-    await task
+    return Gateway(server, task)
