@@ -227,7 +227,63 @@ async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_gro
     for agent in agents:
         entry = by_id[agent["episode"]["episode_id"]]
         t = entry.trajectory
-        assert agent["ended"]["tokens"] == len(t.token_ids) and t.admitted_version == entry.admitted_version == 0
+        assert agent["ended"]["tokens"] == len(t.token_ids) and t.admitted_version == entry.admitted_version
         assert sum(t.loss_mask) == 4 and not any(t.loss_mask[: t.prompt_length])  # two model turns of two tokens
-        assert entry.min_version == entry.max_version == 0
+        assert entry.min_version == entry.max_version >= entry.admitted_version  # one engine version, whatever it is
     assert sorted(e.trajectory.reward for e in entries) == [0.0, 1.0]
+
+
+async def test_a_call_in_flight_when_weights_are_pushed_resumes_under_them_its_versions_per_token(
+    engine_url, model_path
+):
+    """A long call and a real gloo weight push while the engine generates it: the session's tokens carry the version
+    that sampled each of them. The generation prompt ends in a vertical tab here, whose successors run 255 bytes
+    before the newline that would start a tool call."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_k8s.trainer.weights.sender import WeightSender
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = CHATML_TOOLS.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\x0b{% endif %}"
+    )
+    job = job_config("gw-push", model_path, rollout={"workflow": "agent", "prompt_template": "chat"})
+    workflow = AgentWorkflow.for_job(job)
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
+    named = AutoModelForCausalLM.from_pretrained(model_path).named_parameters
+    weights = WeightSender("gloo", "127.0.0.1", bucket_bytes=1 << 20, timeout=60.0, group_name=f"gw-{uuid.uuid4().hex}")
+
+    def agent() -> dict:
+        episode = httpx.post(f"http://127.0.0.1:{gateway.port}/v1/episodes/claim", json={}, timeout=60).json()
+        client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+        reply = client.chat.completions.create(model=episode["model"], messages=episode["messages"], max_tokens=250)
+        httpx.post(f"{episode['base_url']}/sessions/{episode['api_key']}/end", json={"reward": 0.0})
+        return reply.model_dump()
+
+    try:
+        async with engine_client(engine_url) as engine:
+            await weights.connect([engine])
+            await weights.push(named(), version="30")
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="", controller=None, scorer=None, engine=engine, store=None,
+                tokenizer=tokenizer, workflow=workflow,
+            )  # fmt: skip
+            group = PromptGroup("g9", "p9", "abc", "", "exact", 1, SamplingParams(1.0, 1.0, -1, 250))
+            generating = asyncio.create_task(worker.generate_group(group))
+            playing = asyncio.create_task(asyncio.to_thread(agent))
+            while not any(s.busy for s in workflow.book.by_key.values()):  # the call is on its way to the engine
+                await asyncio.sleep(0.01)
+            await engine.generate(
+                [3], {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
+            )  # FIFO: it decodes
+            await weights.push(named(), version="31")  # the same weights under a new version
+            reply = await playing
+            (trajectory,) = await generating
+    finally:
+        await weights.close()
+        await gateway.stop()
+
+    assert reply["usage"]["completion_tokens"] == 250 and reply["choices"][0]["finish_reason"] == "length"
+    generated = [v for v, trained in zip(trajectory.versions, trajectory.loss_mask) if trained]
+    switch = generated.index(31)  # its prefix sampled under 30, the rest (resumed after the push) under 31
+    assert generated == [30] * switch + [31] * (250 - switch) and switch > 0 and trajectory.interruptions >= 1
