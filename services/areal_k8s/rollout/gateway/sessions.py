@@ -89,7 +89,6 @@ class Session:
         self.key = ""  # issued when an agent claims the episode
         self.state = "offered"  # offered | open | ended | closed
         self.claimed = asyncio.Event()
-        self.claimed_at = 0.0
         self.ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.conversation = ConversationFormat(ctx.tokenizer, "chat")
         self.messages: list[Message] = []  # the conversation so far (the replies the agent continued with included)
@@ -239,7 +238,7 @@ class SessionBook:
         if session is None:
             return None
         session.key = f"sk-areal-{secrets.token_urlsafe(24)}"
-        session.state, session.claimed_at = "open", self.clock()
+        session.state = "open"
         self.by_key[session.key] = session
         session.claimed.set()
         self.count_session("claimed")
