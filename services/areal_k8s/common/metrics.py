@@ -254,6 +254,9 @@ class RolloutMetrics(ServiceMetrics):
         )
         for limit in ("calls", "tokens", "seconds"):
             self.gateway_limits.labels(limit=limit)
+        for event in ("offered", "claimed", "ended", "closed"):
+            self.gateway_sessions.labels(event=event)
+        self.gateway_calls.labels(outcome="ok")
 
 
 class RewardMetrics(ServiceMetrics):
