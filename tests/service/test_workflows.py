@@ -372,9 +372,10 @@ def test_a_bad_user_workflow_is_refused_naming_it(workflow, args, message):
     [
         (
             {"workflow": "my flow"},
-            "rollout.workflow: Value error, expected one of single_turn, multi_turn, tool_agent or "
+            "rollout.workflow: Value error, expected one of single_turn, multi_turn, tool_agent, agent or "
             "'package.module:Class' (got 'my flow')",
         ),
+        ({"workflow": "agent"}, "workflow agent renders the agents' messages with the chat template: set prompt"),
         ({"workflow": "tool_agent", "workflow_args": {"x": 1}}, "workflow_args is for a package.module:Class workflow"),
         ({"tool_agent": {"tools": ["shell"]}}, "rollout.tool_agent.tools.0: Input should be 'python' or 'calculator'"),
     ],

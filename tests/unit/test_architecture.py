@@ -41,7 +41,7 @@ ALLOWED = {
 SHELLS = {
     "controller": {"__main__", "server"},
     "reward": {"__main__", "server"},
-    "rollout": {"__main__", "server", "clients"},
+    "rollout": {"__main__", "server", "clients", "gateway.server"},
     "trainer": {"__main__", "server", "clients", "weights.targets"},
     "cpu_engine": {"__main__", "server"},
 }

@@ -235,6 +235,28 @@ class RolloutMetrics(ServiceMetrics):
             "Pauses for a weight push the worker ended itself: no word from the trainer within twice its weight-sync "
             "deadline (its continue_generation lost).",
         )
+        # the `agent` workflow's gateway (rollout/gateway/)
+        self.gateway_calls = self.counter(
+            "areal_rollout_gateway_calls_total",
+            "Chat completion calls to the agent gateway, by outcome: ok, or the error code it was refused with.",
+            extra=("outcome",),
+        )
+        self.gateway_sessions = self.counter(
+            "areal_rollout_gateway_sessions_total",
+            "Agent sessions by event: offered, claimed, ended (by the agent: a trajectory), closed (time ran out or "
+            "withdrawn: offered again or given up).",
+            extra=("event",),
+        )
+        self.gateway_limits = self.counter(
+            "areal_rollout_gateway_limit_hits_total",
+            "Agent sessions that reached a limit of rollout.agent: calls, tokens or seconds.",
+            extra=("limit",),
+        )
+        for limit in ("calls", "tokens", "seconds"):
+            self.gateway_limits.labels(limit=limit)
+        for event in ("offered", "claimed", "ended", "closed"):
+            self.gateway_sessions.labels(event=event)
+        self.gateway_calls.labels(outcome="ok")
 
 
 class RewardMetrics(ServiceMetrics):

@@ -98,19 +98,25 @@ class ConversationFormat:
     def first_prompt(self, prompt: str, tools: list[dict] | None = None) -> list[int]:
         if tools is None or not self.chat:
             return encode_prompt(self.tokenizer, prompt, "chat" if self.chat else "raw")
-        return self._ids(self._render([{"role": "user", "content": prompt}], tools=tools, add_generation_prompt=True))
+        return self.conversation_prompt([{"role": "user", "content": prompt}], tools)
+
+    def conversation_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """A whole conversation so far, rendered by the template, with the generation prompt (chat only)."""
+        return self._ids(self._render(messages, tools=tools, add_generation_prompt=True))
 
     def user_turn(self, text: str, model_ids: list[int]) -> list[int]:
         if not self.chat:
             return self._ids(f"\n\n{text}\n\n")
-        return self._after_answer([{"role": "user", "content": text}], model_ids)
+        return self.after_answer([{"role": "user", "content": text}], model_ids)
 
     def tool_turn(self, results: list[str], model_ids: list[int]) -> list[int]:
         if not self.chat:
             return self._ids("".join(f"\n<tool_response>\n{result}\n</tool_response>\n" for result in results))
-        return self._after_answer([{"role": "tool", "content": result} for result in results], model_ids)
+        return self.after_answer([{"role": "tool", "content": result} for result in results], model_ids)
 
-    def _after_answer(self, messages: list[dict], model_ids: list[int]) -> list[int]:
+    def after_answer(self, messages: list[dict], model_ids: list[int]) -> list[int]:
+        """The tokens after a model turn (`model_ids`, as sampled) up to the next generation prompt: the template's
+        end of that turn and `messages` (chat only)."""
         head = [{"role": "user", "content": "question"}, {"role": "assistant", "content": _ANSWER_SENTINEL}]
         full = self._render(head + messages, add_generation_prompt=True)
         if _ANSWER_SENTINEL not in full:

@@ -225,6 +225,25 @@ def throughput() -> dashboard.Dashboard:
                 [(quantile(0.95, "areal_reward_scoring_latency_seconds", "verifier"), "{{verifier}}")],
             )
         )
+        .with_panel(
+            panel(
+                "Agent gateway calls/s by outcome",
+                "Chat completion calls of workflow agent's sessions: ok, or the error code they were refused with.",
+                "short",
+                [(f"sum by (outcome) ({rate('areal_rollout_gateway_calls_total')})", "{{outcome}}")],
+            )
+        )
+        .with_panel(
+            panel(
+                "Agent sessions and limits/s",
+                "Sessions by event (offered, claimed, ended by the agent, closed unended) and limits reached.",
+                "short",
+                [
+                    (f"sum by (event) ({rate('areal_rollout_gateway_sessions_total')})", "{{event}}"),
+                    (f"sum by (limit) ({rate('areal_rollout_gateway_limit_hits_total')})", "limit {{limit}}"),
+                ],
+            )
+        )
     )
 
 

@@ -21,6 +21,8 @@ from areal_k8s.common.service import (
 from areal_k8s.common.sglang import CpuEngineClient, SGLangClient, UnfitEngine, served_dtype, weight_group_ranks
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.rollout.clients import ControllerClient, RewardScorer
+from areal_k8s.rollout.gateway.server import start_gateway
+from areal_k8s.rollout.gateway.workflow import AgentWorkflow
 from areal_k8s.rollout.server import RolloutServicer
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import WorkflowError, load_workflow
@@ -41,14 +43,21 @@ def main() -> None:
     parser.add_argument("--reward", default=env("AREAL_REWARD_ADDRESS", "127.0.0.1:50053"))
     parser.add_argument("--redis-url", default=env("AREAL_REDIS_URL"), required=not env("AREAL_REDIS_URL"))
     parser.add_argument(
+        "--gateway-port",
+        type=int,
+        default=int(env("AREAL_GATEWAY_PORT", "0")),
+        help="workflow agent: the port of the agents' OpenAI gateway (0: a free one, logged)",
+    )
+    parser.add_argument(
         "--engine-timeout", type=float, default=600.0, help="seconds to wait for the engine to become healthy"
     )
     args = parser.parse_args()
     setup_logging(f"rollout[{args.worker_id}]", args.log_level)
     job = load_job(args.job)
     require_model_dirs(model=job.model, tokenizer=job.tokenizer_path)
+    metrics = RolloutMetrics(job.name)
     try:
-        workflow = load_workflow(job)
+        workflow = load_workflow(job, metrics)
     except WorkflowError as exc:
         exit_invalid(str(exc))
 
@@ -66,7 +75,7 @@ def main() -> None:
             engine=engine,
             store=TrajectoryStore(redis_client, job.name),
             tokenizer=load_tokenizer(job.tokenizer_path),
-            metrics=RolloutMetrics(job.name),
+            metrics=metrics,
             workflow=workflow,
         )
         worker.metrics.serve(args.host, args.metrics_port)
@@ -84,10 +93,16 @@ def main() -> None:
         )
         worker.address = args.advertise or f"{args.host}:{port}"
         log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)
+        gateway = None
+        if isinstance(workflow, AgentWorkflow):
+            gateway = await start_gateway(workflow.book, args.host, args.gateway_port)
+            log.info("agent gateway on http://%s:%d/v1", args.host, gateway.port)
         try:
             await worker.run(stop)
             await wait_if_asked(args.when_done, stop)
         finally:
+            if gateway is not None:
+                await gateway.stop()
             await server.stop(grace=2)
             await servicer.lease.close()
             await asyncio.gather(controller_channel.close(), reward_channel.close())

@@ -19,7 +19,7 @@ from areal_k8s.common.config.job_file import (
 from areal_k8s.common.config.rebalance import RebalanceConfig
 from areal_k8s.common.config.reference import reference_markdown
 from areal_k8s.common.config.reward import BUILTIN_VERIFIERS, CodeRewardConfig, RewardConfig, reward_verifier_args
-from areal_k8s.common.config.rollout import MultiTurnConfig, RolloutConfig, ToolAgentConfig
+from areal_k8s.common.config.rollout import AgentConfig, MultiTurnConfig, RolloutConfig, ToolAgentConfig
 from areal_k8s.common.config.sampling import SamplingConfig
 from areal_k8s.common.config.tracking import (
     MlflowConfig,
@@ -32,6 +32,7 @@ from areal_k8s.common.config.trainer import ParallelismConfig, TrainerConfig
 
 __all__ = [
     "BUILTIN_VERIFIERS",
+    "AgentConfig",
     "AlgorithmConfig",
     "CodeDatasetConfig",
     "CodeRewardConfig",

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from areal_k8s.common.config.section import Section
 from areal_k8s.common.sglang_args import check_sglang_args
 
-BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent")  # services/areal_k8s/rollout/workflows/
+BUILTIN_WORKFLOWS = ("single_turn", "multi_turn", "tool_agent", "agent")  # services/areal_k8s/rollout/workflows/
 CUSTOM_WORKFLOW_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 Placement = Literal["token_load", "first_come"]  # the order the controller serves held polls in (controller/polls.py)
 
@@ -48,6 +48,27 @@ class ToolAgentConfig(Section):
     )
     max_tool_output_chars: Annotated[int, Field(ge=16)] = Field(
         1000, description="`tool_agent`: a tool's result is cut to this many characters before it is tokenized."
+    )
+
+
+class AgentConfig(Section):
+    max_calls: Annotated[int, Field(ge=1)] = Field(
+        32, description="`agent`: chat completion calls a session may make; one more is refused (400)."
+    )
+    max_session_tokens: Annotated[int, Field(ge=2)] | None = Field(
+        None,
+        description="`agent`: tokens a session's trajectory may hold (prompt, responses, tool results); a call whose "
+        "prompt reaches it is refused (400) and responses are cut to fit. Unset: the model's context.",
+    )
+    session_seconds: Annotated[float, Field(gt=0)] = Field(
+        600.0,
+        description="`agent`: an episode claimed and not ended this long after its claim is issued again under a "
+        "new session key (its agent is presumed lost); the old key's calls are refused (409).",
+    )
+    max_issues: Annotated[int, Field(ge=1)] = Field(
+        3,
+        description="`agent`: times an episode is issued; when its last session runs out too the group fails (and "
+        "is retried or dead-lettered as `max_group_failures` says).",
     )
 
 
@@ -91,8 +112,9 @@ class RolloutConfig(Section):
         description="What one episode is (services/areal_k8s/rollout/workflows/): `single_turn` (prompt, response, "
         "reward), "
         "`multi_turn` (answer, verifier feedback, answer again: `rollout.multi_turn`), `tool_agent` (the model calls "
-        "tools, their results are appended: `rollout.tool_agent`), or `package.module:Class`, a RolloutWorkflow of "
-        "your own (the rollout image must be able to import it).",
+        "tools, their results are appended: `rollout.tool_agent`), `agent` (programs of their own play each "
+        "episode through the worker's OpenAI-compatible gateway: `rollout.agent`, docs/agents.md), or "
+        "`package.module:Class`, a RolloutWorkflow of your own (the rollout image must be able to import it).",
     )
     workflow_args: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for a `package.module:Class` workflow's constructor."
@@ -103,6 +125,7 @@ class RolloutConfig(Section):
     tool_agent: ToolAgentConfig = Field(
         default_factory=ToolAgentConfig, description="The `tool_agent` workflow's settings."
     )
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="The `agent` workflow's sessions.")
     interrupt: Literal["abort", "retract"] = Field(
         "abort",
         description="How a weight push interrupts in-flight requests. `abort` (AReaL's choice): they come back with "
@@ -149,6 +172,14 @@ class RolloutConfig(Section):
             raise ValueError(
                 f"workflow_args is for a package.module:Class workflow; the built-in {self.workflow} "
                 "takes its settings from rollout.multi_turn or rollout.tool_agent"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agents_chat(self) -> RolloutConfig:
+        if self.workflow == "agent" and self.prompt_template != "chat":
+            raise ValueError(
+                "workflow agent renders the agents' messages with the chat template: set prompt_template: chat"
             )
         return self
 

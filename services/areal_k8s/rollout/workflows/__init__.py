@@ -1,5 +1,6 @@
 """Rollout workflows: what one prompt group's episodes are (api.py has the interface). `load_workflow` makes the
-job's: a built-in by name, or a user's `package.module:Class` with `rollout.workflow_args`."""
+job's: a built-in by name (`agent`'s is in rollout/gateway/), or a user's `package.module:Class` with
+`rollout.workflow_args`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib
 import inspect
 
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.sandbox import SandboxError, limits_from_config
 from areal_k8s.rollout.workflows.api import Episode, EpisodeContext, RolloutWorkflow
 from areal_k8s.rollout.workflows.multi_turn import MultiTurn
@@ -20,8 +22,12 @@ class WorkflowError(ValueError):
     """The job's workflow cannot be made; the message is one line naming rollout.workflow."""
 
 
-def load_workflow(job: JobConfig) -> RolloutWorkflow:
+def load_workflow(job: JobConfig, metrics: RolloutMetrics | None = None) -> RolloutWorkflow:
     rollout = job.rollout
+    if rollout.workflow == "agent":
+        from areal_k8s.rollout.gateway.workflow import AgentWorkflow  # it imports this package's api
+
+        return AgentWorkflow.for_job(job, metrics)
     if rollout.workflow == "single_turn":
         return SingleTurn()
     if rollout.workflow == "multi_turn":

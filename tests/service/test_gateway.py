@@ -1,0 +1,289 @@
+"""The agent gateway against real parts: the `openai` SDK (an agent program's own loop, in threads of its own) talks
+over loopback HTTP to the gateway served by uvicorn, whose sessions generate on a CPU engine process serving a
+scripted tiny model (after a generation prompt it calls the calculator, then ends its turn), for the rollout
+worker's `agent` workflow; the reward service over gRPC scores what the agent left unscored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+from areal_k8s_testing.cpu_engine_process import cpu_engine, engine_client
+from support.agent_chat import CALCULATOR, CHATML_TOOLS
+from support.jobs import job_config
+from support.tiny_models import build_scripted_qwen2
+from transformers import AutoTokenizer
+
+from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc
+from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.prompts import ConversationFormat
+from areal_k8s.common.store import TrajectoryStore, connect
+from areal_k8s.common.trajectory import PromptGroup, SamplingParams
+from areal_k8s.controller import server as controller_server
+from areal_k8s.controller.core import ControllerCore
+from areal_k8s.data.dataset import DatasetItem
+from areal_k8s.reward.server import serve
+from areal_k8s.rollout.clients import ControllerClient, RewardScorer
+from areal_k8s.rollout.gateway.server import start_gateway
+from areal_k8s.rollout.gateway.workflow import AgentWorkflow
+from areal_k8s.rollout.worker import RolloutWorker
+from areal_k8s.rollout.workflows.tools import calculate
+
+pytestmark = pytest.mark.timeout(300)
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+EOS = "<|endoftext|>"
+PROMPT = "What is 6 * 7?"
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = build_scripted_qwen2(
+        tmp_path_factory.mktemp("scripted"), added_tokens=[CALL], successors={"\n": CALL, CALL: EOS}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHATML_TOOLS
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine_url(model_path, tmp_path_factory):
+    with cpu_engine(model_path, tmp_path_factory.mktemp("engine") / "engine.log", "--threads", "1") as url:
+        yield url
+
+
+def play(base: str, reward: float | None, errors: bool) -> dict:
+    """An agent program: claim an episode, solve it with the calculator over two calls (the second streamed), end
+    it. With `errors`, it first makes the mistakes the gateway must refuse, each one recording nothing."""
+    claim = httpx.post(f"{base}/v1/episodes/claim", json={"wait_seconds": 30}, timeout=60)
+    assert claim.status_code == 200, claim.text
+    episode = claim.json()
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+    model, messages = episode["model"], list(episode["messages"])
+    assert [m.id for m in client.models.list().data] == [model]
+    seen: dict = {"episode": episode, "refused": []}
+
+    def refused(error_type, **request):
+        with pytest.raises(error_type) as caught:
+            client.chat.completions.create(**{"model": model, "messages": messages, **request})
+        seen["refused"].append((caught.value.status_code, caught.value.code))
+
+    if errors:
+        stranger = openai.OpenAI(base_url=episode["base_url"], api_key="sk-not-a-session", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            stranger.chat.completions.create(model=model, messages=messages)
+        seen["refused"].append((caught.value.status_code, caught.value.code))
+        refused(openai.BadRequestError, messages=[])
+        refused(openai.BadRequestError, n=0)
+        refused(openai.NotFoundError, model="gpt-4o")
+        refused(openai.BadRequestError, max_tokens=10**6)
+
+    first = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], logprobs=True)
+    choice = first.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "calculator"
+    seen["first"] = first.model_dump()
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": calculate("6 * 7")}]
+    if errors:  # the conversation rewritten: the user's question is not the one the session started with
+        edited = [{"role": "user", "content": "What is 7 * 6?"}, *messages[1:]]
+        refused(openai.BadRequestError, tools=[CALCULATOR], messages=edited)
+
+    stream = client.chat.completions.create(
+        model=model, messages=messages, tools=[CALCULATOR], stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    calls = [delta for c in chunks if c.choices for delta in c.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["calculator"]
+    assert json.loads(calls[0].function.arguments) == {"expression": "6 * 7"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    seen["streamed_usage"] = chunks[-1].usage.model_dump()
+
+    ended = httpx.post(
+        f"{base}/v1/sessions/{episode['api_key']}/end", json={} if reward is None else {"reward": reward}
+    )
+    assert ended.status_code == 200, ended.text
+    seen["ended"] = ended.json()
+    if errors:
+        refused(openai.ConflictError)  # the episode is over
+        again = httpx.post(f"{base}/v1/sessions/{episode['api_key']}/end", json={})
+        seen["refused"].append((again.status_code, again.json()["error"]["code"]))
+    return seen
+
+
+async def test_agents_with_the_openai_sdk_play_a_group_whose_trajectories_are_their_sessions_tokens(
+    engine_url, model_path
+):
+    job = job_config("gw", model_path, rollout={"workflow": "agent", "prompt_template": "chat"})
+    workflow = AgentWorkflow.for_job(job)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
+    base = f"http://127.0.0.1:{gateway.port}"
+    try:
+        async with engine_client(engine_url) as engine, channel(f"127.0.0.1:{reward_service.port}") as reward:
+            scorer = RewardScorer(reward_pb2_grpc.RewardStub(reward))
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="", controller=None, scorer=scorer, engine=engine, store=None,
+                tokenizer=tokenizer, workflow=workflow,
+            )  # fmt: skip
+            group = PromptGroup("g7", "p7", PROMPT, "42", "exact", 2, SamplingParams(0.0, 1.0, -1, 8))
+            generating = asyncio.create_task(worker.generate_group(group))
+            async with httpx.AsyncClient() as http:  # a malformed claim: an OpenAI-shaped 400
+                assert (await http.post(f"{base}/v1/episodes/claim", json={"wait_seconds": "soon"})).status_code == 400
+            agents = await asyncio.gather(
+                asyncio.to_thread(play, base, 1.0, True), asyncio.to_thread(play, base, None, False)
+            )
+            trajectories = await generating
+    finally:
+        await gateway.stop()
+        await reward_service.stop(grace=1)
+
+    assert agents[0]["refused"] == [
+        (401, "invalid_api_key"),
+        (400, "invalid_request"),
+        (400, "invalid_request"),
+        (404, "model_not_found"),
+        (400, "context_length_exceeded"),
+        (400, "session_diverged"),
+        (409, "session_closed"),
+        (409, "session_closed"),
+    ]
+    by_id = {t.trajectory_id: t for t in trajectories}
+    assert {a["episode"]["episode_id"] for a in agents} == set(by_id) == {"g7-0", "g7-1"}
+    conversation = ConversationFormat(tokenizer, "chat")
+    prompt = conversation.conversation_prompt([{"role": "user", "content": PROMPT}], [CALCULATOR])
+    call_ids = [*tokenizer.encode(CALL, add_special_tokens=False), tokenizer.eos_token_id]
+    tool_turn = conversation.after_answer([{"role": "tool", "content": "42"}], call_ids)
+    for agent in agents:
+        t = by_id[agent["episode"]["episode_id"]]
+        # the first call's prompt, the model's turn, the tool's result (environment), the model's second turn
+        assert t.token_ids == prompt + call_ids + tool_turn + call_ids and t.prompt_length == len(prompt)
+        assert t.loss_mask == [False] * len(prompt) + [True] * 2 + [False] * len(tool_turn) + [True] * 2
+        model_versions = {v for v, m in zip(t.versions, t.loss_mask) if m}
+        assert len(model_versions) == 1 and min(model_versions) >= 0
+        assert {v for v, m in zip(t.versions, t.loss_mask) if not m} == {-1}
+        first = agent["first"]["choices"][0]["logprobs"]["content"]
+        assert [entry["logprob"] for entry in first] == pytest.approx(t.logprobs[len(prompt) : len(prompt) + 2])
+        assert agent["streamed_usage"]["prompt_tokens"] == len(prompt) + 2 + len(tool_turn)
+        assert agent["ended"] == {"episode_id": t.trajectory_id, "calls": 2, "tokens": len(t.token_ids)}
+    given, scored = by_id[agents[0]["episode"]["episode_id"]], by_id[agents[1]["episode"]["episode_id"]]
+    assert (given.reward, given.reward_status) == (1.0, "ok")
+    assert (scored.reward, scored.reward_status) == (0.0, "ok")  # the verifier's: the tool call is not "42"
+
+
+async def test_an_admitted_group_played_by_agents_lands_in_the_stream_as_one_group(engine_url, model_path, redis_url):
+    """The whole way: the controller admits the prompt over gRPC, the worker's pull loop runs the agent workflow, two
+    SDK agents play its episodes, and the group is written to the Redis stream as the trainer reads it."""
+    job = job_config(
+        f"gw-{uuid.uuid4().hex[:8]}", model_path, rollout={"workflow": "agent", "prompt_template": "chat",
+        "groups_per_worker": 1}, algorithm={"group_size": 2}, sampling={"temperature": 0.0, "max_new_tokens": 8},
+    )  # fmt: skip
+    workflow = AgentWorkflow.for_job(job)
+    core = ControllerCore(job, [DatasetItem(id="p0", prompt=PROMPT, reference="42", verifier="exact")])
+    redis_client = connect(redis_url)
+    store = TrajectoryStore(redis_client, job.name)
+    await store.ensure_consumer_group()
+    controller, controller_port, _, background = await controller_server.serve(core, store, "127.0.0.1:0")
+    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
+    stop = asyncio.Event()
+    try:
+        async with (
+            engine_client(engine_url) as engine,
+            channel(f"127.0.0.1:{reward_service.port}") as reward,
+            channel(f"127.0.0.1:{controller_port}") as to_controller,
+        ):
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="127.0.0.1:0",
+                controller=ControllerClient(controller_pb2_grpc.ControllerStub(to_controller)),
+                scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward)), engine=engine, store=store,
+                tokenizer=AutoTokenizer.from_pretrained(model_path), workflow=workflow,
+            )  # fmt: skip
+            worker.engine_version = 0  # it serves the current version, as the trainer's first push would have it
+            running = asyncio.create_task(worker.run(stop))
+            base = f"http://127.0.0.1:{gateway.port}"
+            agents = await asyncio.gather(*(asyncio.to_thread(play, base, r, False) for r in (1.0, None)))
+            entries = []
+            while len(entries) < 2:
+                entries += await store.read_new("trainer", 10, 1000)
+            stop.set()
+            await running
+    finally:
+        stop.set()
+        await gateway.stop()
+        await reward_service.stop(grace=1)
+        background.cancel()
+        await controller.stop(None)
+        await redis_client.aclose()
+
+    assert len(entries) == 2 and len({e.group_id for e in entries}) == 1
+    by_id = {e.trajectory.trajectory_id: e for e in entries}
+    assert set(by_id) == {a["episode"]["episode_id"] for a in agents}
+    for agent in agents:
+        entry = by_id[agent["episode"]["episode_id"]]
+        t = entry.trajectory
+        assert agent["ended"]["tokens"] == len(t.token_ids) and t.admitted_version == entry.admitted_version
+        assert sum(t.loss_mask) == 4 and not any(t.loss_mask[: t.prompt_length])  # two model turns of two tokens
+        assert entry.min_version == entry.max_version >= entry.admitted_version  # one engine version, whatever it is
+    assert sorted(e.trajectory.reward for e in entries) == [0.0, 1.0]
+
+
+async def test_a_call_in_flight_when_weights_are_pushed_resumes_under_them_its_versions_per_token(
+    engine_url, model_path
+):
+    """A long call and a real gloo weight push while the engine generates it: the session's tokens carry the version
+    that sampled each of them. The generation prompt ends in a vertical tab here, whose successors run 255 bytes
+    before the newline that would start a tool call."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_k8s.trainer.weights.sender import WeightSender
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = CHATML_TOOLS.replace(
+        "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\x0b{% endif %}"
+    )
+    job = job_config("gw-push", model_path, rollout={"workflow": "agent", "prompt_template": "chat"})
+    workflow = AgentWorkflow.for_job(job)
+    gateway = await start_gateway(workflow.book, "127.0.0.1", 0)
+    named = AutoModelForCausalLM.from_pretrained(model_path).named_parameters
+    weights = WeightSender("gloo", "127.0.0.1", bucket_bytes=1 << 20, timeout=60.0, group_name=f"gw-{uuid.uuid4().hex}")
+
+    def agent() -> dict:
+        episode = httpx.post(f"http://127.0.0.1:{gateway.port}/v1/episodes/claim", json={}, timeout=60).json()
+        client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+        reply = client.chat.completions.create(model=episode["model"], messages=episode["messages"], max_tokens=250)
+        httpx.post(f"{episode['base_url']}/sessions/{episode['api_key']}/end", json={"reward": 0.0})
+        return reply.model_dump()
+
+    try:
+        async with engine_client(engine_url) as engine:
+            await weights.connect([engine])
+            await weights.push(named(), version="30")
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="", controller=None, scorer=None, engine=engine, store=None,
+                tokenizer=tokenizer, workflow=workflow,
+            )  # fmt: skip
+            group = PromptGroup("g9", "p9", "abc", "", "exact", 1, SamplingParams(1.0, 1.0, -1, 250))
+            generating = asyncio.create_task(worker.generate_group(group))
+            playing = asyncio.create_task(asyncio.to_thread(agent))
+            while not any(s.busy for s in workflow.book.by_key.values()):  # the call is on its way to the engine
+                await asyncio.sleep(0.01)
+            await engine.generate(
+                [3], {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
+            )  # FIFO: it decodes
+            await weights.push(named(), version="31")  # the same weights under a new version
+            reply = await playing
+            (trajectory,) = await generating
+    finally:
+        await weights.close()
+        await gateway.stop()
+
+    assert reply["usage"]["completion_tokens"] == 250 and reply["choices"][0]["finish_reason"] == "length"
+    generated = [v for v, trained in zip(trajectory.versions, trajectory.loss_mask) if trained]
+    switch = generated.index(31)  # its prefix sampled under 30, the rest (resumed after the push) under 31
+    assert generated == [30] * switch + [31] * (250 - switch) and switch > 0 and trajectory.interruptions >= 1
