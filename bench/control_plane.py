@@ -221,7 +221,7 @@ def run_config(args, workers: int, factor: float, hold: float, scratch: Path, ad
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--workers", type=int, nargs="*", default=[64, 256, 1024, 4096], help="sizes that poll")
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 4], help="times the peak-minute rate")
     parser.add_argument("--runs", type=int, default=1, help="repeats of every configuration")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the measured window")

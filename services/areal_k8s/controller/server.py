@@ -160,7 +160,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         self.polls.place(attachment)
 
     def tell_attached(self) -> None:
-        """A new version, or the job's end: every attached worker's stream says so."""
+        """The job's end: every attached worker's stream says so."""
         for attachment in self.core.attachments.values():
             attachment.notify()
 
@@ -344,8 +344,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             self.core.announce_version(request.version, request.restored)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        self.polls.open_all()  # the new version's room, and the polls from engines behind it answered at once
-        self.tell_attached()
+        # The new version's room, and the polls from engines behind it answered at once. The attached workers are not
+        # told: the trainer pushed the version to their engines before it announced it, and each stream says so.
+        self.polls.open_all()
         await self.writer.written()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
         return controller_pb2.AnnounceVersionResponse(version=self.core.version)
