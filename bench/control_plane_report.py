@@ -158,6 +158,12 @@ def stream_goal(workers: int, rate: str, summary: dict, worst: tuple[str, dict])
     cpu, p99 = summary["controller_cpu"]["median"], worst[1]["median"]
     goal_p99, goal_cpu = STREAM_GOALS.get(workers, (None, None))
     said = f"{summary['errors']} errors, the slowest method's p99 {p99:,.1f} ms ({worst[0]}), controller CPU {cpu:.0%}"
+    if away := summary["p99_away_from_versions_ms"]:  # (the weight push's burst: every worker tells its stream)
+        method, figures = max(away.items(), key=lambda kv: kv[1]["median"])
+        said += (
+            f"; {figures['median']:,.1f} ms ({method}) for the calls outside the {VERSION_BURST_SECONDS:g} s after "
+            f"each push, when every worker tells its stream its engine's new version"
+        )
     if goal_p99 is None:
         return f"{workers:,} workers at {rate}× on admission streams: {said}; {conditions(summary)}"
     met = summary["errors"] == 0 and p99 < goal_p99 and (goal_cpu is None or cpu <= goal_cpu)

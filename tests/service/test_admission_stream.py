@@ -141,6 +141,53 @@ async def test_a_closed_streams_leases_expire_as_a_silent_pollers_and_a_poller_b
         await controller.stop()
 
 
+class PollsOnly(controller_pb2_grpc.ControllerServicer):
+    """A controller from before the admission streams: the real one's calls, and Admit UNIMPLEMENTED."""
+
+    def __init__(self, real):
+        self.real = real
+
+    async def RegisterWorker(self, request, context):
+        return await self.real.RegisterWorker(request, context)
+
+    async def AcquireGroups(self, request, context):
+        return await self.real.AcquireGroups(request, context)
+
+    async def CompleteGroups(self, request, context):
+        return await self.real.CompleteGroups(request, context)
+
+    async def UnregisterWorker(self, request, context):
+        return await self.real.UnregisterWorker(request, context)
+
+
+async def test_a_worker_whose_controller_offers_no_stream_polls_it(redis_url, unused_tcp_port):
+    controller = await Controller(redis_url).start()
+    service = (
+        controller_pb2_grpc.add_ControllerServicer_to_server,
+        PollsOnly(controller.servicer),
+        "areal.v1.Controller",
+    )
+    older, port, _ = await start_server([service], "127.0.0.1:0")
+    chan, workflow = dependency_channel(f"127.0.0.1:{port}"), Gated()
+    engine = SGLangClient(f"http://127.0.0.1:{unused_tcp_port}", control_timeout=1)
+    worker = streaming_worker(controller, "w0", workflow, engine, chan)
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        core = controller.servicer.core
+        await until(lambda: len(workflow.started) == 4)  # by polling
+        assert worker.streams is False and core.attachments == {}
+        workflow.gate.set()
+        await until(lambda: core.accepted == 4)
+    finally:
+        stop.set()
+        await asyncio.gather(running, return_exceptions=True)
+        await chan.close()
+        await engine.close()
+        await older.stop(None)
+        await controller.stop()
+
+
 async def test_bad_stream_input_gets_a_clear_error_and_a_controller_without_streams_is_polled(redis_url):
     controller = await Controller(redis_url).start()
     try:

@@ -320,9 +320,10 @@ class RolloutWorker:
         try:
             while not stopping.done() and not self.engine_lost:
                 self.requests.flush()
-                if (state := await self.state()) != sent:
+                state = await self.state()
+                if (told := (state.slots, state.engine_version, state.engine_load)) != sent:  # not on every grant
                     await stream.send_state(state)
-                    sent = state
+                    sent = told
                 receiving = receiving or asyncio.ensure_future(stream.receive())
                 await asyncio.wait(
                     {receiving, stopping, *self.in_flight}, timeout=self.poll_interval, return_when=FIRST_COMPLETED
