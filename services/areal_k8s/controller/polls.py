@@ -126,7 +126,7 @@ class HeldPolls:
             room -= waiting.take(min(waiting.wanted(), room))  # (none: a backup due it cannot take, its own group's)
             if waiting.wanted() > 0:
                 served.append((place, waiting))
-        for place, attachment in served:  # in their places again, behind no one that came after them
+        for place, attachment in served:  # in their places again (after those of the same place)
             attachment.key = key = next(self._ids)
             self._waiting[key] = attachment
             heapq.heappush(self._order, (place, key))
