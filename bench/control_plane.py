@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 from control_plane_load import HOLD_SECONDS
 from control_plane_report import DOC as DOC  # the page its --readme writes (tests/unit/test_docs.py reads it)
-from control_plane_report import RESULTS, config_key, summarise, summarise_floor, write_blocks
+from control_plane_report import RESULTS, STREAM, config_key, summarise, summarise_floor, write_blocks
 
 from areal_k8s.common.ports import free_port
 from areal_k8s.common.redis_server import EmbeddedRedis
@@ -180,8 +180,8 @@ def run_floor(args, workers: int, scratch: Path) -> dict:
         server.wait(30)
 
 
-def run_config(args, workers: int, factor: float, hold: float, scratch: Path) -> dict:
-    """Redis, the controller and the load for one (workers, rate, hold); the load's figures."""
+def run_config(args, workers: int, factor: float, hold: float, scratch: Path, admission: str = "poll") -> dict:
+    """Redis, the controller and the load for one (workers, rate, hold or admission stream); the load's figures."""
     directory = Path(tempfile.mkdtemp(prefix=f"n{workers}-x{factor:g}-", dir=scratch))
     job = write_job(directory, workers)
     controller_core, load_core = args.cores
@@ -210,7 +210,7 @@ def run_config(args, workers: int, factor: float, hold: float, scratch: Path) ->
         command += ["--rate", str(factor * SCENARIO_RATES["peak_minute_per_second"])]
         command += ["--warmup", str(args.warmup), "--window", str(args.window)]
         command += ["--step-seconds", str(args.step_seconds), "--filtered", str(args.filtered)]
-        command += ["--failed", str(args.failed)]
+        command += ["--failed", str(args.failed), "--admission", admission]
         run_load(command, args.warmup, args.window)
         return json.loads(out.read_text())
     finally:
@@ -221,7 +221,7 @@ def run_config(args, workers: int, factor: float, hold: float, scratch: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--workers", type=int, nargs="*", default=[64, 256, 1024, 4096], help="sizes that poll")
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 4], help="times the peak-minute rate")
     parser.add_argument("--runs", type=int, default=1, help="repeats of every configuration")
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds before the measured window")
@@ -231,6 +231,14 @@ def main() -> None:
         "--long-hold", type=float, default=5.0, help="also measured: long polls held this long, at 1× (item 4's lever)"
     )
     parser.add_argument("--long-hold-workers", type=int, nargs="*", default=[1024, 4096], help="sizes for --long-hold")
+    parser.add_argument(
+        "--stream-workers",
+        type=int,
+        nargs="*",
+        default=[1024, 4096],
+        help="sizes also measured with the workers attached by admission streams (Admit) instead of polling",
+    )
+    parser.add_argument("--stream-rates", type=float, nargs="+", default=[1], help="their rates (times the peak)")
     parser.add_argument("--step-seconds", type=float, default=1.0, help="a simulated training step and its push")
     parser.add_argument("--filtered", type=float, default=0.2, help="share of groups filtered (no reward variance)")
     parser.add_argument("--failed", type=float, default=0.005, help="share of groups that fail")
@@ -245,6 +253,7 @@ def main() -> None:
     parser.add_argument(
         "--machine-note", default=f"a {os.cpu_count()}-core machine", help="the README's words on the host"
     )
+    parser.add_argument("--notes", default="", help="the results file's words on how this run was taken")
     parser.add_argument(
         "--out",
         type=Path,
@@ -267,7 +276,7 @@ def main() -> None:
     else:
         if args.quick:
             args.workers, args.rates, args.runs, args.warmup, args.window = [8, 64], [1], 1, 4.0, 6.0
-            args.long_hold_workers = [64]
+            args.long_hold_workers, args.stream_workers = [64], [64]
             args.out = args.out or Path(tempfile.gettempdir()) / "control_plane_quick.json"
         measure(args, args.out or RESULTS)
 
@@ -289,6 +298,11 @@ def measure(args, out: Path) -> dict:
                 result = run_config(args, workers, 1, args.long_hold, Path(scratch))
                 runs[config_key(workers, 1, args.long_hold)].append(result)
                 print(json.dumps(result), flush=True)
+            for workers in args.stream_workers:
+                for factor in args.stream_rates:
+                    result = run_config(args, workers, factor, args.hold_seconds, Path(scratch), admission="stream")
+                    runs[config_key(workers, factor, STREAM)].append(result)
+                    print(json.dumps(result), flush=True)
     report = {
         "scenario": {**yaml.safe_load(SCENARIO.read_text())["job"], "rates": SCENARIO_RATES},
         "runs": args.runs,
@@ -300,6 +314,7 @@ def measure(args, out: Path) -> dict:
         "failed": args.failed,
         "step_seconds": args.step_seconds,
         "machine_note": args.machine_note,
+        "notes": args.notes,
         "cpu_count": os.cpu_count(),
         "summary": {key: summarise(results) for key, results in runs.items()},
         "floor_summary": {key: summarise_floor(results) for key, results in floors.items()},

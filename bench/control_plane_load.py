@@ -32,6 +32,8 @@ from areal_k8s.common.config import Staleness
 from areal_k8s.common.grpcutil import channel, start_server
 from areal_k8s.common.store import REDIS_RETRY, TrajectoryStore
 from areal_k8s.common.trajectory import Trajectory
+from areal_k8s.rollout.clients import ControllerClient as WorkerControllerClient
+from areal_k8s.rollout.controller_link import ControllerError, GroupOutcome, Result, WorkerState
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.trainer.clients import ControllerClient
 from areal_k8s.trainer.controller_link import StepReport, WeightVersion
@@ -46,6 +48,11 @@ VERSION_BURST_SECONDS = 2.0  # after an announcement: every held poll answered (
 # A long poll's figure is the time past the hold it asked for (0 for one answered early); every other call's, its
 # round trip.
 HELD_POLL, HEARTBEAT = "AcquireGroups (held poll, past its hold)", "AcquireGroups (heartbeat)"
+# On the admission stream: a group's outcome reported on it, to the controller's answer that it is durable.
+STREAM_COMPLETE = "Admit: CompleteGroups"
+# The trainer's weight push, as the streaming workers learn of it (a polling one learns the version from its next poll's
+# answer): the trainer publishes each version here before announcing it, as it pushes to every engine first.
+VERSION_CHANNEL = "bench:control-plane:version"
 
 
 # -- the load ----------------------------------------------------------------------------------------------------
@@ -135,6 +142,7 @@ class Load:
         self.recorder = Recorder()
         self.stop = asyncio.Event()
         self.engine_version = 0  # what the trainer last pushed to every engine
+        self.weights_pushed = asyncio.Event()  # set (and replaced) when it pushes a new version: streams are told
         self.received: set[str] = set()
         self.tally: Counter[str] = Counter()
         self.violations: list[str] = []
@@ -206,6 +214,64 @@ class Load:
         await asyncio.gather(*in_flight)
         stopping.cancel()
 
+    async def streaming_worker(self, index: int, chan: grpc.aio.Channel) -> None:
+        """RolloutWorker.run on its admission stream: register, attach, take the groups pushed, report each on the
+        stream; tell the stream its engine's new version when one is pushed. No poll and no heartbeat."""
+        stub, worker_id = controller_pb2_grpc.ControllerStub(chan), f"worker-{index}"
+        registration = controller_pb2.RegisterWorkerRequest(worker_id=worker_id, address=f"10.0.{index}:50052")
+        while (reply := await self.recorder.call("RegisterWorker", stub.RegisterWorker, registration)) is None:
+            await asyncio.sleep(1.0)
+        incarnation, in_flight = reply.incarnation, {}
+        client = WorkerControllerClient(stub)
+        stopping = asyncio.ensure_future(self.stop.wait())
+        try:
+            stream = await client.attach(worker_id, incarnation, [], WorkerState(self.slots, self.engine_version, None))
+        except ControllerError as exc:
+            self.recorder.errors[f"Admit: {exc.status}"] += 1
+            return
+        receiving = None
+        try:
+            while not self.stop.is_set():
+                receiving = receiving or asyncio.ensure_future(stream.receive())
+                pushed_weights = self.weights_pushed
+                push = asyncio.ensure_future(pushed_weights.wait())
+                await asyncio.wait({receiving, stopping, push}, return_when=asyncio.FIRST_COMPLETED)
+                push.cancel()
+                if pushed_weights.is_set():  # its engine serves the new version: the stream is told
+                    await stream.send_state(WorkerState(self.slots, self.engine_version, None))
+                if stopping.done():
+                    break
+                if not receiving.done():
+                    continue
+                pushed, receiving = receiving.result(), None
+                for group in pushed.granted:
+                    if group.group_id in self.received:
+                        self.violation(f"group {group.group_id} leased twice")
+                    self.received.add(group.group_id)
+                    task = asyncio.ensure_future(self.generate(stream, worker_id, incarnation, group, stopping))
+                    in_flight[task] = group.group_id
+                    task.add_done_callback(lambda done: in_flight.pop(done, None))
+        except ControllerError as exc:
+            self.recorder.errors[f"Admit: {exc.status}"] += 1
+        finally:
+            if receiving is not None:
+                receiving.cancel()
+            await asyncio.gather(*in_flight)
+            stopping.cancel()
+            await stream.close()
+
+    async def follow_the_pushes(self) -> None:
+        """The trainer's weight pushes, for the streaming workers: every engine's version, and each worker woken."""
+        async with self.store.client.pubsub() as pubsub:
+            await pubsub.subscribe(VERSION_CHANNEL)
+            while not self.stop.is_set():
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+                if message is not None and int(message["data"]) > self.engine_version:
+                    self.engine_version = int(message["data"])
+                    self.recorder.announced.append(time.perf_counter())
+                    pushed, self.weights_pushed = self.weights_pushed, asyncio.Event()
+                    pushed.set()
+
     async def generate(self, stub, worker_id: str, incarnation: int, group, stopping: asyncio.Future) -> None:
         """One group: its generation time, its trajectories to the stream, its outcome to the controller. A group
         still generating when the load stops is left running (its lease stays: the final counts say so)."""
@@ -225,10 +291,22 @@ class Load:
             except RedisError as exc:  # as the worker does: the group failed
                 self.recorder.errors[f"write_group: {type(exc).__name__}"] += 1
                 result = controller_pb2.GroupOutcome.FAILED
+        name = controller_pb2.GroupOutcome.Result.Name(result)
+        if not isinstance(stub, controller_pb2_grpc.ControllerStub):  # an admission stream: reported on it
+            started = time.perf_counter()
+            try:
+                await stub.complete([GroupOutcome(group.group_id, Result[name])])
+            except ControllerError as exc:
+                self.recorder.errors[f"{STREAM_COMPLETE}: {exc.status}"] += 1
+                return
+            finally:
+                self.recorder.record(STREAM_COMPLETE, started)
+            self.tally[name.lower()] += 1
+            return
         outcome = controller_pb2.GroupOutcome(group_id=group.group_id, result=result)
         request = controller_pb2.CompleteGroupsRequest(worker_id=worker_id, outcomes=[outcome], incarnation=incarnation)
         if await self.recorder.call("CompleteGroups", stub.CompleteGroups, request) is not None:
-            self.tally[controller_pb2.GroupOutcome.Result.Name(result).lower()] += 1
+            self.tally[name.lower()] += 1
 
     def trajectory(self, group, i: int, started_at: int) -> Trajectory:
         return Trajectory(
@@ -276,6 +354,7 @@ class Load:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)
             version += 1
+            await self.store.client.publish(VERSION_CHANNEL, version)  # pushed to every engine, then announced
             await controller.announce_version(WeightVersion(version=version, published_at=time.time(), restored=False))
             report = StepReport(
                 version=version,
@@ -304,9 +383,12 @@ class Load:
         """At the end: the controller's counts are the load's (a group left generating is still running)."""
         tally = self.tally
         completed = tally["accepted"] + tally["filtered"] + tally["failed"]
-        expected = (len(self.received), tally["accepted"], tally["filtered"], tally["failed"], 0, 0)
+        # Groups granted on a stream after its worker stopped reading it never reached the load: leases still running
+        # (a worker killed with a grant in flight; it is revoked when it attaches again, or as its lease expires).
+        unreceived = max(status.running - (len(self.received) - completed), 0) if self.args.admission == "stream" else 0
+        expected = (len(self.received) + unreceived, tally["accepted"], tally["filtered"], tally["failed"], 0, 0)
         found = (status.admitted, status.accepted, status.filtered, status.failed, status.requeued, status.dropped)
-        if found != expected or status.running != len(self.received) - completed:
+        if found != expected or status.running != len(self.received) + unreceived - completed:
             self.violation(f"final counts {found} (running {status.running}) against the load's {expected}")
 
 
@@ -488,7 +570,9 @@ async def run_load(args) -> dict:
     load = Load(args, TrajectoryStore(client, job["name"]), job)
     channels = [channel(args.controller) for _ in range(args.workers + 1)]
     stub = controller_pb2_grpc.ControllerStub(channels[-1])
-    tasks = await in_waves(lambda i: load.worker(i, channels[i]), args.workers)
+    worker = load.streaming_worker if args.admission == "stream" else load.worker
+    pushes = [asyncio.ensure_future(load.follow_the_pushes())] if args.admission == "stream" else []
+    tasks = pushes + await in_waves(lambda i: worker(i, channels[i]), args.workers)
     tasks += [asyncio.ensure_future(load.monitor(stub)), asyncio.ensure_future(load.recorder.watch_the_loop(load.stop))]
     await until(window_at)
     gc.freeze()  # what the warm-up built stays: the collector walks only what the window adds
@@ -515,6 +599,7 @@ async def run_load(args) -> dict:
     calls = {m: len(v) / wall for m, v in latencies.items()} | trained["calls_per_second"]
     return {
         "workers": args.workers,
+        "admission": args.admission,
         "rate": args.rate_factor,
         "slots_per_worker": load.slots,
         "window_seconds": round(wall, 1),
@@ -554,6 +639,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=30.0)
     parser.add_argument("--window", type=float, default=120.0)
     parser.add_argument("--hold-seconds", type=float, default=HOLD_SECONDS)
+    parser.add_argument(
+        "--admission", choices=["poll", "stream"], default="poll", help="the workers poll, or attach by Admit"
+    )
     parser.add_argument("--step-seconds", type=float, default=1.0)
     parser.add_argument("--filtered", type=float, default=0.2)
     parser.add_argument("--failed", type=float, default=0.005)

@@ -1,11 +1,11 @@
 """The report of bench/control_plane.py: its runs summarised, the README's tables and docs/control-plane.md's figures
-written from them, each goal of issue 33 said met or missed and by how much."""
+written from them, each goal of issues 33 (polling) and 50 (admission streams) said met or missed and by how much."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from control_plane_load import HEARTBEAT, HELD_POLL, VERSION_BURST_SECONDS
+from control_plane_load import HEARTBEAT, HELD_POLL, STREAM_COMPLETE, VERSION_BURST_SECONDS
 from figures import spread, write_between
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +22,9 @@ DOC_BEGIN, DOC_END = (
 
 GOAL_P99_MS, GOAL_HEADROOM, GOAL_LARGE_P99_MS = 100.0, 4.0, 1000.0
 SATURATED = 0.9  # of the time, the controller running or waiting for its core: its calls queue
+STREAM = "stream"  # a configuration's "hold" when its workers attach by admission streams instead of polling
+# issue 50's goals for the stream: by size, the largest p99 of any method (ms) and the controller's CPU (of a core)
+STREAM_GOALS = {4096: (100.0, 0.25), 16384: (250.0, None)}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -67,8 +70,13 @@ def summarise_floor(runs: list[dict]) -> dict:
     }
 
 
-def config_key(workers: int, factor: float, hold: float) -> str:
-    return f"{workers}x{factor:g}h{hold:g}"
+def config_key(workers: int, factor: float, hold: float | str) -> str:
+    """The key "<workers>x<rate>h<hold>", the hold in seconds or STREAM."""
+    return f"{workers}x{factor:g}h{hold if hold == STREAM else f'{hold:g}'}"
+
+
+def hold_label(hold: str) -> str:
+    return "stream" if hold == STREAM else f"{hold} s"
 
 
 def parse_key(key: str) -> tuple[int, str, str]:
@@ -85,7 +93,7 @@ def by_size(items):
         if "x" not in item[0]:
             return (0.0, int(item[0]), 0.0)
         workers, rate, hold = parse_key(item[0])
-        return (float(hold), workers, float(rate))
+        return (float("inf") if hold == STREAM else float(hold), workers, float(rate))
 
     return sorted(items, key=order)
 
@@ -110,6 +118,9 @@ def goals(report: dict) -> list[str]:
         workers, rate, hold = parse_key(key)
         worst = max(summary["p99_ms"].items(), key=lambda kv: kv[1]["median"])
         headroom = 1 / summary["controller_cpu"]["median"]
+        if hold == STREAM:
+            lines.append(stream_goal(workers, rate, summary, worst))
+            continue
         if hold != default_hold:  # not the workers as they are: no goal, but what holding longer would buy
             lines.append(
                 f"{workers:,} workers at {rate}× with long polls held {hold} s instead: CPU headroom {headroom:.1f}×, "
@@ -142,10 +153,32 @@ def goals(report: dict) -> list[str]:
     return lines
 
 
+def stream_goal(workers: int, rate: str, summary: dict, worst: tuple[str, dict]) -> str:
+    """Issue 50's goal for a size on admission streams, met or missed (sizes without one: what it measured)."""
+    cpu, p99 = summary["controller_cpu"]["median"], worst[1]["median"]
+    goal_p99, goal_cpu = STREAM_GOALS.get(workers, (None, None))
+    said = f"{summary['errors']} errors, the slowest method's p99 {p99:,.1f} ms ({worst[0]}), controller CPU {cpu:.0%}"
+    if away := summary["p99_away_from_versions_ms"]:  # (the weight push's burst: every worker tells its stream)
+        method, figures = max(away.items(), key=lambda kv: kv[1]["median"])
+        said += (
+            f"; {figures['median']:,.1f} ms ({method}) for the calls outside the {VERSION_BURST_SECONDS:g} s after "
+            f"each push, when every worker tells its stream its engine's new version"
+        )
+    if goal_p99 is None:
+        return f"{workers:,} workers at {rate}× on admission streams: {said}; {conditions(summary)}"
+    met = summary["errors"] == 0 and p99 < goal_p99 and (goal_cpu is None or cpu <= goal_cpu)
+    goal = f"goals: 0 errors, p99 < {goal_p99:.0f} ms" + (f", CPU ≤ {goal_cpu:.0%}" if goal_cpu else "")
+    return (
+        f"{workers:,} workers at {rate}× on admission streams: {'met' if met else 'MISSED'}: {said} ({goal}); "
+        f"{conditions(summary)}"
+    )
+
+
 TABLE_METHODS = {
     HELD_POLL: "held poll past its hold",
     HEARTBEAT: "heartbeat",
     "CompleteGroups": "CompleteGroups",
+    STREAM_COMPLETE: "CompleteGroups on the stream",
     "GetOutstanding": "GetOutstanding",
     "AnnounceVersion": "AnnounceVersion",
     "ReportTrainStep": "ReportTrainStep",
@@ -174,14 +207,17 @@ def readme_block(report: dict) -> str:
     them)."""
     rates = report["scenario"]["rates"]
     runs = f"{report['runs']} run{'s' if report['runs'] != 1 else ''}"
+    notes = [f"Notes: {report['notes']}", ""] if report.get("notes") else []
     lines = [
         README_BEGIN,
+        *notes,
         f"The controller under N simulated rollout workers and a trainer (`make bench-control`, "
         f"bench/results/control_plane.json), taken on {report['machine_note']} shared with other work (its load "
         f"average, from the start to the end of each measured window, is in the table): the controller pinned to "
         f"one core, the load (the workers' process, the trainer's) and Redis to the other; long polls held "
-        f"{report['hold_seconds']:g} s, as the rollout "
-        f"worker asks. 1× is the 1,024-GPU scenario's busiest minute, {rates['peak_minute_per_second']:.1f} "
+        f"{report['hold_seconds']:g} s, as a polling rollout worker asks (hold *stream*: the workers attached by "
+        f"admission streams instead, as the rollout worker does by default). 1× is the 1,024-GPU scenario's "
+        f"busiest minute, {rates['peak_minute_per_second']:.1f} "
         f"completions/s, sustained (its average is {rates['average_per_second']:.1f}/s). {runs.capitalize()} of "
         f"{report['window_seconds']:.0f} s measured after {report['warmup_seconds']:.0f} s of warm-up"
         + (" (median, and min–max where runs differ)" if report["runs"] > 1 else "")
@@ -196,7 +232,7 @@ def readme_block(report: dict) -> str:
     for key, s in by_size(report["summary"].items()):
         workers, rate, hold = parse_key(key)
         lines.append(
-            f"| {workers:,} | {rate}× | {hold} s | {figure(s['completions_per_second'], 1)} of "
+            f"| {workers:,} | {rate}× | {hold_label(hold)} | {figure(s['completions_per_second'], 1)} of "
             f"{float(rate) * rates['peak_minute_per_second']:.1f} | "
             f"{figure(s['rpc_per_second'])} | {share(s['controller_cpu'])} | "
             f"{1 / s['controller_cpu']['median']:.1f}× | {s['us_per_rpc']['median']:.0f} | "
@@ -220,7 +256,7 @@ def readme_block(report: dict) -> str:
             else "—"
             for m in TABLE_METHODS
         ]
-        lines.append(f"| {workers:,} | {rate}× | {hold} s | " + " | ".join(cells) + " |")
+        lines.append(f"| {workers:,} | {rate}× | {hold_label(hold)} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "The gRPC floor: the same workers' held polls against a servicer that only holds them and answers nothing, "
@@ -267,6 +303,9 @@ def capacity_block(report: dict) -> str:
         workers, rate, hold = parse_key(key)
         if rate != "1":
             continue
+        if hold == STREAM:
+            lines.append(stream_figures(workers, s))
+            continue
         calls, cpu = s["rpc_per_second"]["median"], s["controller_cpu"]["median"]
         wanted = cpu + s["controller_waited_for_its_core"]["median"]
         if wanted < SATURATED and not s["errors"]:  # a call's cost, where calls did not queue for the core
@@ -301,6 +340,18 @@ def capacity_block(report: dict) -> str:
             )
     lines += ["- The issue's goals, as the tables above say them:", *(f"  - {line}" for line in goals(report)), DOC_END]
     return "\n".join(lines)
+
+
+def stream_figures(workers: int, s: dict) -> str:
+    calls, cpu = s["rpc_per_second"]["median"], s["controller_cpu"]["median"]
+    return (
+        f"- {workers:,} workers at the busiest minute's rate on admission streams (no polls, no heartbeats): "
+        f"{calls:,.0f} calls/s ({calls / workers:.3f} a worker: the completions, the trainer's calls, the status), "
+        f"the controller's core {cpu:.0%} busy ({1 / cpu:.1f}× headroom) and "
+        f"{s['controller_waited_for_its_core']['median']:.0%} waited for"
+        + (f"; {s['errors']:,} calls failed" if s["errors"] else "")
+        + "."
+    )
 
 
 def write_blocks(report: dict) -> None:

@@ -27,6 +27,7 @@ def test_the_control_plane_benchmark_runs_end_to_end_at_eight_workers(tmp_path):
     out = tmp_path / "control_plane.json"
     command = [sys.executable, str(ROOT / "bench" / "control_plane.py"), "--workers", "8", "--rates", "1"]
     command += ["--long-hold-workers"]  # none: the long-hold rows are the same machinery
+    command += ["--stream-workers", "8"]  # the same workers attached by admission streams
     command += ["--warmup", "2", "--window", "3", "--out", str(out)]
     cores = sorted(os.sched_getaffinity(0))[:2]
     command += ["--cores", *map(str, cores)]
@@ -41,4 +42,9 @@ def test_the_control_plane_benchmark_runs_end_to_end_at_eight_workers(tmp_path):
     assert len(run["load_average"]["start"]) == len(run["load_average"]["end"]) == 3
     (floor,) = report["floors"]["8"]
     assert floor["rpc_per_second"] > 0
-    assert "| 8 | 1× | 1 s |" in load_report().readme_block(report)  # the README's table renders from what a run writes
+    (streamed,) = report["configurations"]["8x1hstream"]
+    assert streamed["errors"] == {} and streamed["violations"] == [] and streamed["completions_per_second"] > 0
+    assert "Admit: CompleteGroups" in streamed["latency_ms"]  # outcomes on the stream
+    assert not any(method.startswith("AcquireGroups") for method in streamed["latency_ms"])  # no poll, no heartbeat
+    block = load_report().readme_block(report)  # the README's table renders from what a run writes
+    assert "| 8 | 1× | 1 s |" in block and "| 8 | 1× | stream |" in block

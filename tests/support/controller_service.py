@@ -28,14 +28,16 @@ class Controller:
     def __init__(self, redis_url, job=JOB, items=ITEMS):
         self.redis_url, self.job, self.items = redis_url, job, items
 
-    async def start(self, lease_seconds=60.0, reward=None):
+    async def start(self, lease_seconds=60.0, reward=None, address="127.0.0.1:0"):
+        """Serve on `address` (a restarted controller on its predecessor's address: `self.address`)."""
         self.redis = connect(self.redis_url)
         self.store = TrajectoryStore(self.redis, self.job.name)
         core = ControllerCore(self.job, self.items, lease_seconds=lease_seconds)
         self.server, port, self.servicer, self.reaper = await serve(
-            core, self.store, "127.0.0.1:0", reap_interval=3600, reward=reward
+            core, self.store, address, reap_interval=3600, reward=reward
         )
-        self.channel = channel(f"127.0.0.1:{port}")
+        self.address = f"127.0.0.1:{port}"
+        self.channel = channel(self.address)
         self.stub = controller_pb2_grpc.ControllerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         return self

@@ -39,7 +39,7 @@ ALLOWED = {
 # The shell of each service: its entry point and the modules that speak its wire (gRPC stubs and messages, or HTTP).
 # The rest of a service (its core) takes and returns plain Python (common/trajectory.py's records, its dataclasses).
 SHELLS = {
-    "controller": {"__main__", "server"},
+    "controller": {"__main__", "server", "admit"},
     "reward": {"__main__", "server"},
     "rollout": {"__main__", "server", "clients", "gateway.server"},
     "trainer": {"__main__", "server", "clients", "weights.targets"},

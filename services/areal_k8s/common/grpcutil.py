@@ -136,6 +136,9 @@ DEPENDENCY_DEADLINE_SECONDS = 900
 _DEPENDENCY_SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
+            # The admission stream lives as long as its worker: no deadline; one that cannot be opened fails at once,
+            # and the worker polls meanwhile (rollout/worker.py).
+            {"name": [{"service": "areal.v1.Controller", "method": "Admit"}], "waitForReady": False},
             # Every call waits (up to the deadline) for a restarting controller or reward service instead of failing at
             # once; a dependency gone longer ends the call, and the process, for its supervisor to see.
             {

@@ -29,6 +29,7 @@ from typing import Any
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import ControllerMetrics
 from areal_k8s.controller.admission import admission_capacity, admission_rooms, blocking_bound
+from areal_k8s.controller.attachments import Attachment, Attachments
 from areal_k8s.controller.backups import Backups, backup_candidates
 from areal_k8s.controller.cursor import DataCursor
 from areal_k8s.controller.dead_letters import DeadLetters
@@ -63,7 +64,7 @@ class Admitted:
 RESTORED_HOLDER_GRACE = 20.0
 
 
-class ControllerCore(Backups, DeadLetters, Persistence, StatusFigures):
+class ControllerCore(Attachments, Backups, DeadLetters, Persistence, StatusFigures):
     def __init__(
         self,
         job: JobConfig,
@@ -103,6 +104,7 @@ class ControllerCore(Backups, DeadLetters, Persistence, StatusFigures):
         self.failure: JobFailure | None = None
         self.leases = Leases()
         self.workers = WorkerRegistry(clock)
+        self.attachments: dict[str, Attachment] = {}  # workers attached by an admission stream (attachments.py)
         self.progress = Progress()
         self.started_at = clock()
         self.progress_since = self.started_at  # this process's start: a restarted controller's deadline starts anew
@@ -245,8 +247,11 @@ class ControllerCore(Backups, DeadLetters, Persistence, StatusFigures):
         if twin is not None:  # a backed-up group: only the copy written first counts (the shell checked it is written)
             if result != "accepted":
                 return True  # this copy leaves; its twin carries the group
-            self.leases.settle(twin)
+            superseded = self.leases.settle(twin)
             self.superseded.append(twin)
+            if (attachment := self.attachments.get(superseded.worker_id)) is not None:  # its stream says so
+                attachment.revoked.append(twin)
+                attachment.notify()
             if lease.backup_of:
                 self.backups_won += 1
                 self.metrics.backups.labels(event="won").inc()
@@ -326,7 +331,7 @@ class ControllerCore(Backups, DeadLetters, Persistence, StatusFigures):
         silent = {
             w.worker_id
             for w in self.workers.values()
-            if w.last_seen < (deadline if w.address else placeholder_deadline)
+            if not w.attached and w.last_seen < (deadline if w.address else placeholder_deadline)
         }
         silent |= {holder for holder in self.leases.holders() if holder not in self.workers}
         for worker_id in silent & self.workers.keys():

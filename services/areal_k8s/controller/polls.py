@@ -1,4 +1,5 @@
-"""AcquireGroups long polls held while a bound admits nothing, woken only when there is room for them."""
+"""AcquireGroups long polls held while a bound admits nothing, woken only when there is room for them, and the
+workers attached by an admission stream (attachments.py) waiting in the same order."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from areal_k8s.common.config.rollout import Placement
 from areal_k8s.common.metrics import HOLD_REASONS
 
 if TYPE_CHECKING:
+    from areal_k8s.controller.attachments import Attachment
     from areal_k8s.controller.core import Admitted, ControllerCore
 
 MAX_HOLD_SECONDS = 10.0  # the longest an AcquireGroups long poll is held (its heartbeat is its start)
@@ -29,15 +31,20 @@ class HeldPolls:
     poll in the order is promised a share of it, what it wants as far as the room goes, then the next, until the room
     is promised (simulator/placement.py serves held pulls so): room for one group wakes one poll, a change that opens
     no room (a completion under the staleness bound) wakes none. A woken poll calls `served` with its share once it
-    has taken what it could; room it left (it took less, or its caller went away) goes to the next polls."""
+    has taken what it could; room it left (it took less, or its caller went away) goes to the next polls.
+
+    An attached worker (`place`) waits in the same order for as long as it has room, and is not promised its share:
+    it takes it at once (its `take`), so one wake-up serves every attached worker the room reaches, with no timer
+    per worker. One that took its share and has room for more waits on, in its place; one whose engine is behind
+    the version waits again once it says it caught up."""
 
     def __init__(self, room: Callable[[], int], version: Callable[[], int], placement: Placement = "token_load"):
         self.room = room
         self.version = version  # the version live now: a poll from an engine behind it can take nothing
         self.placement = placement
         self.promised = 0  # groups promised to woken polls that have not yet taken them
-        # arrival number -> (its share, groups wanted, its engine's version)
-        self._waiting: dict[int, tuple[asyncio.Future, int, int]] = {}
+        # arrival number -> (its share, groups wanted, its engine's version), or an attached worker
+        self._waiting: dict[int, tuple[asyncio.Future, int, int] | Attachment] = {}
         # (place in the order, arrival) of the waiting polls, a heap: thousands of workers' polls are held at once.
         # A poll that left (its hold ended, its caller went away) stays until it comes up, then is skipped.
         self._order: list[tuple[tuple[float, ...], int]] = []
@@ -65,6 +72,22 @@ class HeldPolls:
             timer.cancel()
             self._waiting.pop(key, None)
 
+    def place(self, attachment: Attachment) -> None:
+        """(Re)place an attached worker in the order, by its engine's current load, while it has room; and serve it if
+        there is room now."""
+        self.unplace(attachment)
+        if attachment.wanted() <= 0 or attachment.closed:
+            return
+        attachment.key = next(self._ids)
+        self._waiting[attachment.key] = attachment
+        self._enqueue(attachment.key, attachment.engine_load)
+        self.open()
+
+    def unplace(self, attachment: Attachment) -> None:
+        if attachment.key is not None:
+            self._waiting.pop(attachment.key, None)
+            attachment.key = None
+
     def _enqueue(self, key: int, engine_load: float | None) -> None:
         if self.placement == "first_come":
             place: tuple[float, ...] = ()
@@ -78,7 +101,7 @@ class HeldPolls:
     def _wake(self, key: int, share: int) -> int:
         """Wake the poll `key` with `share` groups; returns the groups promised (0 if it had already left)."""
         waiting = self._waiting.pop(key, None)
-        if waiting is None or waiting[0].done():
+        if waiting is None or not isinstance(waiting, tuple) or waiting[0].done():
             return 0
         waiting[0].set_result(share)
         self.promised += share
@@ -87,20 +110,35 @@ class HeldPolls:
     def open(self) -> None:
         """Room may have opened: promise it to the waiting polls in the placement's order (the arrival numbers break
         ties), each what it wants as far as the room goes; one whose engine is behind the version is woken with none."""
-        room = self.room() - self.promised
+        room, served = self.room() - self.promised, []
         while room > 0 and self._order:
-            _, key = heapq.heappop(self._order)
-            if key in self._waiting:
-                _, wanted, engine_version = self._waiting[key]
+            place, key = heapq.heappop(self._order)
+            if (waiting := self._waiting.get(key)) is None:
+                continue
+            if isinstance(waiting, tuple):
+                _, wanted, engine_version = waiting
                 room -= self._wake(key, min(wanted, room) if engine_version >= self.version() else 0)
+                continue
+            del self._waiting[key]
+            waiting.key = None
+            if waiting.engine_version < self.version() or waiting.closed:
+                continue  # it waits again once its engine serves the version
+            room -= waiting.take(min(waiting.wanted(), room))  # (none: a backup due it cannot take, its own group's)
+            if waiting.wanted() > 0:
+                served.append((place, waiting))
+        for place, attachment in served:  # in their places again (after those of the same place)
+            attachment.key = key = next(self._ids)
+            self._waiting[key] = attachment
+            heapq.heappush(self._order, (place, key))
 
     def open_all(self) -> None:
         """Wake every waiting poll: a new version (polls from engines behind it are answered at once), the start-up
         check passing, or the job over. The room is promised as `open` does; the polls after it are woken with none."""
         self.open()
-        for key in list(self._waiting):
+        for key in [key for key, waiting in self._waiting.items() if isinstance(waiting, tuple)]:
             self._wake(key, 0)
-        self._order = []
+        self._order = [entry for entry in self._order if entry[1] in self._waiting]
+        heapq.heapify(self._order)
 
     def served(self, share: int) -> None:
         """A woken poll took what it could of its `share`: what it left goes to the next polls."""

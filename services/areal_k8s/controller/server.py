@@ -17,11 +17,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
+from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, reward_pb2, reward_pb2_grpc
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.grpcutil import Aborted, FailedPrecondition, InvalidArgument, require, rpc, start_server
 from areal_k8s.common.store import TrajectoryStore
-from areal_k8s.controller.core import Admitted, ControllerCore
+from areal_k8s.controller.admit import AdmitStream, prompt_group
+from areal_k8s.controller.core import ControllerCore
 from areal_k8s.controller.durable import Changes
 from areal_k8s.controller.polls import HeldPolls, acquire_when_room
 from areal_k8s.controller.state_store import ControllerStateStore, StateWriter
@@ -48,26 +49,6 @@ def job_verifiers(job: JobConfig, *item_lists: Sequence[DatasetItem]) -> list[st
     return sorted({item.verifier for items in item_lists for item in items})
 
 
-def prompt_group(job: JobConfig, admitted: Admitted) -> common_pb2.PromptGroup:
-    lease, item, sampling = admitted.lease, admitted.item, job.sampling
-    return common_pb2.PromptGroup(
-        group_id=lease.group_id,
-        prompt_id=item.id,
-        prompt=item.prompt,
-        reference=item.reference,
-        verifier=job.reward.verifier or item.verifier,
-        n_samples=job.algorithm.group_size,
-        sampling=common_pb2.SamplingParams(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_new_tokens=sampling.max_new_tokens,
-        ),
-        admitted_version=lease.admitted_version,
-        ticket=lease.ticket,
-    )
-
-
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     def __init__(self, core: ControllerCore, store: TrajectoryStore):
         self.core = core
@@ -84,6 +65,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         once the job is over, to tell them)."""
         if self.core.over:
             self.polls.open_all()
+            self.tell_attached()
         else:
             self.polls.open()
 
@@ -155,6 +137,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         """Settle groups whose worker is gone: a group already written counts as accepted, the others are
         re-queued (not counted against their prompt: it was not at fault); a late write by the old worker is
         refused. The caller writes the change."""
+        holders = {lease.worker_id for gid in group_ids if (lease := self.core.leases.get(gid)) is not None}
         for group_id in group_ids:
             already_written = await self.store.revoke_group(group_id)
             self.core.complete(group_id, "accepted" if already_written else "requeued", why)
@@ -162,6 +145,24 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         await self.revoke_superseded()
         if group_ids:
             self.room_may_have_opened()
+            self.room_for(holders)
+
+    def room_for(self, worker_ids) -> None:
+        """Leases of these workers settled: those attached by a stream have room again, in the order."""
+        for worker_id in worker_ids:
+            if (attachment := self.core.attachments.get(worker_id)) is not None:
+                self.place(attachment)
+
+    def place(self, attachment) -> None:
+        """An attached worker waits for room in the held polls' order (counted in the holds while a bound holds it),
+        and is served at once if there is room."""
+        self.core.begin_stream_hold(attachment)
+        self.polls.place(attachment)
+
+    def tell_attached(self) -> None:
+        """The job's end: every attached worker's stream says so."""
+        for attachment in self.core.attachments.values():
+            attachment.notify()
 
     async def revoke_superseded(self) -> None:
         """Revoke the copies of backed-up groups whose twin was written first: the write script refused them already
@@ -201,6 +202,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         # Read now: while the write below waits (a slow or cut-off Redis), the worker may register again or be
         # reaped as silent, and the answer must name the incarnation this call made.
         incarnation = self.core.workers[request.worker_id].incarnation
+        if (attachment := self.core.attachments.get(request.worker_id)) is not None:  # an earlier process's stream
+            self.polls.unplace(attachment)
+            self.core.detach(attachment, f"superseded by incarnation {incarnation}, registered since")
         log.info(
             "worker %s registered at %s (engine version %d, %d weight-group ranks)",
             request.worker_id,
@@ -222,6 +226,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
         held = self.core.unregister(request.worker_id, request.incarnation)
         if held is None:
             return controller_pb2.UnregisterWorkerResponse()
+        if (attachment := self.core.attachments.get(request.worker_id)) is not None:
+            self.polls.unplace(attachment)
+            self.core.detach(attachment, "the worker left")
         log.info("worker %s left (%s)", request.worker_id, request.reason or "no reason given")
         await self.revoke(held, f"its worker left ({request.reason or 'no reason given'})")
         await self.writer.written()
@@ -267,6 +274,11 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
 
     @rpc
     async def CompleteGroups(self, request, context):
+        return controller_pb2.CompleteGroupsResponse(unknown=await self.complete_groups(request))
+
+    async def complete_groups(self, request: controller_pb2.CompleteGroupsRequest) -> int:
+        """Settle a worker's reported outcomes (by CompleteGroups or on its admission stream); returns how many named
+        groups no longer tracked. Answers once the change is durable."""
         require(bool(request.worker_id), "worker_id is required")
         if why := self.core.workers.superseded(request.worker_id, request.incarnation):
             raise Aborted(why)
@@ -298,8 +310,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                 self.core.lose(group_id)
         await self.revoke_superseded()
         self.room_may_have_opened()  # an accepted group opens none: it moves from running to accepted
+        self.room_for([request.worker_id])  # its own stream, if it has one, has room for its next group
         await self.writer.written()  # (also for outcomes known already: a first attempt's write may be under way)
-        return controller_pb2.CompleteGroupsResponse(unknown=unknown)
+        return unknown
 
     @rpc
     async def DropGroups(self, request, context):
@@ -331,7 +344,9 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             self.core.announce_version(request.version, request.restored)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        self.polls.open_all()  # the new version's room, and the polls from engines behind it answered at once
+        # The new version's room, and the polls from engines behind it answered at once. The attached workers are not
+        # told: the trainer pushed the version to their engines before it announced it, and each stream says so.
+        self.polls.open_all()
         await self.writer.written()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
         return controller_pb2.AnnounceVersionResponse(version=self.core.version)
@@ -356,8 +371,13 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
             log.info("step %d was already recorded (a retried report); nothing changes", request.version)
         elif request.finished:  # a step report lifts no bound (AnnounceVersion does); the end of the job answers polls
             self.polls.open_all()
+            self.tell_attached()
         await self.writer.written()
         return controller_pb2.ReportTrainStepResponse()
+
+    @rpc
+    async def Admit(self, request_iterator, context):
+        await AdmitStream(self, context).run()
 
     @rpc
     async def GetJobStatus(self, request, context):
@@ -450,6 +470,8 @@ async def check_verifiers(
         await asyncio.sleep(CHECK_RETRY_SECONDS)
     core.ready()
     polls.open_all()
+    for attachment in core.attachments.values():  # a job failed by the check: their streams say it is over
+        attachment.notify()
 
 
 async def serve(

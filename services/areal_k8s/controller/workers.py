@@ -21,6 +21,7 @@ class Worker:
     registered_at: float = 0.0
     incarnation: int = 0  # this registration's; 0 for a placeholder restored from a snapshot
     engine_dtype: str = ""  # the dtype its engine serves weights in ("" when the worker did not say)
+    attached: bool = False  # its admission stream is open: it is live without calling (controller/attachments.py)
 
 
 class WorkerRegistry(MutableMapping[str, Worker]):

@@ -32,6 +32,10 @@ class ControllerUnavailable(ControllerError):
     """The call failed for any other reason (unreachable, past its deadline, ...); the worker tries again later."""
 
 
+class StreamUnsupported(ControllerError):
+    """The controller offers no admission stream (an older one): the worker polls it instead."""
+
+
 @dataclass
 class Registration:
     worker_id: str
@@ -62,6 +66,43 @@ class Acquired:
     revoked: list[str] = field(default_factory=list)  # groups it holds that are no longer its: it stops them
 
 
+@dataclass(frozen=True)
+class WorkerState:
+    """What the worker tells its admission stream whenever it changes."""
+
+    slots: int  # groups it generates at once: the controller grants up to these less the leases it holds
+    engine_version: int
+    engine_load: float | None  # as AcquireRequest.engine_load
+    holding: tuple[str, ...] = ()  # groups it is working on (those no longer its are named back)
+
+
+@dataclass
+class Pushed:
+    """One message the controller pushed on the admission stream."""
+
+    granted: list[PromptGroup] = field(default_factory=list)
+    version: int | None = None  # a new version is live
+    revoked: list[str] = field(default_factory=list)  # groups it holds that are no longer its: it stops them
+    finished: bool = False  # the job is over
+
+
+class AdmissionStream(Protocol):
+    """An open admission stream (Controller.attach). A broken stream raises a `ControllerError` from `receive`,
+    `send_state` and `complete` alike; the worker attaches again."""
+
+    version: int  # the controller's version when it attached
+    revoked: list[str]  # of the groups it named when attaching, those no longer its
+
+    async def receive(self) -> Pushed: ...
+
+    async def send_state(self, state: WorkerState) -> None: ...
+
+    async def complete(self, outcomes: list[GroupOutcome]) -> None:
+        """Report outcomes; returns once the controller has taken them (durably)."""
+
+    async def close(self) -> None: ...
+
+
 class Result(Enum):
     ACCEPTED = "accepted"  # written to the trajectory stream
     FILTERED = "filtered"  # deliberately dropped (no reward variance)
@@ -84,6 +125,10 @@ class Controller(Protocol):
         """Register (again) as a new incarnation; returns the incarnation's number."""
 
     async def acquire_groups(self, request: AcquireRequest) -> Acquired: ...
+
+    async def attach(self, worker_id: str, incarnation: int, holding: list[str], state: WorkerState) -> AdmissionStream:
+        """Open an admission stream, naming every group the worker holds (a lease it does not name is revoked).
+        StreamUnsupported when the controller offers none."""
 
     async def complete_groups(
         self, worker_id: str, outcomes: list[GroupOutcome], incarnation: int, *, timeout: float | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 
 from areal_k8s.common.config import JobConfig
 from areal_k8s.common.metrics import RolloutMetrics
@@ -20,6 +21,7 @@ from areal_k8s.common.trajectory import PromptGroup, Timings, Trajectory
 from areal_k8s.rollout.controller_link import (
     Acquired,
     AcquireRequest,
+    AdmissionStream,
     Controller,
     ControllerError,
     ControllerUnavailable,
@@ -27,6 +29,8 @@ from areal_k8s.rollout.controller_link import (
     NotRegistered,
     Registration,
     Result,
+    StreamUnsupported,
+    WorkerState,
 )
 from areal_k8s.rollout.engine_load import EngineLoad
 from areal_k8s.rollout.generation import Sample, generate_each
@@ -37,6 +41,10 @@ log = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1
 ENGINE_RECHECK_SECONDS = 1.0  # how often a worker whose engine went away asks whether it is back
+# A broken admission stream is opened again after this back-off, doubling to its cap: a restarted controller is back
+# within seconds, and thousands of workers reconnecting at once should not all come in the same instant.
+RECONNECT_SECONDS = (0.5, 5.0)
+LOAD_REPORT_STEP = 0.05  # the engine's load is told again once it moved this much (it is read every 0.5 s)
 
 
 class EngineWentBack(RuntimeError):
@@ -117,6 +125,10 @@ class RolloutWorker:
         self.engine_dtype = ""  # the dtype the engine serves weights in: what the trainer pushes when asked for auto
         self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
         self.incarnation = 0  # this process's registration, as the controller numbers it: the leases are its
+        self.streams = True  # admission by a stream; False once the controller said it offers none (then polls)
+        self.stream: AdmissionStream | None = None  # the open one
+        self.reconnect_seconds = RECONNECT_SECONDS[0]
+        self.reported_load: float | None = None  # the engine load last told the stream
         self.in_flight: dict[asyncio.Task, PromptGroup] = {}
         self.metrics = metrics or RolloutMetrics(job.name)
         self.requests = IdleClock(self.metrics.idle_seconds)
@@ -226,13 +238,21 @@ class RolloutWorker:
                 log.exception("group %s failed", group.group_id)
                 result = Result.FAILED
         try:
-            await self.controller.complete_groups(
-                self.worker_id, [GroupOutcome(group.group_id, result, reason)], self.incarnation
-            )
+            await self.report([GroupOutcome(group.group_id, result, reason)])
         except ControllerError as exc:
             # Refused (a later incarnation took this worker's leases over) or unanswered: the controller settles the
             # group without us, by its lease or as the new incarnation's; the task ends quietly either way.
             log.warning("group %s: its outcome (%s) was not taken: %s", group.group_id, result.value, exc)
+
+    async def report(self, outcomes: list[GroupOutcome]) -> None:
+        """Report outcomes on the admission stream while it is open, else (or should it break first: the controller
+        recognises an outcome it took already) by CompleteGroups."""
+        if (stream := self.stream) is not None:
+            try:
+                return await stream.complete(outcomes)
+            except ControllerUnavailable:
+                pass
+        await self.controller.complete_groups(self.worker_id, outcomes, self.incarnation)
 
     # -- the pull loop -------------------------------------------------------------------------------------
 
@@ -248,62 +268,135 @@ class RolloutWorker:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Pull work until the job finishes or `stop` is set. Every poll doubles as the worker's heartbeat.
+        """Pull work until the job finishes or `stop` is set: over an admission stream (the controller pushes groups
+        as room opens; the open stream is the worker's heartbeat), or, from a controller that offers none, by polling.
 
-        With free slots the poll is a long poll: the controller holds it until a group may start, so a worker
-        waiting on the staleness bound (or, synchronously, on the trainer's step) starts the moment it lifts."""
+        A poll with free slots is a long poll: the controller holds it until a group may start, so a worker waiting
+        on the staleness bound (or, synchronously, on the trainer's step) starts the moment it lifts."""
         await self.register()
         stopping = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
                 if self.engine_lost:
                     await self.rejoin_with_new_engine(stopping)
-                    continue
-                self.requests.flush()
-                free = self.job.rollout.groups_per_worker - len(self.in_flight)
-                try:
-                    reply = await self.acquire_unless_stopped(
-                        AcquireRequest(
-                            worker_id=self.worker_id,
-                            max_groups=free,
-                            engine_version=self.engine_version,
-                            wait_ms=int(self.hold_seconds * 1000) if free > 0 else 0,
-                            holding=[g.group_id for g in self.in_flight.values()],
-                            reports_holding=True,
-                            incarnation=self.incarnation,
-                            engine_load=await self.engine_load.current() if free > 0 else None,
-                        ),
-                        stopping,
-                    )
-                # Superseded (another process registered under our name since) is not caught: this one stops.
-                except NotRegistered:  # the controller restarted and forgot us
-                    await self.register()
-                    continue
-                except ControllerUnavailable as exc:
-                    log.warning("controller unreachable (%s); retrying", exc.status)
-                    await asyncio.sleep(1.0)
-                    continue
-                if reply is None:  # stopped while the controller held the poll
-                    break
-                if reply.finished:
+                elif await (self.follow_stream(stopping) if self.streams else self.poll(stopping)):
                     log.info("job finished; worker %s stops", self.worker_id)
                     return
-                self.stop_revoked(reply.revoked)
-                for group in reply.groups:
-                    task = asyncio.create_task(self.process_group(group))
-                    self.in_flight[task] = group
-                    task.add_done_callback(lambda done: self.in_flight.pop(done, None))
-                if reply.groups or (free > 0 and self.engine_version >= reply.version):
-                    continue  # took work (there may be more), or the controller already held the call for us
-                # Every slot busy, or the engine still behind the controller's version (a weight push under way).
-                await asyncio.wait(
-                    {stopping, *self.in_flight}, timeout=self.poll_interval, return_when=asyncio.FIRST_COMPLETED
-                )
         finally:
             stopping.cancel()
             await self.abandon_in_flight()
             if stop.is_set():
                 await self.leave()
+
+    def start(self, groups: list[PromptGroup]) -> None:
+        for group in groups:
+            task = asyncio.create_task(self.process_group(group))
+            self.in_flight[task] = group
+            task.add_done_callback(lambda done: self.in_flight.pop(done, None))
+
+    async def follow_stream(self, stopping: asyncio.Future) -> bool:
+        """Attach by an admission stream and take what the controller pushes until it breaks, the engine goes away
+        or the worker stops; True when the job is over. A broken stream is opened again after a back-off (the
+        controller restarted: it forgot this worker, which registers again and names what it holds); a stream that
+        cannot be opened is a poll this round."""
+        try:
+            stream = await self.controller.attach(
+                self.worker_id, self.incarnation, [g.group_id for g in self.in_flight.values()], await self.state()
+            )
+        except StreamUnsupported:
+            log.info("the controller offers no admission stream; polling it instead")
+            self.streams = False
+            return False
+        except NotRegistered:  # the controller restarted and forgot us
+            await self.register()
+            return False
+        except ControllerUnavailable as exc:  # this round polls instead, which waits for a restarting controller
+            log.warning("cannot open an admission stream (%s); polling meanwhile", exc.status)
+            return await self.poll(stopping)
+        self.reconnect_seconds = RECONNECT_SECONDS[0]
+        self.stream = stream
+        self.stop_revoked(stream.revoked)
+        receiving, sent = None, None
+        try:
+            while not stopping.done() and not self.engine_lost:
+                self.requests.flush()
+                state = await self.state()
+                if (told := (state.slots, state.engine_version, state.engine_load)) != sent:  # not on every grant
+                    await stream.send_state(state)
+                    sent = told
+                receiving = receiving or asyncio.ensure_future(stream.receive())
+                await asyncio.wait(
+                    {receiving, stopping, *self.in_flight}, timeout=self.poll_interval, return_when=FIRST_COMPLETED
+                )
+                if not receiving.done():
+                    continue
+                pushed, receiving = receiving.result(), None
+                if pushed.finished:
+                    return True
+                self.stop_revoked(pushed.revoked)
+                self.start(pushed.granted)
+        except NotRegistered:
+            await self.register()
+        except ControllerUnavailable as exc:
+            await self.back_off(stopping, exc)
+        finally:
+            self.stream = None
+            if receiving is not None:
+                receiving.cancel()
+            await stream.close()
+        return False
+
+    async def state(self) -> WorkerState:
+        """What the admission stream is told when it changes: the slots, the engine's version and, while a slot is
+        free, its load, reported again only once it moved by LOAD_REPORT_STEP (not on every read)."""
+        slots = self.job.rollout.groups_per_worker
+        load = await self.engine_load.current() if len(self.in_flight) < slots else None
+        if load is not None and self.reported_load is not None and abs(load - self.reported_load) < LOAD_REPORT_STEP:
+            load = self.reported_load
+        self.reported_load = load
+        return WorkerState(slots, self.engine_version, load, tuple(g.group_id for g in self.in_flight.values()))
+
+    async def back_off(self, stopping: asyncio.Future, exc: ControllerError) -> None:
+        log.warning("admission stream to the controller lost (%s); again in %.1fs", exc.status, self.reconnect_seconds)
+        await asyncio.wait({stopping}, timeout=self.reconnect_seconds)
+        self.reconnect_seconds = min(2 * self.reconnect_seconds, RECONNECT_SECONDS[1])
+
+    async def poll(self, stopping: asyncio.Future) -> bool:
+        """One poll, doubling as the worker's heartbeat; True when the job is over."""
+        self.requests.flush()
+        free = self.job.rollout.groups_per_worker - len(self.in_flight)
+        try:
+            reply = await self.acquire_unless_stopped(
+                AcquireRequest(
+                    worker_id=self.worker_id,
+                    max_groups=free,
+                    engine_version=self.engine_version,
+                    wait_ms=int(self.hold_seconds * 1000) if free > 0 else 0,
+                    holding=[g.group_id for g in self.in_flight.values()],
+                    reports_holding=True,
+                    incarnation=self.incarnation,
+                    engine_load=await self.engine_load.current() if free > 0 else None,
+                ),
+                stopping,
+            )
+        # Superseded (another process registered under our name since) is not caught: this one stops.
+        except NotRegistered:  # the controller restarted and forgot us
+            await self.register()
+            return False
+        except ControllerUnavailable as exc:
+            log.warning("controller unreachable (%s); retrying", exc.status)
+            await asyncio.sleep(1.0)
+            return False
+        if reply is None:  # stopped while the controller held the poll
+            return False
+        if reply.finished:
+            return True
+        self.stop_revoked(reply.revoked)
+        self.start(reply.groups)
+        if not (reply.groups or (free > 0 and self.engine_version >= reply.version)):
+            # Every slot busy, or the engine still behind the controller's version (a weight push under way).
+            await asyncio.wait({stopping, *self.in_flight}, timeout=self.poll_interval, return_when=FIRST_COMPLETED)
+        return False
 
     async def acquire_unless_stopped(self, request: AcquireRequest, stopping: asyncio.Future) -> Acquired | None:
         """The controller's answer to a poll, or None when the worker is stopped first: the poll the controller holds
