@@ -699,3 +699,17 @@ def test_the_trainers_parallel_layout_reaches_the_job_file_the_ranks_read():
     assert (valid.config.trainer.parallelism.tensor, valid.config.trainer.parallelism.pipeline) == (2, 1)
     with pytest.raises(InvalidSpec, match=re.escape("parallelism.tensor/pipeline > 1 needs backend: megatron")):
         validate(rljob(roles={**rljob()["spec"]["roles"], "trainer": split}))
+
+
+def test_a_response_budget_past_the_context_the_spec_names_is_an_invalid_spec_condition():
+    assert validate(rljob(context_length=256, sampling={"max_new_tokens": 255})).config.context_length == 256
+    with pytest.raises(InvalidSpec) as refused:
+        validate(rljob(context_length=256, sampling={"max_new_tokens": 4000}))
+    (problem,) = refused.value.problems
+    assert problem == (
+        "spec.sampling.max_new_tokens: 4000 new tokens after a one-token prompt do not fit the model's context of 256 "
+        "positions (context_length): at most 255 do"
+    )
+    status = lifecycle.invalid_status(generation=1, previous={}, problems=refused.value.problems, now=NOW)
+    degraded = lifecycle.condition_of(status, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", problem)

@@ -6,14 +6,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_k8s.common.config import JobConfig, JobFileError, load_job_file, read_yaml_file
-from areal_k8s.common.prompts import ModelDirectoryError, check_model_dir, check_tokenizer_dir
-from areal_k8s.data.dataset import DatasetError, load_dataset
+from areal_k8s.common.prompts import (
+    ModelDirectoryError,
+    check_model_dir,
+    check_tokenizer_dir,
+    encode_prompt,
+    load_tokenizer,
+    model_context,
+)
+from areal_k8s.data.dataset import DatasetError, DatasetItem, load_dataset
 
 
 def path_problems(job: JobConfig) -> list[str]:
     """What a run of `job` on this machine would stop at: a model or tokenizer directory it cannot open, a dataset
-    file missing or not in a format it reads."""
+    file missing or not in a format it reads, a response budget that does not fit the model's context after the
+    longest prompt."""
     problems = []
+    datasets: dict[str, list[DatasetItem]] = {}
     checks = [("model", check_model_dir, job.model)]
     if job.tokenizer:
         checks.append(("tokenizer", check_tokenizer_dir, job.tokenizer))
@@ -29,20 +38,42 @@ def path_problems(job: JobConfig) -> list[str]:
             problems.append(f"{field}: dataset file not found: {path}")
             continue
         try:
-            load_dataset(path, job.dataset.format, job.dataset.code)
+            datasets[field] = load_dataset(path, job.dataset.format, job.dataset.code)
         except DatasetError as exc:
             problems.append(f"{field}: {exc}")
-    return problems
+    if problems:  # the context check needs the model, the tokenizer and the data
+        return problems
+    own_context = model_context(job.model)
+    if own_context is None and job.context_length is None:
+        return []  # no context to fit: the tokenizer need not be loaded
+    return job.context_problems(own_context, longest_prompt(job, datasets))
+
+
+def longest_prompt(job: JobConfig, datasets: dict[str, list[DatasetItem]]) -> tuple[int, str] | None:
+    """(tokens, where) of the longest prompt the datasets give, rendered as the rollout workers render it."""
+    tokenizer = load_tokenizer(job.tokenizer_path)
+    longest = None
+    for field, items in datasets.items():
+        for item in items:
+            tokens = len(encode_prompt(tokenizer, item.prompt, job.rollout.prompt_template))
+            if longest is None or tokens > longest[0]:
+                longest = (tokens, f"{field} item {item.id}")
+    return longest
+
+
+def check_on_this_machine(job: JobConfig, source: Path) -> None:
+    """JobFileError with every problem `path_problems` finds, in one line; `arealctl run` checks it at its start."""
+    problems = path_problems(job)
+    if len(problems) == 1:
+        raise JobFileError(f"{source}: {problems[0]}")
+    if problems:
+        raise JobFileError(f"{source}: {len(problems)} problems: " + "; ".join(problems))
 
 
 def validate_job_file(path: Path, overrides: list[str]) -> str:
     """The ok line for a job file whose fields and paths are good; JobFileError listing every problem otherwise."""
     job = load_job_file(path, overrides=overrides)
-    problems = path_problems(job)
-    if len(problems) == 1:
-        raise JobFileError(f"{path}: {problems[0]}")
-    if problems:
-        raise JobFileError(f"{path}: {len(problems)} problems: " + "; ".join(problems))
+    check_on_this_machine(job, path)
     return f"{path}: ok (job {job.name}, {job.algorithm.total_steps} steps, η = {job.algorithm.max_staleness})"
 
 

@@ -48,7 +48,7 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
         "come from the Secrets it names (the trainer gets them as WANDB_API_KEY and MLFLOW_TRACKING_TOKEN).",
     ),
 }
-JOB_FIELDS = ("model", "tokenizer", "seed")
+JOB_FIELDS = ("model", "tokenizer", "context_length", "seed")
 
 
 def structural(prop: dict) -> dict:

@@ -33,6 +33,12 @@ class JobConfig(Section):
     )
     model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
+    context_length: Annotated[int, Field(ge=2)] | None = Field(
+        None,
+        description="The model's context in positions. Unset: its config.json's `max_position_embeddings`, read "
+        "where the model is a local directory (`arealctl validate`, `arealctl run`). An RLJob's model is inside the "
+        "pods: name it there and the operator refuses a `sampling.max_new_tokens` that cannot fit.",
+    )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     run_dir: str | None = Field(
         None,
@@ -85,6 +91,31 @@ class JobConfig(Section):
                 "sharded tensors, which cannot be compared with the trainer's Hugging Face weights)"
             )
         return self
+
+    def context_problems(
+        self, model_context: int | None = None, longest_prompt: tuple[int, str] | None = None
+    ) -> list[str]:
+        """What is wrong with the response budget against the model's context: `model_context` the model's own
+        (its config.json, where it can be read), `longest_prompt` (tokens, where) the longest the data gives; without
+        one a prompt is at least a token. Refused, not clamped: a clamp would train another budget than the job
+        says, for every response, and a budget past the context is a wrong model or a typo the user must see."""
+        problems = []
+        if model_context is not None and self.context_length is not None and self.context_length > model_context:
+            problems.append(
+                f"context_length: {self.context_length} is past the model's own {model_context} positions "
+                "(max_position_embeddings in its config.json)"
+            )
+        context = min(c for c in (model_context, self.context_length, 2**31 - 1) if c is not None)
+        prompt, where = longest_prompt or (1, "")
+        budget = self.sampling.max_new_tokens
+        if prompt + budget > context:
+            after = f"the longest prompt ({prompt} tokens, {where})" if longest_prompt else "a one-token prompt"
+            source = "context_length" if context == self.context_length else "max_position_embeddings"
+            problems.append(
+                f"sampling.max_new_tokens: {budget} new tokens after {after} do not fit the model's context of "
+                f"{context} positions ({source}): at most {max(context - prompt, 0)} do"
+            )
+        return problems
 
     @property
     def tokenizer_path(self) -> str:
