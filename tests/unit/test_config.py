@@ -9,6 +9,7 @@ import pytest
 from areal_k8s.common.config import JobFileError, load_job_file, parse_job
 
 MINIMAL = "name: demo\nmodel: models/tiny\ndataset:\n  train: data/train.jsonl\n"
+MINIMAL_FIELDS = {"name": "demo", "model": "models/tiny", "dataset": {"train": "data/train.jsonl"}}
 # Job files; the RLJob custom resources beside them (rljob-*.yaml) are checked against the CRD by the operator tests.
 EXAMPLES = sorted(
     p
@@ -267,3 +268,20 @@ def test_a_response_budget_past_the_models_context_is_named_with_what_fits(tmp_p
     (past, budget) = named.model_copy(update={"context_length": 4096}).context_problems(model_context=128)
     assert past.startswith("context_length: 4096 is past the model's own 128 positions")
     assert "context of 128 positions (max_position_embeddings): at most 127 do" in budget
+
+
+def test_agents_are_the_agent_workflows_players_and_a_rule_across_sections_is_one_short_line(tmp_path):
+    agents = {"command": ["python", "agent.py"], "working_dir": "agents"}
+    job = parse_job({**MINIMAL_FIELDS, "rollout": {"workflow": "agent", "prompt_template": "chat"}, "agents": agents})
+    assert (job.agents.replicas, job.agents.episodes_per_replica) == (1, 4)
+    assert job.resolve_paths(tmp_path).agents.working_dir == str(tmp_path / "agents")
+    with pytest.raises(JobFileError) as refused:
+        parse_job({**MINIMAL_FIELDS, "agents": agents})
+    assert str(refused.value) == (
+        "job: (top level): Value error, agents play the agent workflow's episodes: set rollout.workflow: agent "
+        "(got single_turn)"
+    )
+    with pytest.raises(JobFileError, match=r"agents.command: List should have at least 1 item"):
+        parse_job(
+            {**MINIMAL_FIELDS, "rollout": {"workflow": "agent", "prompt_template": "chat"}, "agents": {"command": []}}
+        )

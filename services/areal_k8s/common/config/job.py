@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from areal_k8s.common.config.agents import AgentsConfig
 from areal_k8s.common.config.algorithm import AlgorithmConfig
 from areal_k8s.common.config.dataset import DatasetConfig
 from areal_k8s.common.config.rebalance import RebalanceConfig
@@ -54,6 +55,9 @@ class JobConfig(Section):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    agents: AgentsConfig | None = Field(
+        None, description="Agent runners playing the `agent` workflow's episodes with a program of the user's."
+    )
 
     @property
     def trainer_bounds(self) -> tuple[int, int]:
@@ -80,6 +84,14 @@ class JobConfig(Section):
             raise ValueError(
                 f"rebalance needs min_trainer_replicas <= trainer.replicas <= max_trainer_replicas, got "
                 f"{low} <= {self.trainer.replicas} <= {high}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agents_play_the_agent_workflow(self) -> JobConfig:
+        if self.agents is not None and self.rollout.workflow != "agent":
+            raise ValueError(
+                f"agents play the agent workflow's episodes: set rollout.workflow: agent (got {self.rollout.workflow})"
             )
         return self
 
@@ -152,6 +164,8 @@ class JobConfig(Section):
                 "model": absolute(self.model),
                 "tokenizer": absolute(self.tokenizer),
                 "run_dir": absolute(self.run_dir or f"runs/{self.name}"),
+                "agents": self.agents
+                and self.agents.model_copy(update={"working_dir": absolute(self.agents.working_dir)}),
                 "dataset": self.dataset.model_copy(
                     update={"train": absolute(self.dataset.train), "eval": absolute(self.dataset.eval)}
                 ),
