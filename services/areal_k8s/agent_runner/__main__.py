@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--log-level", default=env("AREAL_LOG_LEVEL", "INFO"))
     args = parser.parse_args()
     setup_logging(args.name, args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per claim and end is noise
     job = load_job(args.job)
     if job.agents is None:
         exit_invalid(f"{args.job}: the job has no agents section: nothing for a runner to play")

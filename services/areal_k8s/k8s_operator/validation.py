@@ -76,7 +76,11 @@ def schema_problems(rljob: dict) -> list[str]:
 
 def path_problems(spec: dict) -> list[str]:
     """Paths the services resolve against their working directory would point nowhere useful in a pod."""
-    optional_paths = {"tokenizer": spec.get("tokenizer"), "dataset.eval": spec["dataset"].get("eval")}
+    optional_paths = {
+        "tokenizer": spec.get("tokenizer"),
+        "dataset.eval": spec["dataset"].get("eval"),
+        "agents.working_dir": spec.get("agents", {}).get("working_dir"),
+    }
     return [
         f"spec.{field}: must be an absolute path inside the pods (got {path!r})"
         for field, path in optional_paths.items()
@@ -93,7 +97,11 @@ def compose_job_config(rljob: dict) -> JobConfig:
         "name": key,
         **{field: spec[field] for field in JOB_FIELDS if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
-        **{section: spec[section] for section in ("dataset", "reward", "sampling", "tracking")},
+        **{
+            section: spec[section]
+            for section in ("dataset", "reward", "sampling", "tracking", "agents")
+            if section in spec
+        },
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
         "trainer": {
             **spec["trainer"],

@@ -97,7 +97,9 @@ def main() -> None:
         if isinstance(workflow, AgentWorkflow):
             # the job's runners claim with this token (AREAL_CLAIM_TOKEN: `arealctl run` sets it, a Secret in a pod)
             claim_token = env("AREAL_CLAIM_TOKEN") or None
-            gateway = await start_gateway(workflow.book, args.host, args.gateway_port, claim_token)
+            # a pod is claimed from through a Service: its sessions go to its own address (AREAL_GATEWAY_ADVERTISE)
+            advertise = env("AREAL_GATEWAY_ADVERTISE") or None
+            gateway = await start_gateway(workflow.book, args.host, args.gateway_port, claim_token, advertise)
             log.info("agent gateway on http://%s:%d/v1", args.host, gateway.port)
         try:
             await worker.run(stop)

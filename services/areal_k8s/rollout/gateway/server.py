@@ -50,9 +50,10 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
-def gateway_app(book: SessionBook, claim_token: str | None = None) -> FastAPI:
+def gateway_app(book: SessionBook, claim_token: str | None = None, advertise: str | None = None) -> FastAPI:
     """The app over `book`; with `claim_token`, claiming an episode takes it as the Bearer key (the job's runners
-    hold it), so nothing else on the network can take the job's episodes."""
+    hold it), so nothing else on the network can take the job's episodes. A session's base URL is this gateway's
+    `advertise` (host:port) where a claim came through a proxy or Service, else the address the claim came to."""
     app = FastAPI(title="areal-k8s agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(GatewayError)
@@ -90,7 +91,8 @@ def gateway_app(book: SessionBook, claim_token: str | None = None) -> FastAPI:
         episode = await book.claim(body.wait_seconds)
         if episode is None:
             return Response(status_code=204)
-        return {**episode, "base_url": f"{str(request.base_url).rstrip('/')}/v1"}
+        base = f"http://{advertise}" if advertise else str(request.base_url).rstrip("/")
+        return {**episode, "base_url": f"{base}/v1"}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -131,9 +133,13 @@ class Gateway:
         await self.task
 
 
-async def start_gateway(book: SessionBook, host: str, port: int, claim_token: str | None = None) -> Gateway:
+async def start_gateway(
+    book: SessionBook, host: str, port: int, claim_token: str | None = None, advertise: str | None = None
+) -> Gateway:
     """Serve the gateway on host:port (0: a free port), once it listens."""
-    server = EmbeddedServer(uvicorn.Config(gateway_app(book, claim_token), host=host, port=port, log_level="warning"))
+    server = EmbeddedServer(
+        uvicorn.Config(gateway_app(book, claim_token, advertise), host=host, port=port, log_level="warning")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
