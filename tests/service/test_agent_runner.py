@@ -115,3 +115,23 @@ def pid_alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, not yet reaped by init) is gone too
         return stat.read().split(") ")[1][0] != "Z"
+
+
+async def test_a_stopped_runner_kills_its_programs_and_gives_their_sessions_up(tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(PROGRAM)
+    source = Episodes(["hang"], seconds=60.0)
+    runner = Runner([source], lambda episode, seconds: run_program(
+        [sys.executable, str(script), str(tmp_path)], episode, seconds), episodes=1)  # fmt: skip
+    stop = asyncio.Event()
+    running = asyncio.create_task(runner.run(stop))
+    while not (tmp_path / "child.pid").exists():  # the program is playing
+        await asyncio.sleep(0.05)
+    stop.set()
+    await running
+    assert source.settled == {"sk-0": ("give_up",)}
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.monotonic() + 10
+    while pid_alive(child) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not pid_alive(child)

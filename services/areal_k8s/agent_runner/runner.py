@@ -10,13 +10,15 @@ it with the user's program and settling its session by how the program ended:
   (retried or dead-lettered by the controller, `rollout.max_group_failures`).
 
 A program that ended its session itself is left so. A gateway that cannot be reached (its worker restarting) is
-skipped until it answers again.
+skipped until it answers again. A runner that is stopped gives up the sessions it holds (their programs killed); one
+killed outright leaves them to `session_seconds`, after which the gateway offers them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -88,7 +90,12 @@ class Runner:
                 await self.play_episode(source, episode)
 
     async def play_episode(self, source: EpisodeSource, episode: dict) -> ProgramResult:
-        result = await self.play(episode, float(episode["seconds"]))
+        try:
+            result = await self.play(episode, float(episode["seconds"]))
+        except asyncio.CancelledError:  # the runner is stopping: its program is killed, the episode offered again
+            with contextlib.suppress(GatewayUnavailable, SessionGone):
+                await source.give_up(episode["api_key"])
+            raise
         self.outcomes[result.outcome] += 1
         try:
             if result.outcome == "ended":
