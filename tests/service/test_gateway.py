@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.prompts import ConversationFormat
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams
@@ -300,7 +301,8 @@ async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_
     """`python -m areal_k8s.agent_runner` claims with the job's token and plays each episode with an `openai` SDK
     program of the user's (tests/support/sdk_agent.py); that program's first run of one episode crashes mid-episode,
     the runner gives the session up and the episode is played again under a new key: the group's trajectories are
-    the played sessions' only."""
+    the played sessions' only. The runner claims at `localhost`, the gateway's advertised address is 127.0.0.1 (as a
+    pod claimed through a Service answers with its own IP): the program's base URL is the advertised one."""
     agent_log = tmp_path / "agent.log"
     job = job_config(
         "gw-runner", model_path, rollout={"workflow": "agent", "prompt_template": "chat"},
@@ -311,10 +313,11 @@ async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_
     workflow = AgentWorkflow.for_job(job)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
-    gateway = await start_gateway(workflow.book, "127.0.0.1", 0, claim_token="job-token")
-    base = f"http://127.0.0.1:{gateway.port}"
+    port = free_port("127.0.0.1")
+    gateway = await start_gateway(workflow.book, "127.0.0.1", port, "job-token", advertise=f"127.0.0.1:{port}")
+    base = f"http://127.0.0.1:{port}"
     runner = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "areal_k8s.agent_runner", "--job", str(job_file), "--gateway", base,
+        sys.executable, "-m", "areal_k8s.agent_runner", "--job", str(job_file), "--gateway", f"http://localhost:{port}",
         env={**os.environ, "AREAL_CLAIM_TOKEN": "job-token", "AGENT_LOG": str(agent_log)},
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -338,7 +341,8 @@ async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_
 
     assert runner.returncode == 0, runner_log.decode()[-2000:]
     assert "the program crashed (exit code 1); given up" in runner_log.decode()
-    assert sorted(agent_log.read_text().splitlines()) == ["g8-0 1 crashed", "g8-0 2 played", "g8-1 1 played"]
+    runs = sorted(agent_log.read_text().splitlines())
+    assert runs == [f"{run} {base}/v1" for run in ("g8-0 1 crashed", "g8-0 2 played", "g8-1 1 played")]
     by_id = {t.trajectory_id: t for t in trajectories}
     assert set(by_id) == {"g8-0", "g8-1"}
     for t in trajectories:  # two model turns of two tokens each: the crashed session's call is in none of them

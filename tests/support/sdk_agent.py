@@ -1,7 +1,7 @@
 """An agent program as a user writes one: the `openai` SDK and nothing of this project. It asks the model, runs the
 calculator the model calls, asks again, and writes a reward for episodes whose id ends in -0 (the others are left to
 the job's verifier). Its first attempt at episode -0 crashes after its first call, as a program with a bug would.
-Each run appends `episode attempt what` to $AGENT_LOG."""
+Each run appends `episode attempt what base-url` to $AGENT_LOG."""
 
 import json
 import os
@@ -23,7 +23,7 @@ calculator = {
 messages = [{"role": "user", "content": os.environ["AREAL_EPISODE_PROMPT"]}]
 first = client.chat.completions.create(model=os.environ["AREAL_MODEL"], messages=messages, tools=[calculator])
 if episode["episode_id"].endswith("-0") and episode["attempt"] == 1:
-    log.write(f"{episode['episode_id']} {episode['attempt']} crashed\n")
+    log.write(f"{episode['episode_id']} {episode['attempt']} crashed {os.environ['OPENAI_BASE_URL']}\n")
     sys.exit(1)
 message = first.choices[0].message
 (call,) = message.tool_calls
@@ -33,4 +33,4 @@ messages += [message, {"role": "tool", "tool_call_id": call.id, "content": resul
 client.chat.completions.create(model=os.environ["AREAL_MODEL"], messages=messages, tools=[calculator])
 if episode["episode_id"].endswith("-0"):
     open(os.environ["AREAL_REWARD_FILE"], "w").write("1.0")
-log.write(f"{episode['episode_id']} {episode['attempt']} played\n")
+log.write(f"{episode['episode_id']} {episode['attempt']} played {os.environ['OPENAI_BASE_URL']}\n")
