@@ -699,3 +699,77 @@ def test_the_trainers_parallel_layout_reaches_the_job_file_the_ranks_read():
     assert (valid.config.trainer.parallelism.tensor, valid.config.trainer.parallelism.pipeline) == (2, 1)
     with pytest.raises(InvalidSpec, match=re.escape("parallelism.tensor/pipeline > 1 needs backend: megatron")):
         validate(rljob(roles={**rljob()["spec"]["roles"], "trainer": split}))
+
+
+def test_a_response_budget_past_the_context_the_spec_names_is_an_invalid_spec_condition():
+    assert validate(rljob(context_length=256, sampling={"max_new_tokens": 255})).config.context_length == 256
+    with pytest.raises(InvalidSpec) as refused:
+        validate(rljob(context_length=256, sampling={"max_new_tokens": 4000}))
+    (problem,) = refused.value.problems
+    assert problem == (
+        "spec.sampling.max_new_tokens: 4000 new tokens after a one-token prompt do not fit the model's context of 256 "
+        "positions (context_length): at most 255 do"
+    )
+    status = lifecycle.invalid_status(generation=1, previous={}, problems=refused.value.problems, now=NOW)
+    degraded = lifecycle.condition_of(status, "Degraded")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "InvalidSpec", problem)
+
+
+AGENT_ROLLOUT = {"workflow": "agent", "prompt_template": "chat"}
+
+
+def test_agent_runners_run_as_a_deployment_claiming_through_the_rollout_pods_gateway_service():
+    agents = {
+        "command": ["python", "/agents/agent.py"], "replicas": 3, "episodes_per_replica": 2,
+        "image": "example.com/my-agent:1", "resources": {"limits": {"cpu": "1", "memory": "1Gi"}},
+    }  # fmt: skip
+    made = children(rljob(rollout=AGENT_ROLLOUT, agents=agents))
+    runner = made[("Deployment", "demo-agents")]
+    assert runner["spec"]["replicas"] == 3
+    (main,) = runner["spec"]["template"]["spec"]["containers"]
+    assert (main["image"], main["command"]) == ("example.com/my-agent:1", ["python", "-m", "areal_k8s.agent_runner"])
+    assert main["args"] == ["--job", names.JOB_FILE, "--gateway", f"http://demo-gateway:{names.GATEWAY_PORT}"]
+    assert main["resources"] == {"limits": {"cpu": "1", "memory": "1Gi"}} and "ports" not in main
+    assert main["securityContext"]["readOnlyRootFilesystem"] and main["securityContext"]["capabilities"]["drop"] == [
+        "ALL"
+    ]
+    # the job pods' labels: the chart's per-namespace policy admits them to the rollout pods (every port)
+    labels = runner["spec"]["template"]["metadata"]["labels"]
+    assert labels[names.LABEL_INSTANCE] == "demo" and labels[names.LABEL_COMPONENT] == names.AGENTS
+    gateway = made[("Service", "demo-gateway")]
+    assert gateway["spec"]["selector"] == names.selector_labels("demo", "rollout")
+    assert [(p["name"], p["port"]) for p in gateway["spec"]["ports"]] == [("gateway", names.GATEWAY_PORT)]
+    rollout = container(made[("Deployment", "demo-rollout")], "rollout")
+    assert rollout["args"][-2:] == ["--gateway-port", str(names.GATEWAY_PORT)]
+    assert {"name": "gateway", "containerPort": names.GATEWAY_PORT, "protocol": "TCP"} in rollout["ports"]
+    # claimed through the Service, a session lives in one pod: its base URL is that pod's
+    assert env_of(rollout)["AREAL_GATEWAY_ADVERTISE"] == f"$(POD_IP):{names.GATEWAY_PORT}"
+    config = yaml.safe_load(made[("ConfigMap", "demo-config")]["data"][names.CONFIG_KEY])
+    assert config["agents"]["command"] == agents["command"] and config["agents"]["episodes_per_replica"] == 2
+    assert (
+        children(rljob(rollout=AGENT_ROLLOUT, agents=agents), running=False)[("Deployment", "demo-agents")]["spec"][
+            "replicas"
+        ]
+        == 0
+    )
+    # the user's own agents, no runners: the Service only; another workflow: neither
+    assert {key for key in children(rljob(rollout=AGENT_ROLLOUT)) if "agents" in key[1] or "gateway" in key[1]} == {
+        ("Service", "demo-gateway")
+    }
+    plain = children(rljob())
+    assert not {key for key in plain if "agents" in key[1] or "gateway" in key[1]}
+    assert "--gateway-port" not in container(plain[("Deployment", "demo-rollout")], "rollout")["args"]
+
+
+def test_agents_need_the_agent_workflow_and_a_working_dir_inside_the_pods():
+    with pytest.raises(
+        InvalidSpec, match=re.escape("agents play the agent workflow's episodes: set rollout.workflow: agent")
+    ):
+        validate(rljob(agents={"command": ["agent"]}))
+    with pytest.raises(InvalidSpec) as refused:
+        validate(rljob(rollout=AGENT_ROLLOUT, agents={"command": ["agent"], "working_dir": "agents"}))
+    assert refused.value.problems == [
+        "spec.agents.working_dir: must be an absolute path inside the pods (got 'agents')"
+    ]
+    with pytest.raises(InvalidSpec, match=r"spec.agents: 'command' is a required property"):
+        validate(rljob(rollout=AGENT_ROLLOUT, agents={"replicas": 2}))

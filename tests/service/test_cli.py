@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from areal_k8s.cli.commands import Endpoints
@@ -16,6 +17,8 @@ from areal_k8s.cli.launcher import child_env, wait_serving
 from areal_k8s.cli.main import parser
 from areal_k8s.cli.run_files import write_endpoints
 from areal_k8s.cli.supervisor import Service
+from areal_k8s.cli.validate import validate_file
+from areal_k8s.common.config import JobFileError
 from areal_k8s.common.ports import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -94,6 +97,33 @@ def test_validate_checks_the_model_tokenizer_and_datasets_a_job_file_names(tmp_p
     assert f"dataset.train: dataset file not found: {tmp_path / 'train.jsonl'}" in error_line(
         arealctl("validate", str(job))
     )
+
+
+def test_a_response_budget_past_the_models_context_is_refused_by_validate_and_at_runs_start(tmp_path):
+    from areal_k8s_testing.byte_tokenizer import build_tokenizer
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"max_position_embeddings": 64}')
+    build_tokenizer().save_pretrained(tmp_path / "model")  # one token per byte: a prompt's length is its tokens
+    prompts = ["1+1=", "12345+67890=", "2+2="]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: demo\nmodel: {tmp_path / 'model'}\ndataset:\n  train: {tmp_path / 'train.jsonl'}\n")
+    fits = 64 - len(prompts[1])
+    assert validate_file(job, [f"sampling.max_new_tokens={fits}"]).startswith(f"{job}: ok")
+    expected = (
+        f"{job}: sampling.max_new_tokens: {fits + 1} new tokens after the longest prompt ({len(prompts[1])} tokens, "
+        f"dataset.train item train-2) do not fit the model's context of 64 positions (max_position_embeddings): "
+        f"at most {fits} do"
+    )
+    with pytest.raises(JobFileError) as refused:
+        validate_file(job, [f"sampling.max_new_tokens={fits + 1}"])
+    assert str(refused.value) == expected
+    # `arealctl run` refuses it with the same line (exit code 2) before anything starts
+    assert (
+        error_line(arealctl("run", str(job), "--set", f"sampling.max_new_tokens={fits + 1}", cwd=tmp_path)) == expected
+    )
+    assert not (tmp_path / "runs").exists(), "nothing started"
 
 
 def test_validate_takes_an_rljob_and_reports_every_problem_the_operator_would(tmp_path):

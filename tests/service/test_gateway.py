@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 from areal_k8s_testing.cpu_engine_process import cpu_engine, engine_client
 from support.agent_chat import CALCULATOR, CHATML_TOOLS
 from support.jobs import job_config
@@ -20,6 +24,7 @@ from transformers import AutoTokenizer
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc
 from areal_k8s.common.grpcutil import channel
+from areal_k8s.common.ports import free_port
 from areal_k8s.common.prompts import ConversationFormat
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.common.trajectory import PromptGroup, SamplingParams
@@ -38,6 +43,7 @@ pytestmark = pytest.mark.timeout(300)
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 EOS = "<|endoftext|>"
 PROMPT = "What is 6 * 7?"
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +293,58 @@ async def test_a_call_in_flight_when_weights_are_pushed_resumes_under_them_its_v
     generated = [v for v, trained in zip(trajectory.versions, trajectory.loss_mask) if trained]
     switch = generated.index(31)  # its prefix sampled under 30, the rest (resumed after the push) under 31
     assert generated == [30] * switch + [31] * (250 - switch) and switch > 0 and trajectory.interruptions >= 1
+
+
+async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_a_crashed_one(
+    engine_url, model_path, tmp_path
+):
+    """`python -m areal_k8s.agent_runner` claims with the job's token and plays each episode with an `openai` SDK
+    program of the user's (tests/support/sdk_agent.py); that program's first run of one episode crashes mid-episode,
+    the runner gives the session up and the episode is played again under a new key: the group's trajectories are
+    the played sessions' only. The runner claims at `localhost`, the gateway's advertised address is 127.0.0.1 (as a
+    pod claimed through a Service answers with its own IP): the program's base URL is the advertised one."""
+    agent_log = tmp_path / "agent.log"
+    job = job_config(
+        "gw-runner", model_path, rollout={"workflow": "agent", "prompt_template": "chat"},
+        agents={"command": [sys.executable, str(SUPPORT / "sdk_agent.py")], "episodes_per_replica": 2},
+    )  # fmt: skip
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    workflow = AgentWorkflow.for_job(job)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
+    port = free_port("127.0.0.1")
+    gateway = await start_gateway(workflow.book, "127.0.0.1", port, "job-token", advertise=f"127.0.0.1:{port}")
+    base = f"http://127.0.0.1:{port}"
+    runner = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "areal_k8s.agent_runner", "--job", str(job_file), "--gateway", f"http://localhost:{port}",
+        env={**os.environ, "AREAL_CLAIM_TOKEN": "job-token", "AGENT_LOG": str(agent_log)},
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient() as http:  # without the job's token no episode is handed out
+            for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+                refused = await http.post(f"{base}/v1/episodes/claim", json={"wait_seconds": 0}, headers=headers)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key")
+        async with engine_client(engine_url) as engine, channel(f"127.0.0.1:{reward_service.port}") as reward:
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="", controller=None, engine=engine, store=None, tokenizer=tokenizer,
+                scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward)), workflow=workflow,
+            )  # fmt: skip
+            group = PromptGroup("g8", "p8", PROMPT, "42", "exact", 2, SamplingParams(0.0, 1.0, -1, 8))
+            trajectories = await asyncio.wait_for(worker.generate_group(group), 120)
+    finally:
+        runner.terminate()
+        _, runner_log = await runner.communicate()
+        await gateway.stop()
+        await reward_service.stop(grace=1)
+
+    assert runner.returncode == 0, runner_log.decode()[-2000:]
+    assert "the program crashed (exit code 1); given up" in runner_log.decode()
+    runs = sorted(agent_log.read_text().splitlines())
+    assert runs == [f"{run} {base}/v1" for run in ("g8-0 1 crashed", "g8-0 2 played", "g8-1 1 played")]
+    by_id = {t.trajectory_id: t for t in trajectories}
+    assert set(by_id) == {"g8-0", "g8-1"}
+    for t in trajectories:  # two model turns of two tokens each: the crashed session's call is in none of them
+        assert sum(t.loss_mask) == 4
+    assert (by_id["g8-0"].reward, by_id["g8-1"].reward) == (1.0, 0.0)  # the program's; the verifier's

@@ -18,7 +18,7 @@ from collections import defaultdict
 import pytest
 from support.imports import PACKAGE, ROOT, Import, cycles, imports, modules
 
-SERVICES = {"controller", "rollout", "reward", "trainer", "cpu_engine"}
+SERVICES = {"controller", "rollout", "reward", "trainer", "cpu_engine", "agent_runner"}
 FOUNDATION = {"api", "common", "data"}  # what the services stand on
 
 # Each folder and the folders it may import (besides itself). A service imports the foundation only: two services
@@ -44,6 +44,7 @@ SHELLS = {
     "rollout": {"__main__", "server", "clients", "gateway.server"},
     "trainer": {"__main__", "server", "clients", "weights.targets"},
     "cpu_engine": {"__main__", "server"},
+    "agent_runner": {"__main__", "gateway_client"},
 }
 SHELL_MODULES = {f"areal_k8s.{service}.{module}": service for service, shell in SHELLS.items() for module in shell}
 

@@ -9,6 +9,7 @@ import pytest
 from areal_k8s.common.config import JobFileError, load_job_file, parse_job
 
 MINIMAL = "name: demo\nmodel: models/tiny\ndataset:\n  train: data/train.jsonl\n"
+MINIMAL_FIELDS = {"name": "demo", "model": "models/tiny", "dataset": {"train": "data/train.jsonl"}}
 # Job files; the RLJob custom resources beside them (rljob-*.yaml) are checked against the CRD by the operator tests.
 EXAMPLES = sorted(
     p
@@ -247,3 +248,40 @@ def test_the_megatron_demo_is_the_demo_on_two_tensor_parallel_ranks():
 def test_each_staleness_policy_bounds_what_it_says(tmp_path, algorithm, bound):
     job = load_job_file(write(tmp_path, MINIMAL + "algorithm:\n  " + algorithm))
     assert job.algorithm.staleness.wait_bound == bound
+
+
+def test_a_response_budget_past_the_models_context_is_named_with_what_fits(tmp_path):
+    job = parse_job({"name": "demo", "model": "m", "dataset": {"train": "t"}, "sampling": {"max_new_tokens": 200}})
+    assert job.context_problems(model_context=256, longest_prompt=(56, "dataset.train item 7")) == []
+    assert job.context_problems(model_context=256, longest_prompt=(57, "dataset.train item 7")) == [
+        "sampling.max_new_tokens: 200 new tokens after the longest prompt (57 tokens, dataset.train item 7) do not "
+        "fit the model's context of 256 positions (max_position_embeddings): at most 199 do"
+    ]
+    # no context known: nothing to check; a context the job names is checked against a prompt of one token at least
+    assert job.context_problems() == []
+    named = job.model_copy(update={"context_length": 200})
+    assert named.context_problems() == [
+        "sampling.max_new_tokens: 200 new tokens after a one-token prompt do not fit the model's context of 200 "
+        "positions (context_length): at most 199 do"
+    ]
+    # a named context past the model's own is itself wrong; the smaller one decides
+    (past, budget) = named.model_copy(update={"context_length": 4096}).context_problems(model_context=128)
+    assert past.startswith("context_length: 4096 is past the model's own 128 positions")
+    assert "context of 128 positions (max_position_embeddings): at most 127 do" in budget
+
+
+def test_agents_are_the_agent_workflows_players_and_a_rule_across_sections_is_one_short_line(tmp_path):
+    agents = {"command": ["python", "agent.py"], "working_dir": "agents"}
+    job = parse_job({**MINIMAL_FIELDS, "rollout": {"workflow": "agent", "prompt_template": "chat"}, "agents": agents})
+    assert (job.agents.replicas, job.agents.episodes_per_replica) == (1, 4)
+    assert job.resolve_paths(tmp_path).agents.working_dir == str(tmp_path / "agents")
+    with pytest.raises(JobFileError) as refused:
+        parse_job({**MINIMAL_FIELDS, "agents": agents})
+    assert str(refused.value) == (
+        "job: (top level): Value error, agents play the agent workflow's episodes: set rollout.workflow: agent "
+        "(got single_turn)"
+    )
+    with pytest.raises(JobFileError, match=r"agents.command: List should have at least 1 item"):
+        parse_job(
+            {**MINIMAL_FIELDS, "rollout": {"workflow": "agent", "prompt_template": "chat"}, "agents": {"command": []}}
+        )

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_k8s.common.config import JobConfig, reward_verifier_args
@@ -17,6 +17,7 @@ class Endpoints:
     rollouts: list[str]
     engines: list[str]
     metrics: dict[str, str]  # service name -> host:port of its Prometheus /metrics
+    gateways: list[str] = field(default_factory=list)  # workflow agent: each rollout worker's gateway, host:port
 
 
 def port_of(address: str) -> str:
@@ -78,4 +79,15 @@ def rollout_command(job_file: Path, host: str, ends: Endpoints, i: int, redis_ur
         *("--reward", ends.reward),
         *("--redis-url", redis_url),
         *("--metrics-port", port_of(ends.metrics[f"rollout-{i}"])),
+        *(("--gateway-port", port_of(ends.gateways[i])) if ends.gateways else ()),
+    ]
+
+
+def agent_runner_command(job_file: Path, ends: Endpoints, i: int) -> list[str]:
+    """Agent runner `agent-<i>`, claiming from every rollout worker's gateway."""
+    return [
+        "areal_k8s.agent_runner",
+        *("--job", str(job_file)),
+        *("--name", f"agent-{i}"),
+        *(arg for address in ends.gateways for arg in ("--gateway", f"http://{address}")),
     ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -21,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.cli.commands import (
     Endpoints,
+    agent_runner_command,
     controller_command,
     engine_command,
     port_of,
@@ -190,6 +192,8 @@ class LocalRun:
         self.recorder: MetricsRecorder | None = None
         self.prometheus: LocalPrometheus | None = None
         self.taken_ports: set[int] = set()
+        # the token the run's agent runners claim episodes with, from its rollout workers' gateways only
+        self.claim_env = {"AREAL_CLAIM_TOKEN": secrets.token_urlsafe(24)}
 
     # -- start ---------------------------------------------------------------------------------------------
 
@@ -215,6 +219,11 @@ class LocalRun:
             raise LaunchError(
                 "rebalance.enabled in a local run needs rollout.engine: cpu (it starts and stops the engines; "
                 "external SGLang engines in rollout.engine_urls are not its to start)"
+            )
+        if self.job.agents is not None and self.job.rebalance.enabled:
+            raise LaunchError(
+                "agents in a local run claim from the rollout workers it starts with; rebalance.enabled would add "
+                "workers they do not know: leave one of them out"
             )
         if self.job.rollout.sglang_args:
             raise LaunchError(
@@ -246,6 +255,7 @@ class LocalRun:
                 name: address()
                 for name in ("controller", "reward", *(f"rollout-{i}" for i in range(workers)), "trainer")
             },
+            gateways=[address() for _ in range(workers)] if self.job.rollout.workflow == "agent" else [],
         )
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
         if prometheus:
@@ -262,6 +272,8 @@ class LocalRun:
         self.endpoints, self.redis_url = ends, redis_url
         for i in range(workers):
             self.start_rollout(i)
+        for i in range(self.job.agents.replicas if self.job.agents else 0):
+            self.spawn(f"agent-{i}", agent_runner_command(job_file, ends, i), logs, 1, self.claim_env)
         if self.job.rebalance.enabled:
             self.rebalancer = LocalRebalancer(self.job, self, self.run_dir / "rebalance.jsonl", self.notify)
         self.start_trainer(self.job.trainer.replicas)
@@ -294,7 +306,8 @@ class LocalRun:
         ends, logs, job_file = self.endpoints, self.run_dir / "logs", self.run_dir / "job.yaml"
         if self.job.rollout.engine == "cpu":
             self.spawn(f"engine-{i}", engine_command(self.job, self.host, ends, i), logs, self.job.rollout.threads)
-        self.spawn(f"rollout-{i}", rollout_command(job_file, self.host, ends, i, self.redis_url), logs, 1)
+        self.spawn(f"rollout-{i}", rollout_command(job_file, self.host, ends, i, self.redis_url), logs, 1,
+                   self.claim_env)  # fmt: skip
 
     # -- the pools, resized while the job runs (the staleness rebalancer) ---------------------------------
 

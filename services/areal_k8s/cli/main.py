@@ -30,13 +30,17 @@ def cmd_validate(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from pathlib import Path
+
     from areal_k8s.cli.launcher import LaunchError, LocalRun
     from areal_k8s.cli.monitor import PrometheusError
     from areal_k8s.cli.progress import ProgressView
     from areal_k8s.cli.supervisor import RestartPolicy
+    from areal_k8s.cli.validate import check_budget_at_start
     from areal_k8s.common.prompts import ModelDirectoryError
 
     job = load_job_file(args.job, overrides=args.set)
+    check_budget_at_start(job, Path(args.job))  # the tokenized data against the context, before anything starts
     run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
     # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
     # would otherwise outlive arealctl. SIGINT is set too: a shell starts a background command with SIGINT ignored,

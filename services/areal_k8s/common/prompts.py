@@ -3,6 +3,7 @@ service makes of the model and tokenizer directories it is given before it opens
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +38,16 @@ def check_tokenizer_dir(path: str | Path) -> None:
             f"not a Hugging Face tokenizer directory (no {', '.join(TOKENIZER_FILES[:-1])} or "
             f"{TOKENIZER_FILES[-1]}): {path}"
         )
+
+
+def model_context(path: str | Path) -> int | None:
+    """The positions a local model takes: its config.json's `max_position_embeddings` (its text model's, for a
+    model with several parts); None where it names none."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    return positions if isinstance(positions, int) else None
 
 
 def require_model_dirs(*, model: str | None = None, tokenizer: str | None = None) -> None:

@@ -14,6 +14,7 @@ from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_templates import metadata
 from areal_k8s.k8s_operator.valid_job import ValidJob
 from areal_k8s.k8s_operator.workloads import (
+    agents_deployment,
     controller_deployment,
     reward_deployment,
     reward_network_policy,
@@ -49,7 +50,17 @@ def desired_children(
         rollout_deployment(job, running, rollout_replicas),
         trainer_statefulset(job, running, trainer_replicas),
         *([reward_network_policy(job)] if os.environ.get(names.NETWORK_POLICIES_ENV) == "1" else []),
+        *agent_children(job, running),
     ]
+
+
+def agent_children(job: ValidJob, running: bool) -> list[dict]:
+    """Workflow agent: the Service in front of the rollout pods' gateways, and the job's agent runners if it has any
+    (without them the job's agents are the user's own, reaching that Service)."""
+    if job.config.rollout.workflow != "agent":
+        return []
+    gateway = service(job, "gateway", [("gateway", names.GATEWAY_PORT)], selector_role="rollout")
+    return [gateway, *([agents_deployment(job, running)] if job.config.agents else [])]
 
 
 class _ReadableDumper(yaml.SafeDumper):
@@ -83,9 +94,11 @@ def config_map(job: ValidJob) -> dict:
     }
 
 
-def service(job: ValidJob, role: str, ports: list[tuple[str, int]], *, headless: bool = False) -> dict:
+def service(
+    job: ValidJob, role: str, ports: list[tuple[str, int]], *, headless: bool = False, selector_role: str | None = None
+) -> dict:
     spec: dict = {
-        "selector": names.selector_labels(job.name, role),
+        "selector": names.selector_labels(job.name, selector_role or role),
         "ports": [{"name": name, "port": port, "targetPort": port, "protocol": "TCP"} for name, port in ports],
     }
     if headless:

@@ -27,6 +27,8 @@ ROLLOUT_PORT = 50052
 REWARD_PORT = 50053
 TRAINER_PORT = 50054
 ENGINE_PORT = 30000
+GATEWAY_PORT = 50055  # workflow agent: each rollout pod's agent gateway (OpenAI API), behind the Service <job>-gateway
+AGENTS = "agents"  # the agent runners' component: not one of `roles`, its settings are the job file's `agents`
 TORCH_RENDEZVOUS_PORT = 29500
 # Prometheus metrics (/metrics over HTTP, env AREAL_METRICS_PORT) of the controller, reward, rollout agent and
 # trainer containers, in a container port of this name; the chart's PodMonitor scrapes that port by name.

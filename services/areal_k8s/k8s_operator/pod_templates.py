@@ -133,8 +133,8 @@ def container(
     *,
     block: dict,
     env: list[dict],
-    port: tuple[str, int],
-    readiness: dict,
+    port: tuple[str, int] | None,
+    readiness: dict | None,
     mounts: list[dict],
     resource_block: dict,
     gpus: int = 0,
@@ -142,9 +142,8 @@ def container(
     startup: dict | None = None,
 ) -> dict:
     """One service container. With `metrics` it serves Prometheus metrics on names.METRICS_PORT (the port named
-    `metrics`, which the chart's PodMonitor scrapes)."""
-    port_name, port_number = port
-    ports = [{"name": port_name, "containerPort": port_number, "protocol": "TCP"}]
+    `metrics`, which the chart's PodMonitor scrapes). Without `port` it serves nothing (an agent runner)."""
+    ports = [{"name": port[0], "containerPort": port[1], "protocol": "TCP"}] if port else []
     if metrics:
         ports.append({"name": names.METRICS_PORT_NAME, "containerPort": names.METRICS_PORT, "protocol": "TCP"})
         env = [*env, metrics_env()]
@@ -154,8 +153,8 @@ def container(
         "command": ["python", "-m", module],
         "args": args,
         "env": env,
-        "ports": ports,
-        "readinessProbe": {**readiness, "periodSeconds": 5},
+        **({"ports": ports} if ports else {}),
+        **({"readinessProbe": {**readiness, "periodSeconds": 5}} if readiness else {}),
         **({"startupProbe": startup} if startup else {}),
         "volumeMounts": [*mounts, *scratch_mounts(gpus)],
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
@@ -213,8 +212,11 @@ def scratch_volumes(containers: list[dict]) -> list[dict]:
     return volumes
 
 
-def pod_template(job: ValidJob, role: str, containers: list[dict], volumes: list[dict]) -> dict:
-    block = job.spec["roles"][role]
+def pod_template(
+    job: ValidJob, role: str, containers: list[dict], volumes: list[dict], block: dict | None = None
+) -> dict:
+    """The pod of `role`, with its block's pod settings (default: spec.roles.<role>)."""
+    block = job.spec["roles"][role] if block is None else block
     spec: dict = {
         "containers": containers,
         "volumes": [*volumes, *scratch_volumes(containers)],

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from areal_k8s.common.config import (
+    AgentsConfig,
     AlgorithmConfig,
     DatasetConfig,
     JobConfig,
@@ -26,6 +27,11 @@ OPERATOR_OWNED = {
     "trainer": {"replicas", "parallelism"},  # roles.trainer: replicas × gpusPerPod ranks, split as its parallelism
 }
 JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
+    "agents": (
+        AgentsConfig,
+        "The job file's `agents` section: the agent runners, a Deployment <name>-agents beside the rollout pods, "
+        "claiming the `agent` workflow's episodes through the Service <name>-gateway (docs/agents.md).",
+    ),
     "dataset": (DatasetConfig, "The job file's `dataset` section."),
     "reward": (RewardConfig, "The job file's `reward` section: the verifier and its options."),
     "sampling": (SamplingConfig, "The job file's `sampling` section."),
@@ -48,7 +54,7 @@ JOB_SECTIONS: dict[str, tuple[type[BaseModel], str]] = {
         "come from the Secrets it names (the trainer gets them as WANDB_API_KEY and MLFLOW_TRACKING_TOKEN).",
     ),
 }
-JOB_FIELDS = ("model", "tokenizer", "seed")
+JOB_FIELDS = ("model", "tokenizer", "context_length", "seed")
 
 
 def structural(prop: dict) -> dict:

@@ -124,7 +124,9 @@ def status_schema() -> dict:
                 "x-kubernetes-list-map-keys": ["type"],
                 "items": condition_schema(),
             },
-            "replicas": obj("Per role.", dict.fromkeys(names.ROLES, role_replicas)),
+            "replicas": obj(
+                "Per role (and the agent runners).", dict.fromkeys((*names.ROLES, names.AGENTS), role_replicas)
+            ),
             "rolloutSelector": string("Label selector of the rollout pods (for the /scale subresource)."),
             "policyVersion": integer("Policy version the rollout engines serve."),
             "totalSteps": integer("Training steps the job runs."),

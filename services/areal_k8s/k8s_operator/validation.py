@@ -17,6 +17,7 @@ from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.children import desired_children
 from areal_k8s.k8s_operator.rules import broken_rules
 from areal_k8s.k8s_operator.schema import build_crd
+from areal_k8s.k8s_operator.schema_job import JOB_FIELDS
 from areal_k8s.k8s_operator.valid_job import ENGINE_URL, InvalidSpec, ValidJob
 
 
@@ -75,7 +76,11 @@ def schema_problems(rljob: dict) -> list[str]:
 
 def path_problems(spec: dict) -> list[str]:
     """Paths the services resolve against their working directory would point nowhere useful in a pod."""
-    optional_paths = {"tokenizer": spec.get("tokenizer"), "dataset.eval": spec["dataset"].get("eval")}
+    optional_paths = {
+        "tokenizer": spec.get("tokenizer"),
+        "dataset.eval": spec["dataset"].get("eval"),
+        "agents.working_dir": spec.get("agents", {}).get("working_dir"),
+    }
     return [
         f"spec.{field}: must be an absolute path inside the pods (got {path!r})"
         for field, path in optional_paths.items()
@@ -90,9 +95,13 @@ def compose_job_config(rljob: dict) -> JobConfig:
     workers, trainer = spec["roles"]["rollout"]["replicas"], spec["roles"]["trainer"]
     data = {
         "name": key,
-        **{field: spec[field] for field in ("model", "tokenizer", "seed") if field in spec},
+        **{field: spec[field] for field in JOB_FIELDS if field in spec},
         "run_dir": f"{spec['checkpoint']['mountPath'].rstrip('/')}/{key}",
-        **{section: spec[section] for section in ("dataset", "reward", "sampling", "tracking")},
+        **{
+            section: spec[section]
+            for section in ("dataset", "reward", "sampling", "tracking", "agents")
+            if section in spec
+        },
         # one rank per pod without GPUs, one per GPU otherwise (the world the StatefulSet's WORLD_SIZE names)
         "trainer": {
             **spec["trainer"],
@@ -144,6 +153,10 @@ def validate(rljob: dict) -> ValidJob:
         config = compose_job_config(rljob)
     except JobFileError as exc:
         raise InvalidSpec([str(exc)]) from None
+    # The model and the data are inside the pods: the budget is checked against the context the spec names.
+    problems = [f"spec.{problem}" for problem in config.context_problems()]
+    if problems:
+        raise InvalidSpec(problems)
     meta = rljob["metadata"]
     job = ValidJob(
         name=meta["name"],

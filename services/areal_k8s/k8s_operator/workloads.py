@@ -188,6 +188,11 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
     block = job.spec["roles"]["rollout"]
     config_vol, config_mount = config_volume(job)
     volumes, mounts = user_mounts(job)
+    # workflow agent: the gateway on a fixed port; a claim through the Service <job>-gateway reaches any pod, and the
+    # session's base URL it answers is the pod's own, where the session lives
+    gateway = job.config.rollout.workflow == "agent"
+    gateway_args = ["--gateway-port", str(names.GATEWAY_PORT)] if gateway else []
+    gateway_env = [{"name": "AREAL_GATEWAY_ADVERTISE", "value": f"$(POD_IP):{names.GATEWAY_PORT}"}] if gateway else []
     agent = container(
         "rollout",
         image_of(job, "rollout"),
@@ -207,6 +212,7 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
             address(job, "controller", names.CONTROLLER_PORT),
             "--reward",
             address(job, "reward", names.REWARD_PORT),
+            *gateway_args,
         ],
         block=block,
         env=[
@@ -216,14 +222,41 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
             field_env("POD_IP", "status.podIP"),
             # the trainer reaches each worker at its pod IP to drive weight updates
             {"name": "AREAL_ADVERTISE_ADDRESS", "value": f"$(POD_IP):{names.ROLLOUT_PORT}"},
+            *gateway_env,
         ],
         port=("grpc", names.ROLLOUT_PORT),
         readiness=grpc_readiness(names.ROLLOUT_PORT, "areal.v1.Rollout"),
         mounts=[config_mount, *mounts],
         resource_block=block.get("resources", {}),
     )
+    if gateway:
+        agent["ports"].append({"name": "gateway", "containerPort": names.GATEWAY_PORT, "protocol": "TCP"})
     template = pod_template(job, "rollout", [agent, engine_container(job, block, mounts)], [config_vol, *volumes])
     return deployment(job, "rollout", (block["replicas"] if replicas is None else replicas) if running else 0, template)
+
+
+def agents_deployment(job: ValidJob, running: bool) -> dict:
+    """The agent runners (`spec.agents`): each claims episodes through the Service <job>-gateway and runs the
+    user's program (in `agents.image`, with the job's mounts) per episode. They serve nothing."""
+    agents = job.config.agents
+    block = {"resources": agents.resources}  # its pod settings are the job file's agents section
+    config_vol, config_mount = config_volume(job)
+    volumes, mounts = user_mounts(job)
+    main = container(
+        "agent-runner",
+        agents.image or image_of(job, "rollout"),
+        "areal_k8s.agent_runner",
+        ["--job", names.JOB_FILE, "--gateway", f"http://{address(job, 'gateway', names.GATEWAY_PORT)}"],
+        block=block,
+        env=[*process_env(1), field_env("AREAL_RUNNER_NAME", "metadata.name")],
+        port=None,
+        readiness=None,
+        mounts=[config_mount, *mounts],
+        resource_block=agents.resources,
+        metrics=False,
+    )
+    template = pod_template(job, names.AGENTS, [main], [config_vol, *volumes], block)
+    return deployment(job, names.AGENTS, agents.replicas if running else 0, template)
 
 
 def trainer_statefulset(job: ValidJob, running: bool, replicas: int | None = None) -> dict:

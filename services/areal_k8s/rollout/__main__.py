@@ -95,7 +95,11 @@ def main() -> None:
         log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)
         gateway = None
         if isinstance(workflow, AgentWorkflow):
-            gateway = await start_gateway(workflow.book, args.host, args.gateway_port)
+            # the job's runners claim with this token (AREAL_CLAIM_TOKEN: `arealctl run` sets it; pods have none yet)
+            claim_token = env("AREAL_CLAIM_TOKEN") or None
+            # a pod is claimed from through a Service: its sessions go to its own address (AREAL_GATEWAY_ADVERTISE)
+            advertise = env("AREAL_GATEWAY_ADVERTISE") or None
+            gateway = await start_gateway(workflow.book, args.host, args.gateway_port, claim_token, advertise)
             log.info("agent gateway on http://%s:%d/v1", args.host, gateway.port)
         try:
             await worker.run(stop)

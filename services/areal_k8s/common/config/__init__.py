@@ -6,6 +6,7 @@ One module per section of the job file; `JobConfig` (job.py) holds them all, job
 Import from here: this package's names are the schema.
 """
 
+from areal_k8s.common.config.agents import AgentsConfig
 from areal_k8s.common.config.algorithm import AlgorithmConfig, Staleness, StalenessBand, StalenessPolicy
 from areal_k8s.common.config.dataset import CodeDatasetConfig, DatasetConfig
 from areal_k8s.common.config.job import JobConfig, RedisConfig
@@ -33,6 +34,7 @@ from areal_k8s.common.config.trainer import ParallelismConfig, TrainerConfig
 __all__ = [
     "BUILTIN_VERIFIERS",
     "AgentConfig",
+    "AgentsConfig",
     "AlgorithmConfig",
     "CodeDatasetConfig",
     "CodeRewardConfig",

@@ -7,6 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
+from areal_k8s.common.config.agents import AgentsConfig
 from areal_k8s.common.config.algorithm import AlgorithmConfig
 from areal_k8s.common.config.dataset import DatasetConfig
 from areal_k8s.common.config.rebalance import RebalanceConfig
@@ -33,6 +34,12 @@ class JobConfig(Section):
     )
     model: str = Field(description="Hugging Face causal LM: a local directory (or a path mounted into the pods).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model's.")
+    context_length: Annotated[int, Field(ge=2)] | None = Field(
+        None,
+        description="The model's context in positions. Unset: its config.json's `max_position_embeddings`, read "
+        "where the model is a local directory (`arealctl validate`, `arealctl run`). An RLJob's model is inside the "
+        "pods: name it there and the operator refuses a `sampling.max_new_tokens` that cannot fit.",
+    )
     seed: int = Field(0, description="Seed for data order, sampling and initialisation.")
     run_dir: str | None = Field(
         None,
@@ -48,6 +55,9 @@ class JobConfig(Section):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    agents: AgentsConfig | None = Field(
+        None, description="Agent runners playing the `agent` workflow's episodes with a program of the user's."
+    )
 
     @property
     def trainer_bounds(self) -> tuple[int, int]:
@@ -78,6 +88,14 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _agents_play_the_agent_workflow(self) -> JobConfig:
+        if self.agents is not None and self.rollout.workflow != "agent":
+            raise ValueError(
+                f"agents play the agent workflow's episodes: set rollout.workflow: agent (got {self.rollout.workflow})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _verify_needs_the_cpu_engine(self) -> JobConfig:
         if self.trainer.verify_weight_sync and self.rollout.engine != "cpu":
             raise ValueError(
@@ -85,6 +103,31 @@ class JobConfig(Section):
                 "sharded tensors, which cannot be compared with the trainer's Hugging Face weights)"
             )
         return self
+
+    def context_problems(
+        self, model_context: int | None = None, longest_prompt: tuple[int, str] | None = None
+    ) -> list[str]:
+        """What is wrong with the response budget against the model's context: `model_context` the model's own
+        (its config.json, where it can be read), `longest_prompt` (tokens, where) the longest the data gives; without
+        one a prompt is at least a token. Refused, not clamped: a clamp would train another budget than the job
+        says, for every response, and a budget past the context is a wrong model or a typo the user must see."""
+        problems = []
+        if model_context is not None and self.context_length is not None and self.context_length > model_context:
+            problems.append(
+                f"context_length: {self.context_length} is past the model's own {model_context} positions "
+                "(max_position_embeddings in its config.json)"
+            )
+        context = min(c for c in (model_context, self.context_length, 2**31 - 1) if c is not None)
+        prompt, where = longest_prompt or (1, "")
+        budget = self.sampling.max_new_tokens
+        if prompt + budget > context:
+            after = f"the longest prompt ({prompt} tokens, {where})" if longest_prompt else "a one-token prompt"
+            source = "context_length" if context == self.context_length else "max_position_embeddings"
+            problems.append(
+                f"sampling.max_new_tokens: {budget} new tokens after {after} do not fit the model's context of "
+                f"{context} positions ({source}): at most {max(context - prompt, 0)} do"
+            )
+        return problems
 
     @property
     def tokenizer_path(self) -> str:
@@ -121,6 +164,8 @@ class JobConfig(Section):
                 "model": absolute(self.model),
                 "tokenizer": absolute(self.tokenizer),
                 "run_dir": absolute(self.run_dir or f"runs/{self.name}"),
+                "agents": self.agents
+                and self.agents.model_copy(update={"working_dir": absolute(self.agents.working_dir)}),
                 "dataset": self.dataset.model_copy(
                     update={"train": absolute(self.dataset.train), "eval": absolute(self.dataset.eval)}
                 ),

@@ -45,6 +45,8 @@ def describe_problem(problem: dict, model: type[BaseModel] | None) -> str:
         return f"{field}: unknown field{hint}"
     if kind == "missing":
         return f"{field}: required field is missing"
+    if not loc:  # a rule across sections: its message names the fields, and the input is the whole job
+        return f"{field}: {problem['msg']}"
     return f"{field}: {problem['msg']} (got {problem.get('input')!r})"
 
 

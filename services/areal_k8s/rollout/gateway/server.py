@@ -5,7 +5,8 @@ Completions under /v1 and the episode protocol, over sessions.py's `SessionBook`
   session's `base_url` and `api_key`;
 - `POST /v1/chat/completions` (`Authorization: Bearer <api_key>`), `stream: true` as server-sent events;
 - `GET /v1/models`;
-- `POST /v1/sessions/{api_key}/end` {"reward", "choice"}: the episode is over.
+- `POST /v1/sessions/{api_key}/end` {"reward", "choice"}: the episode is over;
+- `POST /v1/sessions/{api_key}/give-up`: its agent will not end it; it is offered again at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 from typing import Annotated
 
 import uvicorn
@@ -48,7 +50,10 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
-def gateway_app(book: SessionBook) -> FastAPI:
+def gateway_app(book: SessionBook, claim_token: str | None = None, advertise: str | None = None) -> FastAPI:
+    """The app over `book`; with `claim_token`, claiming an episode takes it as the Bearer key (the job's runners
+    hold it), so nothing else on the network can take the job's episodes. A session's base URL is this gateway's
+    `advertise` (host:port) where a claim came through a proxy or Service, else the address the claim came to."""
     app = FastAPI(title="areal-k8s agent gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(GatewayError)
@@ -80,10 +85,14 @@ def gateway_app(book: SessionBook) -> FastAPI:
 
     @app.post("/v1/episodes/claim")
     async def claim(body: ClaimRequest, request: Request):
+        if claim_token is not None and not secrets.compare_digest(bearer_key(request), claim_token):
+            raise GatewayError(401, "claiming episodes takes the job's claim token", "invalid_api_key",
+                               kind="authentication_error")  # fmt: skip
         episode = await book.claim(body.wait_seconds)
         if episode is None:
             return Response(status_code=204)
-        return {**episode, "base_url": f"{str(request.base_url).rstrip('/')}/v1"}
+        base = f"http://{advertise}" if advertise else str(request.base_url).rstrip("/")
+        return {**episode, "base_url": f"{base}/v1"}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -97,6 +106,10 @@ def gateway_app(book: SessionBook) -> FastAPI:
     @app.post("/v1/sessions/{key}/end")
     async def end(key: str, body: EndRequest):
         return book.end(key, body.reward, body.choice)
+
+    @app.post("/v1/sessions/{key}/give-up")
+    async def give_up(key: str):
+        return book.give_up(key)
 
     return app
 
@@ -120,9 +133,13 @@ class Gateway:
         await self.task
 
 
-async def start_gateway(book: SessionBook, host: str, port: int) -> Gateway:
+async def start_gateway(
+    book: SessionBook, host: str, port: int, claim_token: str | None = None, advertise: str | None = None
+) -> Gateway:
     """Serve the gateway on host:port (0: a free port), once it listens."""
-    server = EmbeddedServer(uvicorn.Config(gateway_app(book), host=host, port=port, log_level="warning"))
+    server = EmbeddedServer(
+        uvicorn.Config(gateway_app(book, claim_token, advertise), host=host, port=port, log_level="warning")
+    )
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

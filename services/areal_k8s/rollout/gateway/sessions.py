@@ -14,9 +14,9 @@ and a history the model did not see cannot be trained on. A refused call records
 
 The episode ends when the agent ends it (an optional reward; otherwise the verifier scores the last reply). A session
 not ended within `rollout.agent.session_seconds` of its claim is closed (its key answers 409) and the episode is
-offered again under a new key, at most `max_issues` times: only an ended session becomes a trajectory, so nothing is
-trained twice. An engine that cannot be reached fails the episode's group with its error, so the worker hands the
-group back and waits for its engine, as under any workflow.
+offered again under a new key (at once when its agent gives it up), at most `max_issues` times: only an ended
+session becomes a trajectory, so nothing is trained twice. An engine that cannot be reached fails the episode's
+group with its error, so the worker hands the group back and waits for its engine, as under any workflow.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ class Session:
         self.key = ""  # issued when an agent claims the episode
         self.state = "offered"  # offered | open | ended | closed
         self.claimed = asyncio.Event()
+        self.given_up = asyncio.Event()  # its agent will not end it (its program failed): offer it again now
         self.ended: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.conversation = ConversationFormat(ctx.tokenizer, "chat")
         self.messages: list[Message] = []  # the conversation so far (the replies the agent continued with included)
@@ -188,9 +189,20 @@ class SessionBook:
             self.count_session("offered")
             try:
                 await session.claimed.wait()
-                await asyncio.wait({session.ended}, timeout=self.config.session_seconds)
+                given_up = asyncio.create_task(session.given_up.wait())
+                try:
+                    await asyncio.wait(
+                        {session.ended, given_up}, timeout=self.config.session_seconds,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )  # fmt: skip
+                finally:
+                    given_up.cancel()
                 if session.ended.done():
                     return session.ended.result()
+                if session.given_up.is_set():
+                    log.warning("episode %s: session %d given up by its agent; offered again", session.episode_id,
+                                attempt)  # fmt: skip
+                    continue
                 self.count_limit("seconds")
                 log.warning("episode %s: session %d not ended in time; offered again", session.episode_id, attempt)
             except asyncio.CancelledError:
@@ -391,6 +403,16 @@ class SessionBook:
         session.ended.set_result(outcome)
         self.close(session, "the episode ended")
         return {"episode_id": session.episode_id, "calls": session.calls, "tokens": len(outcome.episode.token_ids)}
+
+    def give_up(self, key: str) -> dict[str, Any]:
+        """The agent will not end the session's episode (its program crashed or hung): the episode is offered again
+        under a new key at once, as a session whose time ran out is, and counts against `max_issues` the same."""
+        session = self.session_of(key)
+        if session.busy:
+            raise GatewayError(409, "the session has a call in flight; give it up after the call", "session_busy")
+        session.given_up.set()
+        self.close(session, "its agent gave it up")
+        return {"episode_id": session.episode_id, "attempt": session.attempt}
 
     # -- metrics ---------------------------------------------------------------------------------------------
 
