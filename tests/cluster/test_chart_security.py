@@ -240,6 +240,27 @@ def test_job_pods_admit_each_other_the_operator_and_prometheus_only(value_set):
         assert not admitted(docs, (ns, job_pod("trainer")), CONTROLLER_GRPC, PROMETHEUS)
 
 
+@pytest.mark.parametrize("value_set", ["default", "multi-namespace"])
+def test_agent_runners_reach_the_rollout_pods_gateway_and_nothing_else_of_the_job(value_set, monkeypatch):
+    """The agent runners run the user's programs: they may open the rollout pods' agent gateway, and neither Redis,
+    the controller, the trainer, the rollout pods' other ports nor the reward pods' scoring port."""
+    docs = rendered(value_set)
+    monkeypatch.setenv(names.NETWORK_POLICIES_ENV, "1")
+    ns = (VALUE_SETS[value_set].get("operator", {}).get("watchNamespaces") or [NAMESPACE])[0]
+    cluster = docs + reward_policies_of_the_operator(ns, "demo")
+    agents, rollout = (ns, job_pod(names.AGENTS)), (ns, job_pod("rollout"))
+    assert admitted(cluster, rollout, ("gateway", names.GATEWAY_PORT), agents)
+    assert not admitted(cluster, rollout, ("grpc", names.ROLLOUT_PORT), agents)
+    assert not admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, agents)
+    assert not admitted(cluster, (ns, job_pod("trainer")), ("grpc", names.TRAINER_PORT), agents)
+    assert not admitted(cluster, (ns, job_pod("reward")), ("grpc", names.REWARD_PORT), agents)
+    assert not admitted(cluster, (NAMESPACE, chart_pod("redis")), REDIS, agents)
+    # the other pods of the job keep what they had
+    assert admitted(cluster, (ns, job_pod("controller")), CONTROLLER_GRPC, rollout)
+    assert admitted(cluster, (NAMESPACE, chart_pod("redis")), REDIS, rollout)
+    assert admitted(cluster, (ns, job_pod("reward")), ("grpc", names.REWARD_PORT), rollout)
+
+
 def reward_policies_of_the_operator(namespace: str, *jobs: str) -> list[dict]:
     """The NetworkPolicy children the operator creates for `jobs` in `namespace` when the chart's are on."""
     policies = []

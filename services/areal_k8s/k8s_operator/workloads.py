@@ -116,10 +116,14 @@ def reward_deployment(job: ValidJob, running: bool) -> dict:
     return deployment(job, "reward", block["replicas"] if running else 0, pod_template(job, "reward", [main], []))
 
 
+# the job's pods but the agent runners: they run the user's programs, and reach the rollout pods' gateway only
+NOT_AGENTS = {"key": names.LABEL_COMPONENT, "operator": "NotIn", "values": [names.AGENTS]}
+
+
 def reward_network_policy(job: ValidJob) -> dict:
-    """The job's reward pods run untrusted programs: their scoring port admits the job's own pods only. Created
-    where the chart's NetworkPolicies are on; the chart's per-namespace policy adds the metrics scrapers and takes
-    away all egress (policies add up, so neither may admit more than it means to)."""
+    """The job's reward pods run untrusted programs: their scoring port admits the job's own pods only, its agent
+    runners excepted. Created where the chart's NetworkPolicies are on; the chart's per-namespace policy adds the
+    metrics scrapers and takes away all egress (policies add up, so neither may admit more than it means to)."""
     own_pods = {names.LABEL_NAME: names.APP_NAME, names.LABEL_INSTANCE: job.name}
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -131,7 +135,7 @@ def reward_network_policy(job: ValidJob) -> dict:
             "ingress": [
                 {
                     "ports": [{"port": names.REWARD_PORT, "protocol": "TCP"}],
-                    "from": [{"podSelector": {"matchLabels": own_pods}}],
+                    "from": [{"podSelector": {"matchLabels": own_pods, "matchExpressions": [NOT_AGENTS]}}],
                 }
             ],
         },
