@@ -211,12 +211,7 @@ class Load:
                 self.engine_version = reply.version
                 self.recorder.announced.append(time.perf_counter())
             for group in reply.groups:
-                if group.group_id in self.received:
-                    self.violation(f"group {group.group_id} leased twice")
-                self.received.add(group.group_id)
-                task = asyncio.ensure_future(self.generate(stub, worker_id, incarnation, group, stopping))
-                in_flight[task] = group.group_id
-                task.add_done_callback(lambda done: in_flight.pop(done, None))
+                self.take(group, stub, worker_id, incarnation, stopping, in_flight)
             if reply.groups or (free and self.engine_version >= reply.version):
                 continue
             await asyncio.wait({stopping, *in_flight}, timeout=HEARTBEAT_SECONDS, return_when=asyncio.FIRST_COMPLETED)
@@ -254,12 +249,7 @@ class Load:
                     continue
                 pushed, receiving = receiving.result(), None
                 for group in pushed.granted:
-                    if group.group_id in self.received:
-                        self.violation(f"group {group.group_id} leased twice")
-                    self.received.add(group.group_id)
-                    task = asyncio.ensure_future(self.generate(stream, worker_id, incarnation, group, stopping))
-                    in_flight[task] = group.group_id
-                    task.add_done_callback(lambda done: in_flight.pop(done, None))
+                    self.take(group, stream, worker_id, incarnation, stopping, in_flight)
         except ControllerError as exc:
             self.recorder.errors[f"Admit: {exc.status}"] += 1
         finally:
@@ -280,6 +270,16 @@ class Load:
                     self.recorder.announced.append(time.perf_counter())
                     pushed, self.weights_pushed = self.weights_pushed, asyncio.Event()
                     pushed.set()
+
+    def take(self, group, reporter, worker_id: str, incarnation: int, stopping: asyncio.Future, in_flight: dict):
+        """A group the controller leased (a poll's answer or a stream's grant): checked never leased before, then
+        generated, its outcome reported through `reporter` (the stub or the stream), in `in_flight` until done."""
+        if group.group_id in self.received:
+            self.violation(f"group {group.group_id} leased twice")
+        self.received.add(group.group_id)
+        task = asyncio.ensure_future(self.generate(reporter, worker_id, incarnation, group, stopping))
+        in_flight[task] = group.group_id
+        task.add_done_callback(lambda done: in_flight.pop(done, None))
 
     async def generate(self, stub, worker_id: str, incarnation: int, group, stopping: asyncio.Future) -> None:
         """One group: its generation time, its trajectories to the stream, its outcome to the controller. A group
