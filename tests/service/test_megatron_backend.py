@@ -96,6 +96,21 @@ def test_the_conversion_round_trips_bit_for_bit_through_every_tensor_parallel_sp
             assert torch.equal(back[name], tensor), name
 
 
+def test_a_tied_config_over_an_output_layer_of_its_own_is_refused_by_the_conversion(models):
+    """The torch backend's check (tests/unit/test_train_backend.py), for the megatron backend's conversion: a tied
+    checkpoint whose lm_head is the embedding converts; one with a different lm_head is refused, not dropped."""
+    model_path = models("llama", tied=True)
+    config = AutoConfig.from_pretrained(model_path)
+    family, shape = family_of(config), Shape.of(config)
+    hf = load_file(model_path / "model.safetensors")
+    assert shape.tied and "output_layer.weight" not in to_megatron(hf, family, shape)
+    assert "output_layer.weight" not in to_megatron(
+        {**hf, "lm_head.weight": hf["model.embed_tokens.weight"]}, family, shape
+    )
+    with pytest.raises(ValueError, match="tie_word_embeddings to false"):
+        to_megatron({**hf, "lm_head.weight": hf["model.embed_tokens.weight"] + 1.0}, family, shape)
+
+
 def test_a_model_or_layout_the_backend_cannot_take_is_refused_with_the_reason(tmp_path):
     config = AutoConfig.for_model("gpt2")
     with pytest.raises(UnsupportedModel, match="converts model_type qwen2, qwen3, llama, not 'gpt2'"):

@@ -138,7 +138,14 @@ def to_megatron(
     hf: Mapping[str, torch.Tensor], family: Family, shape: Shape, vocab_rows: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Full (unsharded) Megatron tensors from a Hugging Face state dict, the vocabulary padded with zero rows to
-    `vocab_rows` (default: none)."""
+    `vocab_rows` (default: none). A tied config over a checkpoint with an output layer of its own is refused: the
+    engines tie the two and would serve an output layer the trainer never trained."""
+    own_head = hf.get("lm_head.weight")
+    if shape.tied and own_head is not None and not torch.equal(own_head, hf["model.embed_tokens.weight"]):
+        raise ValueError(
+            "the config ties the output layer to the input embedding (tie_word_embeddings), but the checkpoint holds "
+            "a different lm_head of its own: set tie_word_embeddings to false or drop lm_head from the checkpoint"
+        )
     out = {m: pad_vocab(m, hf[h], vocab_rows or shape.vocab) for m, h in _one_to_one(family, shape)}
     for i in range(shape.layers):
         m, h = MEGATRON_LAYER.format(i), HF_LAYER.format(i)
