@@ -13,12 +13,24 @@ pytest_plugins = ("support.sglang_server", "support.e2e_jobs", "support.operator
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """tests/cluster/test_image_envs.py's tests run last. Their environments build in the background from the
+    session's start (on a fresh clone, minutes of pip on one core): run early, the first of them waited for its build
+    with the other core idle; by the end of the session the builds are done."""
+    items.sort(key=lambda item: item.path.name == "test_image_envs.py")  # stable: the order is otherwise kept
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """The image environments tests/cluster/test_image_envs.py checks start building now, in the background."""
+    """What the selected tests will wait for starts building now, in the background: the image environments
+    tests/cluster/test_image_envs.py checks, and the e2e tests' tail assets."""
     if not session.config.option.collectonly and any(item.path.name == "test_image_envs.py" for item in session.items):
         from test_image_envs import Builds
 
         Builds.start(session)
+    if not session.config.option.collectonly and any("tail_assets" in item.fixturenames for item in session.items):
+        from support.e2e_jobs import TailAssetsAhead
+
+        TailAssetsAhead.start(session.config)
 
 
 @pytest.fixture(scope="session")

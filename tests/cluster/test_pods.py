@@ -52,9 +52,9 @@ TINY_ASSETS = {
 
 
 def the_example() -> dict:
-    """The example as written (its shape, sizes and 150 steps: long enough to see every pod ready while it trains),
-    created in the namespace `make e2e-kind` uses; only its assets are smaller, and so it trains every group: the
-    tiny model gets nearly every sum wrong, and dynamic sampling would drop nearly every group as signal-free."""
+    """The example as written (its shape and sizes; each test sets the steps it needs), created in the namespace
+    `make e2e-kind` uses; only its assets are smaller, and so it trains every group: the tiny model gets nearly every
+    sum wrong, and dynamic sampling would drop nearly every group as signal-free."""
     rljob = yaml.safe_load(EXAMPLE.read_text())
     rljob["metadata"].update(namespace=NAMESPACE, uid="4c7e-demo", generation=1)
     rljob["spec"]["algorithm"]["dynamic_sampling"] = False
@@ -264,6 +264,9 @@ async def test_the_cpu_example_runs_as_pods_to_completion(tmp_path, demo_assets)
     """The example from creation to completion, suspended (spec.suspend) in the middle of its run and resumed once
     its pods are gone: the trainer hands off at a step boundary, and the job goes on from there."""
     rljob = the_example()
+    # past the suspension at 20 and its resume, long enough to see every pod ready while it trains (the example's 150
+    # steps added half a minute and checked nothing more)
+    rljob["spec"]["algorithm"]["total_steps"] = 60
     job = validate(rljob)
     suspended_job = validate({**rljob, "spec": {**rljob["spec"], "suspend": True}})
     selector = dict(part.split("=") for part in names.job_selector(job.name).split(","))

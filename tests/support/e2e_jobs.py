@@ -4,8 +4,11 @@ prompts and a model warmed up on its worked solutions)."""
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,28 +36,57 @@ def assets(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="session")
-def tail_assets(tmp_path_factory):
+# The long-tail task's build for the tests (build_tail_assets).
+TAIL_BUILD = {
+    "sft_max_steps": 40,
+    "sft_first_check": 10**6,  # no probe: the warm-up's length, not its accuracy, is what the tests need
+    "sft_batch_size": 16,
+    "train_size": 400,
+    "eval_size": 8,
+    "eval_max_new_tokens": 16,
+}
+
+
+def build_tail_assets(root: Path) -> Path:
     """The long-tail task's prompts (running sums of log-normally many steps) with a model warmed up on their worked
     solutions only long enough to write them (40 steps, ~30 s on one core, where the task's own build takes 180):
     sampled at temperature 1 its responses are heavy-tailed (measured: median ~40 tokens, the longest ~5x it),
     where the tiny job's are all 12. The rows are scored by the coin flip, as the tiny job's: the warm-up solves none
     of them, and groups that disagree make every step change the weights."""
-    root = tmp_path_factory.mktemp("tail-assets")
-    build_long_tail_assets(
-        root,
-        sft_max_steps=40,
-        sft_first_check=10**6,  # no probe: the warm-up's length, not its accuracy, is what the tests need
-        sft_batch_size=16,
-        train_size=400,
-        eval_size=8,
-        eval_max_new_tokens=16,
-    )
+    build_long_tail_assets(root, **TAIL_BUILD)
     for split in ("train", "eval"):
         path = root / f"{split}.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         path.write_text("".join(json.dumps({**r, "verifier": "support.e2e_fixtures:coin_flip"}) + "\n" for r in rows))
     return root
+
+
+class TailAssetsAhead:
+    """The tail assets built in the background from the session's start (tests/conftest.py starts it once the tests
+    are collected, where a selected test uses them): the build is a process on one core, and the first test to need
+    it waited ~30 s for it with the other core idle."""
+
+    future: Future | None = None
+
+    @classmethod
+    def start(cls, config: pytest.Config) -> None:
+        root = Path(tempfile.mkdtemp(prefix="areal-tail-assets-"))
+        pool = ThreadPoolExecutor(1)
+        cls.future = pool.submit(build_tail_assets, root)
+
+        def close() -> None:
+            pool.shutdown(wait=True, cancel_futures=True)
+            shutil.rmtree(root, ignore_errors=True)
+
+        config.add_cleanup(close)
+
+
+@pytest.fixture(scope="session")
+def tail_assets(tmp_path_factory):
+    """build_tail_assets' assets: the background build's, where the session started one."""
+    if TailAssetsAhead.future is not None:
+        return TailAssetsAhead.future.result()
+    return build_tail_assets(tmp_path_factory.mktemp("tail-assets"))
 
 
 def make_tail_job(tail_assets: Path, run_dir: Path, **overrides):
