@@ -4,6 +4,8 @@ Child objects are kmock's stored state, read back as the apiserver would serve t
 generous timeout; nothing asserts how long anything took.
 """
 
+import base64
+
 import pytest
 import redis
 import yaml
@@ -23,7 +25,7 @@ from areal_k8s.k8s_operator.validation import validate
 pytestmark = ON_API_SERVER
 
 DEPLOYMENTS, STATEFULSETS = "apps/v1/deployments", "apps/v1/statefulsets"
-SERVICES, CONFIGMAPS = "v1/services", "v1/configmaps"
+SERVICES, CONFIGMAPS, SECRETS = "v1/services", "v1/configmaps", "v1/secrets"
 CHILDREN = [
     (CONFIGMAPS, "demo-config"),
     (SERVICES, "demo-controller"),
@@ -115,6 +117,36 @@ async def test_create_makes_every_child_owned_and_wired(cluster: Cluster, operat
     assert status["replicas"]["rollout"]["desired"] == 2
     assert cluster.condition("Degraded")["status"] == "False"
     assert [r for r in cluster.server if r.subresource == "status"], "the status goes through the /status subresource"
+
+
+async def test_an_agent_job_gets_one_claim_token_that_its_rollout_pods_and_runners_read_and_reconciles_keep(
+    cluster: Cluster, operator
+):
+    agents = {"command": ["python", "/agents/agent.py"], "replicas": 1}
+    await cluster.create(rljob(rollout={"workflow": "agent", "prompt_template": "chat"}, agents=agents))
+    secret = await eventually(lambda: cluster.get(SECRETS, "demo-claim-token"), "the claim token's Secret")
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("RLJob", "demo", "uid-1")
+    token = base64.b64decode(secret["data"][names.CLAIM_TOKEN_KEY]).decode()
+    assert len(token) >= 32
+    reference = {"secretKeyRef": {"name": "demo-claim-token", "key": names.CLAIM_TOKEN_KEY}}
+    runner = await eventually(lambda: cluster.get(DEPLOYMENTS, "demo-agents"), "the agent runners")
+    for pod_container in (
+        container(cluster.get(DEPLOYMENTS, "demo-rollout"), "rollout"),
+        container(runner, "agent-runner"),
+    ):
+        (claim,) = [e for e in pod_container["env"] if e["name"] == "AREAL_CLAIM_TOKEN"]
+        assert claim["valueFrom"] == reference, pod_container["name"]
+    # a spec change is reconciled into the children, and the token the pods already hold stays as it was
+    await cluster.update_spec("demo", {"algorithm": {"lr": 3e-5}})
+    await eventually(
+        lambda: "lr: 3.0e-05" in cluster.get(CONFIGMAPS, "demo-config")["data"][names.CONFIG_KEY], "the new config"
+    )
+    assert base64.b64decode(cluster.get(SECRETS, "demo-claim-token")["data"][names.CLAIM_TOKEN_KEY]).decode() == token
+    # another workflow: no Secret
+    await cluster.create(rljob("plain", uid="uid-2"))
+    await eventually(lambda: cluster.get(DEPLOYMENTS, "plain-rollout"), "the plain job's children")
+    assert cluster.get(SECRETS, "plain-claim-token") is None
 
 
 async def test_spec_changes_reach_the_children_and_advance_observed_generation(cluster: Cluster, operator):

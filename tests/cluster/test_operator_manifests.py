@@ -1,5 +1,7 @@
 """`arealctl manifests`: the operator's own children function, printed for review or GitOps."""
 
+import base64
+
 import yaml
 from support.operator_fixtures import EXAMPLES, rljob
 
@@ -37,3 +39,16 @@ def test_an_invalid_rljob_is_one_readable_error(tmp_path, capsys):
     path.write_text("kind: Deployment\n")
     assert main(["manifests", str(path)]) == EXIT_INVALID
     assert "expected an RLJob manifest" in capsys.readouterr().err
+
+
+def test_an_agent_job_prints_its_claim_token_secret_before_the_pods_that_read_it(tmp_path, capsys):
+    path = tmp_path / "agent.yaml"
+    agents = {"command": ["python", "/agents/agent.py"], "replicas": 1}
+    path.write_text(
+        yaml.safe_dump(rljob(uid=None, rollout={"workflow": "agent", "prompt_template": "chat"}, agents=agents))
+    )
+    assert main(["manifests", str(path)]) == 0
+    secret, *children = yaml.safe_load_all(capsys.readouterr().out)
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "demo-claim-token")
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    assert children == desired_children(validate(yaml.safe_load(path.read_text())), running=True)

@@ -21,6 +21,7 @@ UNEXERCISED = {
         "rljobs/finalizers",
         "update",
     ): "ownerReferences with blockOwnerDeletion need it on a real apiserver",
+    ("", "secrets", "create"): "a job with the agent workflow: its claim token (tests/cluster/test_operator_kopf.py)",
     ("", "pods", "delete"): "the rebalancer restarts the trainer's pods when it moves the trainer "
     "(tests/cluster/test_operator_rebalance.py)",
     **dict.fromkeys(

@@ -131,10 +131,11 @@ namespace, otherwise into a Role in each watched namespace.
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [list]
-# redis.urlSecretRef: the finalizer reads the URL to delete the job's Redis keys
+# redis.urlSecretRef: the finalizer reads the URL to delete the job's Redis keys; workflow agent: the job's claim
+# token, created once (never patched: the pods hold its value)
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create]
 # with a Kueue queue (spec.queueName): the job's Workload, created and kept current; its status is written when
 # an evicted job gives its quota back and when the job finishes
 - apiGroups: [kueue.x-k8s.io]

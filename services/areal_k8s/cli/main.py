@@ -189,11 +189,12 @@ def cmd_logs(args) -> int:
 
 
 def cmd_manifests(args) -> int:
+    import secrets
     from pathlib import Path
 
     import yaml
 
-    from areal_k8s.k8s_operator.children import desired_children, to_yaml
+    from areal_k8s.k8s_operator.children import claim_token_secret, desired_children, to_yaml
     from areal_k8s.k8s_operator.validation import InvalidSpec, validate
 
     try:
@@ -210,8 +211,11 @@ def cmd_manifests(args) -> int:
         job = validate(rljob)
     except InvalidSpec as exc:
         return fail(f"{args.rljob}: " + "; ".join(exc.problems), EXIT_INVALID)
-    # What the operator creates for this RLJob as it stands (without owner references until it has a uid).
-    print(to_yaml(desired_children(job, running=not job.spec["suspend"])), end="")
+    # What the operator creates for this RLJob as it stands (without owner references until it has a uid); the
+    # agent workflow's claim token is made here as the operator makes it, once: applied again, these rotate it
+    children = desired_children(job, running=not job.spec["suspend"])
+    secret = claim_token_secret(job, secrets.token_urlsafe(32))
+    print(to_yaml([secret, *children] if secret else children), end="")
     return 0
 
 

@@ -95,3 +95,21 @@ def apply(kube: KubeApi, desired: dict) -> dict:
     if is_subset(body, live):
         return live
     return kube.patch(path, merge_patch(last_applied_of(live), body))
+
+
+def create_once(kube: KubeApi, desired: dict) -> dict:
+    """Create `desired` unless it exists; an existing one is left as it is, never patched (a generated secret
+    keeps the value the pods already read)."""
+    collection, path = paths_of(desired)
+    live = kube.get(path)
+    if live is not None:
+        return live
+    try:
+        return kube.create(collection, desired)
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        live = kube.get(path)  # created meanwhile (kopf may run a create handler twice)
+        if live is None:
+            raise
+        return live

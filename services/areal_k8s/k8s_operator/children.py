@@ -6,6 +6,7 @@ here, they are the workloads of workloads.py, built of pod_templates.py's parts.
 
 from __future__ import annotations
 
+import base64
 import os
 
 import yaml
@@ -24,6 +25,7 @@ from areal_k8s.k8s_operator.workloads import (
 
 CHILD_KINDS = {  # kind -> (apiVersion, plural): everything the operator creates
     "ConfigMap": ("v1", "configmaps"),
+    "Secret": ("v1", "secrets"),  # workflow agent: the claim token, created once (claim_token_secret)
     "Service": ("v1", "services"),
     "Deployment": ("apps/v1", "deployments"),
     "StatefulSet": ("apps/v1", "statefulsets"),
@@ -61,6 +63,21 @@ def agent_children(job: ValidJob, running: bool) -> list[dict]:
         return []
     gateway = service(job, "gateway", [("gateway", names.GATEWAY_PORT)], selector_role="rollout")
     return [gateway, *([agents_deployment(job, running)] if job.config.agents else [])]
+
+
+def claim_token_secret(job: ValidJob, token: str) -> dict | None:
+    """Workflow agent: the Secret the rollout pods and the agent runners read the job's claim token from. Not one of
+    `desired_children`, which are a function of the job: the token is random, made once and never rewritten
+    (apply.create_once), so the pods holding it keep agreeing. None for another workflow."""
+    if job.config.rollout.workflow != "agent":
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(job, names.claim_token_secret_name(job.name), "gateway"),
+        "type": "Opaque",
+        "data": {names.CLAIM_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
 
 
 class _ReadableDumper(yaml.SafeDumper):

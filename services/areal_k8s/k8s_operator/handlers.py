@@ -12,6 +12,7 @@ import asyncio
 import base64
 import copy
 import logging
+import secrets
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -25,8 +26,8 @@ from redis.exceptions import RedisError
 from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from areal_k8s.common.store import TrajectoryStore, connect
 from areal_k8s.k8s_operator import kueue, lifecycle, names
-from areal_k8s.k8s_operator.apply import apply
-from areal_k8s.k8s_operator.children import desired_children
+from areal_k8s.k8s_operator.apply import apply, create_once
+from areal_k8s.k8s_operator.children import claim_token_secret, desired_children
 from areal_k8s.k8s_operator.kube import ApiError, KubeApi, object_path
 from areal_k8s.k8s_operator.rebalance import rebalance, restart_note
 from areal_k8s.k8s_operator.valid_job import ValidJob
@@ -160,9 +161,11 @@ def reconcile(ctx: Context, rljob: dict) -> dict:
     )
     if observed.admission is not None and observed.admission.admitted:
         children = kueue.placed(children, kueue.placements(ctx.kube, observed.admission))
+    if secret := claim_token_secret(job, secrets.token_urlsafe(32)):
+        children = [secret, *children]  # before the pods that read it
     for child in children:
         try:
-            live = apply(ctx.kube, child)
+            live = (create_once if child["kind"] == "Secret" else apply)(ctx.kube, child)
         except ApiError as exc:
             if exc.retriable:
                 raise kopf.TemporaryError(str(exc), delay=ctx.interval) from None

@@ -38,6 +38,7 @@ METRICS_PORT_ENV = "AREAL_METRICS_PORT"
 
 CONFIG_DIR = "/etc/areal"
 CONFIG_KEY = "job.yaml"
+CLAIM_TOKEN_KEY = "token"  # in the Secret <job>-claim-token: what the agent runners claim episodes with
 JOB_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -103,6 +104,10 @@ def child_name(job: str, role: str) -> str:
 
 def config_map_name(job: str) -> str:
     return f"{job}-config"
+
+
+def claim_token_secret_name(job: str) -> str:
+    return f"{job}-claim-token"
 
 
 def job_key(namespace: str, name: str) -> str:

@@ -80,6 +80,14 @@ def redis_env(job: ValidJob) -> dict:
     return {"name": "AREAL_REDIS_URL", "value": redis["url"]}
 
 
+def claim_token_env(job: ValidJob) -> dict:
+    """Workflow agent: the token the rollout pods' gateways take an episode's claim with, and the runners give, from
+    the Secret the operator makes once per job (handlers.py): nothing else in the cluster can claim the job's
+    episodes, whose session keys the claim answers."""
+    ref = {"name": names.claim_token_secret_name(job.name), "key": names.CLAIM_TOKEN_KEY}
+    return {"name": "AREAL_CLAIM_TOKEN", "valueFrom": {"secretKeyRef": ref}}
+
+
 def tracking_env(job: ValidJob) -> list[dict]:
     """The experiment trackers' API keys from the Secrets the spec's tracking section names, as the variables their
     libraries read (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN); only the trainer logs."""

@@ -8,6 +8,7 @@ from areal_k8s.common.config import reward_verifier_args
 from areal_k8s.common.sglang_args import sglang_flags
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.pod_templates import (
+    claim_token_env,
     config_volume,
     container,
     deployment,
@@ -196,7 +197,11 @@ def rollout_deployment(job: ValidJob, running: bool, replicas: int | None = None
     # session's base URL it answers is the pod's own, where the session lives
     gateway = job.config.rollout.workflow == "agent"
     gateway_args = ["--gateway-port", str(names.GATEWAY_PORT)] if gateway else []
-    gateway_env = [{"name": "AREAL_GATEWAY_ADVERTISE", "value": f"$(POD_IP):{names.GATEWAY_PORT}"}] if gateway else []
+    gateway_env = (
+        [{"name": "AREAL_GATEWAY_ADVERTISE", "value": f"$(POD_IP):{names.GATEWAY_PORT}"}, claim_token_env(job)]
+        if gateway
+        else []
+    )
     agent = container(
         "rollout",
         image_of(job, "rollout"),
@@ -252,7 +257,7 @@ def agents_deployment(job: ValidJob, running: bool) -> dict:
         "areal_k8s.agent_runner",
         ["--job", names.JOB_FILE, "--gateway", f"http://{address(job, 'gateway', names.GATEWAY_PORT)}"],
         block=block,
-        env=[*process_env(1), field_env("AREAL_RUNNER_NAME", "metadata.name")],
+        env=[*process_env(1), field_env("AREAL_RUNNER_NAME", "metadata.name"), claim_token_env(job)],
         port=None,
         readiness=None,
         mounts=[config_mount, *mounts],

@@ -95,7 +95,8 @@ def main() -> None:
         log.info("rollout worker %s listening on %s:%d, engine %s", args.worker_id, args.host, port, args.engine_url)
         gateway = None
         if isinstance(workflow, AgentWorkflow):
-            # the job's runners claim with this token (AREAL_CLAIM_TOKEN: `arealctl run` sets it; pods have none yet)
+            # the job's runners claim with this token (AREAL_CLAIM_TOKEN: set by `arealctl run`, in pods by the
+            # operator's Secret <job>-claim-token)
             claim_token = env("AREAL_CLAIM_TOKEN") or None
             # a pod is claimed from through a Service: its sessions go to its own address (AREAL_GATEWAY_ADVERTISE)
             advertise = env("AREAL_GATEWAY_ADVERTISE") or None
