@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 import yaml
+from areal_k8s_testing.agent_chat import CALCULATOR, CHATML_TOOLS
 from areal_k8s_testing.cpu_engine_process import cpu_engine, engine_client
-from support.agent_chat import CALCULATOR, CHATML_TOOLS
+from areal_k8s_testing.scripted_qwen2 import build_scripted_qwen2
 from support.jobs import job_config
-from support.tiny_models import build_scripted_qwen2
 from transformers import AutoTokenizer
 
 from areal_k8s.api.v1 import controller_pb2_grpc, reward_pb2_grpc

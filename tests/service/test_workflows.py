@@ -1,5 +1,5 @@
 """Rollout workflows against real parts: a CPU engine process over HTTP serving a scripted tiny model (its next token
-depends only on the current one, tiny_models.build_scripted_qwen2), the reward service over gRPC, the sandbox for
+depends only on the current one, areal_k8s_testing.scripted_qwen2), the reward service over gRPC, the sandbox for
 the python tool, and a real gloo weight push in the middle of an episode."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import uuid
 import pytest
 import redis
 from areal_k8s_testing.cpu_engine_process import cpu_engine, engine_client
+from areal_k8s_testing.scripted_qwen2 import build_scripted_qwen2
 from support.e2e_jobs import make_job, read_steps
 from support.jobs import job_config
-from support.tiny_models import build_scripted_qwen2
 from transformers import AutoTokenizer
 
 from areal_k8s.api.v1 import common_pb2, controller_pb2, reward_pb2, reward_pb2_grpc

@@ -219,6 +219,7 @@ def test_the_policy_comparison_times_each_mode_to_syncs_median_final_accuracy():
         "rebalance_local",
         "weight_push",
         "slow_engine",
+        "gateway_overhead",
     ],
 )
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):

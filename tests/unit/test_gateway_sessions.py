@@ -8,8 +8,8 @@ import asyncio
 import json
 
 import pytest
+from areal_k8s_testing.agent_chat import CALCULATOR, chat_tokenizer
 from prometheus_client import CollectorRegistry
-from support.agent_chat import CALCULATOR, chat_tokenizer
 from support.jobs import job_config
 
 from areal_k8s.common.config import AgentConfig
