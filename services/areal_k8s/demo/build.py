@@ -160,14 +160,14 @@ def supervised_batch(
 
 
 def length_bucketed_batches(
-    pairs: list[tuple[list[int], list[int]]], *, steps: int, batch_size: int, rng: random.Random
+    sequences: list[tuple[list[int], list[int]]], *, steps: int, batch_size: int, rng: random.Random
 ) -> Iterator[list[tuple[list[int], list[int]]]]:
     """`steps` random batches; each draw of BUCKET_BATCHES batches is sorted by length before splitting,
     so the rare long sample pads a batch of long samples rather than a batch of short ones."""
     emitted = 0
     while emitted < steps:
         count = min(BUCKET_BATCHES, steps - emitted)
-        drawn = sorted(rng.sample(pairs, batch_size * count), key=lambda pair: len(pair[0]))
+        drawn = sorted(rng.sample(sequences, batch_size * count), key=lambda sequence: len(sequence[0]))
         batches = [drawn[i * batch_size : (i + 1) * batch_size] for i in range(count)]
         rng.shuffle(batches)
         yield from batches
