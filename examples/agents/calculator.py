@@ -1,15 +1,20 @@
 """A tool-using agent as a user writes one: the `openai` SDK and Python's standard library, nothing of areal-k8s.
 
-Run once per episode by the job's agent runners (examples/agent.yaml), with the episode's session in OPENAI_BASE_URL
-and OPENAI_API_KEY. It asks the model, runs the calculator each time the model calls it and sends the result back,
-until the model answers without a call (or has called it MAX_CALLS times); then it exits 0 and the job's verifier
-scores the last reply. The model is never told the answer: the calculator's results are all it gets.
+Each episode: it asks the model, runs the calculator each time the model calls it and sends the result back, until
+the model answers without a call (or has called it MAX_CALLS times); the job's verifier scores that last reply. The
+model is never told the answer: the calculator's results are all it gets.
+
+The job's agent runners (examples/agent.yaml) run it in either mode (docs/agents.md): served (AREAL_AGENT_MODE=serve,
+the example's), one run playing the episodes that come as JSON lines on stdin, answering each with a line on stdout,
+so that the interpreter's start and the openai import are paid once; or once per episode, the session in
+OPENAI_BASE_URL and OPENAI_API_KEY, exiting 0 when done.
 """
 
 import ast
 import json
 import operator
 import os
+import sys
 
 import openai
 
@@ -46,17 +51,37 @@ def calculator(arguments: str) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def main() -> None:
-    client = openai.OpenAI(max_retries=0)  # OPENAI_BASE_URL and OPENAI_API_KEY: the session's
-    messages = [{"role": "user", "content": os.environ["AREAL_EPISODE_PROMPT"]}]
+def play(client: openai.OpenAI, model: str, prompt: str) -> None:
+    messages = [{"role": "user", "content": prompt}]
     for _ in range(MAX_CALLS):
-        reply = client.chat.completions.create(model=os.environ["AREAL_MODEL"], messages=messages, tools=[CALCULATOR])
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR])
         message = reply.choices[0].message
         if not message.tool_calls:
             return  # an answer: the verifier scores it
         messages.append(message)
         for call in message.tool_calls:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(call.function.arguments)})
+
+
+def serve() -> None:
+    # one HTTP connection pool for every episode; each episode's calls go to its own session's URL under its key
+    pooled = openai.OpenAI(base_url="http://unused.invalid", api_key="unused", max_retries=0)
+    for line in sys.stdin:
+        episode = json.loads(line)
+        client = pooled.with_options(base_url=episode["base_url"], api_key=episode["api_key"])
+        try:
+            play(client, episode["model"], episode["prompt"])
+        except openai.APIError as error:  # its session refused a call: not a wrong answer, give the episode up
+            print(json.dumps({"episode_id": episode["episode_id"], "error": str(error)}), flush=True)
+            continue
+        print(json.dumps({"episode_id": episode["episode_id"]}), flush=True)
+
+
+def main() -> None:
+    if os.environ.get("AREAL_AGENT_MODE") == "serve":
+        serve()
+    else:  # one episode: OPENAI_BASE_URL and OPENAI_API_KEY are its session's
+        play(openai.OpenAI(max_retries=0), os.environ["AREAL_MODEL"], os.environ["AREAL_EPISODE_PROMPT"])
 
 
 if __name__ == "__main__":

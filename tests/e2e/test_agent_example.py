@@ -1,12 +1,13 @@
 """The agent example as `arealctl run` runs it (examples/agent.yaml, examples/agents/calculator.py): the local run
-starts the agent runner beside the services, the runner runs the user's program once per episode, and the program's
-openai-SDK calls through the rollout worker's gateway are what the trainer trains and evaluates. Small assets and a
-two-step run: this checks the path, bench/agent_runs.py measures the learning."""
+starts the agent runner beside the services, the runner serves the user's program (one run per slot playing episode
+after episode, the example's `agents.mode: serve`), and the program's openai-SDK calls through the rollout worker's
+gateway are what the trainer trains and evaluates. Small assets and a two-step run: this checks the path,
+bench/agent_runs.py measures the learning."""
 
 import sys
 
 import yaml
-from support.e2e_jobs import read_steps
+from support.e2e_jobs import TINY_AGENT_BUILD, read_steps
 from support.imports import ROOT
 
 from areal_k8s.api.v1 import controller_pb2
@@ -14,24 +15,10 @@ from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.common.config import parse_job
 from areal_k8s.demo.agent_build import build_agent_assets
 
-TINY_BUILD = {
-    "train_size": 64,
-    "eval_size": 4,
-    "hidden_size": 32,
-    "num_layers": 1,
-    "num_heads": 2,
-    "intermediate_size": 64,
-    "sft_max_steps": 3,
-    "sft_first_check": 3,
-    "sft_probe_size": 4,
-    "sft_batch_size": 8,
-    "sft_warmup_steps": 1,
-}
-
 
 def test_the_agent_example_trains_on_its_programs_episodes_and_evaluates_through_them(tmp_path):
     assets = tmp_path / "assets"
-    build_agent_assets(assets, seed=1, **TINY_BUILD)
+    build_agent_assets(assets, seed=1, **TINY_AGENT_BUILD)
     spec = yaml.safe_load((ROOT / "examples" / "agent.yaml").read_text())
     spec.update(model=str(assets / "model"), run_dir=str(tmp_path / "run"))
     spec["dataset"].update(train=str(assets / "train.jsonl"), eval=str(assets / "eval.jsonl"), eval_limit=4)
@@ -56,4 +43,6 @@ def test_the_agent_example_trains_on_its_programs_episodes_and_evaluates_through
     played = runner_log.count(": ended;")
     assert played >= 2 * 2 * 2 + 2 * 4, runner_log[-2000:]  # trained episodes and two evaluations' held-out ones
     assert "eval-" in runner_log
+    # served (agents.mode: serve): each slot's one run of the program played episode after episode
+    assert runner_log.count(": started ") <= spec["agents"]["episodes_per_replica"] < played
     assert summary["completed"] and summary["base_accuracy"] >= 0

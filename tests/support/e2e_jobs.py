@@ -36,6 +36,23 @@ def assets(tmp_path_factory):
     return root
 
 
+# The agent example's build for the tests (services/areal_k8s/demo/agent_build.py): a 1-layer model after a 3-step
+# warm-up, which solves almost nothing; the tests check the example's path, bench/agent_runs.py its learning.
+TINY_AGENT_BUILD = {
+    "train_size": 64,
+    "eval_size": 4,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "sft_max_steps": 3,
+    "sft_first_check": 3,
+    "sft_probe_size": 4,
+    "sft_batch_size": 8,
+    "sft_warmup_steps": 1,
+}
+
+
 # The long-tail task's build for the tests (build_tail_assets).
 TAIL_BUILD = {
     "sft_max_steps": 40,

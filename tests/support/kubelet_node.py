@@ -14,6 +14,8 @@ It reads one JSON request per line on stdin and answers one JSON line on stdout,
   {"op": "unary", "address": "host:port", "method": "/pkg.Service/Method", "request": base64, "timeout": s}
                                                   -> {"reply": base64} or {"code", "details"}   one gRPC call, as a
                                                                   client in the cluster makes it (a test's request)
+  {"op": "http_get", "url": URL}                  -> {"status": N, "body": text}   one GET from the node (a pod's
+                                                                  /metrics, as a scraper reads it)
 NodeAgent starts it (`ip netns exec NODE python kubelet_node.py DNS_IP`) and sends the requests; they run concurrently.
 """
 
@@ -123,6 +125,14 @@ async def unary(address: str, method: str, request: str, timeout: float) -> dict
     return {"reply": base64.b64encode(reply).decode()}
 
 
+async def http_get(url: str) -> dict:
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+        session.get(url, allow_redirects=False) as reply,
+    ):
+        return {"status": reply.status, "body": await reply.text()}
+
+
 async def answer(request: dict, out: asyncio.Lock) -> None:
     op = request["op"]
     try:
@@ -138,6 +148,8 @@ async def answer(request: dict, out: asyncio.Lock) -> None:
             reply = {"addresses": sorted({address[4][0] for address in found})}
         elif op == "hand_off":
             reply = await hand_off(request["address"])
+        elif op == "http_get":
+            reply = await http_get(request["url"])
         elif op == "unary":
             reply = await unary(request["address"], request["method"], request["request"], request["timeout"])
         else:

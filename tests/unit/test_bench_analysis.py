@@ -220,6 +220,7 @@ def test_the_policy_comparison_times_each_mode_to_syncs_median_final_accuracy():
         "weight_push",
         "slow_engine",
         "gateway_overhead",
+        "agent_runs",
     ],
 )
 def test_the_readme_carries_each_benchmarks_figures_as_measured(script):
@@ -249,6 +250,20 @@ def test_the_demo_figures_summarise_every_run():
     assert report["distinct_base_models"] == len({r["weights_sha256"] for r in report["runs"]})
     job = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())["algorithm"]
     assert report["job"]["steps"] == job["total_steps"] == report["runs"][0]["steps"]
+
+
+def test_the_agent_figures_summarise_every_seed_of_the_shipped_job():
+    """The README's agent figures are medians and ranges over ≥ 3 seeds of the shipped example, never one run."""
+    module = load_bench("agent_runs")
+    report = json.loads(module.RESULTS.read_text())
+    assert len({r["seed"] for r in report["runs"]}) >= 3
+    for key in module.FIGURES:
+        assert report["summary"][key] == module.spread(report["runs"], key)
+    for run in report["runs"]:
+        assert run["episodes_played"] == sum(run["episode_outcomes"].values())
+    job = yaml.safe_load((ROOT / "examples" / "agent.yaml").read_text())
+    assert report["job"]["steps"] == job["algorithm"]["total_steps"] == report["runs"][0]["steps"]
+    assert report["job"]["agents_mode"] == job["agents"]["mode"]
 
 
 def test_the_ablation_runs_eta_zero_once_and_tabulates_medians_and_ranges():

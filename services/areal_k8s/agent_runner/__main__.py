@@ -1,10 +1,12 @@
 """`python -m areal_k8s.agent_runner --job JOB --gateway URL ...`: an agent runner (`arealctl run` starts
 `agents.replicas` of them beside the rollout workers; on Kubernetes they are pods). It claims episodes from every
-rollout worker's gateway with the job's claim token (env AREAL_CLAIM_TOKEN) and plays each with `agents.command`."""
+rollout worker's gateway with the job's claim token (env AREAL_CLAIM_TOKEN) and plays each with `agents.command`, run
+once per episode or, `agents.mode: serve`, once per slot (served.py)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import logging
 import os
@@ -15,6 +17,7 @@ import httpx
 from areal_k8s.agent_runner.gateway_client import GatewayClient
 from areal_k8s.agent_runner.program import run_program
 from areal_k8s.agent_runner.runner import Runner
+from areal_k8s.agent_runner.served import ServedProgram
 from areal_k8s.common.service import exit_invalid, load_job, run_service, setup_logging
 
 log = logging.getLogger("areal.agent_runner")
@@ -50,13 +53,23 @@ def main() -> None:
         limits = httpx.Limits(max_connections=2 * agents.episodes_per_replica + len(args.gateway))
         async with httpx.AsyncClient(limits=limits) as http:
             sources = [GatewayClient(url, http, env("AREAL_CLAIM_TOKEN")) for url in args.gateway]
-            play = functools.partial(run_program, agents.command, cwd=agents.working_dir)
-            runner = Runner(sources, play, agents.episodes_per_replica)
+            slots = range(agents.episodes_per_replica)
+            if agents.mode == "serve":
+                served = [ServedProgram(agents.command, f"{args.name}/{i}", agents.working_dir) for i in slots]
+                players = [program.play for program in served]
+            else:
+                served, players = (
+                    [],
+                    [functools.partial(run_program, agents.command, cwd=agents.working_dir)] * len(slots),
+                )
             log.info(
-                "%s: %d episodes at once from %s, each played by %s", args.name, agents.episodes_per_replica,
-                ", ".join(args.gateway), " ".join(agents.command),
+                "%s: %d episodes at once from %s, played by %s (%s)", args.name, len(slots), ", ".join(args.gateway),
+                " ".join(agents.command), "a run per slot" if served else "a run per episode",
             )  # fmt: skip
-            await runner.run(stop)
+            try:
+                await Runner(sources, players).run(stop)
+            finally:
+                await asyncio.gather(*(program.close() for program in served))
 
     run_service("agent_runner", run)
 

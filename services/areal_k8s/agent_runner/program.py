@@ -23,7 +23,7 @@ RUNNER_ONLY_ENV = ("AREAL_CLAIM_TOKEN",)
 class ProgramResult:
     """`outcome`: `ended` (exit 0: end the session with `reward`, None meaning the verifier's), `crashed` (exit
     code non-zero, or it could not start), `timed_out` (killed at the session's deadline), `bad_reward` (exit 0 but
-    AREAL_REWARD_FILE holds no number)."""
+    AREAL_REWARD_FILE holds no number), `gave_up` (a served program said it could not play the episode: served.py)."""
 
     outcome: str
     exit_code: int | None = None
@@ -33,17 +33,22 @@ class ProgramResult:
 
 def episode_env(base: Mapping[str, str], episode: dict, episode_file: Path, reward_file: Path) -> dict[str, str]:
     env = {key: value for key, value in base.items() if key not in RUNNER_ONLY_ENV}
-    prompt = next((m["content"] for m in reversed(episode["messages"]) if m.get("role") == "user"), "")
     env.update(
+        AREAL_AGENT_MODE="episode",
         OPENAI_BASE_URL=episode["base_url"],
         OPENAI_API_KEY=episode["api_key"],
         AREAL_MODEL=episode["model"],
         AREAL_EPISODE_ID=episode["episode_id"],
-        AREAL_EPISODE_PROMPT=prompt,
+        AREAL_EPISODE_PROMPT=episode_prompt(episode),
         AREAL_EPISODE_FILE=str(episode_file),
         AREAL_REWARD_FILE=str(reward_file),
     )
     return env
+
+
+def episode_prompt(episode: dict) -> str:
+    """The episode's prompt: its (last) user message."""
+    return next((m["content"] for m in reversed(episode["messages"]) if m.get("role") == "user"), "")
 
 
 def read_reward(path: Path) -> float | str | None:

@@ -1,10 +1,11 @@
-"""The runner's core, in plain Python: `episodes` slots, each claiming an episode from the gateways in turn, playing
-it with the user's program and settling its session by how the program ended:
+"""The runner's core, in plain Python: slots (`agents.episodes_per_replica`), each claiming an episode from the
+gateways in turn, playing it with the user's program and settling its session by how the program ended:
 
-- exit 0: the session is ended, with the reward the program wrote to AREAL_REWARD_FILE, or without one (the job's
-  verifier scores the last reply);
+- exit 0 (served: an answer): the session is ended, with the reward the program wrote to AREAL_REWARD_FILE (served:
+  answered), or without one (the job's verifier scores the last reply);
 - a crash (non-zero exit, or a program that cannot start), a program still running at the session's deadline
-  (killed with its processes) or a reward that is not a number: the session is given up and the gateway offers the
+  (killed with its processes), a reward that is not a number or (served) a program saying it cannot play the
+  episode: the session is given up and the gateway offers the
   episode again at once under a new key, counted against `rollout.agent.max_issues`. A failed program is not a
   failed answer: nothing of it is trained, and a prompt no run of the program can play ends as its group's failure
   (retried or dead-lettered by the controller, `rollout.max_group_failures`).
@@ -59,15 +60,20 @@ Play = Callable[[dict, float], Awaitable[ProgramResult]]  # (episode, seconds) -
 
 
 class Runner:
-    def __init__(self, sources: Sequence[EpisodeSource], play: Play, episodes: int):
+    """`players`: one per slot, each playing one episode at a time (a run of the program per episode, or a program
+    of the slot's own serving them one after another: served.py)."""
+
+    def __init__(self, sources: Sequence[EpisodeSource], players: Sequence[Play]):
         if not sources:
             raise ValueError("an agent runner needs at least one gateway")
-        self.sources, self.play, self.episodes = list(sources), play, episodes
+        if not players:
+            raise ValueError("an agent runner needs at least one slot")
+        self.sources, self.players = list(sources), list(players)
         self.outcomes: collections.Counter[str] = collections.Counter()  # logged as the runner goes
 
     async def run(self, stop: asyncio.Event) -> None:
         """Play episodes until `stop`; the programs running then are killed (their sessions are re-issued)."""
-        slots = [asyncio.create_task(self.slot(i)) for i in range(self.episodes)]
+        slots = [asyncio.create_task(self.slot(i)) for i in range(len(self.players))]
         try:
             await stop.wait()
         finally:
@@ -87,11 +93,11 @@ class Runner:
                 await asyncio.sleep(UNREACHABLE_PAUSE_SECONDS / len(self.sources))
                 continue
             if episode is not None:
-                await self.play_episode(source, episode)
+                await self.play_episode(self.players[index], source, episode)
 
-    async def play_episode(self, source: EpisodeSource, episode: dict) -> ProgramResult:
+    async def play_episode(self, play: Play, source: EpisodeSource, episode: dict) -> ProgramResult:
         try:
-            result = await self.play(episode, float(episode["seconds"]))
+            result = await play(episode, float(episode["seconds"]))
         except asyncio.CancelledError:  # the runner is stopping: its program is killed, the episode offered again
             with contextlib.suppress(GatewayUnavailable, SessionGone):
                 await source.give_up(episode["api_key"])
