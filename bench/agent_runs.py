@@ -1,14 +1,16 @@
-"""`make bench-agent`: the agent example as a user runs it, once per seed, and the README's agent figures from it.
+"""`make bench-agent`: the agent example as a user runs it, once per seed and program, and the README's agent figures.
 
-Each run builds the example's assets afresh for its seed (`python -m areal_k8s.demo.agent_build --seed N`: its own
-train and held-out products and its own warmed-up model), then runs the shipped job, examples/agent.yaml, unchanged
-but for its paths and seed (`arealctl run`): the user's program, examples/agents/calculator.py on the openai SDK,
-plays every episode through the gateway, the held-out ones included. Recorded per run: the base model's held-out
-accuracy (greedy, whole episodes with the calculator) and the final one, the gain, the episodes the runner played and
-how they ended, the RL run's wall time, samples/s and mean staleness. The summary holds the median, min and max over
-the runs (never the best); bench/results/agent_runs.json keeps both, the README's lines are written from it
-(`--readme`), and tests/unit/test_bench_analysis.py checks that they agree. Needs a quiet machine: wall times are
-figures.
+Each seed builds the example's assets afresh (`python -m areal_k8s.demo.agent_build --seed N`: its own train and
+held-out products and its own warmed-up model); on them the shipped job, examples/agent.yaml, runs unchanged but for
+its paths and seed (`arealctl run`) once with each program of PROGRAMS playing every episode through the gateway,
+the held-out ones included: the example's own loop on the openai SDK, and the same agent on OpenAI's Agents SDK, a
+framework whose loop is not ours. Then the same job runs as an RLJob in the pods harness (PODS_TEST: the operator's
+pods, the runner Deployment, the gateway Service, run by tests/support/kubelet.py), its base and final accuracy.
+Recorded per run: the base model's held-out accuracy (greedy, whole episodes with the calculator) and the final one,
+the gain, the episodes the runner played and how they ended, the RL run's wall time, samples/s and mean staleness.
+The summary holds the median, min and max over a program's runs (never the best); bench/results/agent_runs.json
+keeps both, the README's lines are written from it (`--readme`), and tests/unit/test_bench_analysis.py checks that
+they agree. Needs a quiet machine: wall times are figures.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import spread, write_between
+from chaos import passes
+from figures import minutes, spread, write_between
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "agent_runs.json"
@@ -45,17 +49,25 @@ FIGURES = (
     "signal_free_share",
     "episodes_played",
 )
+PROGRAMS = {  # name -> the agents.command's program (the job's own is the first)
+    "openai SDK": "examples/agents/calculator.py",
+    "Agents SDK": "examples/agents/calculator_agents_sdk.py",
+}
+PODS_TEST = "tests/cluster/test_agent_pods.py::test_the_agent_example_learns_as_an_rljob"
+POD_FIGURES = ("base_accuracy", "final_accuracy", "gain_points", "wall_seconds")
 # the runner's last tally in its log: "episode ...: ended; so far {'ended': 1520, 'crashed': 2}"
 TALLY = re.compile(r"so far (\{[^}]*\})")
 
 
-def agent_job(assets: Path, run_dir: Path, name: str, seed: int) -> dict:
-    """The shipped agent job, its data and model read from `assets`, its seed `seed`, its results in `run_dir`."""
+def agent_job(assets: Path, run_dir: Path, name: str, seed: int, program: str) -> dict:
+    """The shipped agent job, its data and model read from `assets`, its seed `seed`, its episodes played by
+    `program`, its results in `run_dir`."""
     job = yaml.safe_load(JOB.read_text())
     job["name"], job["seed"], job["run_dir"] = name, seed, str(run_dir)
     job["model"] = str(assets / "model")
     job["dataset"] = {**job["dataset"], "train": str(assets / "train.jsonl"), "eval": str(assets / "eval.jsonl")}
-    job["agents"] = {**job["agents"], "working_dir": str(ROOT)}  # the program's path is the repository's
+    command = [*job["agents"]["command"][:-1], program]  # [python, PROGRAM]
+    job["agents"] = {**job["agents"], "command": command, "working_dir": str(ROOT)}  # the repository's paths
     return job
 
 
@@ -69,16 +81,21 @@ def episode_outcomes(run_dir: Path) -> dict[str, int]:
     return dict(total)
 
 
-def one_run(seed: int, work: Path) -> dict:
-    assets, run_dir = work / f"assets-{seed}", work / f"run-{seed}"
+def build(seed: int, work: Path) -> tuple[Path, float]:
+    assets = work / f"assets-{seed}"
     shutil.rmtree(assets, ignore_errors=True)
     started = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "areal_k8s.demo.agent_build", "--out", str(assets), "--seed", str(seed)], check=True
     )
-    build_seconds = time.perf_counter() - started
-    job_file = work / f"agent-{seed}.yaml"
-    job_file.write_text(yaml.safe_dump(agent_job(assets, run_dir, f"agent-runs-{seed}", seed), sort_keys=False))
+    return assets, round(time.perf_counter() - started, 1)
+
+
+def one_run(seed: int, program: str, assets: Path, build_seconds: float, work: Path) -> dict:
+    tag = f"{seed}-{Path(PROGRAMS[program]).stem.replace('_', '-')}"
+    run_dir, job_file = work / f"run-{tag}", work / f"agent-{tag}.yaml"
+    job = agent_job(assets, run_dir, f"agent-runs-{tag}", seed, PROGRAMS[program])
+    job_file.write_text(yaml.safe_dump(job, sort_keys=False))
     bin_dir = Path(sys.executable).parent
     started = time.perf_counter()
     subprocess.run(
@@ -91,16 +108,17 @@ def one_run(seed: int, work: Path) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     manifest = json.loads((assets / "manifest.json").read_text())
     if not summary["completed"]:
-        raise SystemExit(f"seed {seed} did not complete: see {run_dir}")
+        raise SystemExit(f"seed {seed} with {program} did not complete: see {run_dir}")
     outcomes = episode_outcomes(run_dir)
     return {
+        "program": program,
         "seed": seed,
         "weights_sha256": manifest["weights_sha256"],
         "build_base_accuracy": manifest["base_greedy_accuracy"],  # the build's own measure, without the gateway
         "base_accuracy": summary["base_accuracy"],
         "final_accuracy": summary["final_accuracy"],
         "gain_points": round(100 * (summary["final_accuracy"] - summary["base_accuracy"]), 2),
-        "build_seconds": round(build_seconds, 1),
+        "build_seconds": build_seconds,
         "rl_seconds": round(rl_seconds, 1),
         "samples_per_second": summary["samples_per_second"],
         "mean_staleness": summary["mean_staleness"],
@@ -111,11 +129,24 @@ def one_run(seed: int, work: Path) -> dict:
     }
 
 
+def pods_run(seed: int) -> dict:
+    """The example as an RLJob in the pods harness for `seed` (the test builds the seed's assets itself)."""
+    with tempfile.TemporaryDirectory() as folder:
+        results = Path(folder) / "pods.jsonl"
+        if not passes(PODS_TEST, AREAL_AGENT_PODS_SEED=str(seed), AREAL_AGENT_PODS_RESULTS=str(results)):
+            raise SystemExit(f"the example as an RLJob failed for seed {seed}")
+        return json.loads(results.read_text().splitlines()[-1])
+
+
 def measure(seeds: list[int], work: Path) -> dict:
-    records = []
+    records, pods = [], []
     for seed in seeds:
-        records.append(one_run(seed, work))
-        print(json.dumps(records[-1]), flush=True)
+        assets, build_seconds = build(seed, work)
+        for program in PROGRAMS:  # side by side on the same assets
+            records.append(one_run(seed, program, assets, build_seconds, work))
+            print(json.dumps(records[-1]), flush=True)
+        pods.append(pods_run(seed))
+        print(json.dumps(pods[-1]), flush=True)
     job = yaml.safe_load(JOB.read_text())
     return {
         "machine": {"cores": os.cpu_count()},
@@ -129,53 +160,91 @@ def measure(seeds: list[int], work: Path) -> dict:
             "agents_mode": job["agents"]["mode"],
             "episodes_at_once": job["agents"]["replicas"] * job["agents"]["episodes_per_replica"],
         },
-        "summary": {key: spread(records, key) for key in FIGURES},
+        "programs": PROGRAMS,
+        "summary": {program: summary(records, program) for program in PROGRAMS},
         "runs": records,
+        "pods": {"summary": {key: spread(pods, key) for key in POD_FIGURES}, "runs": pods},
     }
 
 
-def minutes(seconds: float) -> str:
-    whole = round(seconds)
-    return f"{whole // 60} min {whole % 60:02d} s"
+def summary(records: list[dict], program: str) -> dict:
+    return {key: spread([r for r in records if r["program"] == program], key) for key in FIGURES}
 
 
 def readme_block(report: dict) -> str:
-    s, runs, job = report["summary"], report["runs"], report["job"]
+    programs, job = list(report["programs"]), report["job"]
+    runs = {program: [r for r in report["runs"] if r["program"] == program] for program in programs}
 
-    def accuracy(key: str) -> str:
-        f = s[key]
-        return f"{f['median']:.1%} ({f['min']:.1%} to {f['max']:.1%})"
+    def row(label: str, cell) -> str:
+        return f"| {label} | " + " | ".join(cell(report["summary"][p], runs[p]) for p in programs) + " |"
 
-    gains = " · ".join(f"{r['gain_points']:+.1f}" for r in runs)
-    rising = sum(1 for r in runs if r["gain_points"] > 0)
-    failed = sum(n for r in runs for outcome, n in r["episode_outcomes"].items() if outcome != "ended")
-    played = sum(r["episodes_played"] for r in runs)
+    def accuracy(key: str, bold: bool = False):
+        def cell(s: dict, _runs: list) -> str:
+            text = f"{s[key]['median']:.1%} ({s[key]['min']:.1%} to {s[key]['max']:.1%})"
+            return f"**{text}**" if bold else text
+
+        return cell
+
+    def gain(s: dict, rs: list) -> str:
+        g, each = s["gain_points"], " · ".join(f"{r['gain_points']:+.1f}" for r in rs)
+        return f"**{g['median']:+.1f}** ({each}); rose in {sum(r['gain_points'] > 0 for r in rs)} of {len(rs)}"
+
+    def episodes(s: dict, rs: list) -> str:
+        failed = sum(n for r in rs for outcome, n in r["episode_outcomes"].items() if outcome != "ended")
+        return f"{s['episodes_played']['median']:,.0f} · {failed} of {sum(r['episodes_played'] for r in rs):,}"
+
+    def times(s: dict, _runs: list) -> str:
+        sps = s["samples_per_second"]
+        return (
+            f"{minutes(s['rl_seconds']['median'])} · {sps['median']:.1f} ({sps['min']:.1f} to {sps['max']:.1f}) · "
+            f"{s['mean_staleness']['median']:.2f}"
+        )
+
+    def signal_free(s: dict, _runs: list) -> str:
+        f = s["signal_free_share"]
+        return f"{f['median']:.0%} ({f['min']:.0%} to {f['max']:.0%})"
+
+    seeds = sorted({r["seed"] for r in report["runs"]})
+    build = report["summary"][programs[0]]["build_seconds"]["median"]
     return "\n".join(
         [
             README_BEGIN,
-            f"| `make bench-agent`: {len(runs)} runs of examples/agent.yaml (seeds "
-            f"{', '.join(str(r['seed']) for r in runs)}, each its own problems and warmed-up model), on this "
-            f"{report['machine']['cores']}-core machine | median (min to max) |",
-            "| --- | --- |",
-            f"| base model, held-out accuracy: {job['eval_limit']} episodes played greedily by the program through "
-            f"the gateway | {accuracy('base_accuracy')} |",
-            f"| after {job['steps']} asynchronous GRPO steps ({job['batch_size']} prompts × {job['group_size']} "
-            f"episodes, η = {job['max_staleness']}, temperature {job['temperature']:g}) | "
-            f"**{accuracy('final_accuracy')}** |",
-            f"| gain, points (per seed: {gains}) | **{s['gain_points']['median']:+.1f}** "
-            f"({s['gain_points']['min']:+.1f} to {s['gain_points']['max']:+.1f}); it rose in {rising} of "
-            f"{len(runs)} runs |",
-            f"| episodes the program played per run ({job['episodes_at_once']} at once, served: one process each) · "
-            f"not ended by it, over all runs | {s['episodes_played']['median']:,.0f} · {failed} of {played:,} |",
-            f"| wall time: asset build · RL run · trained samples/s · their mean staleness | "
-            f"{minutes(s['build_seconds']['median'])} · {minutes(s['rl_seconds']['median'])} · "
-            f"{s['samples_per_second']['median']:.1f} ({s['samples_per_second']['min']:.1f} to "
-            f"{s['samples_per_second']['max']:.1f}) · {s['mean_staleness']['median']:.2f} |",
-            f"| groups played but not trained: all their rewards equal (dynamic sampling) | "
-            f"{s['signal_free_share']['median']:.0%} ({s['signal_free_share']['min']:.0%} to "
-            f"{s['signal_free_share']['max']:.0%}) |",
+            f"| `make bench-agent`: seeds {', '.join(map(str, seeds))} (each its own problems and warmed-up model, "
+            f"built in {minutes(build)}), on this {report['machine']['cores']}-core machine; median (min to max) | "
+            + " | ".join(f"`{Path(report['programs'][p]).name}` ({p})" for p in programs)
+            + " |",
+            "| --- |" + " --- |" * len(programs),
+            row(
+                f"base model, held-out accuracy: {job['eval_limit']} episodes played greedily by the program through "
+                "the gateway",
+                accuracy("base_accuracy"),
+            ),
+            row(
+                f"after {job['steps']} asynchronous GRPO steps ({job['batch_size']} prompts × {job['group_size']} "
+                f"episodes, η = {job['max_staleness']}, temperature {job['temperature']:g})",
+                accuracy("final_accuracy", bold=True),
+            ),
+            row("gain, points (per seed)", gain),
+            row(
+                f"episodes played per run ({job['episodes_at_once']} at once, served) · not ended by the program, "
+                "all runs",
+                episodes,
+            ),
+            row("RL run's wall time · trained samples/s · their mean staleness", times),
+            row("groups played but not trained: all their rewards equal (dynamic sampling)", signal_free),
+            f"| the same job as an RLJob, its pods in the kubelet harness (tests/cluster/test_agent_pods.py): base → "
+            f"final, gain (per seed) | {pods_cell(report['pods'])} | — |",
             README_END,
         ]
+    )
+
+
+def pods_cell(pods: dict) -> str:
+    s, each = pods["summary"], " · ".join(f"{r['gain_points']:+.1f}" for r in pods["runs"])
+    return (
+        f"{s['base_accuracy']['median']:.1%} → **{s['final_accuracy']['median']:.1%}** "
+        f"({s['final_accuracy']['min']:.1%} to {s['final_accuracy']['max']:.1%}), "
+        f"**{s['gain_points']['median']:+.1f}** ({each})"
     )
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from figures import spread, write_between
+from figures import minutes, spread, write_between
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "demo_runs.json"
@@ -139,11 +139,6 @@ def measure(runs: int, work: Path) -> dict:
         "distinct_base_models": len({r["weights_sha256"] for r in records}),
         "runs": records,
     }
-
-
-def minutes(seconds: float) -> str:
-    whole = round(seconds)
-    return f"{whole // 60} min {whole % 60:02d} s"
 
 
 def readme_block(report: dict) -> str:

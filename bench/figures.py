@@ -17,3 +17,9 @@ def write_between(path: Path, begin: str, end: str, block: str) -> None:
     text = path.read_text()
     start, stop = text.index(begin), text.index(end) + len(end)
     path.write_text(text[:start] + block + text[stop:])
+
+
+def minutes(seconds: float) -> str:
+    """A wall time as the README states it: `12 min 05 s`."""
+    whole = round(seconds)
+    return f"{whole // 60} min {whole % 60:02d} s"

@@ -46,3 +46,17 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(autouse=True)
+def transformers_model_class_intact():
+    """transformers' `from_pretrained` swaps PreTrainedModel's tie_weights and init_weights for stand-ins while it
+    loads and puts back what it found: two loads on two threads of one process can leave the stand-ins in place, and
+    every model built after (in any later test) is then untied or uninitialized. The test that did it fails here."""
+    from transformers.modeling_utils import PreTrainedModel
+
+    methods = (PreTrainedModel.tie_weights, PreTrainedModel.init_weights)
+    yield
+    assert (PreTrainedModel.tie_weights, PreTrainedModel.init_weights) == methods, (
+        "PreTrainedModel's tie_weights or init_weights was left replaced: models loaded on two threads at once?"
+    )

@@ -3,10 +3,13 @@ gateway behind the Service <job>-gateway, the runner Deployment serving the exam
 (examples/agents/calculator.py, the openai SDK alone) in each of its slots, the claim token from the job's Secret.
 Mid-run the rollout container (the worker and its gateway) is killed while agents hold sessions: those sessions end
 on the agents' side without a trajectory, their groups are admitted again, and the job completes with every step and
-every trajectory trained once."""
+every trajectory trained once. With AREAL_AGENT_PODS_SEED (`make bench-agent`, bench/agent_runs.py), the example's
+own job on its own assets for that seed, as pods to the end, its held-out accuracy before and after written to
+AREAL_AGENT_PODS_RESULTS: the example's learning as an RLJob."""
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -23,6 +26,7 @@ from areal_k8s.demo.agent_build import build_agent_assets
 from areal_k8s.k8s_operator import names
 from areal_k8s.k8s_operator.children import claim_token_secret
 from areal_k8s.k8s_operator.validation import validate
+from areal_k8s.trainer.checkpoint import latest_checkpoint, load_state
 
 pytestmark = pytest.mark.e2e
 
@@ -40,19 +44,29 @@ def agent_assets(tmp_path_factory) -> Path:
     return assets
 
 
-def the_agent_job() -> dict:
-    """The CPU example RLJob with examples/agent.yaml's task, workflow and agents: the runners serve the example's
-    program, which the pods find at the repository's path (the overlay's image is this machine's filesystem)."""
+def the_agent_job(*, small: bool = True) -> dict:
+    """The CPU example RLJob with examples/agent.yaml's task, recipe, workflow and agents (`small`: a short run of
+    the tiny assets): the runners serve the example's program, which the pods find at the repository's path (the
+    overlay's image is this machine's filesystem)."""
     rljob = the_example()
     example = yaml.safe_load((ROOT / "examples" / "agent.yaml").read_text())
     spec = rljob["spec"]
+    spec["seed"] = example["seed"]
     spec["dataset"] = {"train": "/assets/train.jsonl", "eval": "/assets/eval.jsonl", "eval_limit": 4}
-    spec["reward"] = example["reward"]
-    spec["sampling"] = example["sampling"]
-    spec["algorithm"].update(batch_size=2, group_size=2, total_steps=8, lr_warmup_steps=1)
-    spec["rollout"].update(workflow="agent", prompt_template="chat", groups_per_worker=6)
-    spec["trainer"].update(eval_interval=8, checkpoint_interval=4)
-    spec["agents"] = {**example["agents"], "working_dir": str(ROOT), "episodes_per_replica": 4}
+    spec["reward"], spec["sampling"] = example["reward"], example["sampling"]
+    spec["algorithm"] = {k: v for k, v in example["algorithm"].items() if k != "max_staleness"}
+    spec["staleness"]["eta"] = example["algorithm"]["max_staleness"]
+    spec["trainer"].update(example["trainer"])
+    spec["rollout"].update({k: v for k, v in example["rollout"].items() if k != "workers"})
+    spec["agents"] = {**example["agents"], "working_dir": str(ROOT)}
+    if small:  # a tiny model solves nothing: without dynamic sampling its all-zero groups are still trained
+        spec["dataset"]["eval_limit"] = 4
+        spec["algorithm"].update(batch_size=2, group_size=2, total_steps=8, lr_warmup_steps=1, dynamic_sampling=False)
+        spec["rollout"]["groups_per_worker"] = 6
+        spec["trainer"].update(eval_interval=8, checkpoint_interval=4)
+        spec["agents"]["episodes_per_replica"] = 4
+    else:
+        spec["dataset"]["eval_limit"] = example["dataset"]["eval_limit"]
     return rljob
 
 
@@ -140,3 +154,39 @@ async def test_the_agent_example_runs_as_pods_and_a_gateway_killed_mid_episode_l
     entries = [e for s in steps for e in s["entries"]]
     assert len(entries) == algorithm.total_steps * algorithm.batch_size * algorithm.group_size == len(set(entries))
     assert max(x for s in steps for x in s["staleness"]) <= algorithm.max_staleness
+
+
+@pytest.mark.skipif("AREAL_AGENT_PODS_SEED" not in os.environ, reason="a measurement: `make bench-agent` runs it")
+@pytest.mark.timeout(1200)
+async def test_the_agent_example_learns_as_an_rljob(tmp_path):
+    """The example's own job (examples/agent.yaml's recipe) as an RLJob on freshly built assets for the seed, to the
+    end: its base and final held-out accuracy, read from the trainer's checkpoint claim, to the results file."""
+    seed = int(os.environ["AREAL_AGENT_PODS_SEED"])
+    assets = tmp_path / "assets"
+    manifest = build_agent_assets(assets, seed=seed)
+    for path in [assets, *assets.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    rljob = the_agent_job(small=False)
+    rljob["spec"]["seed"] = seed
+    job = validate(rljob)
+    started = asyncio.get_running_loop().time()
+    async with example_cluster(tmp_path, assets) as cluster:
+        cluster.apply(claim_token_secret(job, "claim-token-for-tests"))
+        statuses, _ = await run_to_the_end(cluster, job, timeout=1100)
+        steps = trained_steps(cluster, job)
+        claim = cluster.claims[f"{names.CHECKPOINT_VOLUME}-{names.child_name(job.name, 'trainer')}-0"]
+        state = load_state(latest_checkpoint(claim / job.config.name / "checkpoints"))
+    final = [s["eval_accuracy"] for s in steps if s.get("eval_accuracy", -1) >= 0][-1]
+    assert len(steps) == job.config.algorithm.total_steps and state.base_accuracy >= 0
+    record = {
+        "seed": seed,
+        "weights_sha256": manifest["weights_sha256"],
+        "base_accuracy": state.base_accuracy,
+        "final_accuracy": final,
+        "gain_points": round(100 * (final - state.base_accuracy), 2),
+        "wall_seconds": round(asyncio.get_running_loop().time() - started, 1),
+        "steps": len(steps),
+        "phase": statuses[-1]["phase"],
+    }
+    with open(os.environ["AREAL_AGENT_PODS_RESULTS"], "a") as results:
+        results.write(json.dumps(record) + "\n")

@@ -200,7 +200,9 @@ async def test_a_served_program_plays_episode_after_episode_and_each_answer_sett
     assert runner.outcomes == {"ended": 5, "gave_up": 1, "bad_reward": 1, "crashed": 2, "timed_out": 1}
     starts = [json.loads(path.read_text()) for path in tmp_path.glob("start-*.json")]
     assert len(starts) == 4  # the first run played five episodes; then one per kill or exit
-    assert all(env == {"AREAL_AGENT_MODE": "serve"} for env in starts)  # no session, no claim token in its env
+    for env in starts:  # the mode; no session (each episode's comes on stdin), no claim token
+        assert env["AREAL_AGENT_MODE"] == "serve" and "AREAL_CLAIM_TOKEN" not in env
+        assert not {key for key in env if key.startswith("OPENAI_")}
     assert "slot-0: thinking about e0" in caplog.text
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 10

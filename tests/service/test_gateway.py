@@ -44,6 +44,7 @@ CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}<
 EOS = "<|endoftext|>"
 PROMPT = "What is 6 * 7?"
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -295,6 +296,43 @@ async def test_a_call_in_flight_when_weights_are_pushed_resumes_under_them_its_v
     assert generated == [30] * switch + [31] * (250 - switch) and switch > 0 and trajectory.interruptions >= 1
 
 
+async def play_a_group_with_a_runner(job, engine_url, model_path, tmp_path, group_id: str, env: dict | None = None):
+    """A rollout worker of `job` generating one group of 2 through its gateway, its episodes claimed and played by a
+    `python -m areal_k8s.agent_runner` process (the job's claim token, `localhost` as the claim's host, 127.0.0.1 the
+    advertised one); before it, claims without the token are refused. The group's trajectories, the runner's exit
+    code and log, and the gateway's base URL."""
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    workflow = AgentWorkflow.for_job(job)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
+    port = free_port("127.0.0.1")
+    gateway = await start_gateway(workflow.book, "127.0.0.1", port, "job-token", advertise=f"127.0.0.1:{port}")
+    base = f"http://127.0.0.1:{port}"
+    runner = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "areal_k8s.agent_runner", "--job", str(job_file), "--gateway", f"http://localhost:{port}",
+        env={**os.environ, "AREAL_CLAIM_TOKEN": "job-token", **(env or {})}, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient() as http:  # without the job's token no episode is handed out
+            for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+                refused = await http.post(f"{base}/v1/episodes/claim", json={"wait_seconds": 0}, headers=headers)
+                assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key")
+        async with engine_client(engine_url) as engine, channel(f"127.0.0.1:{reward_service.port}") as reward:
+            worker = RolloutWorker(
+                job=job, worker_id="w0", address="", controller=None, engine=engine, store=None, tokenizer=tokenizer,
+                scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward)), workflow=workflow,
+            )  # fmt: skip
+            group = PromptGroup(group_id, "p8", PROMPT, "42", "exact", 2, SamplingParams(0.0, 1.0, -1, 8))
+            trajectories = await asyncio.wait_for(worker.generate_group(group), 120)
+    finally:
+        runner.terminate()
+        _, runner_log = await runner.communicate()
+        await gateway.stop()
+        await reward_service.stop(grace=1)
+    return trajectories, runner.returncode, runner_log.decode(), base
+
+
 async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_a_crashed_one(
     engine_url, model_path, tmp_path
 ):
@@ -308,39 +346,12 @@ async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_
         "gw-runner", model_path, rollout={"workflow": "agent", "prompt_template": "chat"},
         agents={"command": [sys.executable, str(SUPPORT / "sdk_agent.py")], "episodes_per_replica": 2},
     )  # fmt: skip
-    job_file = tmp_path / "job.yaml"
-    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json")))
-    workflow = AgentWorkflow.for_job(job)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    reward_service = await serve("127.0.0.1:0", workers=1, timeout=10.0)
-    port = free_port("127.0.0.1")
-    gateway = await start_gateway(workflow.book, "127.0.0.1", port, "job-token", advertise=f"127.0.0.1:{port}")
-    base = f"http://127.0.0.1:{port}"
-    runner = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "areal_k8s.agent_runner", "--job", str(job_file), "--gateway", f"http://localhost:{port}",
-        env={**os.environ, "AREAL_CLAIM_TOKEN": "job-token", "AGENT_LOG": str(agent_log)},
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        async with httpx.AsyncClient() as http:  # without the job's token no episode is handed out
-            for headers in ({}, {"Authorization": "Bearer not-the-token"}):
-                refused = await http.post(f"{base}/v1/episodes/claim", json={"wait_seconds": 0}, headers=headers)
-                assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_api_key")
-        async with engine_client(engine_url) as engine, channel(f"127.0.0.1:{reward_service.port}") as reward:
-            worker = RolloutWorker(
-                job=job, worker_id="w0", address="", controller=None, engine=engine, store=None, tokenizer=tokenizer,
-                scorer=RewardScorer(reward_pb2_grpc.RewardStub(reward)), workflow=workflow,
-            )  # fmt: skip
-            group = PromptGroup("g8", "p8", PROMPT, "42", "exact", 2, SamplingParams(0.0, 1.0, -1, 8))
-            trajectories = await asyncio.wait_for(worker.generate_group(group), 120)
-    finally:
-        runner.terminate()
-        _, runner_log = await runner.communicate()
-        await gateway.stop()
-        await reward_service.stop(grace=1)
+    trajectories, returncode, runner_log, base = await play_a_group_with_a_runner(
+        job, engine_url, model_path, tmp_path, "g8", env={"AGENT_LOG": str(agent_log)}
+    )
 
-    assert runner.returncode == 0, runner_log.decode()[-2000:]
-    assert "the program crashed (exit code 1); given up" in runner_log.decode()
+    assert returncode == 0, runner_log[-2000:]
+    assert "the program crashed (exit code 1); given up" in runner_log
     runs = sorted(agent_log.read_text().splitlines())
     assert runs == [f"{run} {base}/v1" for run in ("g8-0 1 crashed", "g8-0 2 played", "g8-1 1 played")]
     by_id = {t.trajectory_id: t for t in trajectories}
@@ -348,3 +359,26 @@ async def test_a_runner_process_plays_episodes_with_an_sdk_program_and_reissues_
     for t in trajectories:  # two model turns of two tokens each: the crashed session's call is in none of them
         assert sum(t.loss_mask) == 4
     assert (by_id["g8-0"].reward, by_id["g8-1"].reward) == (1.0, 0.0)  # the program's; the verifier's
+
+
+async def test_an_agent_framework_program_served_plays_through_the_gateway(engine_url, model_path, tmp_path):
+    """The framework example (examples/agents/calculator_agents_sdk.py: OpenAI's Agents SDK, its Chat Completions
+    model on the session's client) served by the runner (`agents.mode: serve`): the framework's loop asks the model,
+    runs the calculator tool the model calls and asks again, through the gateway unchanged; each slot's one run of the
+    program plays its episodes, and the tool's result is in each trajectory as environment tokens, not trained."""
+    program = EXAMPLES / "agents" / "calculator_agents_sdk.py"
+    job = job_config(
+        "gw-framework", model_path, rollout={"workflow": "agent", "prompt_template": "chat"},
+        agents={"command": [sys.executable, str(program)], "mode": "serve", "episodes_per_replica": 2},
+    )  # fmt: skip
+    trajectories, returncode, runner_log, _ = await play_a_group_with_a_runner(
+        job, engine_url, model_path, tmp_path, "g9"
+    )
+    assert returncode == 0, runner_log[-2000:]
+    assert sorted(t.trajectory_id for t in trajectories) == ["g9-0", "g9-1"], runner_log[-2000:]
+    assert runner_log.count(": ended;") == 2 and runner_log.count(": started ") <= 2
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for t in trajectories:  # the scripted model's call, the framework's tool result (42), the model's second turn
+        assert sum(t.loss_mask) >= 4
+        masked = [token for token, trained in zip(t.token_ids, t.loss_mask) if not trained]
+        assert "42" in tokenizer.decode(masked[t.prompt_length :])

@@ -3,12 +3,13 @@
 prompts and a model warmed up on its worked solutions)."""
 
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,14 +82,16 @@ def build_tail_assets(root: Path) -> Path:
 class TailAssetsAhead:
     """The tail assets built in the background from the session's start (tests/conftest.py starts it once the tests
     are collected, where a selected test uses them): the build is a process on one core, and the first test to need
-    it waited ~30 s for it with the other core idle."""
+    it waited ~30 s for it with the other core idle. A process of its own, not a thread: transformers swaps methods
+    of its PreTrainedModel class while a model loads and puts back what it found, so a build beside the tests'
+    own loads could leave the class (and the models built after) with the stand-ins."""
 
     future: Future | None = None
 
     @classmethod
     def start(cls, config: pytest.Config) -> None:
         root = Path(tempfile.mkdtemp(prefix="areal-tail-assets-"))
-        pool = ThreadPoolExecutor(1)
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         cls.future = pool.submit(build_tail_assets, root)
 
         def close() -> None:

@@ -252,17 +252,29 @@ def test_the_demo_figures_summarise_every_run():
     assert report["job"]["steps"] == job["total_steps"] == report["runs"][0]["steps"]
 
 
-def test_the_agent_figures_summarise_every_seed_of_the_shipped_job():
-    """The README's agent figures are medians and ranges over ≥ 3 seeds of the shipped example, never one run."""
+def test_the_agent_figures_summarise_every_seed_of_the_shipped_job_for_each_program():
+    """The README's agent figures are medians and ranges over ≥ 3 seeds of the shipped example for each program,
+    never one run; each seed's programs ran on the same assets, the job's own program first."""
     module = load_bench("agent_runs")
     report = json.loads(module.RESULTS.read_text())
-    assert len({r["seed"] for r in report["runs"]}) >= 3
-    for key in module.FIGURES:
-        assert report["summary"][key] == module.spread(report["runs"], key)
-    for run in report["runs"]:
-        assert run["episodes_played"] == sum(run["episode_outcomes"].values())
     job = yaml.safe_load((ROOT / "examples" / "agent.yaml").read_text())
-    assert report["job"]["steps"] == job["algorithm"]["total_steps"] == report["runs"][0]["steps"]
+    assert report["programs"] == module.PROGRAMS
+    assert next(iter(module.PROGRAMS.values())) == job["agents"]["command"][-1]
+    for program in module.PROGRAMS:
+        runs = [r for r in report["runs"] if r["program"] == program]
+        assert len({r["seed"] for r in runs}) == len(runs) >= 3
+        assert report["summary"][program] == module.summary(report["runs"], program)
+        for run in runs:
+            assert run["episodes_played"] == sum(run["episode_outcomes"].values())
+            assert run["steps"] == job["algorithm"]["total_steps"]
+    by_seed = {}
+    for run in report["runs"]:
+        by_seed.setdefault(run["seed"], set()).add(run["weights_sha256"])
+    for run in report["pods"]["runs"]:  # the RLJob's own build of the seed: the same weights
+        by_seed[run["seed"]].add(run["weights_sha256"])
+    assert all(len(digests) == 1 for digests in by_seed.values())  # one model per seed, played by every program
+    assert sorted(r["seed"] for r in report["pods"]["runs"]) == sorted(by_seed)
+    assert report["pods"]["summary"] == {key: module.spread(report["pods"]["runs"], key) for key in module.POD_FIGURES}
     assert report["job"]["agents_mode"] == job["agents"]["mode"]
 
 
