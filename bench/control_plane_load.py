@@ -34,6 +34,7 @@ from control_plane_measure import (
     memory_mib,
     percentile,
     serve_null,
+    spread_ms,
 )
 from redis.exceptions import RedisError
 
@@ -41,7 +42,7 @@ from areal_k8s.api.v1 import controller_pb2, controller_pb2_grpc
 from areal_k8s.common.config import Staleness
 from areal_k8s.common.grpcutil import channel
 from areal_k8s.common.store import REDIS_RETRY, TrajectoryStore
-from areal_k8s.common.trajectory import Trajectory
+from areal_k8s.common.trajectory import Trajectory, backup_group_id
 from areal_k8s.rollout.clients import ControllerClient as WorkerControllerClient
 from areal_k8s.rollout.controller_link import ControllerError, GroupOutcome, Result, WorkerState
 from areal_k8s.rollout.worker import RolloutWorker
@@ -77,6 +78,9 @@ class Recorder:
         self.calls: dict[str, tuple[array, array, array]] = defaultdict(lambda: (array("d"), array("d"), array("d")))
         self.errors: Counter[str] = Counter()
         self.announced: list[float] = []
+        # how long after its push each of the first B groups a new version admits reached a worker: the room the
+        # version opens, granted (a stream's push, or a held poll's answer)
+        self.grant_after_version_ms = array("d")
         self.lag_ms = array("d")  # how late the load's own event loop woke a 10 ms sleep: its calls' figures include it
 
     def record(self, method: str, started: float, past: float = 0.0) -> None:
@@ -138,6 +142,9 @@ class TimedControllerClient(ControllerClient):
     async def announce_version(self, version):
         return await self._timed("AnnounceVersion", super().announce_version(version))
 
+    async def list_workers(self):
+        return await self._timed("ListWorkers", super().list_workers())
+
     async def report_step(self, report):
         return await self._timed("ReportTrainStep", super().report_step(report))
 
@@ -151,9 +158,13 @@ class Load:
         self.recorder = Recorder()
         self.stop = asyncio.Event()
         self.engine_version = 0  # what the trainer last pushed to every engine
-        self.weights_pushed = asyncio.Event()  # set (and replaced) when it pushes a new version: streams are told
+        self.pushed_at: dict[int, float] = {}  # when the load heard of each version's push
+        self.first_grants: Counter[int] = Counter()  # groups admitted at each version, up to B
         self.received: set[str] = set()
-        self.tally: Counter[str] = Counter()
+        self.tally: Counter[str] = Counter()  # outcomes answered, by result (a backed-up group's copies each)
+        self.outcomes: dict[str, str] = {}  # group id (an original or a backup) -> its outcome, once answered
+        self.written: set[str] = set()  # groups whose trajectories the stream took (a backup: by its original's id)
+        self.generating: set[str] = set()  # group ids received and not yet answered
         self.violations: list[str] = []
         self.steps = 0
         algorithm = job["algorithm"]
@@ -207,9 +218,8 @@ class Load:
             if reply is None:
                 await asyncio.sleep(1.0)
                 continue
-            if reply.version > self.engine_version:  # the trainer pushed it to every engine before announcing it
-                self.engine_version = reply.version
-                self.recorder.announced.append(time.perf_counter())
+            if reply.version > self.engine_version:  # (the pushes' channel had not said it yet)
+                self.pushed(reply.version)
             for group in reply.groups:
                 self.take(group, stub, worker_id, incarnation, stopping, in_flight)
             if reply.groups or (free and self.engine_version >= reply.version):
@@ -220,7 +230,8 @@ class Load:
 
     async def streaming_worker(self, index: int, chan: grpc.aio.Channel) -> None:
         """RolloutWorker.run on its admission stream: register, attach, take the groups pushed, report each on the
-        stream; tell the stream its engine's new version when one is pushed. No poll and no heartbeat."""
+        stream. No poll, no heartbeat, and no word of its engine's new versions: the trainer's announcement names
+        the engines it pushed to."""
         stub, worker_id = controller_pb2_grpc.ControllerStub(chan), f"worker-{index}"
         registration = controller_pb2.RegisterWorkerRequest(worker_id=worker_id, address=f"10.0.{index}:50052")
         while (reply := await self.recorder.call("RegisterWorker", stub.RegisterWorker, registration)) is None:
@@ -237,16 +248,9 @@ class Load:
         try:
             while not self.stop.is_set():
                 receiving = receiving or asyncio.ensure_future(stream.receive())
-                pushed_weights = self.weights_pushed
-                push = asyncio.ensure_future(pushed_weights.wait())
-                await asyncio.wait({receiving, stopping, push}, return_when=asyncio.FIRST_COMPLETED)
-                push.cancel()
-                if pushed_weights.is_set():  # its engine serves the new version: the stream is told
-                    await stream.send_state(WorkerState(self.slots, self.engine_version, None))
+                await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 if stopping.done():
                     break
-                if not receiving.done():
-                    continue
                 pushed, receiving = receiving.result(), None
                 for group in pushed.granted:
                     self.take(group, stream, worker_id, incarnation, stopping, in_flight)
@@ -260,23 +264,32 @@ class Load:
             await stream.close()
 
     async def follow_the_pushes(self) -> None:
-        """The trainer's weight pushes, for the streaming workers: every engine's version, and each worker woken."""
+        """The trainer's weight pushes: every engine's version (its trajectories' token versions) and when it
+        changed."""
         async with self.store.client.pubsub() as pubsub:
             await pubsub.subscribe(VERSION_CHANNEL)
             while not self.stop.is_set():
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
                 if message is not None and int(message["data"]) > self.engine_version:
-                    self.engine_version = int(message["data"])
-                    self.recorder.announced.append(time.perf_counter())
-                    pushed, self.weights_pushed = self.weights_pushed, asyncio.Event()
-                    pushed.set()
+                    self.pushed(int(message["data"]))
+
+    def pushed(self, version: int) -> None:
+        self.engine_version = version
+        self.recorder.announced.append(time.perf_counter())
+        self.pushed_at[version] = time.perf_counter()
 
     def take(self, group, reporter, worker_id: str, incarnation: int, stopping: asyncio.Future, in_flight: dict):
         """A group the controller leased (a poll's answer or a stream's grant): checked never leased before, then
         generated, its outcome reported through `reporter` (the stub or the stream), in `in_flight` until done."""
         if group.group_id in self.received:
             self.violation(f"group {group.group_id} leased twice")
+        version = group.admitted_version
+        if (at := self.pushed_at.get(version)) is not None and self.first_grants[version] < self.batch_size:
+            self.first_grants[version] += 1
+            if self.recorder.measuring:
+                self.recorder.grant_after_version_ms.append((time.perf_counter() - at) * 1000)
         self.received.add(group.group_id)
+        self.generating.add(group.group_id)
         task = asyncio.ensure_future(self.generate(reporter, worker_id, incarnation, group, stopping))
         in_flight[task] = group.group_id
         task.add_done_callback(lambda done: in_flight.pop(done, None))
@@ -296,7 +309,9 @@ class Load:
         else:
             result = controller_pb2.GroupOutcome.ACCEPTED
             try:
-                await self.store.write_group([self.trajectory(group, i, started_at) for i in range(group.n_samples)])
+                trajectories = [self.trajectory(group, i, started_at) for i in range(group.n_samples)]
+                if await self.store.write_group(trajectories) is not None:  # (None: its twin was written first)
+                    self.written.add(original_group(group.group_id))
             except RedisError as exc:  # as the worker does: the group failed
                 self.recorder.errors[f"write_group: {type(exc).__name__}"] += 1
                 result = controller_pb2.GroupOutcome.FAILED
@@ -310,12 +325,17 @@ class Load:
                 return
             finally:
                 self.recorder.record(STREAM_COMPLETE, started)
-            self.tally[name.lower()] += 1
+            self.answered(group.group_id, name.lower())
             return
         outcome = controller_pb2.GroupOutcome(group_id=group.group_id, result=result)
         request = controller_pb2.CompleteGroupsRequest(worker_id=worker_id, outcomes=[outcome], incarnation=incarnation)
         if await self.recorder.call("CompleteGroups", stub.CompleteGroups, request) is not None:
-            self.tally[name.lower()] += 1
+            self.answered(group.group_id, name.lower())
+
+    def answered(self, group_id: str, result: str) -> None:
+        self.tally[result] += 1
+        self.outcomes[group_id] = result
+        self.generating.discard(group_id)
 
     def trajectory(self, group, i: int, started_at: int) -> Trajectory:
         return Trajectory(
@@ -363,8 +383,12 @@ class Load:
                 self.violation(f"a group {worst} versions old trained at version {version}")
             await asyncio.sleep(self.args.step_seconds)
             version += 1
-            await self.store.client.publish(VERSION_CHANNEL, version)  # pushed to every engine, then announced
-            await controller.announce_version(WeightVersion(version=version, published_at=time.time(), restored=False))
+            # pushed to every engine (the publisher lists the workers for its group first), then announced with them
+            engines = {w.worker_id: w.incarnation for w in await controller.list_workers()}
+            await self.store.client.publish(VERSION_CHANNEL, version)
+            await controller.announce_version(
+                WeightVersion(version=version, published_at=time.time(), restored=False, engines=engines)
+            )
             report = StepReport(
                 version=version,
                 group_ids=[g.group_id for g in groups],
@@ -389,23 +413,37 @@ class Load:
             await asyncio.sleep(1.0)
 
     def reconcile(self, status) -> None:
-        """At the end: the controller's counts are the load's (a group left generating is still running)."""
-        tally = self.tally
-        completed = tally["accepted"] + tally["filtered"] + tally["failed"]
+        """At the end: the controller's counts are the load's (a group left generating is still running). A group
+        the trainer waited on may have run twice (its backup, `<id>-backup`): the controller counts it once, by the
+        copy written first, and a copy that ends otherwise while its twin runs just leaves. So its written groups
+        are counted by the stream's answers, the other outcomes exactly for groups without a backup, and the
+        groups with one may add at most one outcome each."""
+        backed_up = {original_group(g) for g in self.received if original_group(g) != g}
+        originals = {g for g in self.received if original_group(g) == g}
+        single = Counter(result for g, result in self.outcomes.items() if original_group(g) not in backed_up)
+        generating = {original_group(g) for g in self.generating} - self.written
         # Groups granted on a stream after its worker stopped reading it never reached the load: leases still running
         # (a worker killed with a grant in flight; it is revoked when it attaches again, or as its lease expires).
-        unreceived = max(status.running - (len(self.received) - completed), 0) if self.args.admission == "stream" else 0
-        expected = (len(self.received) + unreceived, tally["accepted"], tally["filtered"], tally["failed"], 0, 0)
+        unreceived = max(status.running - len(generating), 0) if self.args.admission == "stream" else 0
+        expected = (len(originals) + unreceived, len(self.written), single["filtered"], single["failed"], 0, 0)
         found = (status.admitted, status.accepted, status.filtered, status.failed, status.requeued, status.dropped)
-        if found != expected or status.running != len(self.received) + unreceived - completed:
-            self.violation(f"final counts {found} (running {status.running}) against the load's {expected}")
+        extra = (found[2] - expected[2], found[3] - expected[3])  # outcomes of backed-up groups
+        if (
+            found[:2] != expected[:2]
+            or found[4:] != expected[4:]
+            or not all(0 <= n <= len(backed_up) for n in extra)
+            or status.running != len(generating) + unreceived
+        ):
+            self.violation(
+                f"final counts {found} (running {status.running}) against the load's {expected} (running "
+                f"{len(generating)}; {len(backed_up)} groups backed up)"
+            )
 
 
-def latency_figures(recorder: Recorder) -> dict:
-    return {
-        method: {"p50": percentile(v, 50), "p99": percentile(v, 99), "max": round(max(v), 2)}
-        for method, v in recorder.latencies().items()
-    }
+def original_group(group_id: str) -> str:
+    """The group a backup backs up (its own id for an original)."""
+    suffix = backup_group_id("")
+    return group_id[: -len(suffix)] if group_id.endswith(suffix) else group_id
 
 
 async def until(at: float) -> None:
@@ -433,7 +471,7 @@ async def trainer_load(args) -> dict:
     return {
         "steps": load.steps,
         "calls_per_second": {m: len(v) / wall for m, v in load.recorder.latencies().items()},
-        "latency_ms": latency_figures(load.recorder),
+        "latency_ms": {m: spread_ms(v) for m, v in load.recorder.latencies().items()},
         "errors": dict(load.recorder.errors),
         "violations": load.violations,
     }
@@ -463,7 +501,7 @@ async def run_load(args) -> dict:
     channels = [channel(args.controller) for _ in range(args.workers + 1)]
     stub = controller_pb2_grpc.ControllerStub(channels[-1])
     worker = load.streaming_worker if args.admission == "stream" else load.worker
-    pushes = [asyncio.ensure_future(load.follow_the_pushes())] if args.admission == "stream" else []
+    pushes = [asyncio.ensure_future(load.follow_the_pushes())]
     tasks = pushes + await in_waves(lambda i: worker(i, channels[i]), args.workers)
     tasks += [asyncio.ensure_future(load.monitor(stub)), asyncio.ensure_future(load.recorder.watch_the_loop(load.stop))]
     await until(window_at)
@@ -503,12 +541,16 @@ async def run_load(args) -> dict:
         "waited_for_a_core": measured["waited_for_a_core"],
         "load_average": measured["load_average"],
         "controller_rss_mib": round(rss, 1),
-        "latency_ms": latency_figures(load.recorder) | trained["latency_ms"],
+        "latency_ms": {m: spread_ms(v) for m, v in load.recorder.latencies().items()} | trained["latency_ms"],
         # the workers' calls that ran wholly outside the VERSION_BURST_SECONDS after each new version reached them
         "latency_ms_away_from_versions": {
             method: {"p99": percentile(v, 99), "calls": len(v)} for method, v in away.items() if v
         },
         "load_loop_lag_ms": {"p99": percentile(load.recorder.lag_ms, 99), "max": round(max(load.recorder.lag_ms), 2)},
+        "grant_after_version_ms": (
+            spread_ms(grants) | {"grants": len(grants)} if (grants := load.recorder.grant_after_version_ms) else {}
+        ),
+        "backups": sum(original_group(g) != g for g in load.received),  # stragglers' backups the workers got
         "errors": dict(load.recorder.errors + Counter(trained["errors"])),
         "violations": load.violations + trained["violations"],
     }

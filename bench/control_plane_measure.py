@@ -1,5 +1,5 @@
 """How bench/control_plane_load.py measures (each process's CPU share and run-queue wait over the measured window,
-nearest-rank percentiles, workers connected in waves) and the floor it measures against: the workers' held polls
+nearest-rank percentiles and their spread, workers connected in waves) and the floor it measures against: the workers' held polls
 against a Controller servicer that does nothing else, gRPC's own cost a poll.
 """
 
@@ -24,6 +24,11 @@ def percentile(values: list[float], q: float) -> float:
     """The nearest-rank percentile: a value that was measured."""
     ordered = sorted(values)
     return round(ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)], 2)
+
+
+def spread_ms(values) -> dict:
+    """p50, p99 and max of figures in ms."""
+    return {"p50": percentile(values, 50), "p99": percentile(values, 99), "max": round(max(values), 2)}
 
 
 def process_seconds(pid: int) -> float:

@@ -55,8 +55,24 @@ def summarise(runs: list[dict]) -> dict:
             if all(m in run["latency_ms_away_from_versions"] for run in runs)
         },
         "max_ms": {m: max(run["latency_ms"][m]["max"] for run in runs if m in run["latency_ms"]) for m in methods},
+        **grant_summary(runs),
         "errors": sum(sum(run["errors"].values()) for run in runs),
         "violations": sum(len(run["violations"]) for run in runs),
+    }
+
+
+def grant_summary(runs: list[dict]) -> dict:
+    """How long after its push the room of a new version reached the workers (runs from before it was measured have
+    none)."""
+    grants = [run["grant_after_version_ms"] for run in runs if run.get("grant_after_version_ms")]
+    if len(grants) != len(runs):
+        return {}
+    return {
+        "grant_after_version_ms": {
+            "p50": spread(grants, "p50"),
+            "p99": spread(grants, "p99"),
+            "max": max(g["max"] for g in grants),
+        }
     }
 
 
@@ -158,11 +174,16 @@ def stream_goal(workers: int, rate: str, summary: dict, worst: tuple[str, dict])
     cpu, p99 = summary["controller_cpu"]["median"], worst[1]["median"]
     goal_p99, goal_cpu = STREAM_GOALS.get(workers, (None, None))
     said = f"{summary['errors']} errors, the slowest method's p99 {p99:,.1f} ms ({worst[0]}), controller CPU {cpu:.0%}"
-    if away := summary["p99_away_from_versions_ms"]:  # (the weight push's burst: every worker tells its stream)
+    if away := summary["p99_away_from_versions_ms"]:  # (a weight push: the version's room granted at once)
         method, figures = max(away.items(), key=lambda kv: kv[1]["median"])
         said += (
             f"; {figures['median']:,.1f} ms ({method}) for the calls outside the {VERSION_BURST_SECONDS:g} s after "
-            f"each push, when every worker tells its stream its engine's new version"
+            f"each push, when the controller takes the trainer's announcement and grants the version's room"
+        )
+    if grants := summary.get("grant_after_version_ms"):
+        said += (
+            f"; a new version's room reached the workers {grants['p50']['median']:,.0f} ms after its push at the "
+            f"median, {grants['p99']['median']:,.0f} ms at p99"
         )
     if goal_p99 is None:
         return f"{workers:,} workers at {rate}× on admission streams: {said}; {conditions(summary)}"
@@ -180,6 +201,7 @@ TABLE_METHODS = {
     "CompleteGroups": "CompleteGroups",
     STREAM_COMPLETE: "CompleteGroups on the stream",
     "GetOutstanding": "GetOutstanding",
+    "ListWorkers": "ListWorkers",
     "AnnounceVersion": "AnnounceVersion",
     "ReportTrainStep": "ReportTrainStep",
     "GetJobStatus": "GetJobStatus",
@@ -212,8 +234,8 @@ def readme_block(report: dict) -> str:
         README_BEGIN,
         *notes,
         f"The controller under N simulated rollout workers and a trainer (`make bench-control`, "
-        f"bench/results/control_plane.json), taken on {report['machine_note']} shared with other work (its load "
-        f"average, from the start to the end of each measured window, is in the table): the controller pinned to "
+        f"bench/results/control_plane.json), taken on {report['machine_note']} (its load average, from the start to "
+        f"the end of each measured window, is in the table): the controller pinned to "
         f"one core, the load (the workers' process, the trainer's) and Redis to the other; long polls held "
         f"{report['hold_seconds']:g} s, as a polling rollout worker asks (hold *stream*: the workers attached by "
         f"admission streams instead, as the rollout worker does by default). 1× is the 1,024-GPU scenario's "
@@ -243,10 +265,11 @@ def readme_block(report: dict) -> str:
     lines += [
         "",
         "Latency as the workers and the trainer saw it, p50 / p99 / max in ms (a held poll: the time past the hold it "
-        "asked for, 0 for one answered early):",
+        "asked for, 0 for one answered early; *new version granted*: from a weight push to each of the first B groups "
+        "admitted at its version reaching a worker, the room the version opens):",
         "",
-        "| workers | rate | hold | " + " | ".join(TABLE_METHODS.values()) + " |",
-        "| ---: | ---: | ---: | " + " | ".join("---:" for _ in TABLE_METHODS) + " |",
+        "| workers | rate | hold | " + " | ".join(TABLE_METHODS.values()) + " | new version granted |",
+        "| ---: | ---: | ---: | " + " | ".join("---:" for _ in TABLE_METHODS) + " | ---: |",
     ]
     for key, s in by_size(report["summary"].items()):
         workers, rate, hold = parse_key(key)
@@ -256,6 +279,10 @@ def readme_block(report: dict) -> str:
             else "—"
             for m in TABLE_METHODS
         ]
+        grants = s.get("grant_after_version_ms")
+        cells.append(
+            f"{grants['p50']['median']:,.0f} / {grants['p99']['median']:,.0f} / {grants['max']:,.0f}" if grants else "—"
+        )
         lines.append(f"| {workers:,} | {rate}× | {hold_label(hold)} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -289,7 +316,7 @@ def capacity_block(report: dict) -> str:
     generation = rates["generation_seconds_percentiles"]
     averages = [x for s in report["summary"].values() for x in s["load_average_1min"]]
     lines.append(
-        f"- Taken on {report['machine_note']} shared with other work (host load average "
+        f"- Taken on {report['machine_note']} (host load average "
         f"{load_averages(averages)} across the measured windows; 2 would be both cores busy), {report['runs']} "
         f"run{'s' if report['runs'] != 1 else ''} of {report['window_seconds']:.0f} s per configuration."
     )

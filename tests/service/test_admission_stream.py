@@ -86,11 +86,19 @@ async def test_streaming_workers_get_grants_report_on_the_stream_and_survive_a_c
         assert {gid: lease.worker_id for gid, lease in core.leases.items()} == leased  # kept, not re-queued
         workflow.gate.set()
         await until(lambda: core.accepted == 4)  # reported on the new streams
-        for worker in workers:  # the trainer's push of version 1, which the workers tell their streams
-            worker.engine_version = 1
+        for worker in workers:  # a push of version 1 nobody announces for the engines: the workers tell their streams
+            worker.engine_serves(1, announced=False)
         await until(lambda: all(a.engine_version == 1 for a in core.attachments.values()))
         await controller.stub.AnnounceVersion(common_pb2.WeightVersion(version=1))
         await until(lambda: len(workflow.started) == 6)  # the version's room, pushed
+        for worker in workers:  # the trainer's push of version 2, announced with the engines it reached: no word
+            worker.engine_serves(2, announced=True)
+        await asyncio.sleep(4 * workers[0].poll_interval)  # (a worker telling its stream would have by now)
+        assert all(a.engine_version == 1 for a in core.attachments.values())
+        engines = {worker.worker_id: worker.incarnation for worker in workers}
+        await controller.stub.AnnounceVersion(common_pb2.WeightVersion(version=2, engines=engines))
+        assert all(a.engine_version == 2 for a in core.attachments.values())
+        await until(lambda: len(workflow.started) == 8)  # its room, pushed to the engines it named
         assert len(workflow.started) == len(set(workflow.started))  # nothing leased twice
         status = await controller.stub.GetJobStatus(controller_pb2.GetJobStatusRequest())
         assert counts_add_up(status) and status.requeued == 0 and status.accepted >= 4

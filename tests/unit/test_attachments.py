@@ -69,6 +69,33 @@ def test_a_full_attached_worker_gets_room_again_as_its_groups_settle_and_a_stale
     assert granted(behind) == ["g3"] and core.capacity() == 0
 
 
+def test_the_engines_an_announcement_names_serve_its_version_without_a_word_from_their_workers():
+    """The trainer names the engines its push reached (with the registration it reached): they are served in the
+    order by load, not in the names' order; one of another registration waits for its worker's word, and a state its
+    worker sent before the push cannot take the version back."""
+    core = make_core(items=20)  # B 2, η 1: room for 4 groups at version 0, 6 at version 1
+    polls = order_of(core)
+    loaded, _ = attached(core, polls, "a-loaded", slots=4, load=0.9)
+    assert granted(loaded) == ["g0", "g1", "g2", "g3"]
+    quiet, _ = attached(core, polls, "b-quiet", slots=4, load=0.1)
+    again, _ = attached(core, polls, "c-again", slots=4, load=0.0)
+    stale_incarnation = core.workers.get("c-again").incarnation
+    core.register("c-again", "127.0.0.1:1", 0)  # it registered again since the trainer formed its group
+    again, _ = attached(core, polls, "c-again", slots=4, load=0.0)
+    core.complete("g0", "accepted")
+    core.complete("g1", "accepted")  # (under the staleness bound: no room at version 0)
+    core.announce_version(1, restored=False)
+    pushed = {w: core.workers.get(w).incarnation for w in ("a-loaded", "b-quiet")}
+    named = core.engines_serve(1, pushed | {"c-again": stale_incarnation, "gone": 9})
+    assert named == [loaded, quiet] and again.engine_version == 0 and core.workers.get("b-quiet").engine_version == 1
+    for attachment in named:
+        polls.place(attachment, serve=False)
+    polls.open()
+    assert (granted(quiet), granted(loaded), granted(again)) == (["g4", "g5"], [], [])  # least loaded first
+    core.update_stream(quiet, 4, 0, 0.1, ["g4", "g5"])  # sent before the push, read after the announcement
+    assert quiet.engine_version == 1
+
+
 def test_an_attached_worker_is_live_without_calling_and_loses_its_leases_a_lease_after_its_stream_closes():
     clock = Clock()
     core = make_core(clock=clock, items=20)
@@ -137,3 +164,32 @@ def test_an_attached_worker_held_by_the_staleness_bound_counts_in_the_held_secon
     core.detach(worker)
     clock.now += 5
     assert core.holds.held_by_staleness_now() == 5
+
+
+def test_the_workers_an_announcement_names_are_held_at_once_and_a_wait_on_the_same_bound_goes_on():
+    clock = Clock()
+    core = make_core(clock=clock, items=20)  # B 2, η 1: 4 groups at version 0, and at most 4 running
+    polls = order_of(core)
+    full, _ = attached(core, polls, "full", slots=4)
+    assert len(granted(full)) == 4
+    waiting, _ = attached(core, polls, "waiting", slots=2)  # the staleness bound holds its 2 free slots
+    assert core.holds.waiting[waiting.hold][0] == "staleness" and full.hold is None
+    pushed = {w: core.workers.get(w).incarnation for w in ("full", "waiting")}
+    clock.now += 5
+    core.announce_version(1, restored=False)  # the window moves on; the concurrency cap holds it now
+    core.begin_stream_holds(core.engines_serve(1, pushed))
+    hold = waiting.hold
+    assert core.holds.waiting[hold] == ("concurrency", clock.now) and full.hold is None  # full has no room
+    clock.now += 5
+    core.announce_version(2, restored=False)
+    core.begin_stream_holds(core.engines_serve(2, pushed))
+    assert waiting.hold == hold  # the same bound: its wait goes on, counted from its start
+    assert core.holds.held_by_staleness_now() == 5
+    for group_id in core.leases.held_by("full")[:2]:  # room for 2 at version 3 (the cap: 4 running)
+        core.complete(group_id, "accepted")
+    core.announce_version(3, restored=False)
+    named = core.engines_serve(3, pushed)
+    polls.open_all()
+    core.begin_stream_holds(named)  # after the room was served: who it did not reach waits on the bound again
+    assert (len(granted(waiting)), len(granted(full))) == (2, 0)  # (full was not waiting in the order)
+    assert waiting.hold is None and core.holds.waiting[full.hold][0] == "concurrency"

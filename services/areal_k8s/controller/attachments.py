@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from areal_k8s.common.metrics import HOLD_REASONS
+from areal_k8s.controller.backups import backup_candidates
 from areal_k8s.controller.workers import UnknownWorker
 
 
@@ -101,9 +102,29 @@ class Attachments:
         """The attached worker's new state; returns the groups of `holding` no longer leased to it (it stops them).
         Its leases that `holding` does not name are not revoked here, as the hello's are: their grant may be on its
         way to the worker."""
+        # A state sent before a push can arrive after the announcement naming its engine: within a registration an
+        # engine's version only grows, except where a restored trainer rewinds it, and its announcement sets that.
+        engine_version = max(engine_version, attachment.engine_version)
         attachment.slots, attachment.engine_version, attachment.engine_load = slots, engine_version, engine_load
         self.workers.heard_from(attachment.worker_id, engine_version)
         return self.leases.not_held(attachment.worker_id, holding)
+
+    def engines_serve(self, version: int, engines: dict[str, int]) -> list[Attachment]:
+        """The trainer pushed `version` to these engines (worker id -> the incarnation its push reached) before it
+        announced it: their version now, without a word from their workers. An engine of another registration (its
+        worker registered again since) is left as its worker says. Returns the attached workers it names: the shell
+        serves the version's room in the order among them (server.py AnnounceVersion)."""
+        named = []
+        for worker_id, incarnation in engines.items():
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.incarnation != incarnation:
+                continue
+            worker.engine_version = version
+            attachment = self.attachments.get(worker_id)
+            if attachment is not None and attachment.incarnation == incarnation:
+                attachment.engine_version = version
+                named.append(attachment)
+        return named
 
     def stream_room(self, attachment: Attachment) -> int:
         """Groups the attached worker has room for now: its slots less the leases it holds (granted ones in flight
@@ -137,6 +158,26 @@ class Attachments:
             return
         if wanted > 0 and refusal in HOLD_REASONS:
             attachment.hold = self.begin_hold(refusal)
+
+    def begin_stream_holds(self, attachments: list[Attachment]) -> None:
+        """begin_stream_hold for the attached workers an announcement names, at once, once its room was served: their
+        engines serve the version, so one refusal holds for each with room (unless a backup is due: each asks its
+        own), and a hold that keeps its reason goes on as it is (thousands of workers wait on the staleness bound
+        across a version)."""
+        if not attachments:
+            return
+        if backup_candidates(self.waited_on, self.leases):
+            for attachment in attachments:
+                self.begin_stream_hold(attachment)
+            return
+        refusal = self.refusal(attachments[0].worker_id, 1, self.version)
+        held = refusal in HOLD_REASONS
+        for attachment in attachments:
+            if held and attachment.hold is not None and self.holds.waiting[attachment.hold][0] == refusal:
+                continue  # (held, so it had room; a grant since would have ended its hold)
+            self.end_stream_hold(attachment)
+            if held and self.stream_room(attachment) > 0:
+                attachment.hold = self.begin_hold(refusal)
 
     def end_stream_hold(self, attachment: Attachment) -> None:
         if attachment.hold is not None:

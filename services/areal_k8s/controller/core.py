@@ -356,9 +356,10 @@ class ControllerCore(Attachments, Backups, DeadLetters, Persistence, StatusFigur
             self.progress.rewind(version)
         elif version > self.version:
             self.progress.trained(version)
+        if restored or version != self.version:
+            self.waited_on = []  # a new step: the trainer says what its next batch waits on
+            self.progress_changed = True
         self.version = version
-        self.waited_on = []  # a new step: the trainer says what its next batch waits on
-        self.progress_changed = True
 
     def wait_for(self, check: str) -> None:
         """Admit nothing until `ready()`: a start-up check (`check` says which) must pass first."""

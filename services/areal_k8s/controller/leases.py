@@ -54,7 +54,14 @@ class Leases(Mapping[str, Lease]):
     def __len__(self) -> int:
         return len(self._leases)
 
-    # The dict's own views: the Mapping mixin's would look every lease up again, on a path walked per trainer poll.
+    # The dict's own lookups and views: the Mapping mixin's go through __getitem__ and a caught KeyError, on paths
+    # walked per trainer poll and per attached worker.
+    def __contains__(self, group_id: object) -> bool:
+        return group_id in self._leases
+
+    def get(self, group_id: str, default: Lease | None = None) -> Lease | None:
+        return self._leases.get(group_id, default)
+
     def values(self) -> ValuesView[Lease]:
         return self._leases.values()
 

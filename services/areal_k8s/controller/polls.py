@@ -72,16 +72,17 @@ class HeldPolls:
             timer.cancel()
             self._waiting.pop(key, None)
 
-    def place(self, attachment: Attachment) -> None:
+    def place(self, attachment: Attachment, serve: bool = True) -> None:
         """(Re)place an attached worker in the order, by its engine's current load, while it has room; and serve it if
-        there is room now."""
+        there is room now (`serve`; else the caller opens the room once it placed every worker it places)."""
         self.unplace(attachment)
         if attachment.wanted() <= 0 or attachment.closed:
             return
         attachment.key = next(self._ids)
         self._waiting[attachment.key] = attachment
         self._enqueue(attachment.key, attachment.engine_load)
-        self.open()
+        if serve:
+            self.open()
 
     def unplace(self, attachment: Attachment) -> None:
         if attachment.key is not None:
@@ -135,10 +136,12 @@ class HeldPolls:
         """Wake every waiting poll: a new version (polls from engines behind it are answered at once), the start-up
         check passing, or the job over. The room is promised as `open` does; the polls after it are woken with none."""
         self.open()
-        for key in [key for key, waiting in self._waiting.items() if isinstance(waiting, tuple)]:
+        polls = [key for key, waiting in self._waiting.items() if isinstance(waiting, tuple)]
+        for key in polls:
             self._wake(key, 0)
-        self._order = [entry for entry in self._order if entry[1] in self._waiting]
-        heapq.heapify(self._order)
+        if polls:  # (the attached workers keep their places)
+            self._order = [entry for entry in self._order if entry[1] in self._waiting]
+            heapq.heapify(self._order)
 
     def served(self, share: int) -> None:
         """A woken poll took what it could of its `share`: what it left goes to the next polls."""

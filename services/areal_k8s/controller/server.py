@@ -340,13 +340,24 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
     @rpc
     async def AnnounceVersion(self, request, context):
         require(request.version >= 0, f"version must be >= 0, got {request.version}")
+        new = request.restored or request.version != self.core.version  # (else a push to newcomers, announced again)
         try:
             self.core.announce_version(request.version, request.restored)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        # The new version's room, and the polls from engines behind it answered at once. The attached workers are not
-        # told: the trainer pushed the version to their engines before it announced it, and each stream says so.
-        self.polls.open_all()
+        # The engines the push reached serve it: their workers keep their places in the order (one out of it is placed
+        # again), all of them before any is served, so the order, not the names' order, chooses. They are not told:
+        # their streams need not say it either.
+        named = self.core.engines_serve(request.version, dict(request.engines))
+        for attachment in named:
+            if attachment.key is None:
+                self.polls.place(attachment, serve=False)
+        # The new version's room, and the polls from engines behind it answered at once.
+        if new:
+            self.polls.open_all()
+        else:
+            self.polls.open()
+        self.core.begin_stream_holds(named)  # those the room did not reach wait on the bound again
         await self.writer.written()
         log.info("version %d is live%s", request.version, " (restored)" if request.restored else "")
         return controller_pb2.AnnounceVersionResponse(version=self.core.version)
@@ -418,6 +429,7 @@ def worker_infos(core: ControllerCore) -> list[controller_pb2.WorkerInfo]:
             engine_ranks=w.engine_ranks,
             registered_at=w.registered_at,
             engine_dtype=w.engine_dtype,
+            incarnation=w.incarnation,
         )
         for w in sorted(core.workers.values(), key=lambda w: w.worker_id)
         if w.address  # placeholders for lease holders that have not re-registered since a restart

@@ -134,7 +134,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 timeout=context.time_remaining(),
             )
         if new_version is not None:
-            self.worker.engine_version = new_version
+            self.worker.engine_serves(new_version, request.announced)
         return _ok()
 
     @rpc

@@ -121,6 +121,9 @@ class RolloutWorker:
         # the engine's own label says (an engine reused from another run, a checkpoint the trainer resumed from): the
         # controller gives an engine behind the current version no work, and the trainer pushes to it at once.
         self.engine_version = UNKNOWN_VERSION
+        # Versions the admission stream must say: a push the trainer announces names the engine to the controller
+        # itself, so after a push to thousands of engines the controller does not hear from every worker at once.
+        self.versions_to_tell = 0
         self.engine_ranks = 1  # ranks the engine takes in the weight-update group (its tensor-parallel size)
         self.engine_dtype = ""  # the dtype the engine serves weights in: what the trainer pushes when asked for auto
         self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
@@ -321,7 +324,8 @@ class RolloutWorker:
             while not stopping.done() and not self.engine_lost:
                 self.requests.flush()
                 state = await self.state()
-                if (told := (state.slots, state.engine_version, state.engine_load)) != sent:  # not on every grant
+                # not on every grant, nor on a version the trainer announces for the engine (its state still says it)
+                if (told := (state.slots, state.engine_load, self.versions_to_tell)) != sent:
                     await stream.send_state(state)
                     sent = told
                 receiving = receiving or asyncio.ensure_future(stream.receive())
@@ -345,6 +349,12 @@ class RolloutWorker:
                 receiving.cancel()
             await stream.close()
         return False
+
+    def engine_serves(self, version: int, announced: bool) -> None:
+        """A push labelled the engine's weights `version`; `announced`: the pusher names the engine to the controller
+        when it announces the version (the trainer does), so the stream need not say it."""
+        self.engine_version = version
+        self.versions_to_tell += not announced
 
     async def state(self) -> WorkerState:
         """What the admission stream is told when it changes: the slots, the engine's version and, while a slot is

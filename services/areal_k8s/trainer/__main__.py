@@ -3,6 +3,7 @@
 import asyncio
 import logging
 import os
+from functools import partial
 
 import torch
 
@@ -65,7 +66,8 @@ def main() -> None:
             master_address=args.master_address,
             metrics=TrainerMetrics(job.name),
             world=world,
-            connect_worker=RolloutTarget if world.leads else None,  # rank 0 alone pushes and evaluates
+            # rank 0 alone pushes and evaluates; it announces every version it pushes, naming the engines
+            connect_worker=partial(RolloutTarget, announced=True) if world.leads else None,
         )
         # the ranks torchrun starts in one pod listen on the ports after the pod's (probes and scrapes see rank 0's)
         trainer.metrics.serve(args.host, spec.port_for(args.metrics_port))

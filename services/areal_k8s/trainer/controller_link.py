@@ -26,6 +26,8 @@ class WeightVersion:
     version: int
     published_at: float  # wall clock (epoch seconds)
     restored: bool  # announced by a trainer that (re)started from a checkpoint or the initial model
+    # the engines the push reached: worker id -> the incarnation it reached (the controller takes it as their version)
+    engines: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class WorkerInfo:
     engine_ranks: int = 0  # ranks its engine takes in the weight-update group, as registered (0: not said)
     registered_at: float = 0.0  # when it last registered: a restarted worker registers again
     engine_dtype: str = ""  # the dtype its engine serves weights in ("" when the worker did not say)
+    incarnation: int = 0  # its registration's
 
 
 class Controller(Protocol):

@@ -134,7 +134,6 @@ class Trainer:
                 pushed = time.monotonic()
                 record.weight_push, record.weights_verified = await self.push_weights()
                 record.pushed_at = time.time()
-                await self.announce(restored=False)
                 self.metrics.phase_seconds.labels(phase="weight_push").inc(time.monotonic() - pushed)
                 if self.evaluation_due():
                     self.phase = "evaluating"
@@ -183,9 +182,8 @@ class Trainer:
         if pending:
             log.info("reclaimed %d pending stream entries", len(pending))
         self.phase = "pushing_weights"
-        await self.push_weights()
         # (restored either way: a trainer killed before its first checkpoint restarts at 0, behind steps it reported)
-        await self.announce(restored=True)
+        await self.push_weights(restored=True)
         if checkpoint is None:
             self.phase = "evaluating"
             self.state.base_accuracy = await self.evaluate()
@@ -270,14 +268,17 @@ class Trainer:
 
     # -- weights -------------------------------------------------------------------------------------------
 
-    async def push_weights(self) -> tuple[dict, dict[str, bool]]:
-        """The current weights to every rollout engine (weights/publisher.py)."""
-        return await self.publisher.push(self.backend.named_weights_for_push, self.version)
-
-    async def announce(self, restored: bool) -> None:
+    async def push_weights(self, restored: bool = False) -> tuple[dict, dict[str, bool]]:
+        """The current weights to every rollout engine (weights/publisher.py), then the version announced with the
+        engines the push reached: every push is announced, so no worker need tell the controller its engine's
+        version (`restored`: a trainer that (re)started announces its checkpoint's version)."""
+        pushed = await self.publisher.push(self.backend.named_weights_for_push, self.version)
         await self.controller.announce_version(
-            WeightVersion(version=self.version, published_at=time.time(), restored=restored)
+            WeightVersion(
+                version=self.version, published_at=time.time(), restored=restored, engines=self.publisher.reached
+            )
         )
+        return pushed
 
     # -- evaluation and reporting --------------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ class WeightPublisher:
         self.sender: WeightSender | None = None
         self.targets: dict[str, WorkerTarget] = {}
         self.members: dict[str, tuple] = {}  # the workers the group was formed with, as registered
+        self.incarnations: dict[str, int] = {}  # their registrations' incarnations
+        self.reached: dict[str, int] = {}  # the engines the last push reached: worker id -> incarnation
         self.backoff = 0.0  # seconds to wait before pushing again after failed pushes (0: no failure)
         self.retry_at = 0.0
 
@@ -107,7 +109,7 @@ class WeightPublisher:
             pause_mode=self.job.rollout.interrupt,
         )
         await self.sender.connect(list(self.targets.values()), [wanted[wid][1] for wid in self.targets])
-        self.members = wanted
+        self.members, self.incarnations = wanted, {w.worker_id: w.incarnation for w in workers}
         log.info("weight-update group: %s", ", ".join(self.targets))
 
     async def push(self, weights_for: WeightsFor, version: int) -> tuple[dict, dict[str, bool]]:
@@ -115,7 +117,9 @@ class WeightPublisher:
 
         A push that fails twice (a worker died and its replacement is not up yet, or an engine hangs) returns empty:
         the group is dropped, the controller gives engines behind the current version no work, and they get the
-        weights once `retry_due` and the trainer pushes again."""
+        weights once `retry_due` and the trainer pushes again. `reached` names the engines the push reached (the
+        trainer's announcement names them)."""
+        self.reached = {}
         for attempt in (1, 2):
             try:
                 await self.refresh()
@@ -138,7 +142,7 @@ class WeightPublisher:
                     self.retry_at = time.monotonic() + self.backoff
                     return {}, {}
                 await asyncio.sleep(1.0)
-        self.backoff = 0.0
+        self.backoff, self.reached = 0.0, dict(self.incarnations)
         verified = await self.verify(weights_for, version) if self.job.trainer.verify_weight_sync else {}
         return asdict(stats), verified
 
@@ -155,4 +159,4 @@ class WeightPublisher:
             await self.sender.close()
         for target in self.targets.values():
             await target.close()
-        self.sender, self.targets, self.members = None, {}, {}
+        self.sender, self.targets, self.members, self.incarnations = None, {}, {}, {}

@@ -23,10 +23,13 @@ class WeightTargetError(RuntimeError):
 
 
 class RolloutTarget(WorkerTarget):
-    """`timeout` bounds the control calls (pause, continue, destroy, checksum); weight operations bring their own."""
+    """`timeout` bounds the control calls (pause, continue, destroy, checksum); weight operations bring their own.
+    `announced`: the pusher names this engine when it announces each version it labels (the trainer's publisher
+    does), so the worker need not tell the controller its engine's new version."""
 
-    def __init__(self, worker_id: str, address: str, timeout: float = 60.0):
+    def __init__(self, worker_id: str, address: str, timeout: float = 60.0, *, announced: bool = False):
         self.worker_id = worker_id
+        self.announced = announced
         self.address = address
         self.timeout = timeout
         self._channel = channel(address)
@@ -84,7 +87,7 @@ class RolloutTarget(WorkerTarget):
             load_format=load_format or "",
         )
         if weight_version is not None:
-            request.weight_version = int(weight_version)
+            request.weight_version, request.announced = int(weight_version), self.announced
         await self._call(
             self.stub.UpdateWeightsFromDistributed, request, timeout=(timeout or self.timeout) + GRPC_MARGIN
         )
