@@ -16,6 +16,7 @@ they agree. Needs a quiet machine: wall times are figures.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -77,7 +78,7 @@ def episode_outcomes(run_dir: Path) -> dict[str, int]:
     for log in sorted((run_dir / "logs").glob("agent-*.log")):
         tallies = TALLY.findall(log.read_text())
         if tallies:
-            total.update(json.loads(tallies[-1].replace("'", '"')))
+            total.update(ast.literal_eval(tallies[-1]))  # (a dict's repr, as the runner logs it)
     return dict(total)
 
 

@@ -1,6 +1,6 @@
 """How bench/control_plane_load.py measures (each process's CPU share and run-queue wait over the measured window,
-nearest-rank percentiles and their spread, workers connected in waves) and the floor it measures against: the workers' held polls
-against a Controller servicer that does nothing else, gRPC's own cost a poll.
+nearest-rank percentiles and their spread, workers connected in waves) and the floor it measures against: the
+workers' held polls against a Controller servicer that does nothing else, gRPC's own cost a poll.
 """
 
 from __future__ import annotations

@@ -43,12 +43,22 @@ def evaluate(node: ast.AST) -> float:
     raise ValueError("not arithmetic")
 
 
-def calculator(arguments: str) -> str:
+def calculate(expression: str) -> str:
+    """The tool's answer to an expression: its value (an integer without ".0"), or "error"."""
     try:
-        value = evaluate(ast.parse(json.loads(arguments)["expression"], mode="eval"))
-    except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError):
+        value = evaluate(ast.parse(expression, mode="eval"))
+    except (ValueError, TypeError, SyntaxError, ZeroDivisionError):
         return "error"
     return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def calculator(arguments: str) -> str:
+    """A calculator tool call's answer, from its JSON arguments."""
+    try:
+        expression = json.loads(arguments)["expression"]
+    except (ValueError, KeyError, TypeError):
+        return "error"
+    return calculate(expression)
 
 
 def play(client: openai.OpenAI, model: str, prompt: str) -> None:

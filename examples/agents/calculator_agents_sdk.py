@@ -12,7 +12,6 @@ Served (AREAL_AGENT_MODE=serve, as the job runs it): one run plays the episodes 
 answers each with a line on stdout; else one episode from OPENAI_BASE_URL, OPENAI_API_KEY and AREAL_EPISODE_PROMPT.
 """
 
-import ast
 import asyncio
 import contextlib
 import json
@@ -21,7 +20,7 @@ import sys
 
 import openai
 from agents import Agent, MaxTurnsExceeded, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-from calculator import evaluate  # the plain example's arithmetic-only evaluator, beside this file
+from calculator import calculate  # the plain example's arithmetic-only calculator, beside this file
 
 MAX_CALLS = 4
 
@@ -29,11 +28,7 @@ MAX_CALLS = 4
 @function_tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression."""
-    try:
-        value = evaluate(ast.parse(expression, mode="eval"))
-    except (ValueError, TypeError, SyntaxError, ZeroDivisionError):
-        return "error"
-    return str(int(value)) if float(value).is_integer() else str(value)
+    return calculate(expression)
 
 
 async def play(client: openai.AsyncOpenAI, model: str, prompt: str) -> None:
