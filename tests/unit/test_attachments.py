@@ -96,6 +96,30 @@ def test_the_engines_an_announcement_names_serve_its_version_without_a_word_from
     assert quiet.engine_version == 1
 
 
+def test_a_hello_read_before_the_push_cannot_take_back_the_version_an_announcement_gave_its_engine():
+    """The worker registered (after a controller restart, say), the trainer pushed to it and announced the version
+    naming it before its stream's hello, read before the push, arrived: the engine serves the version, and gets its
+    room. A new registration starts from what its worker says."""
+    core = make_core(items=20)  # B 2, η 1: room for 4 groups at version 0, 6 at version 1, 8 at version 2
+    polls = order_of(core)
+    holder, _ = attached(core, polls, "holder", slots=6)
+    assert len(granted(holder)) == 4
+    for group in ("g0", "g1", "g2", "g3"):
+        core.complete(group, "accepted")
+    core.register("late", "127.0.0.1:2", 0)
+    pushed = {"late": core.workers.get("late").incarnation}
+    for version in (1, 2):
+        core.announce_version(version, restored=False)
+        assert core.engines_serve(version, pushed) == []  # not attached yet
+    late, _ = attached(core, polls, "late", slots=2, version=0)  # its hello, read at version 0
+    assert late.engine_version == 2 and len(granted(late)) == 2
+    core.complete("g4", "accepted")
+    core.complete("g5", "accepted")
+    core.register("late", "127.0.0.1:2", 0)  # a new process: its engine's version is its own word
+    again, _ = attached(core, polls, "late", slots=2, version=0)
+    assert again.engine_version == 0 and granted(again) == []
+
+
 def test_an_attached_worker_is_live_without_calling_and_loses_its_leases_a_lease_after_its_stream_closes():
     clock = Clock()
     core = make_core(clock=clock, items=20)

@@ -61,6 +61,10 @@ class Attachments:
         if (earlier := self.attachments.get(worker_id)) is not None:
             self.detach(earlier)
         incarnation = incarnation or worker.incarnation
+        if incarnation == worker.incarnation:
+            # A hello read before a push can arrive after the announcement naming the engine (as a state can, in
+            # update_stream): within a registration the engine's version only grows.
+            engine_version = max(engine_version, worker.engine_version)
         attachment = Attachment(worker_id, incarnation, slots, engine_version, engine_load, notify)
         attachment.take = lambda share: self.grant_stream(attachment, share)
         attachment.wanted = lambda: self.stream_room(attachment)
