@@ -6,7 +6,6 @@ time, and the staleness of what it trained."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import urllib.request
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areal_k8s.cli.launcher import LocalRun
+from areal_k8s.cli.measurements import process_cpu_seconds
 from areal_k8s.cli.report import read_steps, started_at
 from areal_k8s.common.config import JobConfig
 from areal_k8s.cpu_engine.decoding import DecodeBatch
@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # (job, [(version, training seconds at its end)]) -> [(training seconds, held-out accuracy)], from version 0
 Evaluator = Callable[[JobConfig, list[tuple[int, float]]], list[tuple[float, float]]]
 ENGINES = 2  # one single-threaded engine per core, in both modes: processes scale better than intra-op threads
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -79,25 +78,8 @@ class CpuMeter:
         self.seconds: dict[str, float] = {}
 
     def sample(self) -> None:
-        table: dict[int, tuple[int, float]] = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            table[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-        children: dict[int, list[int]] = {}
-        for pid, (parent, _) in table.items():
-            children.setdefault(parent, []).append(pid)
-        for service in self.local.services:
-            if service.process.poll() is not None:
-                continue
-            total, stack = 0.0, [service.process.pid]
-            while stack:
-                pid = stack.pop()
-                total += table.get(pid, (0, 0.0))[1]
-                stack += children.get(pid, [])
-            self.seconds[service.name] = max(self.seconds.get(service.name, 0.0), total)
+        for name, seconds in process_cpu_seconds(self.local.live_pids()).items():
+            self.seconds[name] = max(self.seconds.get(name, 0.0), seconds)
 
 
 class EngineSampler:

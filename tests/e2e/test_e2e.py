@@ -131,6 +131,30 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         logged = {event.step: event.value for event in events.Scalars(key)}
         assert logged == pytest.approx({s["version"]: s[field] for s in steps}, rel=1e-6), key
 
+    # the simulator calibrated on the run: the engines' counters it recorded each second, its steps and CPU, fitted
+    # (`arealctl calibrate`), then the job run synchronously instead, simulated under that calibration
+    measured = [json.loads(line) for line in (run.run_dir / "measurements.jsonl").read_text().splitlines()]
+    assert len(measured) >= 5 and all(len(m["engines"]) == 2 for m in measured[-3:])
+    assert all(any(name in m["cpu"] for m in measured) for name in ("trainer", "rollout-0", "engine-1", "controller"))
+    arealctl = [sys.executable, "-m", "areal_k8s.cli.main"]
+    fitted = subprocess.run([*arealctl, "calibrate", str(run.run_dir)], capture_output=True, text=True)
+    assert fitted.returncode == 0, fitted.stderr
+    calibration = json.loads((run.run_dir / "calibration.json").read_text())
+    engine = calibration["engine"]
+    assert engine["windows"] >= 4 and engine["step_base_seconds"] + engine["step_per_sequence_seconds"] > 0
+    assert calibration["train_seconds_per_token"] > 0 and calibration["response"]["mean"] > 0
+    sync = subprocess.run(
+        [*arealctl, "simulate", "--calibrate", str(run.run_dir), "--set", "algorithm.max_staleness=0"],
+        capture_output=True,
+        text=True,
+    )
+    assert sync.returncode == 0, sync.stderr
+    simulated = json.loads(sync.stdout)
+    assert str(run.run_dir) in simulated["calibration"] and simulated["steps"] == 5
+    assert simulated["staleness_counts"][1:] == [] or not any(simulated["staleness_counts"][1:])  # η = 0
+    refused = subprocess.run([*arealctl, "calibrate", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "job.yaml" in refused.stderr
+
 
 @pytest.mark.parametrize(
     "backend",

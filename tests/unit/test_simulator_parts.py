@@ -65,6 +65,26 @@ def test_a_full_cache_retracts_the_least_advanced_sequences_and_they_finish_late
     assert unbounded.retractions == 0 and engine.clock > unbounded.clock  # retracting costs time
 
 
+def test_an_engine_runs_at_most_its_running_requests_and_the_rest_wait_their_turn():
+    """SGLang's --max-running-requests (the CPU engine's max_batch_size): sequences past it wait, join as others
+    finish, and every one finishes; the batch it caps decodes fewer tokens a step, and its capacity says so."""
+    capped = Engine("capped", EngineCost(**COST, max_running_requests=3), 0, 100.0)
+    capped.add_group("a", [Sequence("a", 10, n) for n in (5, 50, 50, 50, 50, 50, 50)])
+    assert capped.running == 3 and len(capped.waiting) == 4
+    done, most = {}, 0
+    while capped.batch or capped.waiting:
+        most = max(most, capped.running)
+        done |= dict(capped.apply(capped.walk()))
+    assert most == 3 and len(done["a"]) == 7 and capped.decoded == 5 + 6 * 50
+    free = Engine("free", EngineCost(**COST), 0, 100.0)
+    free.add_group("a", [Sequence("a", 10, n) for n in (5, 50, 50, 50, 50, 50, 50)])
+    assert free.running == 7
+    drain(free)
+    assert capped.clock > free.clock  # seven at once amortize the step's base cost; three at a time do not
+    rate = capacity_rate(EngineCost(**COST, max_running_requests=3), 100.0)
+    assert math.isclose(rate, 3 / (0.01 + 1e-4 * 3 + 1e-7 * 300))
+
+
 def test_busy_is_decoded_tokens_over_the_kv_limited_capacity():
     """An engine holding one sequence is nowhere near busy; one whose cache is nearly full nearly is."""
     cost = EngineCost(**COST, prefill_per_token_seconds=1e-7, kv_capacity_tokens=200_000, kv_reserve_tokens=0)

@@ -30,6 +30,7 @@ from areal_k8s.cli.commands import (
     rollout_command,
     trainer_command,
 )
+from areal_k8s.cli.measurements import RunMeasurements
 from areal_k8s.cli.monitor import LocalPrometheus, MetricsRecorder
 from areal_k8s.cli.rebalance import LocalRebalancer, TrainerMoveRefused
 from areal_k8s.cli.run_files import write_endpoints
@@ -190,6 +191,7 @@ class LocalRun:
         self.services: list[Service] = []
         self.started_at = time.time()
         self.recorder: MetricsRecorder | None = None
+        self.measurements: RunMeasurements | None = None  # the engines' counters and the services' CPU, each second
         self.prometheus: LocalPrometheus | None = None
         self.taken_ports: set[int] = set()
         # the token the run's agent runners claim episodes with, from its rollout workers' gateways only
@@ -258,6 +260,7 @@ class LocalRun:
             gateways=[address() for _ in range(workers)] if self.job.rollout.workflow == "agent" else [],
         )
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
+        self.measurements = RunMeasurements(self.run_dir)
         if prometheus:
             self.start_prometheus(ends, prometheus)
         write_endpoints(self.run_dir, ends, prometheus=self.prometheus and self.prometheus.url)
@@ -420,6 +423,8 @@ class LocalRun:
                 trainer_done = all(s.exit_code == 0 for s in self.services if trainer_world(s.name))
                 if self.recorder:
                     self.recorder.tick()
+                if self.measurements:
+                    self.measurements.sample(self.endpoints.engines, self.live_pids())
                 try:
                     status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
                     self.last_status = status
@@ -445,6 +450,9 @@ class LocalRun:
                         f"the job did not complete within {timeout:.0f}s (step {status.version}/{status.total_steps})"
                     )
                 time.sleep(poll)
+
+    def live_pids(self) -> dict[str, int]:
+        return {s.name: s.process.pid for s in self.services if s.process is not None and s.process.poll() is None}
 
     def current_status(self) -> controller_pb2.JobStatus | None:
         """The job's status now if the controller answers, else the last one `wait` saw."""

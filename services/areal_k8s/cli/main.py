@@ -219,13 +219,56 @@ def cmd_manifests(args) -> int:
     return 0
 
 
-def cmd_simulate(args) -> int:
+def cmd_calibrate(args) -> int:
     from pathlib import Path
 
-    from areal_k8s.simulator.model import simulate
+    from areal_k8s.cli.calibrate import calibrate
+    from areal_k8s.simulator.run_calibration import RunCalibrationError
+
+    try:
+        calibration = calibrate(Path(args.run_dir), args.cores)
+    except RunCalibrationError as exc:
+        return fail(f"cannot calibrate on {args.run_dir}: {exc}", EXIT_INVALID)
+    measured, simulated = calibration["measured"], calibration["self_check"]
+    print(json.dumps({k: calibration[k] for k in ("engine", "response", "completion_seconds", "completion_fitted")}))
+    print(
+        f"the run measured {measured['samples_per_second']:.1f} samples/s, trainer idle "
+        f"{measured['trainer_idle']:.1%}; "
+        f"simulated under its calibration: {simulated['samples_per_second']:.1f} samples/s, trainer idle "
+        f"{simulated['trainer_idle']:.1%}"
+    )
+    print(f"calibration: {Path(args.run_dir) / 'calibration.json'}", file=sys.stderr)
+    return 0
+
+
+def chosen_scenario(args):
+    """The scenario file given, or the job of the run given with --calibrate under its calibration (and --set);
+    JobFileError with one readable line otherwise."""
+    from pathlib import Path
+
+    from areal_k8s.simulator.run_calibration import RunCalibrationError
     from areal_k8s.simulator.scenario import load_scenario
 
-    result = simulate(load_scenario(Path(args.scenario), args.row))
+    if (args.scenario is None) == (args.calibrate is None):
+        raise JobFileError("give a scenario file or --calibrate RUN_DIR (one of them)")
+    overrides = getattr(args, "set", [])
+    if args.calibrate is None:
+        if overrides:
+            raise JobFileError("--set changes the job of a calibrated run (--calibrate RUN_DIR); edit a scenario file")
+        return load_scenario(Path(args.scenario), args.row)
+    from areal_k8s.cli.calibrate import calibrated_scenario, load_calibration, run_job
+
+    try:
+        return calibrated_scenario(load_calibration(Path(args.calibrate)), run_job(Path(args.calibrate), overrides))
+    except RunCalibrationError as exc:
+        raise JobFileError(f"cannot calibrate on {args.calibrate}: {exc}") from None
+
+
+def cmd_simulate(args) -> int:
+    from areal_k8s.simulator.model import simulate
+
+    scenario = chosen_scenario(args)
+    result = simulate(scenario)
     print(
         json.dumps(
             {
@@ -240,12 +283,9 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from pathlib import Path
-
     from areal_k8s.simulator.plan import expected_error, plan, recommend
-    from areal_k8s.simulator.scenario import load_scenario
 
-    scenario = load_scenario(Path(args.scenario), args.row)
+    scenario = chosen_scenario(args)
     runs = plan(scenario, args.steps)
     print(
         f"simulated: each static split of the scenario's budget ({min(args.steps, scenario.job.total_steps)} steps), "
@@ -455,10 +495,34 @@ def parser() -> argparse.ArgumentParser:
         [("arealctl simulate examples/scenario-long-tail.yaml", "its figures, splits and decisions as JSON")],
     )
     simulate.add_argument(
-        "scenario", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer"
+        "scenario", nargs="?", help="scenario file (YAML): the job's shape, the split, costs, lengths, rebalancer"
     )
     simulate.add_argument("--row", help="in a file of rows (one parameter set, several setups): the row to simulate")
+    simulate.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="instead of a scenario: the job of a local run, on this machine, under costs fitted to what the run "
+        "measured (RUN_DIR/calibration.json, fitted first if absent); --set changes the job (η, B, workers)",
+    )
+    add_overrides(simulate)
     simulate.set_defaults(func=cmd_simulate)
+
+    calibrate = command(
+        sub,
+        "calibrate",
+        "fit the simulator's costs to what a local run measured (its engines' counters, steps and CPU), into "
+        "RUN_DIR/calibration.json",
+        [
+            ("arealctl calibrate runs/demo", "fit, write runs/demo/calibration.json, compare the run with itself"),
+            (
+                "arealctl simulate --calibrate runs/demo --set algorithm.max_staleness=0",
+                "then: the same job synchronously, simulated",
+            ),
+        ],
+    )
+    calibrate.add_argument("run_dir", help="a local run's directory (runs/NAME), with 3 or more steps")
+    calibrate.add_argument("--cores", type=float, help="CPU cores the run's services shared (default: this machine's)")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     plan = command(
         sub,
@@ -474,7 +538,13 @@ def parser() -> argparse.ArgumentParser:
             ),
         ],
     )
-    plan.add_argument("scenario", help="scenario file (YAML)")
+    plan.add_argument("scenario", nargs="?", help="scenario file (YAML)")
+    plan.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="instead of a scenario: the job of a local run on this machine, under costs fitted to what the run "
+        "measured (arealctl calibrate); the splits tried are 1 to as many rollout workers as cores, one trainer",
+    )
     plan.add_argument(
         "--steps", type=int, default=40, help="steps to simulate each candidate for (default 40, at most the job's)"
     )

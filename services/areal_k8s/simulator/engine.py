@@ -93,13 +93,20 @@ def prefill_seconds(cost: EngineCost, context: int) -> float:
 
 
 def capacity_rate(cost: EngineCost, mean_context: float) -> float:
-    """Tokens a second the engine decodes with its cache full of sequences of `mean_context` tokens (its KV-limited
-    batch); without a cache bound, the limit of an ever larger batch."""
-    if cost.kv_capacity_tokens is None:
+    """Tokens a second the engine decodes with its batch full (its cache full of sequences of `mean_context`
+    tokens, or `max_running_requests` of them, whichever binds); with neither bound, the limit of an ever larger
+    batch."""
+    rows, full = cost.max_running_requests, cost.kv_capacity_tokens
+    if full is not None and (rows is None or rows >= full / (mean_context + cost.kv_reserve_tokens)):
+        batch = full / (mean_context + cost.kv_reserve_tokens)
+        attended = full
+    elif rows is not None:
+        batch, attended = rows, rows * mean_context
+    else:
         return 1 / (cost.step_per_sequence_seconds + cost.step_per_context_token_seconds * mean_context)
-    full = cost.kv_capacity_tokens
-    batch = full / (mean_context + cost.kv_reserve_tokens)
-    step = cost.step_base_seconds + cost.step_per_sequence_seconds * batch + cost.step_per_context_token_seconds * full
+    step = (
+        cost.step_base_seconds + cost.step_per_sequence_seconds * batch + cost.step_per_context_token_seconds * attended
+    )
     return batch / step
 
 
@@ -152,7 +159,10 @@ class Engine:
         return tokens / (self.cost.kv_capacity_tokens or 1)
 
     def fits(self, context: int, used: int, n: int) -> bool:
-        cap = self.cost.kv_capacity_tokens
+        """Can a sequence of `context` tokens join `n` running ones holding `used` (its rows, then its cache)?"""
+        rows, cap = self.cost.max_running_requests, self.cost.kv_capacity_tokens
+        if rows is not None and n >= rows:
+            return False
         return cap is None or used + context + self.cost.kv_reserve_tokens * (n + 1) <= cap
 
     # -- changes from outside ------------------------------------------------------------------------------

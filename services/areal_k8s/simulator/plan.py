@@ -117,6 +117,13 @@ def expected_error(scenario: Scenario) -> str:
         return "expected error: unknown (the scenario names no validation; its figures are uncalibrated estimates)"
     try:
         x = json.loads(path.read_text())["expected_error"]
+        if "samples_per_second_median" in x:  # a calibration's, validated on real runs (bench/calibrate.py)
+            return (
+                f"expected error: samples/s ±{x['samples_per_second_median']:.0%} (median), "
+                f"±{x['samples_per_second_worst']:.0%} (worst); trainer idle ±{100 * x['trainer_idle_worst']:.0f} "
+                f"points, staleness distribution {100 * x['staleness_worst']:.0f} points (worst), from the "
+                f"{x['from']}, {path.name}"
+            )
         return (
             f"expected error: hours ±{x['hours_median']:.0%} (median), ±{x['hours_worst']:.0%} (worst); sync/async "
             f"ratio ±{x['ratio_worst']:.0%} (worst), from the {x['from']}, {path.name}"

@@ -39,8 +39,9 @@ class EngineCost(_Part):
     """One decode step of an engine's continuous batch costs step_base + step_per_sequence × sequences +
     step_per_context_token × the tokens the sequences attend to; a sequence joining the batch first costs the
     prefill of its context C: prefill_per_token·C + prefill_per_square_token·C². The batch lives in a KV cache of
-    `kv_capacity_tokens` (none: unbounded) with `kv_reserve_tokens` of room kept per running sequence
-    (simulator/engine.py).
+    `kv_capacity_tokens` (none: unbounded) with `kv_reserve_tokens` of room kept per running sequence, and holds at
+    most `max_running_requests` sequences (SGLang's --max-running-requests, the CPU engine's max_batch_size; none:
+    as many as the cache holds); the others wait (simulator/engine.py).
 
     In a scenario file, `measured: PATH` (relative to the file) takes the four step and prefill costs from a GPU
     check's results (scripts/gpu_check.py, bench/results/gpu_check.json); costs written beside it override them."""
@@ -52,6 +53,7 @@ class EngineCost(_Part):
     prefill_per_square_token_seconds: Annotated[float, Field(ge=0)] = 0.0
     kv_capacity_tokens: Annotated[int, Field(ge=1)] | None = None
     kv_reserve_tokens: Annotated[int, Field(ge=0)] = 0
+    max_running_requests: Annotated[int, Field(ge=1)] | None = None
     start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
     threads: Annotated[int, Field(ge=1)] = 1  # CPU threads one engine keeps busy (with `cores`: CPU contention)
 
@@ -182,6 +184,7 @@ class Scenario(_Part):
     # `expected_error`), which `arealctl plan` prints; none: the error is unknown
     validation: str | None = None
     _measured: str | None = PrivateAttr(default=None)  # the GPU check's results the engine's costs were read from
+    _calibrated_on: str | None = PrivateAttr(default=None)  # the run whose measurements the costs were fitted to
     _validation_path: Path | None = PrivateAttr(default=None)  # `validation`, resolved against the file
 
     @model_validator(mode="after")
@@ -240,7 +243,9 @@ class Scenario(_Part):
 
     def calibration(self) -> str:
         """What the costs rest on, in words every simulated figure carries."""
-        if self._measured is not None:
+        if self._calibrated_on is not None:
+            basis = f"costs calibrated on the run in {self._calibrated_on} (its engines' counters, steps and CPU)"
+        elif self._measured is not None:
             basis = f"engine costs measured by a GPU check ({self._measured})"
         elif self.gpu is not None:
             basis = (

@@ -1,0 +1,97 @@
+"""`arealctl calibrate RUN_DIR` and `--calibrate RUN_DIR` of simulate and plan: the simulator fitted to what a local
+run measured (simulator/run_calibration.py), kept in RUN_DIR/calibration.json, and any variant of the run's job
+(another η, B or number of rollout workers: `--set`) simulated under it."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+from areal_k8s.cli.measurements import read_measurements
+from areal_k8s.cli.report import ReportError, read_steps, started_at
+from areal_k8s.common.config import JobConfig, load_job_file
+from areal_k8s.common.prompts import encode_prompt, load_tokenizer
+from areal_k8s.data.dataset import load_dataset
+from areal_k8s.simulator.model import simulate
+from areal_k8s.simulator.run_calibration import RunCalibrationError, fit_completion, run_costs, scenario_for
+from areal_k8s.simulator.scenario import Scenario
+
+CALIBRATION_FILE = "calibration.json"
+# the calibration's validation on real runs (bench/calibrate.py), in a source checkout; an installed package has none
+VALIDATION = Path(__file__).resolve().parents[3] / "bench" / "results" / "calibration.json"
+PROMPTS_MEASURED = 256  # dataset items tokenized for the prompts' mean length
+
+
+def run_job(run_dir: Path, overrides: list[str] | None = None) -> JobConfig:
+    """The job the run ran (RUN_DIR/job.yaml, as `arealctl run` wrote it), with `overrides` (KEY=VALUE) laid on."""
+    path = Path(run_dir) / "job.yaml"
+    if not path.is_file():
+        raise RunCalibrationError(f"{run_dir}: no job.yaml (is it the run directory of an `arealctl run`?)")
+    return load_job_file(path, overrides=overrides or ())
+
+
+def prompt_tokens(job: JobConfig) -> int:
+    tokenizer = load_tokenizer(job.tokenizer_path)
+    items = load_dataset(job.dataset.train)[:PROMPTS_MEASURED]
+    return round(statistics.fmean(len(encode_prompt(tokenizer, i.prompt, job.rollout.prompt_template)) for i in items))
+
+
+def calibrate(run_dir: Path, cores: float | None = None) -> dict:
+    """Fit the simulator to the run and write RUN_DIR/calibration.json; returns what it wrote. The run itself,
+    simulated under its own calibration, is compared with what it measured (`self_check`)."""
+    run_dir = Path(run_dir)
+    job = run_job(run_dir)
+    try:
+        steps = read_steps(run_dir)
+    except ReportError as exc:
+        raise RunCalibrationError(str(exc)) from None
+    costs = run_costs(steps, read_measurements(run_dir), started_at, job.trainer.threads)
+    cores = cores or os.cpu_count() or 1
+    prompts = prompt_tokens(job)
+    completion, fitted = fit_completion(job, costs, prompts, cores, simulate)
+    calibration = {
+        "run_dir": str(run_dir),
+        "cores": cores,
+        "prompt_tokens": prompts,
+        "completion_seconds": completion,
+        "completion_fitted": fitted,
+        **costs,
+    }
+    calibration["self_check"] = predict(calibration, job)
+    (run_dir / CALIBRATION_FILE).write_text(json.dumps(calibration, indent=1) + "\n")
+    return calibration
+
+
+def load_calibration(run_dir: Path) -> dict:
+    """The run's calibration.json, fitted now if the run has none."""
+    path = Path(run_dir) / CALIBRATION_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    return calibrate(run_dir)
+
+
+def calibrated_scenario(calibration: dict, job: JobConfig) -> Scenario:
+    scenario = scenario_for(
+        job,
+        calibration,
+        calibration["completion_seconds"],
+        calibration["prompt_tokens"],
+        calibration["cores"],
+        run=calibration["run_dir"],
+    )
+    if VALIDATION.is_file():
+        scenario.validation, scenario._validation_path = str(VALIDATION), VALIDATION
+    return scenario
+
+
+def predict(calibration: dict, job: JobConfig) -> dict:
+    """The figures a run of `job` would measure, simulated under the calibration (compared as the run's are)."""
+    figures = simulate(calibrated_scenario(calibration, job)).figures()
+    counts = figures["staleness_counts"]
+    return {
+        "samples_per_second": figures["samples_per_second"],
+        "trainer_idle": figures["trainer_idle"],
+        "staleness": [n / sum(counts) for n in counts] if sum(counts) else [],
+    }
