@@ -152,6 +152,17 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     simulated = json.loads(sync.stdout)
     assert str(run.run_dir) in simulated["calibration"] and simulated["steps"] == 5
     assert simulated["staleness_counts"][1:] == [] or not any(simulated["staleness_counts"][1:])  # η = 0
+    # a calibration fitted on fewer steps than the run now has (it trained on after `--resume`) is fitted again; plan
+    # tries the splits under it and says what it rests on and how far off it is expected to be
+    calibration["measured"]["steps"] = 4
+    (run.run_dir / "calibration.json").write_text(json.dumps(calibration))
+    planned = subprocess.run([*arealctl, "plan", "--calibrate", str(run.run_dir)], capture_output=True, text=True)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads((run.run_dir / "calibration.json").read_text())["measured"]["steps"] == 5
+    lines = planned.stdout.splitlines()
+    assert any(line.startswith("calibration: ") and str(run.run_dir) in line for line in lines), planned.stdout
+    assert any(line.startswith("expected error: ") for line in lines), planned.stdout
+    assert [line.split()[:2] for line in lines if line.split()[:1] == ["1"]] == [["1", "1"]], planned.stdout
     refused = subprocess.run([*arealctl, "calibrate", str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "job.yaml" in refused.stderr
 

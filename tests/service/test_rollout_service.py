@@ -320,6 +320,45 @@ async def test_a_group_whose_outcome_a_newer_incarnation_made_stale_ends_quietly
         assert core.leases.held_by("w0") == [] and core.requeued == requeued  # the refused outcome changed nothing
 
 
+async def test_an_outcome_refused_while_the_worker_registers_again_is_reported_under_its_new_registration(
+    redis_url, unused_tcp_port
+):
+    """The controller restarted (its state restored: the worker's lease kept, the worker not yet back) and the worker
+    registers again while a group of its ends: the outcome, sent under the old registration, reaches the controller
+    after the new one and is refused as superseded, by this very process. It is reported again under the new
+    registration and settles the lease, which was left running for good (the trainer of an e2e run then waited on a
+    group it had trained)."""
+    from areal_k8s.rollout.controller_link import GroupOutcome, Result
+
+    items = [DatasetItem(id="p0", prompt="1+1=", reference="2", verifier="addition")]
+    before = ControllerCore(JOB, items, lease_seconds=60)
+    before.register("w0", "127.0.0.1:9", 0, 1, "")
+    [admitted] = before.acquire("w0", 1, 0)
+    restored = ControllerCore(JOB, items, lease_seconds=60)
+    restored.restore(before.durable_state())
+    async with worker_of_a_served_controller(restored, redis_url, unused_tcp_port) as worker:
+        worker.incarnation = before.workers["w0"].incarnation  # the registration of before the restart
+        answered, register = asyncio.Event(), worker.controller.register
+
+        async def register_answered_late(registration: Registration) -> int:
+            incarnation = await register(registration)  # the controller took it...
+            await answered.wait()  # ...and its answer is still on its way to the worker
+            return incarnation
+
+        worker.controller.register = register_answered_late
+        registering = asyncio.create_task(worker.register())
+        while not restored.workers.is_live("w0"):
+            await asyncio.sleep(0.01)
+        requeued = restored.requeued
+        reporting = asyncio.create_task(worker.report([GroupOutcome(admitted.lease.group_id, Result.REQUEUED)]))
+        await asyncio.sleep(0.2)  # sent under the old registration
+        answered.set()
+        await asyncio.wait_for(asyncio.gather(registering, reporting), timeout=30)
+
+        assert worker.incarnation == restored.workers["w0"].incarnation != before.workers["w0"].incarnation
+        assert restored.leases.held_by("w0") == [] and restored.requeued == requeued + 1
+
+
 async def test_a_worker_stops_generating_a_group_the_controller_settled_without_it(redis_url, unused_tcp_port):
     """A group the worker holds that is no longer leased to it (its lease expired, or the other copy of a backed-up
     group was written first) comes back in the poll's `revoked`: the worker cancels its task, whose write would be

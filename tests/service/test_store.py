@@ -1,5 +1,7 @@
 """The trajectory store against a real Redis server."""
 
+import asyncio
+
 import pytest
 
 from areal_k8s.common.config import Staleness
@@ -286,3 +288,26 @@ async def test_a_state_write_onto_a_store_that_went_back_in_time_is_refused_and_
     assert await store.client.hkeys(store.keys.controller_leases) == [b"g1"]  # what it held before is gone
     assert await store.client.smembers(store.keys.controller_lost) == {b"g0"}
     assert await store.client.hlen(store.keys.controller_accepted) == 0
+
+
+class OutstandingForGood:
+    """A controller whose lease of group `a` is never settled (its outcome was lost)."""
+
+    async def outstanding(self, waited_on=()) -> dict[str, int]:
+        return {"a": 0}
+
+
+async def test_a_group_the_trainer_took_never_holds_a_batch_whatever_its_lease_still_says(store):
+    """Under `strict` the trainer waits for a running group whose deadline comes first, but not for one it has taken
+    already: its lease left unsettled at the controller, it is generating nowhere."""
+    from areal_k8s.trainer.step.batching import BatchAssembler
+
+    assembler = BatchAssembler(
+        store, "trainer-0", OutstandingForGood(), batch_size=1, group_size=2, staleness=Staleness(1)
+    )
+    await store.ensure_consumer_group()
+    await store.write_group([trajectory("a", i, [0]) for i in range(2)])
+    [first] = await asyncio.wait_for(assembler.next_batch(version=0), timeout=30)
+    await store.write_group([trajectory("b", i, [1], ticket=1) for i in range(2)])
+    [second] = await asyncio.wait_for(assembler.next_batch(version=1), timeout=30)
+    assert (first.group_id, second.group_id) == ("a", "b")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_k8s.common.config import JobFileError
-from areal_k8s.simulator.model import simulate
+from areal_k8s.simulator.model import Simulation, simulate
 from areal_k8s.simulator.plan import plan, recommend, static_splits
 from areal_k8s.simulator.scenario import Scenario, load_scenario
 
@@ -33,12 +33,18 @@ def scenario(**parts) -> Scenario:
 
 
 @settings(max_examples=25, deadline=None)
-@given(eta=st.integers(0, 4), engines=st.integers(1, 6), sigma=st.floats(0, 1.2), seed=st.integers(0, 1000))
-def test_every_step_trains_a_full_batch_and_no_sample_is_older_than_eta(eta, engines, sigma, seed):
+@given(
+    eta=st.integers(0, 4),
+    engines=st.integers(1, 6),
+    sigma=st.floats(0, 1.2),
+    seed=st.integers(0, 1000),
+    backups=st.booleans(),
+)
+def test_every_step_trains_a_full_batch_and_no_sample_is_older_than_eta(eta, engines, sigma, seed, backups):
     result = simulate(
         scenario(
             seed=seed,
-            job={"max_staleness": eta},
+            job={"max_staleness": eta, "backup_stragglers": backups},
             split={"rollout": engines},
             workload={"response": {"mean": 200, "sigma": sigma, "max": 2000}},
         )
@@ -46,6 +52,37 @@ def test_every_step_trains_a_full_batch_and_no_sample_is_older_than_eta(eta, eng
     assert result.steps == 30 and result.samples == 30 * 8 * 4
     assert sum(result.staleness_counts) == result.samples
     assert len(result.staleness_counts) <= eta + 1  # the real admission rule and batch choice keep η
+
+
+def recording(add, written: list[str]):
+    """The simulated trainer's `add`, noting each group that enters the stream."""
+
+    def add_and_note(group_id: str, *rest) -> None:
+        written.append(group_id)
+        add(group_id, *rest)
+
+    return add_and_note
+
+
+def test_the_stragglers_the_trainer_waits_on_are_backed_up_and_each_group_is_trained_once():
+    """job.backup_stragglers, as the controller runs it (controller/backups.py): the trainer names the running groups
+    it waits on, another engine generates each again, the copy finished first enters the stream and the other stops;
+    off, none is backed up."""
+    tail = {"response": {"mean": 200, "sigma": 1.4, "max": 4000}}
+    runs = {}
+    for backups in (False, True):
+        sim = Simulation(scenario(job={"backup_stragglers": backups}, workload=tail))
+        written: list[str] = []
+        sim.training.add = recording(sim.training.add, written)
+        runs[backups] = (sim, sim.run(), written)
+    sim, result, written = runs[True]
+    assert sim.core.backups_started > 0 and 0 < sim.core.backups_won <= sim.core.backups_started
+    originals = [g.removesuffix("-backup") for g in written]
+    assert len(originals) == len(set(originals))  # one copy of each group reached the stream
+    assert sum(g.endswith("-backup") for g in written) == sim.core.backups_won
+    assert result.samples == 30 * 8 * 4 and len(result.staleness_counts) <= 2 + 1
+    assert not any(g in e.left for e in sim.engines for g in sim.core.superseded)  # a superseded copy stopped
+    assert runs[False][0].core.backups_started == 0
 
 
 def test_asynchronous_training_beats_synchronous_on_long_tails():

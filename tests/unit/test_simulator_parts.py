@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_k8s.controller.core import ControllerCore
+from areal_k8s.cpu_engine.decoding import joining_count
 from areal_k8s.data.dataset import DatasetItem
 from areal_k8s.simulator.costs import GpuCosts, engine_costs, trainer_costs
 from areal_k8s.simulator.engine import Engine, Sequence, capacity_rate
@@ -83,6 +84,33 @@ def test_an_engine_runs_at_most_its_running_requests_and_the_rest_wait_their_tur
     assert capped.clock > free.clock  # seven at once amortize the step's base cost; three at a time do not
     rate = capacity_rate(EngineCost(**COST, max_running_requests=3), 100.0)
     assert math.isclose(rate, 3 / (0.01 + 1e-4 * 3 + 1e-7 * 300))
+
+
+def test_a_revoked_group_leaves_the_batch_and_its_room_goes_to_the_sequences_waiting():
+    engine = Engine("e", EngineCost(**COST, max_running_requests=4), 0, 100.0)
+    engine.add_group("a", [Sequence("a", 10, 500) for _ in range(3)])
+    engine.add_group("b", [Sequence("b", 10, 20) for _ in range(3)])
+    assert engine.running == 4 and len(engine.waiting) == 2
+    engine.apply(engine.walk(0.05))
+    engine.revoke("a")
+    assert engine.running == 3 and not engine.waiting and engine.groups == 1
+    assert all(q.group_id == "b" for _, _, q in engine.batch)
+    assert engine.context() == sum(q.context_at(engine.steps) for _, _, q in engine.batch)
+    assert list(drain(engine)) == ["b"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_batch=st.integers(1, 64), running=st.integers(0, 64), waiting=st.integers(1, 80))
+def test_waiting_sequences_join_a_batch_as_the_cpu_engine_admits_them(max_batch, running, waiting):
+    """The simulated engine calibrated on the CPU engine joins waiting sequences when the CPU engine's scheduler
+    would (cpu_engine/decoding.py `joining_count`: a chunk of an eighth of the batch, or all that wait, or any into
+    an empty batch)."""
+    running = min(running, max_batch)
+    cost = EngineCost(**COST, max_running_requests=max_batch, min_join_rows=max(1, max_batch // 8))
+    engine = Engine("e", cost, 0, 10.0)
+    engine.batch = [(10**6, i, Sequence("r", 1, 10**6)) for i in range(running)]
+    engine.waiting.extend(Sequence("w", 1, 5) for _ in range(waiting))
+    assert engine.may_join(running, running) == (joining_count(max_batch - running, waiting, max_batch) > 0)
 
 
 def test_busy_is_decoded_tokens_over_the_kv_limited_capacity():

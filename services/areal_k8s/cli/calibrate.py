@@ -15,7 +15,13 @@ from areal_k8s.common.config import JobConfig, load_job_file
 from areal_k8s.common.prompts import encode_prompt, load_tokenizer
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.simulator.model import simulate
-from areal_k8s.simulator.run_calibration import RunCalibrationError, fit_completion, run_costs, scenario_for
+from areal_k8s.simulator.run_calibration import (
+    RunCalibrationError,
+    fit_completion,
+    run_costs,
+    scenario_for,
+    shares,
+)
 from areal_k8s.simulator.scenario import Scenario
 
 CALIBRATION_FILE = "calibration.json"
@@ -38,15 +44,19 @@ def prompt_tokens(job: JobConfig) -> int:
     return round(statistics.fmean(len(encode_prompt(tokenizer, i.prompt, job.rollout.prompt_template)) for i in items))
 
 
+def run_steps(run_dir: Path) -> list[dict]:
+    try:
+        return read_steps(run_dir)
+    except ReportError as exc:
+        raise RunCalibrationError(str(exc)) from None
+
+
 def calibrate(run_dir: Path, cores: float | None = None) -> dict:
     """Fit the simulator to the run and write RUN_DIR/calibration.json; returns what it wrote. The run itself,
     simulated under its own calibration, is compared with what it measured (`self_check`)."""
     run_dir = Path(run_dir)
     job = run_job(run_dir)
-    try:
-        steps = read_steps(run_dir)
-    except ReportError as exc:
-        raise RunCalibrationError(str(exc)) from None
+    steps = run_steps(run_dir)
     costs = run_costs(steps, read_measurements(run_dir), started_at, job.trainer.threads)
     cores = cores or os.cpu_count() or 1
     prompts = prompt_tokens(job)
@@ -65,11 +75,14 @@ def calibrate(run_dir: Path, cores: float | None = None) -> dict:
 
 
 def load_calibration(run_dir: Path) -> dict:
-    """The run's calibration.json, fitted now if the run has none."""
-    path = Path(run_dir) / CALIBRATION_FILE
+    """The run's calibration.json, fitted now if the run has none or has trained on since (`arealctl run --resume`)."""
+    path, cores = Path(run_dir) / CALIBRATION_FILE, None
     if path.is_file():
-        return json.loads(path.read_text())
-    return calibrate(run_dir)
+        calibration = json.loads(path.read_text())
+        if calibration["measured"]["steps"] == len(run_steps(run_dir)):
+            return calibration
+        cores = calibration["cores"]  # fitted again, for the cores it was fitted for
+    return calibrate(run_dir, cores)
 
 
 def calibrated_scenario(calibration: dict, job: JobConfig) -> Scenario:
@@ -89,9 +102,8 @@ def calibrated_scenario(calibration: dict, job: JobConfig) -> Scenario:
 def predict(calibration: dict, job: JobConfig) -> dict:
     """The figures a run of `job` would measure, simulated under the calibration (compared as the run's are)."""
     figures = simulate(calibrated_scenario(calibration, job)).figures()
-    counts = figures["staleness_counts"]
     return {
         "samples_per_second": figures["samples_per_second"],
         "trainer_idle": figures["trainer_idle"],
-        "staleness": [n / sum(counts) for n in counts] if sum(counts) else [],
+        "staleness": shares(figures["staleness_counts"]),
     }

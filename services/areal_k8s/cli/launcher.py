@@ -260,7 +260,8 @@ class LocalRun:
             gateways=[address() for _ in range(workers)] if self.job.rollout.workflow == "agent" else [],
         )
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
-        self.measurements = RunMeasurements(self.run_dir)
+        self.measurements = RunMeasurements(self.run_dir, lambda: (list(ends.engines), self.live_pids()))
+        self.measurements.start()
         if prometheus:
             self.start_prometheus(ends, prometheus)
         write_endpoints(self.run_dir, ends, prometheus=self.prometheus and self.prometheus.url)
@@ -423,8 +424,6 @@ class LocalRun:
                 trainer_done = all(s.exit_code == 0 for s in self.services if trainer_world(s.name))
                 if self.recorder:
                     self.recorder.tick()
-                if self.measurements:
-                    self.measurements.sample(self.endpoints.engines, self.live_pids())
                 try:
                     status = stub.GetJobStatus(controller_pb2.GetJobStatusRequest(), timeout=5)
                     self.last_status = status
@@ -470,6 +469,8 @@ class LocalRun:
 
     def stop(self) -> None:
         """Stop in reverse start order (the trainer first, Redis last) so nothing writes into a closed store."""
+        if self.measurements:
+            self.measurements.stop()
         for service in reversed(self.services):
             service.stop()
         if self.redis:

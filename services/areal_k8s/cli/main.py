@@ -228,7 +228,7 @@ def cmd_calibrate(args) -> int:
     try:
         calibration = calibrate(Path(args.run_dir), args.cores)
     except RunCalibrationError as exc:
-        return fail(f"cannot calibrate on {args.run_dir}: {exc}", EXIT_INVALID)
+        raise JobFileError(f"cannot calibrate on {args.run_dir}: {exc}") from None
     measured, simulated = calibration["measured"], calibration["self_check"]
     print(json.dumps({k: calibration[k] for k in ("engine", "response", "completion_seconds", "completion_fitted")}))
     print(

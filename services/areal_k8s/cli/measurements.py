@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 MEASUREMENTS_FILE = "measurements.jsonl"
@@ -65,17 +66,35 @@ def engine_counters(url: str) -> dict[str, float] | None:
 
 
 class RunMeasurements:
-    """Appends a line to RUN_DIR/measurements.jsonl at most every `interval` seconds (a resumed run appends on)."""
+    """Appends a line to RUN_DIR/measurements.jsonl every `interval` seconds, from its own thread: an engine slow to
+    answer (paused for a weight push) delays its own sample, never the launcher's status poll. `sources` says what
+    to read now: the engines' URLs and each live service's root pid by name. A resumed run appends on."""
 
-    def __init__(self, run_dir: Path, interval: float = 1.0):
-        self.path, self.interval, self.last = Path(run_dir) / MEASUREMENTS_FILE, interval, -float("inf")
+    def __init__(
+        self, run_dir: Path, sources: Callable[[], tuple[Iterable[str], dict[str, int]]], interval: float = 1.0
+    ):
+        self.path, self.sources, self.interval = Path(run_dir) / MEASUREMENTS_FILE, sources, interval
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="run-measurements", daemon=True)
 
-    def sample(self, engines: Iterable[str], services: dict[str, int], force: bool = False) -> None:
-        """`engines`: the engines' URLs; `services`: each live service's root pid by name."""
-        now = time.monotonic()
-        if not force and now - self.last < self.interval:
-            return
-        self.last = now
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling, and take one last sample (the run's end is in the file)."""
+        if self.thread.is_alive():
+            self.stopping.set()
+            self.thread.join()
+            self.sample()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            began = time.monotonic()
+            self.sample()
+            self.stopping.wait(max(0.0, self.interval - (time.monotonic() - began)))
+
+    def sample(self) -> None:
+        engines, services = self.sources()
         counters = {url: c for url in engines if (c := engine_counters(url)) is not None}
         line = {"t": round(time.time(), 3), "engines": counters, "cpu": process_cpu_seconds(services)}
         with self.path.open("a") as out:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from areal_k8s.common.processes import signal_group, with_parent_death_signal
+from areal_k8s.common.processes import group_running, signal_group, with_parent_death_signal
 from areal_k8s.common.redis_server import EmbeddedRedis
 
 LOG_TAIL_BYTES = 64 * 1024
@@ -130,7 +130,7 @@ class Service:
         that outlived it could hold its port (a trainer world started again at a hand-off once failed to bind it)."""
         deadline = time.monotonic() + timeout
         signal_group(self.process.pid, signal.SIGKILL)
-        while signal_group(self.process.pid, 0) and time.monotonic() < deadline:
+        while group_running(self.process.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

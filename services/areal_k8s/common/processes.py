@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 
 def with_parent_death_signal(argv: list[str], signal_name: str = "KILL") -> list[str]:
@@ -23,3 +24,19 @@ def signal_group(group: int, signum: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def group_running(group: int) -> bool:
+    """Whether a process of the group still runs. A zombie does not: it holds no port nor file, and its reaper (the
+    container's init, for the children of a service that exited first) may take seconds to get to it, which a stop
+    waited out on every service with children of its own. Without /proc, whether the group has any process left."""
+    if not os.path.isdir("/proc"):
+        return signal_group(group, 0)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state, _, pgrp = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False

@@ -30,6 +30,7 @@ from areal_k8s.rollout.controller_link import (
     Registration,
     Result,
     StreamUnsupported,
+    Superseded,
     WorkerState,
 )
 from areal_k8s.rollout.engine_load import EngineLoad
@@ -128,6 +129,8 @@ class RolloutWorker:
         self.engine_dtype = ""  # the dtype the engine serves weights in: what the trainer pushes when asked for auto
         self.engine_lost = False  # the engine went away or restarted under a group; the run loop registers again
         self.incarnation = 0  # this process's registration, as the controller numbers it: the leases are its
+        self.registering = asyncio.Lock()  # held while a registration is under way
+        self.registrations = 0  # this process's registrations so far
         self.streams = True  # admission by a stream; False once the controller said it offers none (then polls)
         self.stream: AdmissionStream | None = None  # the open one
         self.reconnect_seconds = RECONNECT_SECONDS[0]
@@ -255,20 +258,33 @@ class RolloutWorker:
                 return await stream.complete(outcomes)
             except ControllerUnavailable:
                 pass
-        await self.controller.complete_groups(self.worker_id, outcomes, self.incarnation)
+        registrations = self.registrations
+        try:
+            await self.controller.complete_groups(self.worker_id, outcomes, self.incarnation)
+        except Superseded:
+            async with self.registering:  # a registration of this process under way: its answer first
+                pass
+            if self.registrations == registrations:
+                raise  # another process registered under this worker's name: the leases are its
+            # This process registered again while the outcome was on its way (the controller restarted and forgot
+            # it): the groups it holds are its new registration's, and so are their outcomes. Refused and dropped,
+            # an outcome left its lease running for good: the trainer waited on a group it had trained.
+            await self.report(outcomes)
 
     # -- the pull loop -------------------------------------------------------------------------------------
 
     async def register(self) -> None:
-        self.incarnation = await self.controller.register(
-            Registration(
-                worker_id=self.worker_id,
-                address=self.address,
-                engine_version=self.engine_version,
-                engine_ranks=self.engine_ranks,
-                engine_dtype=self.engine_dtype,
+        async with self.registering:
+            self.incarnation = await self.controller.register(
+                Registration(
+                    worker_id=self.worker_id,
+                    address=self.address,
+                    engine_version=self.engine_version,
+                    engine_ranks=self.engine_ranks,
+                    engine_dtype=self.engine_dtype,
+                )
             )
-        )
+            self.registrations += 1
 
     async def run(self, stop: asyncio.Event) -> None:
         """Pull work until the job finishes or `stop` is set: over an admission stream (the controller pushes groups

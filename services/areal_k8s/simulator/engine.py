@@ -165,6 +165,17 @@ class Engine:
             return False
         return cap is None or used + context + self.cost.kv_reserve_tokens * (n + 1) <= cap
 
+    def may_join(self, used: int, n: int) -> bool:
+        """May the waiting sequences join `n` running ones holding `used` now: the first fits, and, under
+        `min_join_rows`, that many have room or all of them do (or nothing runs)."""
+        if not self.waiting or not self.fits(self.waiting[0].prompt + self.waiting[0].generated, used, n):
+            return False
+        least, rows = self.cost.min_join_rows, self.cost.max_running_requests
+        if least is None or n == 0:
+            return True
+        room = len(self.waiting) if rows is None else rows - n
+        return room >= min(least, len(self.waiting))
+
     # -- changes from outside ------------------------------------------------------------------------------
 
     def add_group(self, group_id: str, sequences: list[Sequence]) -> None:
@@ -177,6 +188,8 @@ class Engine:
         """Waiting sequences join the batch, first in line first, while they fit (a sequence that does not fit
         keeps the ones behind it waiting, as SGLang's first-come-first-served queue does)."""
         used, n, waiting = self.context(), len(self.batch), self.waiting
+        if not self.may_join(used, n):
+            return
         while waiting and self.fits(context := waiting[0].prompt + waiting[0].generated, used, n):
             sequence = waiting.popleft()
             self.pending_prefill += prefill_seconds(self.cost, context)
@@ -218,6 +231,15 @@ class Engine:
         """A weight push that aborts what runs (AReaL's interruptible generation): every running sequence's cache
         is dropped and prefilled again, under the new weights, before it continues (it fitted before, so it fits)."""
         self.pending_prefill += sum(prefill_seconds(self.cost, q.context_at(self.steps)) for _, _, q in self.batch)
+
+    def revoke(self, group_id: str) -> None:
+        """One of its groups stops (a copy whose twin was written first): its sequences leave, their room frees."""
+        for i in reversed(range(len(self.batch))):
+            if self.batch[i][2].group_id == group_id:
+                self.leave(i)
+        self.waiting = deque(q for q in self.waiting if q.group_id != group_id)
+        del self.left[group_id], self.members[group_id]
+        self.admit()
 
     def drop(self) -> list[str]:
         """The engine goes away: the groups it holds, unfinished."""
@@ -279,7 +301,7 @@ class Engine:
                     groups.append(group)
             if groups:
                 reason = "group"
-            elif self.waiting and self.fits(self.waiting[0].prompt + self.waiting[0].generated, context, n):
+            elif self.may_join(context, n):
                 reason = "room"
             elif front == size:
                 reason = "idle"  # (a batch's last sequence always ends a group; kept so no walk can run past it)

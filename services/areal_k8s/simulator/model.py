@@ -255,12 +255,26 @@ class Simulation:
         self.schedule(engine)  # (synced above)
 
     def group_completed(self, engine: Engine, group_id: str, sequences: list[Sequence]) -> None:
+        if group_id not in self.leases:
+            return  # its twin was written first while it was on its way: the stream refuses it
         admission, admitted_at = self.leases.pop(group_id)
         self.core.complete(group_id, "accepted")
+        for twin in self.core.superseded:  # a backed-up group: the other copy is revoked
+            self.revoke(twin)
+        self.core.superseded.clear()
         if self.divided is not None:
             self.divided.completed(engine)
         self.training.add(group_id, admission, engine.version, sequences, admitted_at)
         self.serve_held()  # a group done may open room (under a concurrency cap): the held pulls come first
+
+    def revoke(self, group_id: str) -> None:
+        """A copy superseded by its twin: its worker stops generating it (or, generated, it is refused on its way)."""
+        del self.leases[group_id]
+        if (engine := next((e for e in self.engines if group_id in e.left), None)) is not None:
+            self.sync(engine)
+            engine.revoke(group_id)
+            self.schedule(engine)
+            self.fill(engine)
 
     def serve_held(self) -> None:
         for engine, admitted in self.pulls.open(self.free_slots):

@@ -12,6 +12,7 @@ import heapq
 from collections import Counter
 from collections.abc import Callable
 
+from areal_k8s.controller.backups import backup_candidates
 from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.simulator.engine import Engine, Sequence
 
@@ -72,8 +73,9 @@ class Pulls:
         room goes; the rest stay held, in their order."""
         served = []
         self.held = self.order(self.held)
-        while self.held and self.core.capacity() > 0:
-            engine = self.held[0]
+        for engine in list(self.held):  # one asked again and held again (a backup it may not take) waits on
+            if self.core.capacity() <= 0 and not backup_candidates(self.core.waited_on, self.core.leases):
+                break
             self.release(engine)
             if admitted := self.ask(engine, free(engine)):
                 served.append((engine, admitted))

@@ -72,27 +72,37 @@ def grown(measurements: list[dict], part: str, value: Callable[[object], float],
     return total
 
 
+def generated_at(step: dict) -> list[int]:
+    """The policy version that generated each of a step's samples (its oldest tokens'): the step trained at the
+    version before its record's, each sample `staleness` versions behind that."""
+    return [step["version"] - 1 - s for s in step["staleness"]]
+
+
 def length_model(steps: list[dict]) -> dict:
-    """The responses' log-normal: its mean, its spread about each step's own mean, and the step mean's growth."""
-    per_step = [(s["version"], s["response_tokens"]) for s in steps if s.get("response_tokens")]
+    """The responses' log-normal as the simulator reads it (lengths.mean_length: the mean at version 0, grown by
+    `growth_per_step` a version): its spread about each step's own mean, and the growth of the step mean with the
+    version that generated it."""
+    per_step = [s for s in steps if s.get("response_tokens")]
     if not per_step:
         raise RunCalibrationError("its steps record no response lengths (a run from before response_tokens)")
-    logs, centred, points = [], [], []
-    for version, lengths in per_step:
+    centred, points = [], []
+    for step in per_step:
+        lengths = step["response_tokens"]
         step_logs = [math.log(n) for n in lengths if n > 0]
         if not step_logs:
             continue
         centre = statistics.fmean(step_logs)
-        logs += step_logs
         centred += [v - centre for v in step_logs]
-        points.append((version, math.log(statistics.fmean(lengths))))
+        points.append((statistics.fmean(generated_at(step)), math.log(statistics.fmean(lengths))))
     growth = 0.0
     if len(points) >= 3:
         slope = statistics.linear_regression([v for v, _ in points], [m for _, m in points]).slope
         growth = math.exp(slope) - 1
-    every = [n for _, lengths in per_step for n in lengths]
+    # the mean at version 0 that gives every response, at the version that generated it, the run's total
+    total = sum(n for s in per_step for n in s["response_tokens"])
+    grown_by = sum((1 + growth) ** v for s in per_step for v in generated_at(s))
     return {
-        "mean": statistics.fmean(every),
+        "mean": total / grown_by,
         "sigma": statistics.pstdev(centred) if len(centred) > 1 else 0.0,
         "growth_per_step": growth,
     }
@@ -104,14 +114,19 @@ def training_seconds(steps: list[dict], started_at: Callable[[dict], float]) -> 
     return steps[-1]["finished_at"] - started_at(steps[0]) - evaluated
 
 
+def shares(counts: list[int]) -> list[float]:
+    """Counts by staleness (index: versions behind) as shares of their total."""
+    total = sum(counts)
+    return [n / total for n in counts] if total else []
+
+
 def staleness_shares(steps: list[dict]) -> list[float]:
     counts: list[int] = []
     for step in steps:
         for s in step["staleness"]:
             counts += [0] * (s + 1 - len(counts))
             counts[s] += 1
-    total = sum(counts)
-    return [n / total for n in counts] if total else []
+    return shares(counts)
 
 
 def run_costs(
@@ -182,6 +197,7 @@ def scenario_for(
                 "staleness_policy": job.algorithm.staleness_policy,
                 "total_steps": job.algorithm.total_steps,
                 "groups_per_engine": job.rollout.groups_per_worker,
+                "backup_stragglers": job.rollout.backup_stragglers,
             },
             "split": {"rollout": job.rollout.workers, "trainer": 1},
             # what `plan` tries on the run's machine: one to as many engines as cores (or the run's), one trainer
@@ -192,6 +208,8 @@ def scenario_for(
                 "step_per_context_token_seconds": engine["step_per_context_token_seconds"],
                 "prefill_per_token_seconds": engine["prefill_per_token_seconds"],
                 "max_running_requests": job.rollout.max_batch_size,
+                # the CPU engine's prefill passes (cpu_engine/decoding.py joining_count)
+                "min_join_rows": max(1, job.rollout.max_batch_size // 8),
                 "threads": job.rollout.threads,
                 "start_seconds": 0,
             },

@@ -41,7 +41,9 @@ class EngineCost(_Part):
     prefill of its context C: prefill_per_token·C + prefill_per_square_token·C². The batch lives in a KV cache of
     `kv_capacity_tokens` (none: unbounded) with `kv_reserve_tokens` of room kept per running sequence, and holds at
     most `max_running_requests` sequences (SGLang's --max-running-requests, the CPU engine's max_batch_size; none:
-    as many as the cache holds); the others wait (simulator/engine.py).
+    as many as the cache holds); the others wait (simulator/engine.py). With `min_join_rows`, waiting sequences join
+    a running batch only that many at a time, or all of them when they all fit (the CPU engine's prefill passes:
+    cpu_engine/decoding.py `joining_count`, an eighth of its max_batch_size; none: each as soon as it fits, as SGLang).
 
     In a scenario file, `measured: PATH` (relative to the file) takes the four step and prefill costs from a GPU
     check's results (scripts/gpu_check.py, bench/results/gpu_check.json); costs written beside it override them."""
@@ -54,6 +56,7 @@ class EngineCost(_Part):
     kv_capacity_tokens: Annotated[int, Field(ge=1)] | None = None
     kv_reserve_tokens: Annotated[int, Field(ge=0)] = 0
     max_running_requests: Annotated[int, Field(ge=1)] | None = None
+    min_join_rows: Annotated[int, Field(ge=1)] | None = None
     start_seconds: Annotated[float, Field(ge=0)] = 60.0  # an engine added mid-run: load, then take the weights
     threads: Annotated[int, Field(ge=1)] = 1  # CPU threads one engine keeps busy (with `cores`: CPU contention)
 
@@ -133,6 +136,9 @@ class JobShape(_Part):
     total_steps: Annotated[int, Field(ge=1)] = 100
     groups_per_engine: Annotated[int, Field(ge=1)] = 8  # rollout.groups_per_worker: an engine's worker's slots
     staleness_target: StalenessBand | None = None
+    # rollout.backup_stragglers (controller/backups.py): off unless stated, as in the published systems the paper
+    # scenarios model; a scenario calibrated on a run takes its job's
+    backup_stragglers: bool = False
 
 
 class PlacementSpec(_Part):
@@ -199,6 +205,8 @@ class Scenario(_Part):
             cited["gpu.efficiency.train_measurements"] = [m.source for m in self.gpu.efficiency.train_measurements]
         if self.placement.split_groups and self.rebalance.enabled:
             raise ValueError("placement.split_groups is not modelled with the rebalancer (it removes engines)")
+        if self.placement.split_groups and self.job.backup_stragglers:
+            raise ValueError("placement.split_groups is not modelled with job.backup_stragglers")
         for block, ids in cited.items():
             if unknown := [i for i in ids if i not in self.sources]:
                 raise ValueError(f"{block}.sources names {', '.join(unknown)}, which `sources` does not list")
@@ -283,6 +291,7 @@ class Scenario(_Part):
                 "rollout": {
                     "workers": max(self.split.rollout, self.rebalance.min_workers),
                     "groups_per_worker": shape.groups_per_engine,
+                    "backup_stragglers": shape.backup_stragglers,
                 },
             },
             source="scenario",

@@ -16,7 +16,7 @@ from areal_k8s.controller.core import Admitted, ControllerCore
 from areal_k8s.simulator.engine import Sequence
 from areal_k8s.simulator.results import add_counts
 from areal_k8s.simulator.scenario import Scenario
-from areal_k8s.trainer.step.batching import Group, select_batch
+from areal_k8s.trainer.step.batching import Group, select_batch, waited_on
 
 
 class Simulated(Protocol):
@@ -34,6 +34,8 @@ class Simulated(Protocol):
     def contention(self) -> float: ...
 
     def push_weights(self) -> None: ...
+
+    def serve_held(self) -> None: ...
 
     def version_live(self, version: int) -> None: ...
 
@@ -87,13 +89,12 @@ class Training:
             and (arrived.admitted_version, arrived.ticket) > self.blocked_after
         ):
             return
+        staleness = Staleness(job.max_staleness, job.staleness_policy)
+        running = sim.core.outstanding() if strict else {}
         batch = select_batch(
-            self.stream,
-            list(sim.core.outstanding().values()) if strict else [],
-            version=sim.core.version,
-            batch_size=job.batch_size,
-            staleness=Staleness(job.max_staleness, job.staleness_policy),
-        )
+            self.stream, list(running.values()), version=sim.core.version, batch_size=job.batch_size,
+            staleness=staleness,
+        )  # fmt: skip
         if batch is None:
             if self.waiting_since is None:
                 self.waiting_since = sim.now
@@ -102,7 +103,13 @@ class Training:
                 self.blocked_after = oldest[-1]
                 if self.straggler_since is None:
                     self.straggler_since = sim.now  # B groups are complete: the policy waits for a straggler
+                # the trainer names the stragglers it waits on; the controller backs them up (job.backup_stragglers)
+                stragglers = waited_on(self.stream, running, batch_size=job.batch_size, staleness=staleness)
+                if sim.core.wait_on(stragglers):
+                    sim.serve_held()
             return
+        if sim.core.waited_on:
+            sim.core.wait_on([])
         self.blocked_after = None
         if self.waiting_since is not None:
             self.wait_seconds += sim.now - self.waiting_since

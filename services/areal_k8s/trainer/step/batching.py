@@ -224,11 +224,12 @@ class BatchAssembler:
             outstanding = await self.controller.outstanding(self.waited_on)
             await self.drain()
             # A group written but not yet reported back is in both places (its backup written first too, as its
-            # original): count it once, as complete.
+            # original): count it once, as complete. One this trainer took is generating nowhere, whatever its
+            # lease still says (an outcome the controller never settled must not hold the batch for good).
             running = {
                 gid: version
                 for gid, version in outstanding.items()
-                if gid not in self.buffer and backup_group_id(gid) not in self.buffer
+                if gid not in self.buffer and backup_group_id(gid) not in self.buffer and gid not in self.taken
             }
             late = past_the_bound(
                 self.complete_groups(),
