@@ -42,7 +42,8 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
         trainer={"verify_weight_sync": True, "eval_interval": 0},
         tracking={"tensorboard": {"enabled": True}},
     )
-    run = LocalRun(job)
+    # measured five times a second: its engines generate for a second or two, and a calibration needs four windows
+    run = LocalRun(job, measure_every=0.2)
     statuses = []
     try:
         endpoints = run.start("new")

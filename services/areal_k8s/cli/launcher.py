@@ -178,6 +178,7 @@ class LocalRun:
         host: str = "127.0.0.1",
         restarts: RestartPolicy | None = None,
         on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True),
+        measure_every: float = 1.0,  # seconds between two lines of RUN_DIR/measurements.jsonl
     ):
         self.job = job
         self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart, world_of=trainer_world)
@@ -191,7 +192,8 @@ class LocalRun:
         self.services: list[Service] = []
         self.started_at = time.time()
         self.recorder: MetricsRecorder | None = None
-        self.measurements: RunMeasurements | None = None  # the engines' counters and the services' CPU, each second
+        self.measure_every = measure_every
+        self.measurements: RunMeasurements | None = None  # the engines' counters and the services' CPU
         self.prometheus: LocalPrometheus | None = None
         self.taken_ports: set[int] = set()
         # the token the run's agent runners claim episodes with, from its rollout workers' gateways only
@@ -260,7 +262,9 @@ class LocalRun:
             gateways=[address() for _ in range(workers)] if self.job.rollout.workflow == "agent" else [],
         )
         self.recorder = MetricsRecorder(ends.metrics, self.run_dir / "metrics.jsonl")
-        self.measurements = RunMeasurements(self.run_dir, lambda: (list(ends.engines), self.live_pids()))
+        self.measurements = RunMeasurements(
+            self.run_dir, lambda: (list(ends.engines), self.live_pids()), self.measure_every
+        )
         self.measurements.start()
         if prometheus:
             self.start_prometheus(ends, prometheus)
