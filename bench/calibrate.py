@@ -68,13 +68,21 @@ def variant(base: JobConfig, run_root: Path, name: str, seed: int, steps: int) -
 def engine_work(job: JobConfig, calibration: dict) -> dict:
     """The engines' work in the run against the same run simulated under its own calibration: what the completion
     time's fit has to make up for (the engines' busy seconds, their decode steps, the tokens decoded per token
-    trained)."""
+    trained, how much slower than their CPU seconds they ran)."""
     run_dir = Path(job.run_dir)
     measurements = read_measurements(run_dir)
     engines = {url for m in measurements for url in m["engines"]}
     real = {
         name: sum(grown(measurements, "engines", lambda c, name=name: c[name], url) for url in engines)
-        for name in ("busy_seconds", "decode_steps", "decode_rows")
+        for name in (
+            "busy_seconds",
+            "decode_steps",
+            "decode_rows",
+            "decode_seconds",
+            "prefill_seconds",
+            "decode_cpu_seconds",
+            "prefill_cpu_seconds",
+        )
     }
     trained = sum(s["tokens"] for s in read_steps(run_dir))
     simulation = Simulation(calibrated_scenario(calibration, job))
@@ -83,6 +91,12 @@ def engine_work(job: JobConfig, calibration: dict) -> dict:
     return {
         "busy_seconds": {"measured": real["busy_seconds"], "simulated": decoding},
         "decode_steps": {"measured": real["decode_steps"], "simulated": sum(e.steps for e in simulation.engines)},
+        # how much slower than their CPU seconds the engines ran (a shared core's contention, their overhead)
+        "pace": {
+            "measured": (real["decode_seconds"] + real["prefill_seconds"])
+            / (real["decode_cpu_seconds"] + real["prefill_cpu_seconds"]),
+            "simulated": result.engine_pace,
+        },
         "decoded_per_trained_token": {
             "measured": real["decode_rows"] / trained,
             "simulated": sum(e.decoded for e in simulation.engines) / result.tokens,
@@ -119,13 +133,15 @@ def measure(seeds: int, steps: int, refit: bool = False) -> dict:
             calibrations[name] = calibrate(Path(job.run_dir))
             # what the run measured, as the calibration reads a run (the same definitions as the prediction's)
             figures[name] = calibrations[name]["measured"]
-            kept = ("engine", "response", "train_seconds_per_token", "push_seconds", "background_threads")
+            kept = ("engine", "train_seconds_per_token", "push_seconds", "background_threads")
+            response = {k: v for k, v in calibrations[name]["response"].items() if k != "groups"}  # in the run dir
             runs.append(
                 {
                     "seed": seed,
                     "variant": name,
                     "measured": figures[name],
                     "costs": {k: calibrations[name][k] for k in kept}
+                    | {"response": response}
                     | {k: calibrations[name][k] for k in ("completion_seconds", "completion_fitted", "prompt_tokens")},
                     "engine_work": engine_work(job, calibrations[name]),
                 }
@@ -197,18 +213,22 @@ def diagnosis(report: dict) -> list[str]:
         + ".",
         "",
         "| variant | fitted completion (s) | engines busy, real / simulated | decode steps, real / simulated | "
-        "tokens decoded per token trained, real | simulated |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "tokens decoded per token trained, real | simulated | engines' wall / CPU seconds, real | simulated |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name in report["variants"]:
         runs = [r for r in report["runs"] if r["variant"] == name]
         work = [r["engine_work"] for r in runs]
         busy, steps = ([w[k]["measured"] / w[k]["simulated"] for w in work] for k in ("busy_seconds", "decode_steps"))
-        decoded = {side: [w["decoded_per_trained_token"][side] for w in work] for side in ("measured", "simulated")}
+        decoded, pace = (
+            {side: [w[key][side] for w in work] for side in ("measured", "simulated")}
+            for key in ("decoded_per_trained_token", "pace")
+        )
         lines.append(
             f"| {name} | {across([r['costs']['completion_seconds'] for r in runs], '.2f')} | "
             f"{across(busy, '.2f')} | {across(steps, '.2f')} | "
-            f"{across(decoded['measured'], '.2f')} | {across(decoded['simulated'], '.2f')} |"
+            f"{across(decoded['measured'], '.2f')} | {across(decoded['simulated'], '.2f')} | "
+            f"{across(pace['measured'], '.2f')} | {across(pace['simulated'], '.2f')} |"
         )
     return lines
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from support.e2e_jobs import final_history
 from support.kubelet import Cluster, sweep_namespaces
 from support.kubelet_faults import fill, partition, partition_following, sized_volume, throttle
@@ -403,6 +404,9 @@ class ClusterChaos:
     def __init__(self, cluster: Cluster, job: ValidJob, seed: int, checkpoint_volume: Path):
         self.cluster, self.job, self.volume = cluster, job, checkpoint_volume
         self.pending, self.fault_steps = chaos_schedule(seed)
+        self.trainer_version = 0  # the highest the trainer's /metrics said
+        self.follower: asyncio.Task | None = None
+        self.done: list[tuple[int, str, str | None, int]] = []  # (its step, role, container, the step trained at it)
         self.started: dict[str, int] = {}  # cluster fault -> the step it started after
         self.ended: dict[str, int] = {}  # cluster fault -> the step trained when it was seen over
         self.tasks: dict[str, asyncio.Task] = {}
@@ -411,11 +415,37 @@ class ClusterChaos:
         self.degraded_by_checkpoint = 0  # statuses (one a second) that read Degraded: CheckpointFailed
         self.push_cut: dict = {}  # the push cut's wall-clock start and end
 
+    def start(self) -> None:
+        self.follower = asyncio.create_task(self.follow_trainer())
+
+    async def follow_trainer(self) -> None:
+        """The trainer's own version, from its /metrics as a scraper reads it, twice a second. The step records wait
+        while the volume is full and the status's policyVersion is the engines' (behind while pushes fail or the
+        controller is gone): read from those alone, a kill due at step 27 was still to come when the job completed
+        at 33 (seed 395453, with the volume full and the controller's pod lost just before)."""
+        while True:
+            if pod := pod_of(self.cluster, self.job, "trainer"):
+                with contextlib.suppress(Exception):  # a trainer restarting, its pod lost meanwhile: the next read
+                    url = f"http://{pod.ip}:{names.METRICS_PORT}/metrics"
+                    body = (await self.cluster.node_call("http_get", url=url))["body"]
+                    version = next(
+                        sample.value
+                        for family in text_string_to_metric_families(body)
+                        for sample in family.samples
+                        if sample.name == "areal_trainer_policy_version"
+                    )
+                    self.trainer_version = max(self.trainer_version, int(version))
+            await asyncio.sleep(0.5)
+
     def __call__(self, status: dict) -> None:
         cluster, job = self.cluster, self.job
-        trained = max([s["version"] for s in trained_steps(cluster, job)] + [status.get("policyVersion") or 0])
+        trained = max(
+            [s["version"] for s in trained_steps(cluster, job)]
+            + [status.get("policyVersion") or 0, self.trainer_version]
+        )
         while self.pending and trained >= self.pending[0][0] and pod_of(cluster, job, self.pending[0][1][0]):
-            _, (role, name) = self.pending.pop(0)
+            step, (role, name) = self.pending.pop(0)
+            self.done.append((step, role, name, trained))
             if name is None:
                 cluster.lose_pod(pod_of(cluster, job, role))
             else:
@@ -464,15 +494,16 @@ class ClusterChaos:
 
     def __str__(self) -> str:
         return (
-            f"kills to come {self.pending}, faults started {self.started}, ended {self.ended}, push cut (wall clock) "
-            f"{self.push_cut}"
+            f"kills done (step, role, container, trained) {self.done}, to come {self.pending}, faults started "
+            f"{self.started}, ended {self.ended}, push cut (wall clock) {self.push_cut}"
         )
 
     async def settle(self) -> None:
         """Every fault over (a run that ended first heals what is still on)."""
-        for task in self.tasks.values():
+        tasks = [*self.tasks.values(), *([self.follower] if self.follower else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self.push_cut.setdefault("end", time.time())
         if self.filler:
             self.filler.unlink()
@@ -513,6 +544,7 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
     with sized_volume(tmp_path / "checkpoints", CHECKPOINT_VOLUME_MB) as volume:
         async with example_cluster(tmp_path, demo_assets, **{claim: volume}) as cluster:
             chaos = ClusterChaos(cluster, job, seed, volume)
+            chaos.start()
             began = time.monotonic()
             try:
                 statuses, described = await run_to_the_end(
@@ -525,7 +557,7 @@ async def test_every_container_killed_and_pods_lost_once_the_job_completes(tmp_p
             final_checkpoint = latest_checkpoint(volume / job.config.name / "checkpoints")
             final_version = load_state(final_checkpoint).version if final_checkpoint else None
     context = f"seed {seed}\n{described}"
-    assert not chaos.pending and len(chaos.started) == len(CLUSTER_FAULTS), (chaos.pending, chaos.started, seed)
+    assert not chaos.pending and len(chaos.started) == len(CLUSTER_FAULTS), f"{chaos}\n{context}"
     assert all(len(seen) == 2 for seen in chaos.addresses.values()), (chaos.addresses, seed)  # each came back
     final = statuses[-1]
     assert condition(final, "Complete") == ("True", "TrainingFinished")

@@ -14,6 +14,7 @@ from areal_k8s.simulator.run_calibration import (
     engine_windows,
     fit_completion,
     length_model,
+    measured_groups,
     run_costs,
     scenario_for,
 )
@@ -117,6 +118,18 @@ def test_response_lengths_keep_their_spread_apart_from_their_growth():
     assert abs(flat["growth_per_step"]) < 0.005
     with pytest.raises(RunCalibrationError, match="response lengths"):
         length_model([{**s, "response_tokens": []} for s in steps_of(0.0)])
+
+
+def test_the_measured_groups_are_each_groups_responses_as_multiples_of_their_steps_mean():
+    steps = [
+        {"groups": ["a", "b"], "response_tokens": [10, 20, 30, 40]},  # mean 25
+        {"groups": ["c", "d", "e"], "response_tokens": [5, 5, 5, 5]},  # its groups do not divide its samples
+        {"response_tokens": [7, 9]},  # a record without its groups
+        {"groups": ["f"], "response_tokens": [0, 50]},  # an empty response counts as one token
+    ]
+    assert measured_groups(steps) == [[0.4, 0.8], [1.2, 1.6], [0.04, 2.0]]
+    recorded = [{**s, "version": i + 1, "staleness": [0] * len(s["response_tokens"])} for i, s in enumerate(steps)]
+    assert length_model(recorded)["groups"] == measured_groups(steps)  # what the calibration hands the simulator
 
 
 def test_the_trainer_push_and_the_other_processes_are_read_off_the_run():

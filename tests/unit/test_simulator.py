@@ -156,6 +156,7 @@ def test_engines_and_a_trainer_sharing_too_few_cores_slow_each_other_down():
     enough = simulate(scenario(cores=4))
     assert shared.seconds > separate.seconds and shared.samples == separate.samples
     assert enough.seconds == separate.seconds  # as many cores as busy threads: nobody waits for a core
+    assert separate.engine_pace == enough.engine_pace == 1.0 < shared.engine_pace <= (3 + 1) / 2
 
 
 def test_time_between_the_last_token_and_the_stream_and_retracting_on_each_push_both_cost_time():

@@ -5,6 +5,7 @@ model, the GPU costs from first principles, and the workers' pulls through the c
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,6 +145,19 @@ def test_lengths_are_capped_their_uncapped_mean_grows_and_a_group_shares_its_pro
     uncapped = Lengths(mean=1000, sigma=0.5, max=10**9)
     sample = [n for _ in range(2000) for n in group_lengths(rng, uncapped, 0, 4)]
     assert abs(sum(sample) / len(sample) / 1000 - 1) < 0.03
+
+
+def test_lengths_from_measured_groups_are_one_of_them_times_the_mean_at_its_version():
+    lengths = Lengths(mean=100, growth_per_step=0.1, max=150, groups=[[0.5, 1.0, 2.0]])
+    rng = random.Random(0)
+    assert group_lengths(rng, lengths, 0, 3) == [50, 100, 150]  # 200 is cut at the cap
+    assert group_lengths(rng, lengths, 1, 3) == [55, 110, 150]
+    drawn = [n for _ in range(50) for n in group_lengths(rng, lengths, 0, 5)]  # more responses than measured
+    assert set(drawn) == {50, 100, 150}
+    two = Lengths(mean=100, groups=[[1.0, 1.0], [0.2, 1.8]])
+    assert {tuple(group_lengths(rng, two, 0, 2)) for _ in range(50)} == {(100, 100), (20, 180)}
+    with pytest.raises(ValueError, match="at least one response"):
+        Lengths(groups=[[1.0], []])
 
 
 def test_gpu_costs_from_a_models_shape_and_a_gpus_figures():

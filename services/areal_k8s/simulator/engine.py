@@ -128,6 +128,7 @@ class Engine:
         self.decoded = 0  # tokens generated
         self.capacity = 0.0  # tokens it could have generated over the same time, its cache full
         self.decoding_seconds = 0.0  # time with a batch running (prefill included)
+        self.decoding_cost = 0.0  # the same work's seconds uncontended: decoding_seconds / it is the engine's pace
         self.retractions = 0
         self.generation = 0  # bumped to cancel its scheduled event
         self.pace = 1.0  # how much slower than its costs it runs until its next stop (CPU contention)
@@ -324,6 +325,7 @@ class Engine:
         self.decoded += decoded
         self.capacity += capacity_rate(self.cost, self.mean_context) * walk.seconds
         self.decoding_seconds += walk.seconds
+        self.decoding_cost += walk.seconds / walk.slowdown
         self.clock += walk.seconds
         finished = []
         for group in walk.groups:

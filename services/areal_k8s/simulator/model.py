@@ -50,7 +50,7 @@ class Simulation:
         self.trainer_units = scenario.split.trainer
         self.training = Training(self)
         self.gpu_seconds = self.trainer_gpu_seconds = self.engine_seconds = 0.0
-        self.retired = [0, 0.0, 0, 0.0]  # decoded, capacity, retractions, decoding seconds of engines removed
+        self.retired = [0, 0.0, 0, 0.0, 0.0]  # decoded, capacity, retractions, decoding seconds, their cost: removed
         self.accounted_at = 0.0
         self.limits = scenario.limits()
         self.splits = [(0.0, scenario.split.rollout, scenario.split.trainer)]
@@ -110,6 +110,7 @@ class Simulation:
             self.splits,
             self.settings.band if self.settings else None,
             self.s.calibration(),
+            decoding_cost_seconds=sum(e.decoding_cost for e in self.engines) + self.retired[4],
         )
 
     def account(self, until: float) -> None:
@@ -154,7 +155,8 @@ class Simulation:
             self.core.complete(group_id, "requeued", "engine removed")
             del self.leases[group_id]
         self.core.unregister(engine.name, 0)
-        for i, figure in enumerate((engine.decoded, engine.capacity, engine.retractions, engine.decoding_seconds)):
+        figures = (engine.decoded, engine.capacity, engine.retractions, engine.decoding_seconds, engine.decoding_cost)
+        for i, figure in enumerate(figures):
             self.retired[i] += figure
 
     def contention(self, starting: Engine | None = None) -> float:

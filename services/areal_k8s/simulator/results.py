@@ -41,6 +41,12 @@ class Result:
     splits: list[tuple[float, int, int]] = field(default_factory=list)  # (time, rollout units, trainer units)
     band: tuple[float, float] | None = None
     calibration: str = ""  # what the scenario's costs rest on (Scenario.calibration)
+    decoding_cost_seconds: float = 0.0  # generating_seconds' work uncontended (a shared core's slowdown left out)
+
+    @property
+    def engine_pace(self) -> float:
+        """How much slower than their costs the engines ran (CPU contention on shared cores; 1: none)."""
+        return self.generating_seconds / self.decoding_cost_seconds if self.decoding_cost_seconds else 1.0
 
     @property
     def engine_busy(self) -> float:

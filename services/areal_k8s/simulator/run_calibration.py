@@ -105,7 +105,22 @@ def length_model(steps: list[dict]) -> dict:
         "mean": total / grown_by,
         "sigma": statistics.pstdev(centred) if len(centred) > 1 else 0.0,
         "growth_per_step": growth,
+        "groups": measured_groups(per_step),
     }
+
+
+def measured_groups(steps: list[dict]) -> list[list[float]]:
+    """Every group's responses as multiples of their step's mean (a step's samples are its groups' in turn): what
+    the simulator draws a group's lengths from. A step whose samples its groups do not divide evenly is left out."""
+    groups = []
+    for step in steps:
+        lengths, count = step["response_tokens"], len(step.get("groups") or ())
+        mean = statistics.fmean(lengths)
+        if not count or len(lengths) % count or mean <= 0:
+            continue
+        size = len(lengths) // count
+        groups += [[round(max(n, 1) / mean, 4) for n in lengths[i : i + size]] for i in range(0, len(lengths), size)]
+    return groups
 
 
 def training_seconds(steps: list[dict], started_at: Callable[[dict], float]) -> float:
@@ -222,6 +237,7 @@ def scenario_for(
                     "mean": costs["response"]["mean"],
                     "sigma": costs["response"]["sigma"],
                     "growth_per_step": costs["response"]["growth_per_step"],
+                    "groups": costs["response"].get("groups", []),
                     "max": job.sampling.max_new_tokens,
                 },
             },

@@ -86,19 +86,25 @@ class Lengths(_Part):
     """Response lengths: log-normal around `mean` tokens with log-spread `sigma`, capped at `max`, the mean drifting
     by `growth_per_step` a version (long-reasoning RL grows its responses as it trains). `prompt_sigma` of the
     spread is the prompt's (responses to one prompt are alike: a hard prompt's are all long), the rest each
-    response's own (simulator/lengths.py)."""
+    response's own (simulator/lengths.py). With `groups` (a calibration's: the groups a run measured, each
+    response as a multiple of its step's mean), a group's lengths are one of those drawn at random, times the mean
+    at its version: the spread within a group and between prompts, and the tail, as measured; `sigma` and
+    `prompt_sigma` then only describe them."""
 
     mean: Annotated[float, Field(gt=0)] = 512.0
     sigma: Annotated[float, Field(ge=0)] = 0.5
     prompt_sigma: Annotated[float, Field(ge=0)] = 0.0
     max: Annotated[int, Field(ge=1)] = 4096
     growth_per_step: float = 0.0
+    groups: list[list[Annotated[float, Field(gt=0)]]] = Field(default_factory=list)
     sources: list[str] = Field(default_factory=list)  # ids in the scenario's `sources`
 
     @model_validator(mode="after")
     def _prompt_share_within_spread(self) -> Lengths:
         if self.prompt_sigma > self.sigma:
             raise ValueError(f"prompt_sigma ({self.prompt_sigma}) cannot exceed sigma ({self.sigma})")
+        if any(not group for group in self.groups):
+            raise ValueError("every measured group in `groups` needs at least one response")
         return self
 
 
