@@ -6,10 +6,10 @@ from what the calibration run measured (its engines' counters each second, its s
 figure, the time from a group's last token to its stream entry, is fitted to that run's own waits. Nothing is taken
 from the run predicted. Per seed, four variants of the demo job (examples/demo.yaml with fewer steps, no evaluation,
 checkpoints or dynamic sampling) run: `async` (η = 2, two rollout workers, B = 16), `sync` (η = 0), `one-worker` and
-`b32` (B = 32); the pairs predicted are sync -> async, async -> sync, async -> one-worker and async -> b32. Compared:
-samples/s (relative), the trainer's idle share and the staleness distribution (absolute: shares; total variation).
-bench/results/calibration.json keeps every figure; docs/simulator.md's block is written from it (`--readme`) and
-tests/unit/test_bench_analysis.py checks that they agree.
+`b32` (B = 32); the pairs predicted are sync -> async and back, async -> one-worker and back, and async -> b32.
+Compared: samples/s (relative), the trainer's idle share and the staleness distribution (absolute: shares; total
+variation). bench/results/calibration.json keeps every figure; docs/simulator.md's block is written from it
+(`--readme`) and tests/unit/test_bench_analysis.py checks that they agree.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ VARIANTS = {  # name -> (η, rollout workers, B)
     "one-worker": (2, 1, 16),
     "b32": (2, 2, 32),
 }
-PAIRS = (("sync", "async"), ("async", "sync"), ("async", "one-worker"), ("async", "b32"))
+PAIRS = (("sync", "async"), ("async", "sync"), ("async", "one-worker"), ("one-worker", "async"), ("async", "b32"))
 METRICS = ("samples_per_second", "trainer_idle", "staleness")
 
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import redis
 import torch
+import yaml
 from support.e2e_jobs import (
     has_a_tail,
     kill_after_step,
@@ -166,6 +167,34 @@ def test_async_run_end_to_end(assets, tmp_path, reward_importable):
     assert [line.split()[:2] for line in lines if line.split()[:1] == ["1"]] == [["1", "1"]], planned.stdout
     refused = subprocess.run([*arealctl, "calibrate", str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "job.yaml" in refused.stderr
+    # the job run again, rebalancing, started at the workers the calibrated model finds fastest (one to the run's
+    # cores): it says which and why, and the rebalancer's first record is that start
+    again = tmp_path / "again"
+    started = subprocess.run(
+        [*arealctl, "run", str(run.run_dir / "job.yaml"), "--calibrate", str(run.run_dir)]
+        + [f"--set={k}={v}" for k, v in (("name", "again"), ("run_dir", again), ("algorithm.total_steps", 2))]
+        + [
+            "--set=rebalance.enabled=true",
+            "--set=rebalance.max_workers=2",
+            "--set=algorithm.staleness_target={min: 0.2, max: 0.8}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert started.returncode == 0, started.stderr[-3000:]
+    said = next(line for line in started.stderr.splitlines() if line.startswith("rollout workers: "))
+    workers = int(said.split()[2].rstrip(","))
+    assert str(run.run_dir) in said and "expected error: " in said and 1 <= workers <= 2, said
+    assert yaml.safe_load((again / "job.yaml").read_text())["rollout"]["workers"] == workers
+    first = json.loads((again / "rebalance.jsonl").read_text().splitlines()[0])
+    assert first["code"] == "CalibratedStart" and first["rollout"] == workers and first["message"] == said
+    unfitted = subprocess.run(
+        [*arealctl, "run", str(run.run_dir / "job.yaml"), "--calibrate", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+    )
+    assert unfitted.returncode == 2 and unfitted.stderr.count("\n") == 1 and "nowhere" in unfitted.stderr
 
 
 @pytest.mark.parametrize(

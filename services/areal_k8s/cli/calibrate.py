@@ -15,6 +15,7 @@ from areal_k8s.common.config import JobConfig, load_job_file
 from areal_k8s.common.prompts import encode_prompt, load_tokenizer
 from areal_k8s.data.dataset import load_dataset
 from areal_k8s.simulator.model import simulate
+from areal_k8s.simulator.plan import expected_error, plan
 from areal_k8s.simulator.run_calibration import (
     RunCalibrationError,
     fit_completion,
@@ -97,6 +98,27 @@ def calibrated_scenario(calibration: dict, job: JobConfig) -> Scenario:
     if VALIDATION.is_file():
         scenario.validation, scenario._validation_path = str(VALIDATION), VALIDATION
     return scenario
+
+
+def planned_workers(calibration: dict, job: JobConfig) -> tuple[int, str]:
+    """The rollout workers `job` starts with under the calibrated model: its fastest split of `plan`'s (one to as
+    many workers as the run's cores), within the rebalancer's bounds when the job rebalances (it goes on from
+    there); and the line that says so, with what it rests on and its expected error."""
+    scenario = calibrated_scenario(calibration, job)
+    ranked = plan(scenario)
+    split = ranked[0][0]
+    workers, bounds = split.rollout, ""
+    if job.rebalance.enabled:
+        low, high = job.rebalance.min_workers, job.rebalance.max_workers or split.rollout
+        workers = min(max(workers, low), high)
+        bounds = f", within rebalance's {low} to {high}" if workers != split.rollout else ""
+    tried = ", ".join(
+        f"{s.rollout}: {r.steady_samples_per_second():.1f}" for s, r in sorted(ranked, key=lambda run: run[0].rollout)
+    )
+    return workers, (
+        f"rollout workers: {workers}, the calibrated model's fastest{bounds} (simulated samples/s by workers: "
+        f"{tried}; {scenario.calibration()}; {expected_error(scenario)})"
+    )
 
 
 def predict(calibration: dict, job: JobConfig) -> dict:

@@ -179,8 +179,9 @@ class LocalRun:
         restarts: RestartPolicy | None = None,
         on_restart: Callable[[str], None] = lambda line: print(f"arealctl: {line}", file=sys.stderr, flush=True),
         measure_every: float = 1.0,  # seconds between two lines of RUN_DIR/measurements.jsonl
+        planned: str = "",  # why it starts with its rollout workers (`run --calibrate`): the rebalancer records it
     ):
-        self.job = job
+        self.job, self.planned = job, planned
         self.supervisor = Supervisor(restarts or RestartPolicy(), on_restart, world_of=trainer_world)
         self.notify = on_restart
         self.rebalancer: LocalRebalancer | None = None
@@ -284,6 +285,8 @@ class LocalRun:
             self.spawn(f"agent-{i}", agent_runner_command(job_file, ends, i), logs, 1, self.claim_env)
         if self.job.rebalance.enabled:
             self.rebalancer = LocalRebalancer(self.job, self, self.run_dir / "rebalance.jsonl", self.notify)
+            if self.planned:
+                self.rebalancer.started_as_planned(self.planned)
         self.start_trainer(self.job.trainer.replicas)
         return ends
 

@@ -41,7 +41,11 @@ def cmd_run(args) -> int:
 
     job = load_job_file(args.job, overrides=args.set)
     check_budget_at_start(job, Path(args.job))  # the tokenized data against the context, before anything starts
-    run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts))
+    planned = ""
+    if args.calibrate:
+        job.rollout.workers, planned = calibrated_start(job, Path(args.calibrate))
+        print(planned, file=sys.stderr)
+    run = LocalRun(job, restarts=RestartPolicy(budget=args.max_restarts), planned=planned)
     # SIGTERM (`timeout`, a process manager) stops the services like Ctrl-C: they run in sessions of their own and
     # would otherwise outlive arealctl. SIGINT is set too: a shell starts a background command with SIGINT ignored,
     # and `kill -INT` must still stop such a run gracefully.
@@ -241,6 +245,17 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def calibrated_start(job, run_dir):
+    """`run --calibrate`'s rollout workers and the line that says why; JobFileError with one line otherwise."""
+    from areal_k8s.cli.calibrate import load_calibration, planned_workers
+    from areal_k8s.simulator.run_calibration import RunCalibrationError
+
+    try:
+        return planned_workers(load_calibration(run_dir), job)
+    except RunCalibrationError as exc:
+        raise JobFileError(f"cannot calibrate on {run_dir}: {exc}") from None
+
+
 def chosen_scenario(args):
     """The scenario file given, or the job of the run given with --calibrate under its calibration (and --set);
     JobFileError with one readable line otherwise."""
@@ -372,6 +387,10 @@ def parser() -> argparse.ArgumentParser:
             ("arealctl run examples/demo.yaml --resume", "continue from its checkpoint and Redis"),
             ("arealctl run examples/demo.yaml --set algorithm.max_staleness=8", "a job-file field set over the file's"),
             ("arealctl run examples/demo.yaml --fresh --prometheus", "with a Prometheus server scraping every service"),
+            (
+                "arealctl run examples/demo.yaml --fresh --calibrate runs/demo-before",
+                "start with the rollout workers the model calibrated on an earlier run finds fastest",
+            ),
         ],
         description="Run a job on this machine: Redis (embedded unless the job names one), the controller, the reward "
         "service, the rollout workers and their engines, and the trainer, each its own process on loopback. The run "
@@ -387,6 +406,13 @@ def parser() -> argparse.ArgumentParser:
         "--prometheus",
         action="store_true",
         help="also start a Prometheus server (Debian's prometheus package) scraping every service",
+    )
+    run.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="start with the rollout workers the simulator, calibrated on the run in RUN_DIR (an earlier run of "
+        "this job's kind, on this machine), finds fastest for this job; with rebalance.enabled the rebalancer goes "
+        "on from there",
     )
     run.add_argument(
         "--max-restarts",

@@ -99,6 +99,10 @@ class LocalRebalancer:
         self.say(f"rebalanced: {message}")
         self.record(replace(decision, message=message), moved)
 
+    def started_as_planned(self, why: str) -> None:
+        """The first record: the split the run starts at came from the calibrated model (`run --calibrate`)."""
+        self.record(Decision(None, "CalibratedStart", why))
+
     def record(self, decision: Decision, moved: list[str] | None = None) -> None:
         moved = moved or []
         with self.log_path.open("a") as log:
