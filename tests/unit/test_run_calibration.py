@@ -6,9 +6,11 @@ import random
 
 import pytest
 
+from areal_k8s.cli.calibrate import calibrated_scenario, planned_workers
 from areal_k8s.cli.measurements import ENGINE_COUNTERS
 from areal_k8s.common.config import JobConfig
 from areal_k8s.simulator.model import simulate
+from areal_k8s.simulator.plan import plan
 from areal_k8s.simulator.run_calibration import (
     RunCalibrationError,
     engine_windows,
@@ -165,6 +167,30 @@ def small_job(**algorithm) -> JobConfig:
             "sampling": {"max_new_tokens": 128},
         }
     )
+
+
+def test_a_calibrated_start_takes_the_fastest_split_within_the_rebalancers_bounds():
+    costs = run_costs(
+        steps_of(0.0, n=6), measurements({"a": counters_after(occupancies(0, 12))}, cpu_of(12)), lambda s: 0.0
+    )
+    # one core and a slow trainer: a second engine only takes the trainer's core, so one worker is fastest
+    calibration = costs | {
+        "train_seconds_per_token": 1e-3,
+        "completion_seconds": 0.0,
+        "prompt_tokens": 16,
+        "cores": 1,
+        "run_dir": "runs/demo",
+    }
+    job = small_job(max_staleness=2, staleness_target={"min": 0.5, "max": 1.5})
+    assert plan(calibrated_scenario(calibration, job))[0][0].rollout == 1
+    workers, said = planned_workers(calibration, job)
+    assert workers == 1 and said.startswith("rollout workers: 1, the calibrated model's fastest (")
+    assert "runs/demo" in said and "expected error" in said
+    rebalancing = job.model_copy(
+        update={"rebalance": job.rebalance.model_copy(update={"enabled": True, "min_workers": 2})}
+    )
+    workers, said = planned_workers(calibration, rebalancing)  # no max_workers: no upper bound, the lower one holds
+    assert workers == 2 and "within rebalance's 2 to any" in said
 
 
 def test_the_completion_time_fitted_is_the_one_that_gives_the_run_its_waits():

@@ -109,9 +109,9 @@ def planned_workers(calibration: dict, job: JobConfig) -> tuple[int, str]:
     split = ranked[0][0]
     workers, bounds = split.rollout, ""
     if job.rebalance.enabled:
-        low, high = job.rebalance.min_workers, job.rebalance.max_workers or split.rollout
-        workers = min(max(workers, low), high)
-        bounds = f", within rebalance's {low} to {high}" if workers != split.rollout else ""
+        low, high = job.rebalance.min_workers, job.rebalance.max_workers  # None: no upper bound
+        workers = max(workers, low) if high is None else min(max(workers, low), high)
+        bounds = f", within rebalance's {low} to {high or 'any'}" if workers != split.rollout else ""
     tried = ", ".join(
         f"{s.rollout}: {r.steady_samples_per_second():.1f}" for s, r in sorted(ranked, key=lambda run: run[0].rollout)
     )
