@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import errno
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -46,10 +47,13 @@ async def partition(pod, peers: list[str], seconds: float) -> None:
         heal(pod, peers)
 
 
-async def partition_following(pods: Callable[[], tuple], seconds: float, poll: float = 0.2) -> None:
+async def partition_following(
+    pods: Callable[[], tuple], seconds: float, poll: float = 0.2, placed: list[float] | None = None
+) -> None:
     """For `seconds`, cut the first of the live pods `pods()` names off from the second, whichever pods those are
     (the pods of two roles, say: a replacement of either is cut off too, as across a link between two sets of nodes),
-    then heal every cut (also if cancelled)."""
+    then heal every cut (also if cancelled). `placed` gets the wall-clock time each cut was in place: on a loaded
+    node that can be seconds after the call."""
     cuts: dict[tuple[str, str], object] = {}  # (netns, peer address) -> the pod cut
     deadline = asyncio.get_running_loop().time() + seconds
     try:
@@ -58,6 +62,8 @@ async def partition_following(pods: Callable[[], tuple], seconds: float, poll: f
             if pod and peer and (pod.netns, peer.ip) not in cuts:
                 cut(pod, [peer.ip])
                 cuts[pod.netns, peer.ip] = pod
+                if placed is not None:
+                    placed.append(time.time())
             await asyncio.sleep(poll)
     finally:
         for (_, address), pod in cuts.items():

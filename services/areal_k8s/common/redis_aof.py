@@ -1,7 +1,8 @@
 """Redis's append-only file read as writes, and cut back: what a Redis whose machine crashed comes back with.
 
-With `appendfsync everysec` Redis answers a write once it is in the file's page cache and syncs the file each second:
-a killed server loses nothing it acknowledged, a machine that goes away loses up to about the last second of writes.
+With `appendfsync everysec` Redis writes each command to the file's page cache before it answers, and syncs the file
+each second; while a sync lags it answers first and writes up to 2 s later. So a killed server loses at most the
+writes of a lagging sync, and a machine that goes away loses up to about the last second or two of writes.
 Every write is one unit of the file: a command, or a MULTI ... EXEC block (a Lua script's effects, applied at once).
 `cut_back` drops the last units of the newest part of the file (Redis 7 keeps a multi-part file in `appendonlydir`:
 a base, then the increments named by its manifest), so a server started on it has lost exactly those writes, and

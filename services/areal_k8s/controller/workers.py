@@ -91,6 +91,6 @@ class WorkerRegistry(MutableMapping[str, Worker]):
         if incarnation and worker is not None and worker.incarnation and worker.incarnation != incarnation:
             return (
                 f"worker {worker_id!r} incarnation {incarnation} was superseded by incarnation {worker.incarnation}, "
-                f"registered since: its leases went with it"
+                f"registered since: an earlier registration's calls are refused"
             )
         return None
