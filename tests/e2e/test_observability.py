@@ -4,6 +4,8 @@ dashboard query returns data from a real Prometheus scraping a real local run.""
 import json
 import re
 import shutil
+import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.e2e_jobs import make_job, read_steps
 
+from areal_k8s.cli.calibrate import calibrate
 from areal_k8s.cli.launcher import LocalRun
 from areal_k8s.cli.monitor import MetricsRecorder
 from areal_k8s.cli.report import write_report
@@ -159,6 +162,31 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
             f'max(areal_trainer_sample_staleness_count{{rljob="{job.name}"}})'
         )  # nothing staler than η = 1
         assert value(f'max(areal_controller_staleness_target{{rljob="{job.name}", edge="max"}})') == 1.0
+        # the engine's own counters, through its worker: a mean batch within the engine's rows
+        decoded = value(f'sum(areal_engine_decode_steps_total{{rljob="{job.name}"}})')
+        rows = value(f'sum(areal_engine_decode_rows_total{{rljob="{job.name}"}})')
+        assert 0 < decoded <= rows <= decoded * job.rollout.max_batch_size
+
+        # the simulator calibrated on what Prometheus kept of the run: the engine's windows from its worker's
+        # series, each service's CPU by role and target
+        calibration = calibrate(run.run_dir, prometheus=url)
+        assert calibration["measured_by"] == f"Prometheus at {url}" and calibration["engine"]["windows"] >= 4
+        assert calibration["measured"]["steps"] == len(steps) and calibration["train_seconds_per_token"] > 0
+        assert calibration["engine"]["step_base_seconds"] + calibration["engine"]["step_per_sequence_seconds"] > 0
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "areal_k8s.cli.main",
+                "calibrate",
+                str(run.run_dir),
+                "--prometheus",
+                "http://127.0.0.1:9",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert refused.returncode == 2 and "did not answer" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
         # a rollout worker the rebalancer starts mid-run becomes a target through the file Prometheus watches
         run.prometheus.targets["rollout-1"] = run.free_address()

@@ -14,10 +14,12 @@ import torch
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 from support.jobs import tiny_qwen2_fixture
 from support.tiny_models import tiny_llama
 from transformers import AutoModelForCausalLM
 
+from areal_k8s.common.metrics import RolloutMetrics
 from areal_k8s.common.sglang import CpuEngineClient, EngineError, SGLangClient, weight_group_ranks
 from areal_k8s.common.weights import weights_checksum
 from areal_k8s.cpu_engine.decoding import DecodeBatch, Sequence, context_length, generate_batch
@@ -532,6 +534,29 @@ async def test_load_reports_queue_and_busy_time(server_url):
     assert after["busy_seconds"] > before["busy_seconds"]
     assert after["generated_tokens"] - before["generated_tokens"] >= sum(len(a["output_ids"]) for a in answers)
     assert after["uptime_seconds"] >= after["busy_seconds"]
+
+
+async def test_a_rollout_workers_metrics_carry_its_engines_counters_and_none_for_an_engine_that_does_not_answer(
+    server_url, unused_tcp_port
+):
+    """A worker's /metrics read its CPU engine's /areal/load at each scrape (what Prometheus keeps of the engines in a
+    cluster); an engine that does not answer adds no series, never an error."""
+    metrics = RolloutMetrics("j")
+    metrics.watch_engine(server_url)
+    client = SGLangClient(server_url)
+    try:
+        await client.generate(PROMPTS[:2], {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+    finally:
+        await client.close()
+    with urllib.request.urlopen(f"{server_url}/areal/load", timeout=10) as reply:
+        load = json.load(reply)  # idle since: the scrape reads the same counts
+    steps, rows = (metrics.value(f"areal_engine_decode_{name}_total") for name in ("steps", "rows"))
+    assert steps == load["decode_steps"] >= 7 and rows == load["decode_rows"] >= steps
+    assert metrics.value("areal_engine_decode_cpu_seconds_total") == load["decode_cpu_seconds"] > 0
+    silent = RolloutMetrics("j")
+    silent.watch_engine(f"http://127.0.0.1:{unused_tcp_port}")
+    exposition = generate_latest(silent.registry).decode()
+    assert "areal_engine_" not in exposition and "areal_rollout_generated_tokens_total" in exposition
 
 
 async def test_v1_loads_counts_the_running_requests_kv_tokens_over_the_engines_capacity(engine, server_url):

@@ -91,9 +91,11 @@ class PodWorkers:
                 continue
             container.state = {"running": {}}
             prober = asyncio.create_task(self.probe(pod, container, asyncio.get_running_loop().time()))
-            code = await container.runtime.wait(container)
-            prober.cancel()
-            await asyncio.gather(prober, return_exceptions=True)
+            try:
+                code = await container.runtime.wait(container)
+            finally:  # the pod's task cancelled as well (a cluster shut down): its prober goes with it, never alone
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
             await container.runtime.reap(container)
             container.started = container.ready = False
             container.last_state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}

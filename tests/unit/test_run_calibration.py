@@ -7,8 +7,8 @@ import random
 import pytest
 
 from areal_k8s.cli.calibrate import calibrated_scenario, planned_workers
-from areal_k8s.cli.measurements import ENGINE_COUNTERS
 from areal_k8s.common.config import JobConfig
+from areal_k8s.common.engine_load import ENGINE_COUNTERS
 from areal_k8s.simulator.model import simulate
 from areal_k8s.simulator.plan import plan
 from areal_k8s.simulator.run_calibration import (

@@ -1,6 +1,7 @@
-"""`arealctl calibrate RUN_DIR` and `--calibrate RUN_DIR` of simulate and plan: the simulator fitted to what a local
-run measured (simulator/run_calibration.py), kept in RUN_DIR/calibration.json, and any variant of the run's job
-(another η, B or number of rollout workers: `--set`) simulated under it."""
+"""`arealctl calibrate RUN_DIR` and `--calibrate RUN_DIR` of simulate and plan: the simulator fitted to what a run
+measured (simulator/run_calibration.py: its steps, and its engines' counters and services' CPU from its
+measurements.jsonl or, with `--prometheus URL`, from the Prometheus that scraped it), kept in RUN_DIR/calibration.json,
+and any variant of the run's job (another η, B or number of rollout workers: `--set`) simulated under it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import statistics
 from pathlib import Path
 
-from areal_k8s.cli.measurements import read_measurements
+from areal_k8s.cli.measurements import PrometheusError, prometheus_measurements, read_measurements
 from areal_k8s.cli.report import ReportError, read_steps, started_at
 from areal_k8s.common.config import JobConfig, load_job_file
 from areal_k8s.common.prompts import encode_prompt, load_tokenizer
@@ -52,18 +53,30 @@ def run_steps(run_dir: Path) -> list[dict]:
         raise RunCalibrationError(str(exc)) from None
 
 
-def calibrate(run_dir: Path, cores: float | None = None) -> dict:
+def calibrate(run_dir: Path, cores: float | None = None, prometheus: str | None = None) -> dict:
     """Fit the simulator to the run and write RUN_DIR/calibration.json; returns what it wrote. The run itself,
-    simulated under its own calibration, is compared with what it measured (`self_check`)."""
+    simulated under its own calibration, is compared with what it measured (`self_check`). `prometheus`: the URL of
+    the Prometheus that scraped the run, read instead of RUN_DIR/measurements.jsonl."""
     run_dir = Path(run_dir)
     job = run_job(run_dir)
     steps = run_steps(run_dir)
-    costs = run_costs(steps, read_measurements(run_dir), started_at, job.trainer.threads)
+    if prometheus:
+        try:  # the steps' span, and a few seconds either side for the first and last windows
+            measurements = prometheus_measurements(
+                prometheus, job.name, started_at(steps[0]) - 5, steps[-1]["finished_at"] + 5
+            )
+        except PrometheusError as exc:
+            raise RunCalibrationError(str(exc)) from None
+    else:
+        measurements = read_measurements(run_dir)
+    costs = run_costs(steps, measurements, started_at, job.trainer.threads)
     cores = cores or os.cpu_count() or 1
     prompts = prompt_tokens(job)
     completion, fitted = fit_completion(job, costs, prompts, cores, simulate)
     calibration = {
         "run_dir": str(run_dir),
+        "measured_by": f"Prometheus at {prometheus}" if prometheus else str(run_dir / "measurements.jsonl"),
+        "prometheus": prometheus,
         "cores": cores,
         "prompt_tokens": prompts,
         "completion_seconds": completion,
@@ -77,13 +90,14 @@ def calibrate(run_dir: Path, cores: float | None = None) -> dict:
 
 def load_calibration(run_dir: Path) -> dict:
     """The run's calibration.json, fitted now if the run has none or has trained on since (`arealctl run --resume`)."""
-    path, cores = Path(run_dir) / CALIBRATION_FILE, None
+    path, cores, prometheus = Path(run_dir) / CALIBRATION_FILE, None, None
     if path.is_file():
         calibration = json.loads(path.read_text())
         if calibration["measured"]["steps"] == len(run_steps(run_dir)):
             return calibration
-        cores = calibration["cores"]  # fitted again, for the cores it was fitted for
-    return calibrate(run_dir, cores)
+        # fitted again, for the cores it was fitted for and from the same measurements
+        cores, prometheus = calibration["cores"], calibration.get("prometheus")
+    return calibrate(run_dir, cores, prometheus)
 
 
 def calibrated_scenario(calibration: dict, job: JobConfig) -> Scenario:

@@ -230,7 +230,7 @@ def cmd_calibrate(args) -> int:
     from areal_k8s.simulator.run_calibration import RunCalibrationError
 
     try:
-        calibration = calibrate(Path(args.run_dir), args.cores)
+        calibration = calibrate(Path(args.run_dir), args.cores, args.prometheus)
     except RunCalibrationError as exc:
         raise JobFileError(f"cannot calibrate on {args.run_dir}: {exc}") from None
     measured, simulated = calibration["measured"], calibration["self_check"]
@@ -536,10 +536,14 @@ def parser() -> argparse.ArgumentParser:
     calibrate = command(
         sub,
         "calibrate",
-        "fit the simulator's costs to what a local run measured (its engines' counters, steps and CPU), into "
+        "fit the simulator's costs to what a run measured (its engines' counters, steps and CPU), into "
         "RUN_DIR/calibration.json",
         [
             ("arealctl calibrate runs/demo", "fit, write runs/demo/calibration.json, compare the run with itself"),
+            (
+                "arealctl calibrate runs/demo --prometheus http://127.0.0.1:9090",
+                "the engines' counters and the services' CPU from the Prometheus that scraped the run",
+            ),
             (
                 "arealctl simulate --calibrate runs/demo --set algorithm.max_staleness=0",
                 "then: the same job synchronously, simulated",
@@ -548,6 +552,12 @@ def parser() -> argparse.ArgumentParser:
     )
     calibrate.add_argument("run_dir", help="a local run's directory (runs/NAME), with 3 or more steps")
     calibrate.add_argument("--cores", type=float, help="CPU cores the run's services shared (default: this machine's)")
+    calibrate.add_argument(
+        "--prometheus",
+        metavar="URL",
+        help="read the engines' counters and the services' CPU from the Prometheus that scraped the run (a "
+        "cluster's job: RUN_DIR holds its job.yaml and its trainer's steps.jsonl) instead of measurements.jsonl",
+    )
     calibrate.set_defaults(func=cmd_calibrate)
 
     plan = command(

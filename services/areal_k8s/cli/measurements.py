@@ -2,7 +2,11 @@
 RUN_DIR`, simulator/run_calibration.py): once a second, each engine's own counters (the CPU engine's /areal/load:
 its decode steps, rows, attended context and their seconds, its prefills) and the CPU seconds of each service's
 process tree, one line of measurements.jsonl each. An engine without the counters (SGLang) is left out: the
-calibration then says its costs were not measured."""
+calibration then says its costs were not measured.
+
+The same figures come from a Prometheus that scraped the job's services (`arealctl calibrate RUN_DIR --prometheus
+URL`, a cluster's job among them): each CPU engine's counters as its rollout worker exports them (`areal_engine_*`,
+the engine's process CPU included), each service's process CPU, one sample a step of the range query."""
 
 from __future__ import annotations
 
@@ -10,24 +14,16 @@ import json
 import os
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from areal_k8s.common.engine_load import ENGINE_COUNTERS, engine_counters
+from areal_k8s.common.metrics import ENGINE_METRICS, PROCESS_CPU
+
 MEASUREMENTS_FILE = "measurements.jsonl"
-ENGINE_COUNTERS = (
-    "decode_seconds",
-    "decode_steps",
-    "decode_rows",
-    "decode_context_positions",
-    "decode_cpu_seconds",
-    "prefill_seconds",
-    "prefill_tokens",
-    "prefill_cpu_seconds",
-    "busy_seconds",
-)
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-ENGINE_READ_TIMEOUT_SECONDS = 1.0  # an engine busy with a weight push answers late: that sample goes without it
 
 
 def process_cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
@@ -51,18 +47,6 @@ def process_cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
             stack += children.get(pid, [])
         seconds[name] = total
     return seconds
-
-
-def engine_counters(url: str) -> dict[str, float] | None:
-    """The engine's counters since it started; None when it has none or does not answer in time."""
-    try:
-        with urllib.request.urlopen(f"{url}/areal/load", timeout=ENGINE_READ_TIMEOUT_SECONDS) as reply:
-            load = json.load(reply)
-    except (OSError, ValueError):
-        return None
-    if not all(name in load for name in ENGINE_COUNTERS):
-        return None
-    return {name: load[name] for name in ENGINE_COUNTERS}
 
 
 class RunMeasurements:
@@ -106,3 +90,61 @@ def read_measurements(run_dir: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+PROMETHEUS_POINTS = 10_000  # a range query's samples a series at most (Prometheus refuses above 11,000)
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus did not answer the job's series; the message says why."""
+
+
+def query_range(url: str, query: str, start: float, end: float, step: float) -> list[dict]:
+    params = urllib.parse.urlencode({"query": query, "start": start, "end": end, "step": step})
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query_range?{params}", timeout=60) as reply:
+            body = json.load(reply)
+    except (OSError, ValueError) as exc:
+        raise PrometheusError(f"Prometheus at {url} did not answer {query!r} ({exc})") from None
+    if body.get("status") != "success":
+        raise PrometheusError(f"Prometheus at {url} refused {query!r}: {body.get('error', body)}")
+    return body["data"]["result"]
+
+
+def prometheus_measurements(url: str, job_name: str, start: float, end: float, step: float = 0.25) -> list[dict]:
+    """measurements.jsonl's lines as the job's Prometheus recorded them from `start` to `end` (epoch seconds): a
+    line a `step` (wider where the range would pass PROMETHEUS_POINTS; a step finer than the scrapes repeats a
+    scrape, a window of no change, which the fit skips). The engines are named by their worker's target
+    (`instance`), the services' processes by role and target, the trainer's ranks as one."""
+    step = max(step, (end - start) / PROMETHEUS_POINTS)
+    lines: dict[float, dict] = {}
+
+    def line(t: float) -> dict:
+        return lines.setdefault(t, {"t": t, "engines": {}, "cpu": {}})
+
+    for name, key, _ in ENGINE_METRICS:
+        for series in query_range(url, f'{name}{{rljob="{job_name}"}}', start, end, step):
+            worker = series["metric"].get("instance", "")
+            for t, value in series["values"]:
+                line(float(t))["engines"].setdefault(worker, {})[key] = float(value)
+    for series in query_range(url, f'{PROCESS_CPU[0]}{{rljob="{job_name}"}}', start, end, step):
+        role, target = series["metric"].get("role", ""), series["metric"].get("instance", "")
+        for t, value in series["values"]:
+            cpu = line(float(t))["cpu"]
+            if role == "trainer":  # every rank's, as a local run's trainer process tree
+                cpu["trainer"] = cpu.get("trainer", 0.0) + float(value)
+            else:
+                cpu[f"{role}-{target}"] = float(value)
+    for sample in lines.values():  # a worker's scrape that missed a counter is left out, as an engine read late
+        sample["engines"] = {w: c for w, c in sample["engines"].items() if all(k in c for k in ENGINE_COUNTERS)}
+        for worker, counters in sample["engines"].items():
+            sample["cpu"][f"engine-{worker}"] = counters["process_cpu_seconds"]
+    measured = [lines[t] for t in sorted(lines)]
+    if not any(sample["engines"] for sample in measured):
+        raise PrometheusError(
+            f"Prometheus at {url} holds no engine counters of job {job_name!r} between "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(start))} and "
+            f"{time.strftime('%H:%M:%S', time.gmtime(end))} UTC (areal_engine_*: CPU engines' rollout workers export "
+            "them; SGLang engines have none)"
+        )
+    return measured

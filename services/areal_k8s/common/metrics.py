@@ -1,8 +1,8 @@
 """Prometheus metrics of every service: one catalogue, one naming scheme.
 
-Every name starts with `areal_`, then the subsystem (controller, rollout, reward, trainer, stream, weight_sync,
-task, process), then what is measured in base units (seconds, bytes); counters end in `_total`. Every series
-carries the labels `rljob` (the job's name) and `role` (the service), so one Prometheus can hold many jobs and a
+Every name starts with `areal_`, then the subsystem (controller, rollout, engine, reward, trainer, stream,
+weight_sync, task, process), then what is measured in base units (seconds, bytes); counters end in `_total`. Every
+series carries the labels `rljob` (the job's name) and `role` (the service), so one Prometheus can hold many jobs and a
 dashboard can pick one. Each service builds its own `*Metrics` object over a private registry (its cores take it
 as an argument, so they stay testable without a network) and serves it at `/metrics` on the port in
 `AREAL_METRICS_PORT` (`--metrics-port`; 0 is off).
@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from areal_k8s.common.engine_load import engine_counters
 
 JOB_LABELS = ("rljob", "role")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -58,6 +60,51 @@ class ProcessCPU(Collector):
         family = CounterMetricFamily(name.removesuffix("_total"), documentation, labels=list(JOB_LABELS))
         family.add_metric([self.bound[k] for k in JOB_LABELS], time.process_time())
         yield family
+
+
+# The CPU engine's own counters, as its rollout worker exports them (name, /areal/load's key, meaning)
+ENGINE_METRICS = (
+    ("areal_engine_decode_steps_total", "decode_steps", "Decode steps the engine ran."),
+    (
+        "areal_engine_decode_rows_total",
+        "decode_rows",
+        "Sequences decoded, summed over decode steps (/ steps: the batch).",
+    ),
+    (
+        "areal_engine_decode_context_positions_total",
+        "decode_context_positions",
+        "Tokens the decoded sequences attended to, summed over decode steps.",
+    ),
+    ("areal_engine_decode_seconds_total", "decode_seconds", "Wall time in decode steps."),
+    ("areal_engine_decode_cpu_seconds_total", "decode_cpu_seconds", "CPU time of the engine's decode steps."),
+    ("areal_engine_prefill_tokens_total", "prefill_tokens", "Positions prefill passes computed."),
+    ("areal_engine_prefill_seconds_total", "prefill_seconds", "Wall time in prefill passes."),
+    ("areal_engine_prefill_cpu_seconds_total", "prefill_cpu_seconds", "CPU time of the engine's prefill passes."),
+    ("areal_engine_busy_seconds_total", "busy_seconds", "Wall time inside prefill and decode steps."),
+    ("areal_engine_process_cpu_seconds_total", "process_cpu_seconds", "CPU time of the engine's process."),
+)
+
+
+class EngineCounters(Collector):
+    """The engine's counters at every scrape, read from its /areal/load (a CPU engine's; none for one that does not
+    answer in time, nor for SGLang, which exports its own sglang:* metrics)."""
+
+    def __init__(self, bound: dict[str, str], url: str):
+        self.bound, self.url = bound, url
+
+    def families(self, counters: dict[str, float] | None) -> Iterator[CounterMetricFamily]:
+        for name, key, documentation in ENGINE_METRICS:
+            family = CounterMetricFamily(name.removesuffix("_total"), documentation, labels=list(JOB_LABELS))
+            if counters is not None:
+                family.add_metric([self.bound[k] for k in JOB_LABELS], counters[key])
+            yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:  # the names, without asking the engine
+        return self.families(None)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        if (counters := engine_counters(self.url)) is not None:
+            yield from self.families(counters)
 
 
 class CountedHistogram(Collector):
@@ -254,9 +301,14 @@ class RolloutMetrics(ServiceMetrics):
         )
         for limit in ("calls", "tokens", "seconds"):
             self.gateway_limits.labels(limit=limit)
+        self.declared += [(name, "counter", documentation, ()) for name, _, documentation in ENGINE_METRICS]
         for event in ("offered", "claimed", "ended", "closed"):
             self.gateway_sessions.labels(event=event)
         self.gateway_calls.labels(outcome="ok")
+
+    def watch_engine(self, url: str) -> None:
+        """Export the engine's own counters (a CPU engine's, at `url`) with this worker's metrics."""
+        self.registry.register(EngineCounters(self.bound, url))
 
 
 class RewardMetrics(ServiceMetrics):

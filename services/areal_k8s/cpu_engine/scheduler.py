@@ -120,6 +120,7 @@ class Scheduler:
             "busy_seconds": self.busy_seconds,
             "uptime_seconds": time.monotonic() - self.started_at,
             "generated_tokens": self.generated_tokens,
+            "process_cpu_seconds": time.process_time(),  # every thread of the engine's process: its server's too
             **self._batch.counters(),
         }
 

@@ -200,6 +200,52 @@ def throughput() -> dashboard.Dashboard:
         )
         .with_panel(
             panel(
+                "Engine batch",
+                "Sequences a decode step of the CPU engines holds, mean over the window (SGLang's engines export "
+                "their own sglang:* metrics).",
+                "short",
+                [
+                    (
+                        f"sum({rate('areal_engine_decode_rows_total')}) / "
+                        f"sum({rate('areal_engine_decode_steps_total')})",
+                        "sequences a step",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            panel(
+                "Engine decode step",
+                "Wall time of a CPU engine's decode step.",
+                "s",
+                [
+                    (
+                        f"sum({rate('areal_engine_decode_seconds_total')}) / "
+                        f"sum({rate('areal_engine_decode_steps_total')})",
+                        "a step",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            panel(
+                "Engine wall time over CPU time",
+                "The CPU engines' decode and prefill wall time over their CPU time: above 1, an engine waits for a "
+                "core, or its server's threads hold it.",
+                "short",
+                [
+                    (
+                        f"(sum({rate('areal_engine_decode_seconds_total')}) + "
+                        f"sum({rate('areal_engine_prefill_seconds_total')})) / "
+                        f"(sum({rate('areal_engine_decode_cpu_seconds_total')}) + "
+                        f"sum({rate('areal_engine_prefill_cpu_seconds_total')}))",
+                        "wall / CPU",
+                    )
+                ],
+            )
+        )
+        .with_panel(
+            panel(
                 "Generation latency",
                 "Time from a response's first request to its last token.",
                 "s",

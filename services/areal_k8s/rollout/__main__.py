@@ -64,6 +64,8 @@ def main() -> None:
     async def run(stop: asyncio.Event) -> None:
         engine = (CpuEngineClient if job.rollout.engine == "cpu" else SGLangClient)(args.engine_url)
         await engine.wait_until_healthy(args.engine_timeout)
+        if job.rollout.engine == "cpu":  # its counters (SGLang's are its own sglang:* metrics)
+            metrics.watch_engine(args.engine_url)
         redis_client = connect(args.redis_url)
         controller_channel, reward_channel = dependency_channel(args.controller), dependency_channel(args.reward)
         worker = RolloutWorker(

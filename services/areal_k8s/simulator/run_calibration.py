@@ -154,8 +154,9 @@ def run_costs(
     windows = engine_windows(measurements)
     if len(windows) < MIN_WINDOWS:
         raise RunCalibrationError(
-            f"{len(windows)} one-second windows of engine counters (measurements.jsonl): the engine's costs need at "
-            f"least {MIN_WINDOWS}; an engine without /areal/load counters (SGLang) cannot calibrate them"
+            f"{len(windows)} windows of engine counters with decode steps (measurements.jsonl, or Prometheus's "
+            f"areal_engine_*): the engine's costs need at least {MIN_WINDOWS}; an engine without /areal/load counters "
+            "(SGLang) cannot calibrate them"
         )
     wall = training_seconds(steps, started_at)
     tokens, samples = sum(s["tokens"] for s in steps), sum(s["samples"] for s in steps)
