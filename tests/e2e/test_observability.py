@@ -187,6 +187,17 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
             text=True,
         )
         assert refused.returncode == 2 and "did not answer" in refused.stderr and len(refused.stderr.splitlines()) == 1
+        # a cluster's job, its files copied here: the cores its services shared are not this machine's to guess
+        copied = tmp_path / "copied"
+        (copied / "trainer").mkdir(parents=True)
+        shutil.copy(run.run_dir / "job.yaml", copied / "job.yaml")
+        shutil.copy(run.run_dir / "trainer" / "steps.jsonl", copied / "trainer" / "steps.jsonl")
+        unsized = subprocess.run(
+            [sys.executable, "-m", "areal_k8s.cli.main", "calibrate", str(copied), "--prometheus", url],
+            capture_output=True,
+            text=True,
+        )
+        assert unsized.returncode == 2 and "--prometheus needs --cores" in unsized.stderr
 
         # a rollout worker the rebalancer starts mid-run becomes a target through the file Prometheus watches
         run.prometheus.targets["rollout-1"] = run.free_address()

@@ -229,6 +229,11 @@ def cmd_calibrate(args) -> int:
     from areal_k8s.cli.calibrate import calibrate
     from areal_k8s.simulator.run_calibration import RunCalibrationError
 
+    if args.prometheus and not args.cores and not (Path(args.run_dir) / "endpoints.json").is_file():
+        raise JobFileError(
+            f"{args.run_dir} is no local run of this machine: --prometheus needs --cores, the CPU cores its services "
+            "shared (a node's, for pods on one node)"
+        )
     try:
         calibration = calibrate(Path(args.run_dir), args.cores, args.prometheus)
     except RunCalibrationError as exc:
@@ -551,7 +556,9 @@ def parser() -> argparse.ArgumentParser:
         ],
     )
     calibrate.add_argument("run_dir", help="a local run's directory (runs/NAME), with 3 or more steps")
-    calibrate.add_argument("--cores", type=float, help="CPU cores the run's services shared (default: this machine's)")
+    calibrate.add_argument(
+        "--cores", type=float, help="CPU cores the run's services shared (default: this machine's, for a local run)"
+    )
     calibrate.add_argument(
         "--prometheus",
         metavar="URL",
