@@ -158,6 +158,11 @@ def test_every_dashboard_query_returns_series_from_a_real_prometheus(assets, tmp
         assert 1 <= value(f'max(areal_trainer_policy_version{{rljob="{job.name}"}})') <= 20
         trained = value(f'sum(areal_trainer_trained_samples_total{{rljob="{job.name}"}})')
         assert 0 < trained <= 20 * 2 * 4 and trained % (2 * 4) == 0  # whole batches of B groups × n samples
+        # every trained response's length, once
+        assert value(f'sum(areal_trainer_response_tokens_count{{rljob="{job.name}"}})') == trained
+        assert value(f'sum(areal_trainer_response_tokens_sum{{rljob="{job.name}"}})') == value(
+            f'sum(areal_trainer_trained_tokens_total{{rljob="{job.name}"}})'
+        )
         assert value(f'max(areal_trainer_sample_staleness_bucket{{rljob="{job.name}", le="1.0"}})') == value(
             f'max(areal_trainer_sample_staleness_count{{rljob="{job.name}"}})'
         )  # nothing staler than η = 1

@@ -31,6 +31,8 @@ JOB_LABELS = ("rljob", "role")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 # Staleness is a whole number of policy versions: one bucket per version up to 8, then coarser.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32, 64)
+# A response's length in tokens: powers of two, the long tail of a reasoning task up to 32k tokens
+LENGTH_BUCKETS = tuple(2**k for k in range(3, 16))
 
 TRAINER_PHASES = ("wait", "prepare", "recompute", "forward_backward", "optimizer", "weight_push", "checkpoint", "eval")
 REWARD_STATUSES = ("ok", "timeout", "error")
@@ -377,6 +379,11 @@ class TrainerMetrics(ServiceMetrics):
             "areal_trainer_sample_staleness",
             "Per-sample staleness at consumption: trainer version minus the oldest version among its tokens.",
             buckets=STALENESS_BUCKETS,
+        )
+        self.response_tokens = self.histogram(
+            "areal_trainer_response_tokens",
+            "Length in tokens of each response trained on: its tail is the stragglers the trainer waits for.",
+            buckets=LENGTH_BUCKETS,
         )
         self.token_staleness = self.counted_histogram(
             "areal_trainer_token_staleness",

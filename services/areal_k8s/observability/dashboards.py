@@ -246,6 +246,19 @@ def throughput() -> dashboard.Dashboard:
         )
         .with_panel(
             panel(
+                "Response length (trained)",
+                "Quantiles of the trained responses' lengths in tokens: a p99 far above the median is a long tail, "
+                "the stragglers a synchronous trainer would wait for.",
+                "short",
+                [
+                    (quantile(0.5, "areal_trainer_response_tokens"), "p50"),
+                    (quantile(0.9, "areal_trainer_response_tokens"), "p90"),
+                    (quantile(0.99, "areal_trainer_response_tokens"), "p99"),
+                ],
+            )
+        )
+        .with_panel(
+            panel(
                 "Generation latency",
                 "Time from a response's first request to its last token.",
                 "s",

@@ -326,6 +326,8 @@ class Trainer:
         for lag in record.staleness:
             m.sample_staleness.observe(lag)
         m.token_staleness.add(record.token_staleness_counts)
+        for length in record.response_tokens:
+            m.response_tokens.observe(length)
         self.trackers.log(record.version, step_figures(record, step_seconds))
 
     async def report(self, record: StepRecord) -> None:
