@@ -515,8 +515,7 @@ def pushes_into(steps: list[dict], cut: dict) -> list[dict]:
     once reached the engines, so the cut was not yet in place (CI of 14eb61d, seed 304058, on a loaded node). By the
     push's own end: a step's record can be finished much later (its write waited on the full checkpoint volume, once
     counting a push made before the cut as one into it)."""
-    placed = cut["placed"][0] if cut["placed"] else cut["end"]
-    return [s for s in steps if placed + CUT_IN_PLACE_SECONDS < s["pushed_at"] < cut["end"]]
+    return [s for s in steps if cut["placed"][0] + CUT_IN_PLACE_SECONDS < s["pushed_at"] < cut["end"]]
 
 
 @pytest.mark.timeout(600)

@@ -10,7 +10,12 @@ import os
 import statistics
 from pathlib import Path
 
-from areal_k8s.cli.measurements import PrometheusError, prometheus_measurements, read_measurements
+from areal_k8s.cli.measurements import (
+    MEASUREMENTS_FILE,
+    PrometheusError,
+    prometheus_measurements,
+    read_measurements,
+)
 from areal_k8s.cli.report import ReportError, read_steps, started_at
 from areal_k8s.common.config import JobConfig, load_job_file
 from areal_k8s.common.prompts import encode_prompt, load_tokenizer
@@ -75,7 +80,7 @@ def calibrate(run_dir: Path, cores: float | None = None, prometheus: str | None 
     completion, fitted = fit_completion(job, costs, prompts, cores, simulate)
     calibration = {
         "run_dir": str(run_dir),
-        "measured_by": f"Prometheus at {prometheus}" if prometheus else str(run_dir / "measurements.jsonl"),
+        "measured_by": f"Prometheus at {prometheus}" if prometheus else str(run_dir / MEASUREMENTS_FILE),
         "prometheus": prometheus,
         "cores": cores,
         "prompt_tokens": prompts,

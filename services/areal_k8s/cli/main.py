@@ -227,9 +227,10 @@ def cmd_calibrate(args) -> int:
     from pathlib import Path
 
     from areal_k8s.cli.calibrate import calibrate
+    from areal_k8s.cli.run_files import ENDPOINTS_FILE
     from areal_k8s.simulator.run_calibration import RunCalibrationError
 
-    if args.prometheus and not args.cores and not (Path(args.run_dir) / "endpoints.json").is_file():
+    if args.prometheus and not args.cores and not (Path(args.run_dir) / ENDPOINTS_FILE).is_file():
         raise JobFileError(
             f"{args.run_dir} is no local run of this machine: --prometheus needs --cores, the CPU cores its services "
             "shared (a node's, for pods on one node)"
