@@ -12,7 +12,14 @@ from areal_k8s.api.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 from areal_k8s.common.grpcutil import dependency_channel, start_server
 from areal_k8s.common.sglang import SGLangClient
 from areal_k8s.rollout.clients import ControllerClient
-from areal_k8s.rollout.controller_link import GroupOutcome, NotRegistered, Result, StreamUnsupported, WorkerState
+from areal_k8s.rollout.controller_link import (
+    ControllerUnavailable,
+    GroupOutcome,
+    NotRegistered,
+    Result,
+    StreamUnsupported,
+    WorkerState,
+)
 from areal_k8s.rollout.generation import Sample
 from areal_k8s.rollout.worker import RolloutWorker
 from areal_k8s.rollout.workflows import Episode, EpisodeContext, RolloutWorkflow
@@ -193,6 +200,23 @@ async def test_a_worker_whose_controller_offers_no_stream_polls_it(redis_url, un
         await chan.close()
         await engine.close()
         await older.stop(None)
+        await controller.stop()
+
+
+async def test_a_write_to_a_stream_that_ended_before_its_reader_saw_it_is_the_controller_unavailable(redis_url):
+    """A killed controller's stream can end between the reader's last look and the worker's next state: grpc then
+    raises InvalidStateError on the write, which crashed the worker (CI of f6e099e, test_a_killed_service_...). It
+    is the controller unavailable, as when the reader sees the end: the worker attaches again."""
+    controller = await Controller(redis_url).start()
+    try:
+        await controller.stub.RegisterWorker(register("w"))
+        stream = await ControllerClient(controller.stub).attach("w", 0, [], WorkerState(1, 0, None))
+        stream.call.cancel()  # the call ends; its reader has not run since
+        with pytest.raises(ControllerUnavailable) as info:
+            await stream.send_state(WorkerState(1, 0, None))
+        assert info.value.status == "UNAVAILABLE" and "already finished" in str(info.value)
+        await stream.close()
+    finally:
         await controller.stop()
 
 

@@ -34,9 +34,12 @@ SCORE_DEADLINE_SECONDS = 600.0
 def controller_errors() -> Iterator[None]:
     """A failed call as the error the worker reacts to: the controller restarted and forgot it (FAILED_PRECONDITION),
     another process registered under its name (ABORTED), it offers no admission stream (UNIMPLEMENTED), or anything
-    else (try again)."""
+    else (try again). A write to a call that already ended (the controller went away before the stream's reader saw
+    it: grpc raises InvalidStateError, not an RpcError) is the controller unavailable too."""
     try:
         yield
+    except asyncio.InvalidStateError as exc:  # a write to a stream that ended: the controller went away
+        raise ControllerUnavailable(str(exc), status="UNAVAILABLE") from exc
     except grpc.aio.AioRpcError as exc:
         code = exc.code()
         error = {
